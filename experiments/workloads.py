@@ -1,0 +1,591 @@
+"""Expert-load workloads for evaluating the planner (pure NumPy, host only).
+
+Every generator here returns ``loads``: an int32 matrix of shape ``[R, E]`` where ``loads[r, e]``
+is the number of (token, choice) pairs on source rank ``r`` that the router sent to expert ``e``
+(DESIGN.md section 2). ``R`` is the EP size, ``E`` the number of logical experts, and expert ``e``
+is a master on rank ``e // (E // R)``. Each top-k choice counts once, so a source rank that holds
+``tokens_per_rank`` tokens contributes ``tokens_per_rank * top_k`` pairs and every row of a
+generated matrix sums to exactly that.
+
+Generated workloads:
+  * :func:`rank_zipf_loads` -- UltraEP-style rank-level Zipf, with the exponent solved so the
+    initial (master-only) max/mean rank load hits a target such as 1.5 / 2.0 / 3.0.
+  * :func:`expert_zipf_loads` -- Zipf over experts with a given exponent.
+
+Measured workloads (DESIGN.md section 9; read-only data under ``shared/traces``, see its README):
+  * :func:`deepseek_trace_expert_counts` -- DeepSeek-V3/R1 serving runs (SGLang), 256 experts.
+  * :func:`harmoeny_trace_rows` -- Qwen1.5-MoE-A2.7B (60 experts) and Switch-Base-128 (HarMoEny).
+  * :func:`loads_from_expert_counts` -- turns a per-expert count vector into ``loads[R, E]``.
+  * :func:`trace_workloads` -- iterates every (file, layer) / CSV row of a trace as ``loads``.
+
+Metrics: :func:`master_rank_loads`, :func:`initial_imbalance`.
+
+None of this imports JAX; all randomness goes through ``numpy.random.Generator`` seeded from the
+``seed`` argument, so the same arguments always give the same matrix.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+__all__ = [
+    "TRACE_NAMES",
+    "TRACE_NUM_EXPERTS",
+    "TRACE_TOP_K",
+    "DEEPSEEK_DENSE_LAYERS",
+    "default_traces_dir",
+    "rank_zipf_loads",
+    "rank_zipf_loads_with_exponent",
+    "expert_zipf_loads",
+    "deepseek_trace_expert_counts",
+    "harmoeny_trace_rows",
+    "loads_from_expert_counts",
+    "trace_workloads",
+    "master_rank_loads",
+    "initial_imbalance",
+]
+
+#: Trace names accepted by :func:`trace_workloads` (folder names under the traces directory).
+TRACE_NAMES = ("deepseek-r1", "qwen1.5-moe", "switch-base-128")
+#: Logical (routed) experts of each traced model.
+TRACE_NUM_EXPERTS = {"deepseek-r1": 256, "qwen1.5-moe": 60, "switch-base-128": 128}
+#: The traced model's own top-k (for reference; callers pick ``top_k`` when scaling a trace).
+TRACE_TOP_K = {"deepseek-r1": 8, "qwen1.5-moe": 4, "switch-base-128": 1}
+#: DeepSeek-V3/R1 has 61 layers, the first 3 dense (no routed experts; the JSON holds a constant).
+DEEPSEEK_DENSE_LAYERS = 3
+_DEEPSEEK_NUM_LAYERS = 61
+
+#: Default Dirichlet concentration for splitting a rank's share among its masters.
+DEFAULT_DIRICHLET_ALPHA = 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks and metrics
+# --------------------------------------------------------------------------------------------
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return int(value)
+
+
+def _check_layout(ep_size, num_experts) -> tuple[int, int]:
+    ep_size = _check_positive_int("ep_size", ep_size)
+    num_experts = _check_positive_int("num_experts", num_experts)
+    if num_experts % ep_size != 0:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by ep_size={ep_size}"
+        )
+    return ep_size, num_experts
+
+
+def master_rank_loads(loads) -> np.ndarray:
+    """Master-only rank loads of a load matrix.
+
+    Args:
+      loads: ``[R, E]`` (int) with ``E % R == 0``; ``loads[r, e]`` = pairs from source rank ``r``
+        to expert ``e``.
+
+    Returns:
+      int64 ``[R]``: ``L_d`` = sum of ``load_e = sum_r loads[r, e]`` over the ``E // R`` masters of
+      rank ``d`` (experts ``d*E//R .. (d+1)*E//R - 1``), i.e. the load each rank carries when
+      nothing is replicated.
+    """
+    loads = np.asarray(loads)
+    if loads.ndim != 2:
+        raise ValueError(f"loads must be 2-D [R, E], got shape {loads.shape}")
+    num_ranks, num_experts = loads.shape
+    _check_layout(num_ranks, num_experts)
+    expert_load = loads.sum(axis=0, dtype=np.int64)
+    return expert_load.reshape(num_ranks, num_experts // num_ranks).sum(axis=1)
+
+
+def initial_imbalance(loads) -> float:
+    """Initial (master-only) imbalance ``max(L) / mean(L)`` of ``loads[R, E]``.
+
+    ``L = master_rank_loads(loads)``; 1.0 is perfectly balanced and ``R`` is the worst case (every
+    pair on one rank). Raises ValueError when the matrix holds no pairs.
+    """
+    rank_load = master_rank_loads(loads)
+    total = int(rank_load.sum())
+    if total <= 0:
+        raise ValueError("loads holds no (token, choice) pairs; imbalance is undefined")
+    return float(rank_load.max()) * rank_load.size / total
+
+
+# --------------------------------------------------------------------------------------------
+# Generated workloads
+# --------------------------------------------------------------------------------------------
+
+
+def _zipf_weights(n: int, exponent: float) -> np.ndarray:
+    """Normalised Zipf weights ``i**-exponent / H`` for popularity positions ``i = 1..n``."""
+    log_w = -float(exponent) * np.log(np.arange(1, n + 1, dtype=np.float64))
+    w = np.exp(log_w - log_w.max())
+    return w / w.sum()
+
+
+def rank_zipf_loads_with_exponent(
+    ep_size: int,
+    num_experts: int,
+    tokens_per_rank: int,
+    top_k: int,
+    target_imbalance: float,
+    seed: int,
+    *,
+    dirichlet_alpha: float = DEFAULT_DIRICHLET_ALPHA,
+    rtol: float = 1e-4,
+) -> tuple[np.ndarray, float]:
+    """Like :func:`rank_zipf_loads`, and also returns the Zipf exponent the bisection found.
+
+    Returns:
+      ``(loads, exponent)``: int32 ``[R, E]`` and the float exponent ``s``.
+    """
+    ep_size, num_experts = _check_layout(ep_size, num_experts)
+    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
+    top_k = _check_positive_int("top_k", top_k)
+    target = float(target_imbalance)
+    if not (1.0 <= target < ep_size):
+        raise ValueError(
+            f"target_imbalance must lie in [1, ep_size={ep_size}), got {target_imbalance}"
+        )
+    if not dirichlet_alpha > 0:
+        raise ValueError(f"dirichlet_alpha must be positive, got {dirichlet_alpha}")
+
+    R, E = ep_size, num_experts
+    e_m = E // R
+    n_pairs = tokens_per_rank * top_k  # pairs per source rank
+    if R * n_pairs > np.iinfo(np.int32).max:
+        raise ValueError("R * tokens_per_rank * top_k overflows int32 loads")
+
+    ss_perm, ss_dir, ss_unif, ss_split = np.random.SeedSequence(seed).spawn(4)
+    # order[i] = rank at popularity position i (position 0 is the hottest).
+    order = np.random.default_rng(ss_perm).permutation(R)
+    within = np.random.default_rng(ss_dir).dirichlet(np.full(e_m, float(dirichlet_alpha)), size=R)
+
+    # Common random numbers: source rank r's pairs are n_pairs sorted uniforms. The number of
+    # them inside popularity position i's CDF interval is a multinomial draw of the rank-level
+    # counts, and because the intervals are laid out hottest first, the hottest rank's count is
+    # non-decreasing in the exponent for fixed uniforms, so bisection on the *realised*
+    # imbalance is well behaved. Offsetting row r by r lets one searchsorted serve all rows.
+    unif = np.random.default_rng(ss_unif).random((R, n_pairs))
+    unif.sort(axis=1)
+    unif += np.arange(R, dtype=np.float64)[:, None]
+    flat = unif.ravel()
+    row_start = np.arange(R, dtype=np.int64) * n_pairs
+
+    def rank_counts(exponent: float) -> np.ndarray:
+        """[R_src, R_pos] pairs from each source rank to each popularity position."""
+        cdf = np.concatenate(([0.0], np.cumsum(_zipf_weights(R, exponent))))
+        cdf[-1] = 1.0
+        edges = np.searchsorted(flat, cdf[None, :] + np.arange(R)[:, None], side="left")
+        edges = edges - row_start[:, None]
+        edges[:, 0] = 0
+        edges[:, -1] = n_pairs
+        return np.diff(edges, axis=1)
+
+    def realised(exponent: float) -> tuple[float, np.ndarray]:
+        counts = rank_counts(exponent)
+        return counts.sum(axis=0).max() / n_pairs, counts  # mean rank load is n_pairs
+
+    best_s, (best_f, best_counts) = 0.0, realised(0.0)
+    if best_f < target:
+        lo, hi = 0.0, 1.0
+        f_hi, c_hi = realised(hi)
+        while f_hi < target and hi < 1024.0:
+            lo, hi = hi, hi * 2.0
+            f_hi, c_hi = realised(hi)
+        if abs(f_hi - target) < abs(best_f - target):
+            best_s, best_f, best_counts = hi, f_hi, c_hi
+        for _ in range(200):
+            if abs(best_f - target) <= rtol * target or hi - lo <= 1e-12 * max(hi, 1.0):
+                break
+            mid = 0.5 * (lo + hi)
+            f_mid, c_mid = realised(mid)
+            if abs(f_mid - target) < abs(best_f - target):
+                best_s, best_f, best_counts = mid, f_mid, c_mid
+            if f_mid < target:
+                lo = mid
+            else:
+                hi = mid
+    # else: even uniform rank popularity overshoots the target (sampling noise / Dirichlet-free
+    # rank level); exponent 0 is the closest this model gets.
+
+    # Place popularity positions on their ranks, then split each (source, destination rank)
+    # count among the destination's masters: multinomial(count, within[d]). Composed with the
+    # rank-level multinomial this is exactly a multinomial over experts with p_e = share * split.
+    to_rank = np.empty((R, R), dtype=np.int64)
+    to_rank[:, order] = best_counts
+    per_expert = np.random.default_rng(ss_split).multinomial(to_rank, within)  # [R, R, e_m]
+    loads = per_expert.reshape(R, E).astype(np.int32)
+    return loads, float(best_s)
+
+
+def rank_zipf_loads(
+    ep_size: int,
+    num_experts: int,
+    tokens_per_rank: int,
+    top_k: int,
+    target_imbalance: float,
+    seed: int,
+    *,
+    dirichlet_alpha: float = DEFAULT_DIRICHLET_ALPHA,
+) -> np.ndarray:
+    """UltraEP-style rank-level Zipf workload with a prescribed initial imbalance.
+
+    Model:
+      1. A seeded random permutation orders the ``R`` ranks by popularity. The rank at popularity
+         position ``i`` (``i = 1..R``) gets the share ``i**-s / sum_j j**-s`` of all pairs.
+      2. A rank's share is split among its ``E // R`` masters by a seeded flat Dirichlet
+         (concentration ``dirichlet_alpha``, default 1.0, i.e. uniform over the simplex). 1.0 is
+         the parameter-free choice: it does not change the rank-level imbalance (which depends on
+         rank shares only) and gives moderate skew inside a rank (with 4 masters the largest
+         takes about 52 % of the rank's share on average), so a hot rank's excess usually sits on
+         one or two hot experts that need several replicas, as in real MoE layers, without
+         leaving most masters empty (small alpha) or making every expert of a rank equal (large
+         alpha).
+      3. Every source rank independently draws its ``tokens_per_rank * top_k`` (token, choice)
+         pairs from the resulting expert distribution ``p_e = share(rank(e)) * split(e)`` with a
+         seeded multinomial (each pair is one independent draw; a token may therefore pick one
+         expert twice, which does not matter for load matrices). The draw is done in two exact
+         stages, rank level then expert level within a rank.
+      4. The exponent ``s >= 0`` is found by bisection on the *realised* master-only imbalance
+         ``max_d L_d / mean_d L_d`` of the sampled matrix (the rank-level draw uses fixed sorted
+         uniforms, so the draw varies smoothly with ``s``), stopping within ``1e-4`` relative of
+         ``target_imbalance`` -- far inside the 0.5 % asked for; the result is within a few pairs
+         of the target for the reference size. If even ``s = 0`` (uniform ranks, sampling noise
+         only) is above the target, the ``s = 0`` matrix is returned.
+
+    Reference setup (UltraEP paper, DESIGN.md section 1): ``ep_size=64, num_experts=256,
+    tokens_per_rank=8192, top_k=8``, targets 1.5 / 2.0 / 3.0.
+
+    Memory: holds ``ep_size * tokens_per_rank * top_k`` float64 uniforms (32 MiB for the
+    reference setup).
+
+    Args:
+      ep_size: ``R``, ranks on the EP axis.
+      num_experts: ``E``, logical experts; must be divisible by ``R``.
+      tokens_per_rank: tokens held by each source rank.
+      top_k: router choices per token.
+      target_imbalance: wanted ``max/mean`` of master-only rank loads, in ``[1, R)``.
+      seed: integer seed (permutation, Dirichlet split, and both sampling stages derive from it).
+      dirichlet_alpha: concentration of the within-rank split (keyword only).
+
+    Returns:
+      int32 ``[R, E]``; every row sums to ``tokens_per_rank * top_k``.
+    """
+    loads, _ = rank_zipf_loads_with_exponent(
+        ep_size,
+        num_experts,
+        tokens_per_rank,
+        top_k,
+        target_imbalance,
+        seed,
+        dirichlet_alpha=dirichlet_alpha,
+    )
+    return loads
+
+
+def expert_zipf_loads(
+    ep_size: int,
+    num_experts: int,
+    tokens_per_rank: int,
+    top_k: int,
+    exponent: float,
+    seed: int,
+) -> np.ndarray:
+    """Expert-level Zipf workload.
+
+    Model: a seeded random permutation orders the ``E`` experts by popularity; the expert at
+    popularity position ``i`` (``i = 1..E``) is chosen with probability ``i**-exponent / H``
+    (``exponent = 0`` is uniform). Every source rank independently draws its
+    ``tokens_per_rank * top_k`` (token, choice) pairs from that distribution with a seeded
+    multinomial. Because the permutation scatters hot experts over ranks, the rank-level
+    imbalance is much lower than the expert-level skew suggests; use :func:`initial_imbalance`
+    to read it off.
+
+    Args:
+      ep_size: ``R``; num_experts: ``E`` (divisible by ``R``); tokens_per_rank, top_k: pairs per
+      source rank are ``tokens_per_rank * top_k``; exponent: Zipf exponent ``>= 0``; seed: int.
+
+    Returns:
+      int32 ``[R, E]``; every row sums to ``tokens_per_rank * top_k``.
+    """
+    ep_size, num_experts = _check_layout(ep_size, num_experts)
+    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
+    top_k = _check_positive_int("top_k", top_k)
+    if not float(exponent) >= 0.0:
+        raise ValueError(f"exponent must be >= 0, got {exponent}")
+    n_pairs = tokens_per_rank * top_k
+    if ep_size * n_pairs > np.iinfo(np.int32).max:
+        raise ValueError("R * tokens_per_rank * top_k overflows int32 loads")
+    ss_perm, ss_draw = np.random.SeedSequence(seed).spawn(2)
+    order = np.random.default_rng(ss_perm).permutation(num_experts)
+    p = np.empty(num_experts, dtype=np.float64)
+    p[order] = _zipf_weights(num_experts, exponent)
+    loads = np.random.default_rng(ss_draw).multinomial(n_pairs, p, size=ep_size)
+    return loads.astype(np.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# Measured traces
+# --------------------------------------------------------------------------------------------
+
+
+def default_traces_dir() -> Path:
+    """``<workspace>/shared/traces``: two levels above this package's repository checkout."""
+    return Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def _resolve_traces_dir(traces_dir) -> Path:
+    path = default_traces_dir() if traces_dir is None else Path(traces_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"trace folder not found: {path} (pass traces_dir=... pointing at shared/traces)"
+        )
+    return path
+
+
+def deepseek_trace_expert_counts(path) -> np.ndarray:
+    """Per-layer routed-expert counts of one DeepSeek-V3/R1 trace file.
+
+    The file (SGLang-reproduce, ``attachment_ep_statistics/``) is JSON ``{"logical_count":
+    [61][256]}``: tokens routed to each of the 256 routed experts (each top-8 choice counts once),
+    summed over a whole serving run. Its first 3 layers are dense and hold a constant row; they
+    are checked to be constant (ValueError otherwise) and dropped.
+
+    Args:
+      path: a ``*.json`` file of the ``deepseek-r1`` trace folder.
+
+    Returns:
+      int64 ``[58, 256]``: row ``i`` is model layer ``i + 3``.
+    """
+    path = Path(path)
+    with path.open() as f:
+        data = json.load(f)
+    if "logical_count" not in data:
+        raise ValueError(f"{path}: no 'logical_count' key")
+    counts = np.asarray(data["logical_count"], dtype=np.float64)
+    if counts.ndim != 2 or counts.shape[0] != _DEEPSEEK_NUM_LAYERS:
+        raise ValueError(
+            f"{path}: logical_count has shape {counts.shape}, expected "
+            f"({_DEEPSEEK_NUM_LAYERS}, num_experts)"
+        )
+    dense = counts[:DEEPSEEK_DENSE_LAYERS]
+    if not np.all(dense == dense[:, :1]):
+        raise ValueError(f"{path}: the first {DEEPSEEK_DENSE_LAYERS} layers are not constant rows")
+    moe = counts[DEEPSEEK_DENSE_LAYERS:]
+    if np.any(np.all(moe == moe[:, :1], axis=1)):
+        raise ValueError(f"{path}: a routed (MoE) layer holds a constant row")
+    if np.any(moe < 0) or not np.all(moe == np.round(moe)):
+        raise ValueError(f"{path}: counts must be non-negative integers")
+    return moe.astype(np.int64)
+
+
+def harmoeny_trace_rows(csv_path) -> list[tuple[dict, np.ndarray]]:
+    """Rows of a HarMoEny expert-frequency CSV (Qwen1.5-MoE-A2.7B or Switch-Base-128).
+
+    Header: an unnamed row-index column, then either ``dataset`` (bookcorpus / wikitext / wmt19 /
+    random) or ``router_skew`` (0.0 / 0.5 / 0.9), then ``iteration``, ``layer_idx`` and one column
+    per expert named ``0 .. E-1`` (60 for Qwen1.5-MoE, 128 for Switch-Base-128). Each row counts
+    the tokens routed to each expert (each top-k choice once) in one (iteration, layer).
+
+    Args:
+      csv_path: one of the ``expert_freq_*.csv`` files.
+
+    Returns:
+      list, in file order, of ``(meta, counts)``: ``meta`` is a dict with ``"row"`` (int, the
+      index column), ``"dataset"`` (str) or ``"router_skew"`` (float), ``"iteration"`` (int),
+      ``"layer"`` (int); ``counts`` is int64 ``[E]``.
+    """
+    csv_path = Path(csv_path)
+    with csv_path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        if len(header) < 5 or header[2:4] != ["iteration", "layer_idx"] or header[1] not in (
+            "dataset",
+            "router_skew",
+        ):
+            raise ValueError(f"{csv_path}: unexpected header {header[:5]}")
+        expert_cols = header[4:]
+        if expert_cols != [str(i) for i in range(len(expert_cols))]:
+            raise ValueError(f"{csv_path}: expert columns are not 0..E-1")
+        key = header[1]
+        rows = []
+        for line_no, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise ValueError(f"{csv_path}:{line_no}: {len(row)} fields, expected {len(header)}")
+            values = np.asarray([float(x) for x in row[4:]], dtype=np.float64)
+            if np.any(values < 0) or not np.all(values == np.round(values)):
+                raise ValueError(f"{csv_path}:{line_no}: counts must be non-negative integers")
+            meta = {
+                "row": int(row[0]),
+                key: float(row[1]) if key == "router_skew" else row[1],
+                "iteration": int(row[2]),
+                "layer": int(row[3]),
+            }
+            rows.append((meta, values.astype(np.int64)))
+    return rows
+
+
+def _scale_counts(counts: np.ndarray, total: int) -> np.ndarray:
+    """Scale non-negative counts to sum exactly ``total`` (largest-remainder rounding)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    exact = counts / counts.sum() * total
+    scaled = np.floor(exact).astype(np.int64)
+    short = int(total - scaled.sum())
+    if short > 0:
+        # Largest fractional part first; ties go to the lower expert index (stable sort).
+        idx = np.argsort(-(exact - scaled), kind="stable")[:short]
+        scaled[idx] += 1
+    return scaled
+
+
+def loads_from_expert_counts(
+    counts,
+    ep_size: int,
+    tokens_per_rank: int,
+    top_k: int,
+    seed: int,
+) -> np.ndarray:
+    """Turn one per-expert count vector (a trace layer) into a load matrix.
+
+    The traces count tokens per expert only; they do not say which source rank sent them. This
+    function (1) scales ``counts`` to a total of ``ep_size * tokens_per_rank * top_k`` pairs
+    (largest-remainder rounding, so the total is exact and each expert keeps its share to within
+    one pair; experts with 0 stay at 0), then (2) splits each expert's count across the ``R``
+    source ranks at random, seeded: the pairs are dealt uniformly at random so that every source
+    rank gets exactly ``tokens_per_rank * top_k`` of them (rank by rank, a seeded multivariate
+    hypergeometric draw from the pairs not yet dealt). Each expert's split is thus a multinomial
+    with equal source probabilities conditioned on the row totals, i.e. no source rank prefers
+    any expert. Column sums are the scaled counts and row sums are exactly
+    ``tokens_per_rank * top_k``.
+
+    Args:
+      counts: ``[E]`` non-negative counts (int or integral float), not all zero.
+      ep_size: ``R``; ``E`` must be divisible by it (Qwen1.5-MoE's 60 experts work at EP
+        1/2/3/4/5/6/10/12/15/20/30/60, Switch-Base-128 at powers of two up to 128, DeepSeek's
+        256 at powers of two up to 256).
+      tokens_per_rank, top_k: pairs per source rank are ``tokens_per_rank * top_k``.
+      seed: integer seed.
+
+    Returns:
+      int32 ``[R, E]``.
+    """
+    counts = np.asarray(counts)
+    if counts.ndim != 1:
+        raise ValueError(f"counts must be 1-D [E], got shape {counts.shape}")
+    num_experts = counts.shape[0]
+    ep_size = _check_positive_int("ep_size", ep_size)
+    if num_experts == 0 or num_experts % ep_size != 0:
+        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
+    top_k = _check_positive_int("top_k", top_k)
+    if np.any(counts < 0) or not np.all(np.isfinite(counts)):
+        raise ValueError("counts must be finite and non-negative")
+    if counts.sum() <= 0:
+        raise ValueError("counts are all zero")
+    n_pairs = tokens_per_rank * top_k
+    total = ep_size * n_pairs
+    if total > np.iinfo(np.int32).max:
+        raise ValueError("ep_size * tokens_per_rank * top_k overflows int32 loads")
+
+    remaining = _scale_counts(counts, total)
+    rng = np.random.default_rng(np.random.SeedSequence(seed))
+    loads = np.empty((ep_size, num_experts), dtype=np.int64)
+    for r in range(ep_size - 1):
+        loads[r] = rng.multivariate_hypergeometric(remaining, n_pairs)
+        remaining = remaining - loads[r]
+    loads[ep_size - 1] = remaining
+    return loads.astype(np.int32)
+
+
+def _trace_items(name: str, root: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(label, counts[E]) for every layer / row of one trace, in a fixed order."""
+    folder = root / name
+    if not folder.is_dir():
+        raise FileNotFoundError(f"trace folder not found: {folder}")
+    if name == "deepseek-r1":
+        files = sorted(folder.glob("*.json"))
+        if not files:
+            raise FileNotFoundError(f"no *.json files in {folder}")
+        for path in files:
+            per_layer = deepseek_trace_expert_counts(path)
+            for i, counts in enumerate(per_layer):
+                yield f"{name}/{path.stem}/layer{i + DEEPSEEK_DENSE_LAYERS:02d}", counts
+    else:
+        files = sorted(folder.glob("*.csv"))
+        if not files:
+            raise FileNotFoundError(f"no *.csv files in {folder}")
+        for path in files:
+            for meta, counts in harmoeny_trace_rows(path):
+                group = (
+                    meta["dataset"] if "dataset" in meta else f"skew{meta['router_skew']:g}"
+                )
+                label = (
+                    f"{name}/{path.stem}/{group}/iter{meta['iteration']:02d}"
+                    f"/layer{meta['layer']:02d}"
+                )
+                yield label, counts
+
+
+def trace_workloads(
+    name: str,
+    ep_size: int,
+    tokens_per_rank: int,
+    top_k: int,
+    seed: int,
+    traces_dir=None,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Every layer of a measured trace as a load matrix.
+
+    Yields one ``(label, loads)`` per (file, MoE layer) for ``"deepseek-r1"`` (12 files x 58
+    layers) and per CSV row for ``"qwen1.5-moe"`` (60 experts) and ``"switch-base-128"`` (128
+    experts); files are visited in sorted order. ``loads`` is int32 ``[R, E]`` built by
+    :func:`loads_from_expert_counts` (the traces have no per-source-rank split: it is drawn at
+    random, seeded) with a per-item seed derived from ``(seed, item index)``. Labels name the
+    trace, the file (without extension) and the layer, e.g.
+    ``deepseek-r1/prefill_in512/layer03`` or
+    ``qwen1.5-moe/expert_freq_qwen_policy_skew/skew0.9/iter07/layer11``.
+
+    Args:
+      name: one of :data:`TRACE_NAMES`.
+      ep_size: ``R``; must divide the model's expert count (checked before the first item).
+      tokens_per_rank, top_k: each matrix holds ``R * tokens_per_rank * top_k`` pairs (the
+        model's own top-k is in :data:`TRACE_TOP_K`; any value works).
+      seed: integer seed.
+      traces_dir: folder holding the trace folders; default ``shared/traces`` of this workspace
+        (:func:`default_traces_dir`). FileNotFoundError if missing.
+    """
+    if name not in TRACE_NAMES:
+        raise ValueError(f"unknown trace {name!r}; expected one of {', '.join(TRACE_NAMES)}")
+    ep_size = _check_positive_int("ep_size", ep_size)
+    num_experts = TRACE_NUM_EXPERTS[name]
+    if num_experts % ep_size != 0:
+        raise ValueError(f"{name} has {num_experts} experts, not divisible by ep_size={ep_size}")
+    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
+    top_k = _check_positive_int("top_k", top_k)
+    root = _resolve_traces_dir(traces_dir)
+    if not (root / name).is_dir():
+        raise FileNotFoundError(f"trace folder not found: {root / name}")
+
+    def generate() -> Iterator[tuple[str, np.ndarray]]:
+        for index, (label, counts) in enumerate(_trace_items(name, root)):
+            if counts.shape[0] != num_experts:
+                raise ValueError(f"{label}: {counts.shape[0]} experts, expected {num_experts}")
+            item_seed = int(np.random.SeedSequence([int(seed), index]).generate_state(1)[0])
+            yield label, loads_from_expert_counts(
+                counts, ep_size, tokens_per_rank, top_k, item_seed
+            )
+
+    return generate()

@@ -1,0 +1,319 @@
+// Quota-driven expert replication planner: the core, with no XLA types.
+//
+// Header-only so that the same code compiles for the host (CPU handler) and the device (CUDA
+// handler): both produce the same plan bit for bit. PLANNER.md beside this file is the normative
+// description; tests/reference_planner.py implements it independently in NumPy.
+//
+// Memory: the caller provides a workspace of `workspace_elems(dims)` int64 values; the planner
+// allocates nothing. Work per threshold probe: O(E + R * replicas); sorting once per plan:
+// O(E log E + R log R).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define UEP_HD __host__ __device__
+#else
+#define UEP_HD
+#endif
+
+namespace ultraep {
+
+struct PlanDims {
+  int64_t R;  // ranks on the EP axis
+  int64_t E;  // logical experts, E % R == 0
+  int64_t S;  // spare slots per rank
+};
+
+struct PlanOptions {
+  int64_t min_tokens_per_replica;  // F: the least tokens a replica may carry (>= 1)
+  int64_t master_keep_tokens;      // K: tokens a master always keeps (>= 0)
+  double eps;                      // balance tolerance: target threshold ceil(mean * (1 + eps))
+};
+
+enum PlanStatus : int32_t {
+  kPlanOk = 0,
+  kPlanNegativeLoad = 1,  // some loads[r, e] < 0
+  kPlanOverflow = 2,      // an expert's or a rank's total load does not fit in int32
+};
+
+// Output views for one plan.
+struct PlanOut {
+  int32_t* slot_expert;   // [R, S], -1 = empty
+  int32_t* slot_quota;    // [R, S]
+  int32_t* master_quota;  // [E]
+  int32_t* rank_load;     // [R]
+};
+
+UEP_HD inline int64_t workspace_elems(const PlanDims& d) {
+  return 3 * d.E + 6 * d.R + 3 * d.R * d.S;
+}
+
+namespace detail {
+
+UEP_HD inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+UEP_HD inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// In-place sort of idx[0..n) so that before(idx[i], idx[j]) holds for i < j (heap sort, no
+// allocation and no recursion, so it also runs on the device).
+template <class Before>
+UEP_HD void sift_down(int64_t* idx, int64_t n, int64_t i, const Before& before) {
+  for (;;) {
+    int64_t c = 2 * i + 1;
+    if (c >= n) return;
+    // Max-heap with respect to "comes later".
+    if (c + 1 < n && before(idx[c], idx[c + 1])) ++c;
+    if (!before(idx[i], idx[c])) return;
+    int64_t tmp = idx[i];
+    idx[i] = idx[c];
+    idx[c] = tmp;
+    i = c;
+  }
+}
+
+template <class Before>
+UEP_HD void sort_indices(int64_t* idx, int64_t n, const Before& before) {
+  if (n <= 32) {  // insertion sort: fewer steps for the short per-rank expert lists
+    for (int64_t i = 1; i < n; ++i) {
+      const int64_t v = idx[i];
+      int64_t j = i;
+      for (; j > 0 && before(v, idx[j - 1]); --j) idx[j] = idx[j - 1];
+      idx[j] = v;
+    }
+    return;
+  }
+  for (int64_t i = n / 2 - 1; i >= 0; --i) sift_down(idx, n, i, before);
+  for (int64_t end = n - 1; end > 0; --end) {
+    int64_t tmp = idx[0];
+    idx[0] = idx[end];
+    idx[end] = tmp;
+    sift_down(idx, end, 0, before);
+  }
+}
+
+// Sorts descending by key, ties by index ascending.
+struct DescendingKey {
+  const int64_t* key;
+  UEP_HD bool operator()(int64_t a, int64_t b) const {
+    return key[a] > key[b] || (key[a] == key[b] && a < b);
+  }
+};
+
+struct Workspace {
+  int64_t* load_e;        // [E]
+  int64_t* exported;      // [E]
+  int64_t* expert_order;  // [E]: per rank, its masters by load descending
+  int64_t* L;             // [R]: master-only rank loads
+  int64_t* slack;         // [R]
+  int64_t* free_slots;    // [R]
+  int64_t* rank_order;    // [R]: ranks by L descending
+  int64_t* active;        // [R]: ranks that can take a replica
+  int64_t* taken;         // [R]: replicas created on each rank so far (slot cursor)
+  int64_t* rep_expert;    // [R * S]
+  int64_t* rep_target;    // [R * S]
+  int64_t* rep_quota;     // [R * S]
+
+  UEP_HD Workspace(int64_t* base, const PlanDims& d) {
+    load_e = base;
+    exported = load_e + d.E;
+    expert_order = exported + d.E;
+    L = expert_order + d.E;
+    slack = L + d.R;
+    free_slots = slack + d.R;
+    rank_order = free_slots + d.R;
+    active = rank_order + d.R;
+    taken = active + d.R;
+    rep_expert = taken + d.R;
+    rep_target = rep_expert + d.R * d.S;
+    rep_quota = rep_target + d.R * d.S;
+  }
+};
+
+// The target for a replica that should carry `need` tokens: among ranks with a free slot and
+// slack (ws.active[0, *n_active)), the one with the least slack that still takes all of `need`
+// (best fit keeps large slacks for large excesses), else the one with the most slack; ties ->
+// smallest rank. Returns the position in ws.active, -1 if there is no candidate.
+UEP_HD inline int64_t pick_target(const Workspace& ws, int64_t n_active, int64_t need) {
+  int64_t fit = -1, most = -1, fit_s = 0, most_s = 0, fit_t = 0, most_t = 0;
+  for (int64_t k = 0; k < n_active; ++k) {
+    const int64_t t = ws.active[k], s = ws.slack[t];
+    if (s >= need && (fit < 0 || s < fit_s || (s == fit_s && t < fit_t))) {
+      fit = k;
+      fit_s = s;
+      fit_t = t;
+    }
+    if (most < 0 || s > most_s || (s == most_s && t < most_t)) {
+      most = k;
+      most_s = s;
+      most_t = t;
+    }
+  }
+  return fit >= 0 ? fit : most;
+}
+
+// The oracle of PLANNER.md: can every rank be brought to at most `tau`? On success the replicas
+// are in ws.rep_* [0, *num_replicas) and ws.exported holds what each master gave away.
+UEP_HD inline bool try_threshold(const PlanDims& d, const PlanOptions& o, Workspace& ws,
+                                 int64_t tau, int64_t lmax, int64_t* num_replicas) {
+  *num_replicas = 0;
+  for (int64_t e = 0; e < d.E; ++e) ws.exported[e] = 0;
+  if (tau >= lmax) return true;
+  const int64_t em = d.E / d.R;
+  int64_t n_active = 0;  // ranks that can still take a replica, in any order
+  for (int64_t t = 0; t < d.R; ++t) {
+    ws.slack[t] = max64(tau - ws.L[t], 0);
+    ws.free_slots[t] = d.S;
+    if (ws.slack[t] > 0 && d.S > 0) ws.active[n_active++] = t;
+  }
+  int64_t nrep = 0;
+  for (int64_t ri = 0; ri < d.R; ++ri) {
+    const int64_t src = ws.rank_order[ri];
+    int64_t x = ws.L[src] - tau;
+    if (x <= 0) break;
+    for (int64_t j = 0; j < em && x > 0; ++j) {
+      const int64_t e = ws.expert_order[src * em + j];
+      while (x > 0) {
+        const int64_t fl = min64(o.min_tokens_per_replica, x);
+        const int64_t avail = ws.load_e[e] - o.master_keep_tokens - ws.exported[e];
+        if (avail < fl) break;
+        const int64_t k = pick_target(ws, n_active, min64(x, avail));
+        if (k < 0) return false;
+        const int64_t t = ws.active[k];
+        const int64_t q = min64(min64(x, ws.slack[t]), avail);
+        if (q < fl) return false;
+        ws.rep_expert[nrep] = e;
+        ws.rep_target[nrep] = t;
+        ws.rep_quota[nrep] = q;
+        ++nrep;
+        ws.slack[t] -= q;
+        ws.free_slots[t] -= 1;
+        x -= q;
+        ws.exported[e] += q;
+        if (ws.slack[t] == 0 || ws.free_slots[t] == 0) ws.active[k] = ws.active[--n_active];
+      }
+    }
+    if (x > 0) return false;
+  }
+  *num_replicas = nrep;
+  return true;
+}
+
+}  // namespace detail
+
+// Plans one load matrix `loads` [R, E] (row-major). Returns a PlanStatus; on an error the outputs
+// hold -1 everywhere so that a caller that cannot raise (the device) still yields no valid plan.
+UEP_HD inline int32_t plan_one(const PlanDims& d, const PlanOptions& o, const int32_t* loads,
+                               PlanOut out, int64_t* workspace) {
+  using detail::max64;
+  detail::Workspace ws(workspace, d);
+  const int64_t em = d.E / d.R;
+  const int64_t kInt32Max = 2147483647;
+
+  int32_t status = kPlanOk;
+  for (int64_t e = 0; e < d.E; ++e) ws.load_e[e] = 0;
+  int32_t sign = 0;  // OR of all loads: negative iff some load is; branch-free so it vectorises
+  for (int64_t r = 0; r < d.R; ++r) {
+    for (int64_t e = 0; e < d.E; ++e) {
+      const int32_t v = loads[r * d.E + e];
+      sign |= v;
+      ws.load_e[e] += v;
+    }
+  }
+  if (sign < 0) status = kPlanNegativeLoad;
+  int64_t total = 0, lmax = 0;
+  for (int64_t r = 0; r < d.R && status == kPlanOk; ++r) {
+    int64_t l = 0;
+    for (int64_t j = 0; j < em; ++j) {
+      if (ws.load_e[r * em + j] > kInt32Max) status = kPlanOverflow;
+      l += ws.load_e[r * em + j];
+    }
+    if (l > kInt32Max) status = kPlanOverflow;
+    ws.L[r] = l;
+    total += l;
+    lmax = max64(lmax, l);
+  }
+  if (status != kPlanOk) {
+    for (int64_t i = 0; i < d.R * d.S; ++i) out.slot_expert[i] = out.slot_quota[i] = -1;
+    for (int64_t e = 0; e < d.E; ++e) out.master_quota[e] = -1;
+    for (int64_t r = 0; r < d.R; ++r) out.rank_load[r] = -1;
+    return status;
+  }
+
+  for (int64_t r = 0; r < d.R; ++r) ws.rank_order[r] = r;
+  detail::sort_indices(ws.rank_order, d.R, detail::DescendingKey{ws.L});
+  for (int64_t e = 0; e < d.E; ++e) ws.expert_order[e] = e;
+  for (int64_t r = 0; r < d.R; ++r)
+    detail::sort_indices(ws.expert_order + r * em, em, detail::DescendingKey{ws.load_e});
+
+  // Threshold search: a fixed probe sequence, the first success wins (PLANNER.md).
+  // The largest integer threshold within (1 + eps) of the mean, but never below the mean's ceiling.
+  const int64_t tau0 = max64(
+      (total + d.R - 1) / d.R,
+      static_cast<int64_t>(floor(static_cast<double>(total) * (1.0 + o.eps) / static_cast<double>(d.R))));
+  int64_t tau = lmax;
+  int64_t nrep = 0;
+  bool have = false;  // ws holds the winner's replicas
+  if (total > 0 && d.S > 0 && d.R > 1 && tau0 < lmax) {
+    const int64_t delta = max64(
+        1, static_cast<int64_t>(ceil(static_cast<double>(total) * o.eps / static_cast<double>(d.R) / 2.0)));
+    for (int64_t i = 0; i < 4 && !have; ++i) {
+      if (detail::try_threshold(d, o, ws, tau0 + i * delta, lmax, &nrep)) {
+        tau = tau0 + i * delta;
+        have = true;
+      }
+    }
+    if (!have) {
+      const int64_t lo = tau0 + 3 * delta;
+      const int64_t span = lmax - lo;
+      int64_t prev = lo, hit = -1;
+      for (int64_t j = 1; j < 32; ++j) {
+        const int64_t c = lo + span * j / 32;
+        if (detail::try_threshold(d, o, ws, c, lmax, &nrep)) {
+          hit = c;
+          break;
+        }
+        prev = c;
+      }
+      if (hit >= 0) {
+        tau = hit;
+        have = true;  // ws holds hit's replicas unless a refine probe runs
+        for (int64_t i = 1; i < 16; ++i) {
+          const int64_t r = prev + (hit - prev) * i / 16;
+          if (r <= prev || r >= hit) continue;
+          have = false;
+          if (detail::try_threshold(d, o, ws, r, lmax, &nrep)) {
+            tau = r;
+            have = true;
+            break;
+          }
+        }
+      }
+    }
+  }
+  if (!have) detail::try_threshold(d, o, ws, tau, lmax, &nrep);
+
+  // Write the plan: replicas take their target's slots in creation order.
+  for (int64_t i = 0; i < d.R * d.S; ++i) {
+    out.slot_expert[i] = -1;
+    out.slot_quota[i] = 0;
+  }
+  for (int64_t r = 0; r < d.R; ++r) ws.taken[r] = 0;
+  for (int64_t e = 0; e < d.E; ++e) out.master_quota[e] = static_cast<int32_t>(ws.load_e[e] - ws.exported[e]);
+  for (int64_t r = 0; r < d.R; ++r) {
+    int64_t l = 0;
+    for (int64_t j = 0; j < em; ++j) l += ws.load_e[r * em + j] - ws.exported[r * em + j];
+    ws.L[r] = l;  // reused as the balanced load
+  }
+  for (int64_t i = 0; i < nrep; ++i) {
+    const int64_t t = ws.rep_target[i];
+    const int64_t slot = t * d.S + ws.taken[t]++;
+    out.slot_expert[slot] = static_cast<int32_t>(ws.rep_expert[i]);
+    out.slot_quota[slot] = static_cast<int32_t>(ws.rep_quota[i]);
+    ws.L[t] += ws.rep_quota[i];
+  }
+  for (int64_t r = 0; r < d.R; ++r) out.rank_load[r] = static_cast<int32_t>(ws.L[r]);
+  return kPlanOk;
+}
+
+}  // namespace ultraep

@@ -1,0 +1,399 @@
+"""Plain NumPy/Python reference of the quota planner described in ``ffi/PLANNER.md``.
+
+This module is an independent, deliberately simple rendering of the normative spec
+(``ffi/PLANNER.md``): linear scans, no heaps, Python integers (which are exact and therefore
+agree with the spec's 64-bit integer arithmetic whenever that arithmetic does not overflow), and
+Python floats for the two IEEE-double formulas (``tau0`` and ``delta``), evaluated in exactly the
+order the spec gives. The tests compare it bit for bit with the C++ planner, so every tie break
+follows the spec literally.
+
+Public API:
+
+- ``reference_plan(loads, slots_per_rank, min_tokens_per_replica, balance_eps,
+  master_keep_tokens=1) -> dict`` with int32 arrays ``slot_expert [R,S]`` (-1 empty),
+  ``slot_quota [R,S]``, ``master_quota [E]``, ``rank_load [R]``.
+- ``reference_plan_info(...)``: same arguments; returns ``(plan, info)`` where ``info`` also
+  holds the chosen threshold ``tau``, ``tau0``, ``delta``, the replicas in creation order and the
+  probes that were evaluated (useful for debugging a mismatch with the C++ planner).
+- ``rank_loads_before(loads) -> [R]``: master-only rank loads ``L``.
+- ``check_plan_invariants(loads, plan, slots_per_rank)``: asserts the DESIGN.md invariants.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1
+
+__all__ = [
+    "reference_plan",
+    "reference_plan_info",
+    "rank_loads_before",
+    "check_plan_invariants",
+    "oracle",
+    "search_tau",
+    "compute_tau0",
+    "compute_delta",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Derived quantities
+# --------------------------------------------------------------------------------------------
+
+
+def _as_loads(loads) -> np.ndarray:
+    arr = np.asarray(loads)
+    if arr.ndim != 2:
+        raise ValueError(f"loads must be 2-D [R, E], got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"loads must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    if arr.size and arr.min() < 0:
+        raise ValueError("loads must be non-negative")
+    return arr
+
+
+def _expert_loads(loads64: np.ndarray) -> list[int]:
+    """load_e[e] = sum_r loads[r, e], as Python ints."""
+    R, E = loads64.shape
+    return [int(sum(int(loads64[r, e]) for r in range(R))) for e in range(E)]
+
+
+def _master_loads(load_e: list[int], R: int) -> list[int]:
+    E = len(load_e)
+    E_m = E // R
+    return [sum(load_e[d * E_m + j] for j in range(E_m)) for d in range(R)]
+
+
+def rank_loads_before(loads) -> np.ndarray:
+    """Master-only rank loads ``L[d] = sum_{j < E_m} load_e[d * E_m + j]`` (int64 array [R])."""
+    arr = _as_loads(loads)
+    R, E = arr.shape
+    if R < 1 or E % R != 0:
+        raise ValueError(f"need R >= 1 and E % R == 0, got R={R}, E={E}")
+    return np.asarray(_master_loads(_expert_loads(arr), R), dtype=np.int64)
+
+
+def compute_tau0(T: int, R: int, eps: float) -> int:
+    """tau0 = ceil(double(T) * (1.0 + eps) / double(R)): multiply, then divide, then ceil."""
+    v = float(T) * (1.0 + float(eps))
+    v = v / float(R)
+    if not math.isfinite(v):
+        raise ValueError("tau0 is not a finite double (balance_eps too large)")
+    return int(math.ceil(v))
+
+
+def compute_delta(T: int, R: int, eps: float) -> int:
+    """delta = max(1, ceil(double(T) * eps / double(R) / 2.0)), evaluated left to right."""
+    v = float(T) * float(eps)
+    v = v / float(R)
+    v = v / 2.0
+    if not math.isfinite(v):
+        raise ValueError("delta is not a finite double (balance_eps too large)")
+    return max(1, int(math.ceil(v)))
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle try(tau)
+# --------------------------------------------------------------------------------------------
+
+
+def _rank_order(L: list[int]) -> list[int]:
+    # L descending, ties by rank index ascending.
+    return sorted(range(len(L)), key=lambda d: (-L[d], d))
+
+
+def _expert_order(d: int, E_m: int, load_e: list[int]) -> list[int]:
+    # d's masters sorted by load_e descending, ties by expert index ascending.
+    masters = [d * E_m + j for j in range(E_m)]
+    return sorted(masters, key=lambda e: (-load_e[e], e))
+
+
+def oracle(tau: int, load_e: list[int], L: list[int], S: int, F: int, K: int):
+    """``try(tau)`` of PLANNER.md.
+
+    Returns ``(success, replicas)`` with ``replicas`` a list of ``(expert, target, quota)`` in
+    creation order (empty on failure).
+    """
+    R = len(L)
+    E_m = len(load_e) // R
+    Lmax = max(L) if L else 0
+    if tau >= Lmax:
+        return True, []
+    slack = [max(tau - L[t], 0) for t in range(R)]
+    free = [S] * R
+    exported = [0] * len(load_e)
+    replicas: list[tuple[int, int, int]] = []
+    for d in _rank_order(L):
+        x = L[d] - tau
+        if x <= 0:
+            break  # ranks are sorted: the rest are fine
+        for e in _expert_order(d, E_m, load_e):
+            while x > 0:
+                fl = min(F, x)  # adaptive floor
+                avail = load_e[e] - K - exported[e]
+                if avail < fl:
+                    break  # this expert cannot give a legal replica
+                # the rank with free > 0 and slack > 0 with the largest slack, ties -> smallest t
+                t = -1
+                for cand in range(R):
+                    if free[cand] > 0 and slack[cand] > 0:
+                        if t == -1 or slack[cand] > slack[t]:
+                            t = cand
+                if t == -1:
+                    return False, []
+                q = min(x, slack[t], avail)
+                if q < fl:
+                    return False, []
+                replicas.append((e, t, q))
+                slack[t] -= q
+                free[t] -= 1
+                x -= q
+                exported[e] += q
+            if x == 0:
+                break
+        if x > 0:
+            return False, []
+    return True, replicas
+
+
+# --------------------------------------------------------------------------------------------
+# The threshold search
+# --------------------------------------------------------------------------------------------
+
+
+def search_tau(
+    T: int,
+    Lmax: int,
+    R: int,
+    S: int,
+    eps: float,
+    try_fn: Callable[[int], bool],
+    probes: list[int] | None = None,
+):
+    """The fixed probe sequence of PLANNER.md.
+
+    ``try_fn(tau)`` reports whether the oracle succeeds at ``tau``; it is only called for
+    ``tau < Lmax`` (probes with ``tau >= Lmax`` succeed with no replicas without calling it).
+    Every evaluated probe is appended to ``probes`` when given.
+    Returns ``(tau, tau0, delta)``; ``delta`` is None when the search short-circuits.
+    ``tau == Lmax`` (or any ``tau >= Lmax``) means "no replicas".
+    """
+
+    def probe(tau: int) -> bool:
+        if probes is not None:
+            probes.append(tau)
+        if tau >= Lmax:
+            return True
+        return bool(try_fn(tau))
+
+    tau0 = compute_tau0(T, R, eps) if R >= 1 else 0
+    if T == 0 or S == 0 or R == 1 or tau0 >= Lmax:
+        return Lmax, tau0, None
+    delta = compute_delta(T, R, eps)
+
+    # fast path
+    for k in range(4):
+        tau = tau0 + k * delta
+        if probe(tau):
+            return tau, tau0, delta
+
+    # fallback
+    lo = tau0 + 3 * delta
+    span = Lmax - lo  # > 0: the fast path failed, so lo < Lmax
+    c = [lo] + [lo + (span * j) // 32 for j in range(1, 32)]  # c[0] = lo
+    j_star = None
+    for j in range(1, 32):
+        if probe(c[j]):
+            j_star = j
+            break
+    if j_star is None:
+        return Lmax, tau0, delta
+    a, b = c[j_star - 1], c[j_star]
+    for i in range(1, 16):
+        r_i = a + ((b - a) * i) // 16
+        if r_i <= a or r_i >= b:
+            continue
+        if probe(r_i):
+            return r_i, tau0, delta
+    return b, tau0, delta
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+
+
+def reference_plan_info(
+    loads,
+    slots_per_rank: int,
+    min_tokens_per_replica: int,
+    balance_eps: float,
+    master_keep_tokens: int = 1,
+):
+    """Like ``reference_plan`` but returns ``(plan, info)``.
+
+    ``info``: ``tau`` (the winning threshold; ``Lmax`` when the search found nothing better or
+    short-circuited), ``tau0``, ``delta`` (None when the search short-circuited), ``replicas``
+    (``(expert, target, quota)`` in creation order), ``probes`` (the evaluated thresholds, in
+    order), ``load_e`` and ``L`` (lists of Python ints), ``T``, ``Lmax``.
+    """
+    arr = _as_loads(loads)
+    R, E = arr.shape
+    S = int(slots_per_rank)
+    F = int(min_tokens_per_replica)
+    K = int(master_keep_tokens)
+    eps = float(balance_eps)
+    if R < 1:
+        raise ValueError("need R >= 1")
+    if E % R != 0:
+        raise ValueError(f"E % R must be 0, got E={E}, R={R}")
+    if S < 0:
+        raise ValueError("slots_per_rank must be >= 0")
+    if F < 1:
+        raise ValueError("min_tokens_per_replica must be >= 1")
+    if K < 0:
+        raise ValueError("master_keep_tokens must be >= 0")
+    if not (eps >= 0.0) or not math.isfinite(eps):
+        raise ValueError("balance_eps must be a finite double >= 0")
+    E_m = E // R
+
+    load_e = _expert_loads(arr)
+    L = _master_loads(load_e, R)
+    if any(v > INT32_MAX for v in load_e) or any(v > INT32_MAX for v in L):
+        raise ValueError("a load_e or L exceeds 2^31 - 1")
+    T = sum(L)
+    Lmax = max(L) if L else 0
+
+    def try_fn(tau: int) -> bool:
+        return oracle(tau, load_e, L, S, F, K)[0]
+
+    probes: list[int] = []
+    tau, tau0, delta = search_tau(T, Lmax, R, S, eps, try_fn, probes)
+    ok, replicas = oracle(tau, load_e, L, S, F, K)
+    assert ok, "the winning threshold must succeed"
+
+    # Output: replicas placed in creation order; the n-th replica created on t takes slot n of t.
+    slot_expert = np.full((R, S), -1, dtype=np.int64)
+    slot_quota = np.zeros((R, S), dtype=np.int64)
+    used = [0] * R
+    exported = [0] * E
+    received = [0] * R
+    for e, t, q in replicas:
+        n = used[t]
+        slot_expert[t, n] = e
+        slot_quota[t, n] = q
+        used[t] = n + 1
+        exported[e] += q
+        received[t] += q
+    master_quota = np.asarray([load_e[e] - exported[e] for e in range(E)], dtype=np.int64)
+    rank_load = np.asarray(
+        [
+            L[d] - sum(exported[d * E_m + j] for j in range(E_m)) + received[d]
+            for d in range(R)
+        ],
+        dtype=np.int64,
+    )
+    plan = {
+        "slot_expert": slot_expert.astype(np.int32),
+        "slot_quota": slot_quota.astype(np.int32),
+        "master_quota": master_quota.reshape(E).astype(np.int32),
+        "rank_load": rank_load.reshape(R).astype(np.int32),
+    }
+    info = {
+        "tau": tau,
+        "tau0": tau0,
+        "delta": delta,
+        "replicas": replicas,
+        "probes": probes,
+        "load_e": load_e,
+        "L": L,
+        "T": T,
+        "Lmax": Lmax,
+    }
+    return plan, info
+
+
+def reference_plan(
+    loads,
+    slots_per_rank: int,
+    min_tokens_per_replica: int,
+    balance_eps: float,
+    master_keep_tokens: int = 1,
+) -> dict:
+    """The plan of PLANNER.md for ``loads[R, E]``.
+
+    Returns a dict of int32 NumPy arrays: ``slot_expert [R,S]`` (-1 empty), ``slot_quota [R,S]``
+    (0 empty), ``master_quota [E]``, ``rank_load [R]``. Raises ValueError on invalid input
+    (negative loads, ``load_e`` or ``L`` above 2^31 - 1, ``E % R != 0``, bad parameters).
+    """
+    plan, _ = reference_plan_info(
+        loads, slots_per_rank, min_tokens_per_replica, balance_eps, master_keep_tokens
+    )
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# Invariants
+# --------------------------------------------------------------------------------------------
+
+
+def check_plan_invariants(loads, plan, slots_per_rank: int) -> None:
+    """Assert the DESIGN.md invariants of ``plan`` (any array-likes, e.g. jax arrays) for ``loads``."""
+    arr = np.asarray(loads).astype(np.int64)
+    assert arr.ndim == 2, arr.shape
+    R, E = arr.shape
+    S = int(slots_per_rank)
+    assert R >= 1 and E % R == 0, (R, E)
+    E_m = E // R
+    load_e = arr.sum(axis=0)
+    L = np.asarray([load_e[d * E_m:(d + 1) * E_m].sum() for d in range(R)], dtype=np.int64)
+
+    slot_expert = np.asarray(plan["slot_expert"]).astype(np.int64)
+    slot_quota = np.asarray(plan["slot_quota"]).astype(np.int64)
+    master_quota = np.asarray(plan["master_quota"]).astype(np.int64)
+    rank_load = np.asarray(plan["rank_load"]).astype(np.int64)
+    assert slot_expert.shape == (R, S), (slot_expert.shape, (R, S))
+    assert slot_quota.shape == (R, S), (slot_quota.shape, (R, S))
+    assert master_quota.shape == (E,), (master_quota.shape, E)
+    assert rank_load.shape == (R,), (rank_load.shape, R)
+
+    # every quota >= 0
+    assert (master_quota >= 0).all(), f"negative master quota: {master_quota}"
+    assert (slot_quota >= 0).all(), f"negative slot quota: {slot_quota}"
+
+    # empty slots: expert -1 and quota 0; filled slots: a valid expert and quota >= 1
+    empty = slot_expert == -1
+    assert ((slot_expert == -1) | ((slot_expert >= 0) & (slot_expert < E))).all(), (
+        f"slot expert out of range: {slot_expert}"
+    )
+    assert (slot_quota[empty] == 0).all(), f"empty slot with a quota: {slot_expert} {slot_quota}"
+    assert (slot_quota[~empty] >= 1).all(), f"filled slot with quota < 1: {slot_expert} {slot_quota}"
+
+    # no rank holds an expert twice (the master counts as holding it)
+    for d in range(R):
+        held = list(range(d * E_m, (d + 1) * E_m)) + [int(e) for e in slot_expert[d] if e >= 0]
+        assert len(held) == len(set(held)), f"rank {d} holds an expert twice: {held}"
+
+    # for every expert, master quota + its replicas' quotas == load_e
+    total = master_quota.copy()
+    for d in range(R):
+        for s in range(S):
+            e = int(slot_expert[d, s])
+            if e >= 0:
+                total[e] += slot_quota[d, s]
+    assert (total == load_e).all(), f"quotas do not sum to load_e: {total} vs {load_e}"
+
+    # rank_load consistent with the quotas
+    expect = np.asarray(
+        [master_quota[d * E_m:(d + 1) * E_m].sum() + slot_quota[d].sum() for d in range(R)],
+        dtype=np.int64,
+    )
+    assert (rank_load == expect).all(), f"rank_load {rank_load} != quotas {expect}"
+    assert int(rank_load.sum()) == int(L.sum()) == int(load_e.sum()), (
+        f"sum(rank_load)={rank_load.sum()} != sum(loads)={arr.sum()}"
+    )

@@ -1,0 +1,94 @@
+"""The plan: which hot experts to replicate onto which ranks, and how many tokens each instance
+takes. Computed by the native planner through an XLA FFI custom call (C++ on CPU, CUDA on GPU),
+so it runs inside `jax.jit`, `vmap`, `lax.map` and `shard_map` with no host round-trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ultraep_jax import _native
+from ultraep_jax.config import BalancerConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A balancing plan for one load matrix (a pytree; leading batch axes appear under `vmap`).
+
+    Attributes:
+        slot_expert: int32 [R, S], the logical expert held in each spare slot, -1 when empty.
+        slot_quota: int32 [R, S], tokens that replica processes (0 when empty).
+        master_quota: int32 [E], tokens each expert's master keeps.
+        rank_load: int32 [R], tokens each rank processes after balancing.
+
+    For every expert, ``master_quota[e]`` plus the quotas of its replicas equals ``sum_r loads[r, e]``.
+    """
+
+    slot_expert: jax.Array
+    slot_quota: jax.Array
+    master_quota: jax.Array
+    rank_load: jax.Array
+
+    @property
+    def num_replicas(self) -> jax.Array:
+        """int32 []: replica instances in the plan (filled slots)."""
+        return jnp.sum(self.slot_expert >= 0, axis=(-2, -1), dtype=jnp.int32)
+
+
+def _check_loads(loads, config: BalancerConfig):
+    if not isinstance(config, BalancerConfig):
+        raise TypeError(f"plan: config must be a BalancerConfig, got {type(config).__name__}")
+    if not hasattr(loads, "dtype"):
+        loads = np.asarray(loads)
+    want = (config.ep_size, config.num_experts)
+    if tuple(loads.shape) != want:
+        raise ValueError(
+                f"plan: loads must have shape [ep_size, num_experts] = {list(want)}, got {list(loads.shape)}")
+    if loads.dtype != np.int32:
+        raise TypeError(f"plan: loads must be int32, got {loads.dtype} (cast with .astype(np.int32))")
+    return loads
+
+
+def plan(loads, config: BalancerConfig) -> Plan:
+    """Plans replicas and quotas for one expert-load matrix.
+
+    Args:
+        loads: int32 [R, E] (NumPy or JAX): ``loads[r, e]`` is the number of (token, choice) pairs
+            on source rank ``r`` routed to expert ``e``; every entry must be >= 0. Inside
+            `jax.shard_map` pass the all-gathered matrix, so that every rank computes the same plan.
+        config: the balancer configuration; ``loads`` must be ``[config.ep_size,
+            config.num_experts]``.
+
+    Returns:
+        The `Plan`. The planner is a pure, deterministic function of ``loads``.
+
+    Raises:
+        ValueError / TypeError: wrong shape or dtype (before anything runs). A negative load is
+        reported by the custom call when it runs on the CPU (an `XlaRuntimeError` naming the entry);
+        on GPU, where a kernel cannot raise, every output of that plan is -1.
+    """
+    loads = _check_loads(loads, config)
+    _native.cpu_library()  # registers the FFI targets once
+    R, E, S = config.ep_size, config.num_experts, config.slots_per_rank
+    i32 = jnp.int32
+    out_types = (
+            jax.ShapeDtypeStruct((R, S), i32),
+            jax.ShapeDtypeStruct((R, S), i32),
+            jax.ShapeDtypeStruct((E,), i32),
+            jax.ShapeDtypeStruct((R,), i32),
+            # int64 scratch for the C++ core, as int32 pairs (so it works without jax_enable_x64).
+      jax.ShapeDtypeStruct((2 * _native.workspace_elems(R, E, S),), i32),
+    )
+    call = jax.ffi.ffi_call(_native.PLAN_TARGET, out_types, vmap_method="broadcast_all")
+    slot_expert, slot_quota, master_quota, rank_load, _ = call(
+            loads,
+            slots_per_rank=np.int64(S),
+            min_tokens_per_replica=np.int64(config.min_tokens_per_replica),
+            master_keep_tokens=np.int64(config.master_keep_tokens),
+            balance_eps=np.float64(config.balance_eps),
+    )
+    return Plan(slot_expert, slot_quota, master_quota, rank_load)
