@@ -79,12 +79,15 @@ def rank_loads_before(loads) -> np.ndarray:
 
 
 def compute_tau0(T: int, R: int, eps: float) -> int:
-    """tau0 = ceil(double(T) * (1.0 + eps) / double(R)): multiply, then divide, then ceil."""
+    """tau0 = max(ceil(T / R), floor(double(T) * (1.0 + eps) / double(R))).
+
+    The first term in exact integers, the second as multiply, then divide, then floor.
+    """
     v = float(T) * (1.0 + float(eps))
     v = v / float(R)
     if not math.isfinite(v):
         raise ValueError("tau0 is not a finite double (balance_eps too large)")
-    return int(math.ceil(v))
+    return max(-(-T // R), int(math.floor(v)))
 
 
 def compute_delta(T: int, R: int, eps: float) -> int:
@@ -113,6 +116,18 @@ def _expert_order(d: int, E_m: int, load_e: list[int]) -> list[int]:
     return sorted(masters, key=lambda e: (-load_e[e], e))
 
 
+def _pick_target(slack: list[int], free: list[int], need: int) -> int:
+    """Among ranks with a free slot and slack: the least slack >= need (best fit), else the most
+    slack; ties -> smallest rank (strict comparisons in a scan by ascending rank). -1 if none."""
+    candidates = [t for t in range(len(slack)) if free[t] > 0 and slack[t] > 0]
+    fits = [t for t in candidates if slack[t] >= need]
+    if fits:
+        return min(fits, key=lambda t: (slack[t], t))
+    if candidates:
+        return min(candidates, key=lambda t: (-slack[t], t))
+    return -1
+
+
 def oracle(tau: int, load_e: list[int], L: list[int], S: int, F: int, K: int):
     """``try(tau)`` of PLANNER.md.
 
@@ -138,12 +153,7 @@ def oracle(tau: int, load_e: list[int], L: list[int], S: int, F: int, K: int):
                 avail = load_e[e] - K - exported[e]
                 if avail < fl:
                     break  # this expert cannot give a legal replica
-                # the rank with free > 0 and slack > 0 with the largest slack, ties -> smallest t
-                t = -1
-                for cand in range(R):
-                    if free[cand] > 0 and slack[cand] > 0:
-                        if t == -1 or slack[cand] > slack[t]:
-                            t = cand
+                t = _pick_target(slack, free, min(x, avail))
                 if t == -1:
                     return False, []
                 q = min(x, slack[t], avail)
