@@ -81,9 +81,7 @@ def _check_layout(ep_size, num_experts) -> tuple[int, int]:
     ep_size = _check_positive_int("ep_size", ep_size)
     num_experts = _check_positive_int("num_experts", num_experts)
     if num_experts % ep_size != 0:
-        raise ValueError(
-            f"num_experts={num_experts} is not divisible by ep_size={ep_size}"
-        )
+        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
     return ep_size, num_experts
 
 
@@ -410,9 +408,14 @@ def harmoeny_trace_rows(csv_path) -> list[tuple[dict, np.ndarray]]:
     with csv_path.open(newline="") as f:
         reader = csv.reader(f)
         header = next(reader)
-        if len(header) < 5 or header[2:4] != ["iteration", "layer_idx"] or header[1] not in (
-            "dataset",
-            "router_skew",
+        if (
+            len(header) < 5
+            or header[2:4] != ["iteration", "layer_idx"]
+            or header[1]
+            not in (
+                "dataset",
+                "router_skew",
+            )
         ):
             raise ValueError(f"{csv_path}: unexpected header {header[:5]}")
         expert_cols = header[4:]
@@ -529,9 +532,7 @@ def _trace_items(name: str, root: Path) -> Iterator[tuple[str, np.ndarray]]:
             raise FileNotFoundError(f"no *.csv files in {folder}")
         for path in files:
             for meta, counts in harmoeny_trace_rows(path):
-                group = (
-                    meta["dataset"] if "dataset" in meta else f"skew{meta['router_skew']:g}"
-                )
+                group = meta["dataset"] if "dataset" in meta else f"skew{meta['router_skew']:g}"
                 label = (
                     f"{name}/{path.stem}/{group}/iter{meta['iteration']:02d}"
                     f"/layer{meta['layer']:02d}"
@@ -584,8 +585,9 @@ def trace_workloads(
             if counts.shape[0] != num_experts:
                 raise ValueError(f"{label}: {counts.shape[0]} experts, expected {num_experts}")
             item_seed = int(np.random.SeedSequence([int(seed), index]).generate_state(1)[0])
-            yield label, loads_from_expert_counts(
-                counts, ep_size, tokens_per_rank, top_k, item_seed
+            yield (
+                label,
+                loads_from_expert_counts(counts, ep_size, tokens_per_rank, top_k, item_seed),
             )
 
     return generate()

@@ -302,10 +302,7 @@ def reference_plan_info(
         received[t] += q
     master_quota = np.asarray([load_e[e] - exported[e] for e in range(E)], dtype=np.int64)
     rank_load = np.asarray(
-        [
-            L[d] - sum(exported[d * E_m + j] for j in range(E_m)) + received[d]
-            for d in range(R)
-        ],
+        [L[d] - sum(exported[d * E_m + j] for j in range(E_m)) + received[d] for d in range(R)],
         dtype=np.int64,
     )
     plan = {
@@ -361,7 +358,7 @@ def check_plan_invariants(loads, plan, slots_per_rank: int) -> None:
     assert R >= 1 and E % R == 0, (R, E)
     E_m = E // R
     load_e = arr.sum(axis=0)
-    L = np.asarray([load_e[d * E_m:(d + 1) * E_m].sum() for d in range(R)], dtype=np.int64)
+    L = np.asarray([load_e[d * E_m : (d + 1) * E_m].sum() for d in range(R)], dtype=np.int64)
 
     slot_expert = np.asarray(plan["slot_expert"]).astype(np.int64)
     slot_quota = np.asarray(plan["slot_quota"]).astype(np.int64)
@@ -382,7 +379,9 @@ def check_plan_invariants(loads, plan, slots_per_rank: int) -> None:
         f"slot expert out of range: {slot_expert}"
     )
     assert (slot_quota[empty] == 0).all(), f"empty slot with a quota: {slot_expert} {slot_quota}"
-    assert (slot_quota[~empty] >= 1).all(), f"filled slot with quota < 1: {slot_expert} {slot_quota}"
+    assert (slot_quota[~empty] >= 1).all(), (
+        f"filled slot with quota < 1: {slot_expert} {slot_quota}"
+    )
 
     # no rank holds an expert twice (the master counts as holding it)
     for d in range(R):
@@ -400,7 +399,7 @@ def check_plan_invariants(loads, plan, slots_per_rank: int) -> None:
 
     # rank_load consistent with the quotas
     expect = np.asarray(
-        [master_quota[d * E_m:(d + 1) * E_m].sum() + slot_quota[d].sum() for d in range(R)],
+        [master_quota[d * E_m : (d + 1) * E_m].sum() + slot_quota[d].sum() for d in range(R)],
         dtype=np.int64,
     )
     assert (rank_load == expect).all(), f"rank_load {rank_load} != quotas {expect}"

@@ -227,7 +227,9 @@ def test_hand_rank_order_tie_break():
     # d=1: x = 15, need 15; rank 2 has no slack left -> rank 3 (15, fits), q = 15.
     loads = loads_from_expert_totals([30, 30, 0, 0], 4)
     plan = reference_plan(loads, 1, 1, 0.0)
-    assert_plan(plan, [[-1], [-1], [0], [1]], [[0], [0], [15], [15]], [15, 15, 0, 0], [15, 15, 15, 15])
+    assert_plan(
+        plan, [[-1], [-1], [0], [1]], [[0], [0], [15], [15]], [15, 15, 0, 0], [15, 15, 15, 15]
+    )
     check_plan_invariants(loads, plan, 1)
 
 
@@ -623,8 +625,14 @@ def test_search_small_span_duplicates_and_skipped_refine():
 
 @pytest.mark.parametrize(
     "T,Lmax,R,S,eps",
-    [(0, 0, 4, 1, 0.0), (100, 100, 1, 2, 0.0), (100, 100, 4, 0, 0.0), (100, 25, 4, 1, 0.0),
-     (100, 27, 4, 1, 0.1), (10, 3, 4, 1, 0.1)],
+    [
+        (0, 0, 4, 1, 0.0),
+        (100, 100, 1, 2, 0.0),
+        (100, 100, 4, 0, 0.0),
+        (100, 25, 4, 1, 0.0),
+        (100, 27, 4, 1, 0.1),
+        (10, 3, 4, 1, 0.1),
+    ],
 )
 def test_search_short_circuits(T, Lmax, R, S, eps):
     # T == 0, R == 1, S == 0, tau0 >= Lmax: 25 >= 25; floor(100.0 * 1.1 / 4.0) =
@@ -961,7 +969,9 @@ def test_single_rank():
     assert_plan(plan, [[-1, -1, -1]], [[0, 0, 0]], [5, 1000, 3], [1008])
 
 
-@pytest.mark.parametrize("R,E_m,S,v", [(2, 1, 1, 7), (4, 2, 2, 1), (8, 4, 3, 10**6), (8, 1, 3, 123457)])
+@pytest.mark.parametrize(
+    "R,E_m,S,v", [(2, 1, 1, 7), (4, 2, 2, 1), (8, 4, 3, 10**6), (8, 1, 3, 123457)]
+)
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_all_equal_loads_no_replicas(R, E_m, S, v, eps):
     # All equal: L = E_m * v everywhere, T = R * L, tau0 >= ceil(T / R) = L = Lmax (whatever the
@@ -1092,6 +1102,14 @@ def test_check_plan_invariants_catches_violations():
     def shape(p):
         p["slot_expert"] = p["slot_expert"][:, :1]
 
-    for m in (quota_sum, master_own_rank, twice, empty_with_quota, filled_zero, negative,
-              rank_load_off, shape):
+    for m in (
+        quota_sum,
+        master_own_rank,
+        twice,
+        empty_with_quota,
+        filled_zero,
+        negative,
+        rank_load_off,
+        shape,
+    ):
         broken(m)

@@ -172,7 +172,9 @@ def test_deepseek_loader_drops_exactly_the_dense_layers():
 
 @needs_traces
 def test_harmoeny_rows():
-    qwen = workloads.harmoeny_trace_rows(TRACES / "qwen1.5-moe/expert_freq_qwen_policy_datasets.csv")
+    qwen = workloads.harmoeny_trace_rows(
+        TRACES / "qwen1.5-moe/expert_freq_qwen_policy_datasets.csv"
+    )
     assert len(qwen) == 960
     meta, counts = qwen[0]
     assert meta == {"row": 0, "dataset": "bookcorpus", "iteration": 0, "layer": 0}
@@ -184,7 +186,8 @@ def test_harmoeny_rows():
 
 @needs_traces
 @pytest.mark.parametrize(
-    "name,ep_size,top_k", [("deepseek-r1", 64, 8), ("qwen1.5-moe", 12, 4), ("switch-base-128", 8, 1)]
+    "name,ep_size,top_k",
+    [("deepseek-r1", 64, 8), ("qwen1.5-moe", 12, 4), ("switch-base-128", 8, 1)],
 )
 def test_trace_workloads(name, ep_size, top_k):
     num_experts = workloads.TRACE_NUM_EXPERTS[name]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 import pathlib
 
 import jax
@@ -15,14 +16,17 @@ _CUDA_LIB = "libultraep_ffi_cuda.so"
 
 
 def _find(name: str) -> pathlib.Path | None:
-    # An editable install may keep the sources and the built libraries in different folders of the
-    # package's search path.
+    # Beside the package's modules; or, when a source checkout shadows the installed package (tests
+    # run from the repository root) or an editable install keeps them apart, where pip put it.
     import ultraep_jax
-    for folder in ultraep_jax.__path__:
-        path = pathlib.Path(folder) / name
-        if path.exists():
-            return path
-    return None
+
+    candidates = [pathlib.Path(folder) / name for folder in ultraep_jax.__path__]
+    try:
+        dist = importlib.metadata.distribution("ultraep_jax")
+        candidates.append(pathlib.Path(dist.locate_file(f"ultraep_jax/{name}")))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return next((path for path in candidates if path.exists()), None)
 
 
 @functools.cache
@@ -31,19 +35,20 @@ def cpu_library() -> ctypes.CDLL:
     path = _find(_CPU_LIB)
     if path is None:
         raise ImportError(
-                f"ultraep_jax: native library {_CPU_LIB} not found in the package; "
-                "install the package with `pip install .` so that ffi/ gets built")
+            f"ultraep_jax: native library {_CPU_LIB} not found in the package; "
+            "install the package with `pip install .` so that ffi/ gets built"
+        )
     lib = ctypes.cdll.LoadLibrary(str(path))
     lib.ultraep_workspace_elems.restype = ctypes.c_int64
     lib.ultraep_workspace_elems.argtypes = [ctypes.c_int64] * 3
-    jax.ffi.register_ffi_target(
-            PLAN_TARGET, jax.ffi.pycapsule(lib.UltraepPlanCpu), platform="cpu")
+    jax.ffi.register_ffi_target(PLAN_TARGET, jax.ffi.pycapsule(lib.UltraepPlanCpu), platform="cpu")
     cuda_path = _find(_CUDA_LIB)
     if cuda_path is not None:
         # Loading needs no GPU (the CUDA runtime is linked statically and finds the driver lazily).
         cuda = ctypes.cdll.LoadLibrary(str(cuda_path))
         jax.ffi.register_ffi_target(
-                PLAN_TARGET, jax.ffi.pycapsule(cuda.UltraepPlanCuda), platform="CUDA")
+            PLAN_TARGET, jax.ffi.pycapsule(cuda.UltraepPlanCuda), platform="CUDA"
+        )
     return lib
 
 

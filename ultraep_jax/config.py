@@ -8,7 +8,9 @@ import math
 
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"BalancerConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(
+            f"BalancerConfig.{name} must be an int, got {type(value).__name__} {value!r}"
+        )
     if value < minimum:
         raise ValueError(f"BalancerConfig.{name} must be >= {minimum}, got {value}")
 
@@ -44,12 +46,15 @@ class BalancerConfig:
         _check_int("master_keep_tokens", self.master_keep_tokens, 0)
         if self.num_experts % self.ep_size:
             raise ValueError(
-                    f"BalancerConfig: num_experts={self.num_experts} is not divisible by "
-                    f"ep_size={self.ep_size}")
+                f"BalancerConfig: num_experts={self.num_experts} is not divisible by "
+                f"ep_size={self.ep_size}"
+            )
         if isinstance(self.balance_eps, bool) or not isinstance(self.balance_eps, (int, float)):
             raise TypeError(f"BalancerConfig.balance_eps must be a float, got {self.balance_eps!r}")
         if not math.isfinite(self.balance_eps) or self.balance_eps < 0:
-            raise ValueError(f"BalancerConfig.balance_eps must be finite and >= 0, got {self.balance_eps}")
+            raise ValueError(
+                f"BalancerConfig.balance_eps must be finite and >= 0, got {self.balance_eps}"
+            )
 
     @property
     def experts_per_rank(self) -> int:

@@ -47,9 +47,12 @@ def _check_loads(loads, config: BalancerConfig):
     want = (config.ep_size, config.num_experts)
     if tuple(loads.shape) != want:
         raise ValueError(
-                f"plan: loads must have shape [ep_size, num_experts] = {list(want)}, got {list(loads.shape)}")
+            f"plan: loads must have shape [ep_size, num_experts] = {list(want)}, got {list(loads.shape)}"
+        )
     if loads.dtype != np.int32:
-        raise TypeError(f"plan: loads must be int32, got {loads.dtype} (cast with .astype(np.int32))")
+        raise TypeError(
+            f"plan: loads must be int32, got {loads.dtype} (cast with .astype(np.int32))"
+        )
     return loads
 
 
@@ -76,19 +79,19 @@ def plan(loads, config: BalancerConfig) -> Plan:
     R, E, S = config.ep_size, config.num_experts, config.slots_per_rank
     i32 = jnp.int32
     out_types = (
-            jax.ShapeDtypeStruct((R, S), i32),
-            jax.ShapeDtypeStruct((R, S), i32),
-            jax.ShapeDtypeStruct((E,), i32),
-            jax.ShapeDtypeStruct((R,), i32),
-            # int64 scratch for the C++ core, as int32 pairs (so it works without jax_enable_x64).
-      jax.ShapeDtypeStruct((2 * _native.workspace_elems(R, E, S),), i32),
+        jax.ShapeDtypeStruct((R, S), i32),
+        jax.ShapeDtypeStruct((R, S), i32),
+        jax.ShapeDtypeStruct((E,), i32),
+        jax.ShapeDtypeStruct((R,), i32),
+        # int64 scratch for the C++ core, as int32 pairs (so it works without jax_enable_x64).
+        jax.ShapeDtypeStruct((2 * _native.workspace_elems(R, E, S),), i32),
     )
     call = jax.ffi.ffi_call(_native.PLAN_TARGET, out_types, vmap_method="broadcast_all")
     slot_expert, slot_quota, master_quota, rank_load, _ = call(
-            loads,
-            slots_per_rank=np.int64(S),
-            min_tokens_per_replica=np.int64(config.min_tokens_per_replica),
-            master_keep_tokens=np.int64(config.master_keep_tokens),
-            balance_eps=np.float64(config.balance_eps),
+        loads,
+        slots_per_rank=np.int64(S),
+        min_tokens_per_replica=np.int64(config.min_tokens_per_replica),
+        master_keep_tokens=np.int64(config.master_keep_tokens),
+        balance_eps=np.float64(config.balance_eps),
     )
     return Plan(slot_expert, slot_quota, master_quota, rank_load)
