@@ -1,0 +1,67 @@
+"""Replica expert weights: each spare slot receives its expert's weights from the master's rank.
+
+One ragged exchange carries every slot's weights. It is linear in the master weights, so its
+transpose (the backward pass) sends each replica's weight gradient back and adds it into the
+master's gradient: no custom VJP needed. Nothing here waits on the masters' own matmuls, so XLA
+is free to overlap the transfer with them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ultraep_jax import comm
+
+
+def slot_owners(slot_expert: jax.Array, experts_per_rank: int) -> jax.Array:
+    """int32 [R, S]: the master rank of each slot's expert; R for an empty slot."""
+    R = slot_expert.shape[0]
+    return jnp.where(slot_expert >= 0, slot_expert // experts_per_rank, R).astype(jnp.int32)
+
+
+def fetch_replica_weights(
+    master_weights: jax.Array, slot_expert: jax.Array, *, axis_name: str, backend: str = "auto"
+) -> jax.Array:
+    """[S, P]: the weights of the experts in this rank's spare slots (zeros for empty slots).
+
+    Args:
+      master_weights: [E_m, P], this rank's master experts, flattened.
+      slot_expert: int32 [R, S], the plan's slots (identical on every rank of the EP group).
+      axis_name: the EP mesh axis.
+      backend: see `comm.ragged_exchange`.
+    """
+    em = master_weights.shape[0]
+    R, S = slot_expert.shape
+    me = jax.lax.axis_index(axis_name)
+    owner = slot_owners(slot_expert, em)  # [R, S]
+    slot = jnp.arange(S, dtype=jnp.int32)
+
+    # Sender: for each destination t, the slots of t that hold one of my masters, in slot order,
+    # first in t's block of S rows.
+    mine = owner == me
+    order = jnp.argsort(jnp.where(mine, 0, S) + slot[None, :], axis=1)  # [R, S]
+    local = jnp.clip(slot_expert, 0, None) % em
+    operand = master_weights[jnp.take_along_axis(local, order, axis=1).reshape(-1)]  # [R*S, P]
+    send_sizes = jnp.sum(mine, axis=1, dtype=jnp.int32)
+    input_offsets = jnp.arange(R, dtype=jnp.int32) * S
+    # Receiver t keeps its slots ordered by (owner, slot): my block starts after lower owners'.
+    output_offsets = jnp.sum(owner < me, axis=1, dtype=jnp.int32)
+
+    my_owner = owner[me]  # [S]
+    recv_sizes = jnp.sum(my_owner[None, :] == jnp.arange(R)[:, None], axis=1, dtype=jnp.int32)
+    received = comm.ragged_exchange(
+        operand,
+        jnp.zeros((S,) + master_weights.shape[1:], master_weights.dtype),
+        input_offsets,
+        send_sizes,
+        output_offsets,
+        recv_sizes,
+        axis_name=axis_name,
+        max_chunk=S,
+        backend=backend,
+    )
+    # Back to slot order: slot s sits at its rank among (owner, slot) pairs.
+    key = my_owner * S + slot
+    position = jnp.sum(key[None, :] < key[:, None], axis=1)
+    return received[position]
