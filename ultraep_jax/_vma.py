@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 
-def _varying_axes(x) -> frozenset:
+def varying_axes(x) -> frozenset:
     """Mesh axes over which shard_map's type system says ``x`` varies."""
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)  # jax 0.10
@@ -14,5 +14,5 @@ def _varying_axes(x) -> frozenset:
 
 def vary(x, axes):
     """Marks ``x`` as varying over ``axes`` (a no-op at run time)."""
-    missing = tuple(a for a in axes if a not in _varying_axes(x))
+    missing = tuple(a for a in axes if a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from ultraep_jax import comm_portable, comm_ragged
-from ultraep_jax._vma import vary
+from ultraep_jax._vma import vary, varying_axes
 
 BACKENDS = ("auto", "portable", "ragged")
 
@@ -32,13 +32,15 @@ def ragged_exchange(
     args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
     kw = dict(axis_name=axis_name, max_chunk=max_chunk)
 
-    # The result differs per device; say so (some transposes drop the type), so that both
-    # platform branches have one type.
+    # The result varies over the exchange axis and whatever its inputs vary over; say so
+    # explicitly (some transposes drop the type) so that both platform branches have one type.
+    axes = tuple(sorted({axis_name} | varying_axes(operand) | varying_axes(output)))
+
     def portable(*a):
-        return vary(comm_portable.ragged_exchange(*a, **kw), (axis_name,))
+        return vary(comm_portable.ragged_exchange(*a, **kw), axes)
 
     def ragged(*a):
-        return vary(comm_ragged.ragged_exchange(*a, **kw), (axis_name,))
+        return vary(comm_ragged.ragged_exchange(*a, **kw), axes)
 
     if backend == "portable":
         return portable(*args)

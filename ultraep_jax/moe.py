@@ -35,6 +35,7 @@ class MoEStats:
     """What balancing did in one call of the layer.
 
     Attributes:
+      expert_load: int32 [E], (token, choice) pairs routed to each expert.
       rank_load_before: int32 [R], (token, choice) pairs routed to each EP rank's master experts.
       rank_load_after: int32 [R], pairs each EP rank is planned to process after balancing
         (equal to ``rank_load_before`` without a balancer; pairs dropped for capacity included).
@@ -48,6 +49,7 @@ class MoEStats:
     worst group's.
     """
 
+    expert_load: jax.Array
     rank_load_before: jax.Array
     rank_load_after: jax.Array
     dropped: jax.Array
@@ -154,8 +156,10 @@ def _moe_shard(
     pair_out = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
     y = jnp.einsum("tk,tkd->td", weights, pair_out.reshape(-1, top_k, D).astype(jnp.float32))
 
-    before = jnp.sum(jnp.sum(loads, axis=0).reshape(R, em), axis=1)
+    load_e = jnp.sum(loads, axis=0)
+    before = jnp.sum(load_e.reshape(R, em), axis=1)
     stats = MoEStats(
+        expert_load=load_e,
         rank_load_before=before,
         rank_load_after=plan.rank_load,
         dropped=jnp.sum(counts) - jnp.sum(kept),
@@ -169,7 +173,13 @@ def _moe_shard(
             stats,
             **{
                 f: jax.lax.psum(getattr(stats, f), data_axes)
-                for f in ("rank_load_before", "rank_load_after", "dropped", "replicas")
+                for f in (
+                    "expert_load",
+                    "rank_load_before",
+                    "rank_load_after",
+                    "dropped",
+                    "replicas",
+                )
             },
             **{
                 f: jax.lax.pmax(getattr(stats, f), data_axes)

@@ -1,0 +1,255 @@
+"""Plot and summarize a training run's ``metrics.jsonl`` (host only, no JAX).
+
+``metrics.jsonl`` holds one JSON object per logged step with at least ``step`` and ``loss``, and
+optionally ``eval_loss``, per-layer lists ``imbalance_before`` / ``imbalance_after`` (max/mean
+rank load before and after balancing), ``balance`` (the mode), ``dropped`` (tokens dropped: a
+number or a per-layer list) and tokens per second (any key of :data:`TOKENS_PER_S_KEYS`).
+
+* :func:`read_metrics` -- the records, one per step, in step order.
+* :func:`plot_metrics` -- one PNG: loss (and eval loss) on top, per-layer imbalance below.
+* :func:`summarize` -- a short multi-line text summary.
+
+matplotlib is imported inside :func:`plot_metrics` only (Agg canvas, no pyplot state).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+
+import numpy as np
+
+__all__ = ["STEP_TIME_KEYS", "TOKENS_PER_S_KEYS", "plot_metrics", "read_metrics", "summarize"]
+
+#: Keys read as throughput (the first one present in a record is used).
+TOKENS_PER_S_KEYS = ("tokens_per_s", "tokens_per_sec", "tokens/s", "tok_per_s")
+#: Keys read as the step time in seconds (the first one present in a record is used).
+STEP_TIME_KEYS = ("step_time_s", "step_time", "step_s")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+def read_metrics(metrics_path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file, one per step, sorted by ``step``.
+
+    Blank lines are skipped. A malformed *last* line (a run killed mid-write) is ignored; a
+    malformed line elsewhere raises ValueError. When a step appears more than once (a resumed run
+    re-logging steps after its last checkpoint) the last record wins.
+
+    Raises:
+      ValueError: the file holds no record, a record lacks ``step``/``loss``, or a line is bad.
+    """
+    path = pathlib.Path(metrics_path)
+    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
+    by_step: dict[int, dict] = {}
+    for k, (lineno, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or "step" not in record or "loss" not in record:
+            raise ValueError(f"{path}:{lineno}: a record needs 'step' and 'loss'")
+        by_step[int(record["step"])] = record
+    if not by_step:
+        raise ValueError(f"{path}: no metrics records")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _first_key(record: dict, keys) -> float | None:
+    for key in keys:
+        if record.get(key) is not None:
+            return float(record[key])
+    return None
+
+
+def _per_layer(records: list[dict], key: str) -> np.ndarray:
+    """float64 ``[T, L]`` of the per-layer list ``key`` (NaN where a record lacks it)."""
+    rows = [record.get(key) or [] for record in records]
+    num_layers = max((len(row) for row in rows), default=0)
+    out = np.full((len(records), num_layers), np.nan)
+    for t, row in enumerate(rows):
+        out[t, : len(row)] = [np.nan if v is None else float(v) for v in row]
+    return out
+
+
+def _balance_modes(records: list[dict]) -> list[str]:
+    modes = []
+    for record in records:
+        mode = record.get("balance")
+        if mode is not None and str(mode) not in modes:
+            modes.append(str(mode))
+    return modes
+
+
+def _steps_losses(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, values)`` of the records where ``key`` is present and not null."""
+    pairs = [(r["step"], float(r[key])) for r in records if r.get(key) is not None]
+    steps = np.array([p[0] for p in pairs], dtype=np.int64)
+    return steps, np.array([p[1] for p in pairs], dtype=np.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# Plot
+# --------------------------------------------------------------------------------------------
+
+
+def plot_metrics(metrics_path, png_path) -> pathlib.Path:
+    """Writes one PNG of a run: loss on top, per-layer imbalance before/after below.
+
+    Top panel: train loss vs step (and eval loss where logged). Bottom panel: for each layer, the
+    max/mean rank load before balancing (dashed) and after (solid, same color) vs step, with a
+    horizontal line at 1.0 (perfect balance). The title names the balance mode when the records
+    carry a ``balance`` key.
+
+    Returns:
+      ``png_path`` as a Path (parent directories are created).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    records = read_metrics(metrics_path)
+    steps = np.array([r["step"] for r in records], dtype=np.int64)
+    losses = np.array([float(r["loss"]) for r in records])
+    before = _per_layer(records, "imbalance_before")
+    after = _per_layer(records, "imbalance_after")
+    num_layers = max(before.shape[1], after.shape[1])
+
+    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_loss, ax_imb = fig.subplots(2, 1, sharex=True)
+
+    ax_loss.plot(steps, losses, color="C0", label="train loss")
+    eval_steps, eval_losses = _steps_losses(records, "eval_loss")
+    if eval_steps.size:
+        ax_loss.plot(eval_steps, eval_losses, "o-", color="C3", markersize=4, label="eval loss")
+    ax_loss.set_ylabel("cross-entropy loss")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend(loc="upper right")
+
+    if num_layers:
+        colors = _layer_colors(num_layers)
+        handles = []
+        for layer in range(num_layers):
+            color = colors[layer]
+            if layer < before.shape[1]:
+                ax_imb.plot(steps, before[:, layer], "--", color=color, linewidth=1.2)
+            if layer < after.shape[1]:
+                ax_imb.plot(steps, after[:, layer], "-", color=color, linewidth=1.5)
+            handles.append(Line2D([], [], color=color, label=f"layer {layer}"))
+        handles += [
+            Line2D([], [], color="gray", linestyle="--", label="before balancing"),
+            Line2D([], [], color="gray", linestyle="-", label="after balancing"),
+        ]
+        ax_imb.legend(
+            handles=handles,
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            fontsize="small",
+            ncol=max(1, math.ceil(len(handles) / 18)),
+        )
+    else:
+        ax_imb.text(
+            0.5, 0.5, "no imbalance data", ha="center", va="center", transform=ax_imb.transAxes
+        )
+    ax_imb.axhline(1.0, color="black", linewidth=0.8)
+    ax_imb.set_xlabel("step")
+    ax_imb.set_ylabel("max / mean rank load")
+    ax_imb.grid(alpha=0.3)
+
+    modes = _balance_modes(records)
+    title = "MoE LM training" + (f": balance={', '.join(modes)}" if modes else "")
+    subtitle = f"{len(records)} logged steps (step {steps[0]} .. {steps[-1]}), "
+    subtitle += f"final loss {losses[-1]:.4f}"
+    fig.suptitle(f"{title}\n{subtitle}")
+
+    png_path = pathlib.Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(os.fspath(png_path), dpi=110, format="png")
+    return png_path
+
+
+def _layer_colors(num_layers: int) -> list:
+    """One color per layer: tab10 up to 10 layers, else evenly spaced viridis."""
+    import matplotlib
+
+    if num_layers <= 10:
+        cmap = matplotlib.colormaps["tab10"]
+        return [cmap(i) for i in range(num_layers)]
+    cmap = matplotlib.colormaps["viridis"]
+    return [cmap(i / (num_layers - 1)) for i in range(num_layers)]
+
+
+# --------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------
+
+
+def _nan_stat(fn, column: np.ndarray) -> float:
+    column = column[~np.isnan(column)]
+    return float(fn(column)) if column.size else math.nan
+
+
+def _total_dropped(records: list[dict]) -> int | None:
+    """Sum of ``dropped`` (a number or per-layer list) over the records; None if never logged."""
+    values = [r["dropped"] for r in records if r.get("dropped") is not None]
+    if not values:
+        return None
+    return int(sum(float(np.sum(np.asarray(v, dtype=np.float64))) for v in values))
+
+
+def summarize(metrics_path) -> str:
+    """A short multi-line text summary of a run's ``metrics.jsonl``.
+
+    Lines: balance mode and logged steps; first and last train loss; last eval loss; for each
+    layer the mean and max over logged steps of the imbalance before and after balancing; the
+    total dropped tokens over logged steps (if ``dropped`` is logged); the mean tokens/s and step
+    time (if logged).
+    """
+    records = read_metrics(metrics_path)
+    first, last = records[0], records[-1]
+    modes = _balance_modes(records)
+    mode = ", ".join(modes) if modes else "?"
+    lines = [
+        f"run: balance={mode}, {len(records)} logged (steps {first['step']} .. {last['step']})"
+    ]
+    lines.append(
+        f"loss: first {float(first['loss']):.4f} (step {first['step']}), "
+        f"last {float(last['loss']):.4f} (step {last['step']})"
+    )
+    eval_steps, eval_losses = _steps_losses(records, "eval_loss")
+    if eval_steps.size:
+        lines.append(f"eval loss: last {eval_losses[-1]:.4f} (step {eval_steps[-1]})")
+
+    before = _per_layer(records, "imbalance_before")
+    after = _per_layer(records, "imbalance_after")
+    num_layers = max(before.shape[1], after.shape[1])
+    if num_layers:
+        lines.append("imbalance max/mean per layer over logged steps, mean [max]: before -> after")
+        for layer in range(num_layers):
+            parts = []
+            for table in (before, after):
+                if layer < table.shape[1]:
+                    col = table[:, layer]
+                    parts.append(f"{_nan_stat(np.mean, col):.3f} [{_nan_stat(np.max, col):.3f}]")
+                else:
+                    parts.append("n/a")
+            lines.append(f"  layer {layer}: {parts[0]} -> {parts[1]}")
+
+    dropped = _total_dropped(records)
+    if dropped is not None:
+        lines.append(f"dropped tokens: {dropped} in total over logged steps")
+    throughput = [v for v in (_first_key(r, TOKENS_PER_S_KEYS) for r in records) if v is not None]
+    if throughput:
+        lines.append(f"tokens/s: mean {np.mean(throughput):.1f} over {len(throughput)} steps")
+    step_times = [v for v in (_first_key(r, STEP_TIME_KEYS) for r in records) if v is not None]
+    if step_times:
+        lines.append(f"step time: mean {1e3 * np.mean(step_times):.2f} ms")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""Train a small MoE language model with exact-load expert balancing fused into the jitted step.
+
+    python -m experiments.train                       # 8 simulated CPU devices, stdlib text
+    python -m experiments.train --balance=none --workdir=runs/none
+    python -m experiments.train --data='~/books/*.txt' --steps=2000
+    # two processes x 4 CPU devices on one machine:
+    python -m experiments.train --num_processes=2 --process_id=0 --cpu_devices=4 \\
+        --coordinator_address=127.0.0.1:12345 &
+    python -m experiments.train --num_processes=2 --process_id=1 --cpu_devices=4 \\
+        --coordinator_address=127.0.0.1:12345
+
+Writes ``<workdir>/metrics.jsonl`` (one record per step), ``metrics.png`` and orbax checkpoints;
+rerunning with the same ``--workdir`` continues from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+from experiments.train_config import TrainConfig
+
+_D = TrainConfig.__dataclass_fields__
+
+flags.DEFINE_string("workdir", "runs/default", "Output folder; reused to resume.")
+flags.DEFINE_string("balance", "ultraep", "Expert load balancing: none or ultraep.")
+flags.DEFINE_integer("steps", _D["steps"].default, "Training steps (total, across resumes).")
+flags.DEFINE_string(
+    "data",
+    None,
+    "Text files: a path, folder or glob (default: the Python standard library's source files).",
+)
+flags.DEFINE_integer("max_corpus_bytes", _D["max_corpus_bytes"].default, "Corpus size cap.")
+flags.DEFINE_float("eval_fraction", _D["eval_fraction"].default, "Held-out tail of the corpus.")
+flags.DEFINE_integer("eval_batches", _D["eval_batches"].default, "Batches per evaluation.")
+flags.DEFINE_integer("batch_size", _D["batch_size"].default, "Global batch (sequences).")
+flags.DEFINE_integer("seq_len", _D["seq_len"].default, "Sequence length (bytes).")
+flags.DEFINE_integer("d_model", _D["d_model"].default, "Model width.")
+flags.DEFINE_integer("num_layers", _D["num_layers"].default, "Transformer blocks.")
+flags.DEFINE_integer("num_heads", _D["num_heads"].default, "Attention heads.")
+flags.DEFINE_integer("d_ff", _D["d_ff"].default, "Expert hidden width.")
+flags.DEFINE_integer("num_experts", _D["num_experts"].default, "Experts per MoE layer.")
+flags.DEFINE_integer("top_k", _D["top_k"].default, "Experts per token.")
+flags.DEFINE_integer("slots_per_rank", _D["slots_per_rank"].default, "Replica slots per rank.")
+flags.DEFINE_integer(
+    "min_tokens_per_replica",
+    _D["min_tokens_per_replica"].default,
+    "Least tokens a replica carries.",
+)
+flags.DEFINE_float("balance_eps", _D["balance_eps"].default, "Balance tolerance over the mean.")
+flags.DEFINE_string(
+    "capacity_factor",
+    "none",
+    "Receive buffer per rank as a multiple of its routed pairs; none = dropless.",
+)
+flags.DEFINE_float("learning_rate", _D["learning_rate"].default, "AdamW learning rate.")
+flags.DEFINE_integer("seed", _D["seed"].default, "Initialisation seed.")
+flags.DEFINE_integer("ep_size", 0, "Devices on the expert axis (0: all); the rest is data.")
+flags.DEFINE_integer("checkpoint_every", _D["checkpoint_every"].default, "Checkpoint interval.")
+flags.DEFINE_integer("eval_every", _D["eval_every"].default, "Eval interval.")
+flags.DEFINE_integer("print_every", _D["print_every"].default, "Progress line interval.")
+flags.DEFINE_integer(
+    "cpu_devices", 8, "Simulated CPU devices per process when there is no accelerator."
+)
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
+flags.DEFINE_integer("num_processes", 1, "Processes (multi-process).")
+flags.DEFINE_integer("process_id", 0, "This process's index (multi-process).")
+
+FLAGS = flags.FLAGS
+
+
+def _config() -> TrainConfig:
+    capacity = FLAGS.capacity_factor.strip().lower()
+    try:
+        capacity = None if capacity == "none" else float(capacity)
+    except ValueError:
+        raise ValueError(f"--capacity_factor must be a number or none, got {capacity!r}")
+    names = [f for f in _D if f != "capacity_factor"]
+    return TrainConfig(capacity_factor=capacity, **{n: getattr(FLAGS, n) for n in names})
+
+
+def _start_jax():
+    """Sets up devices before JAX first touches a backend."""
+    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # Only the host (CPU) platform reads this; on an accelerator it changes nothing.
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={FLAGS.cpu_devices}"
+        )
+    import jax
+
+    if FLAGS.num_processes > 1:
+        if not FLAGS.coordinator_address:
+            raise ValueError("--coordinator_address is required with --num_processes > 1")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:  # bad flags end with one line, not a traceback
+        cfg = _config()
+        _start_jax()
+        import jax
+
+        from experiments import data
+
+        cfg.check_devices(jax.device_count())
+        data.corpus_files(cfg.data)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    from experiments import trainer
+
+    trainer.run(cfg)
+
+
+if __name__ == "__main__":
+    app.run(main)
