@@ -41,6 +41,13 @@ def build_model(cfg: TrainConfig, mesh) -> MoELM:
             balance_eps=cfg.balance_eps,
         )
     model = MoELM(model_cfg, mesh, balancer, cfg.capacity_factor, rngs=nnx.Rngs(cfg.seed))
+    place_on_mesh(model, mesh)
+    return model
+
+
+def place_on_mesh(obj, mesh):
+    """Puts every array of an nnx object on ``mesh``: those already split over it stay, the rest
+    are replicated (so jit sees one device set, also after a checkpoint restore)."""
     replicated = NamedSharding(mesh, P())
 
     def on_mesh(a):
@@ -48,8 +55,7 @@ def build_model(cfg: TrainConfig, mesh) -> MoELM:
             return a
         return jax.device_put(a, replicated)
 
-    nnx.update(model, jax.tree.map(on_mesh, nnx.state(model)))
-    return model
+    nnx.update(obj, jax.tree.map(on_mesh, nnx.state(obj)))
 
 
 def _train_step(model, optimizer, batch):
@@ -134,11 +140,12 @@ def run(cfg: TrainConfig) -> dict:
     )
     files = data.corpus_files(cfg.data)
     train_bytes, eval_bytes = data.split_corpus(
-        data.load_corpus(files, cfg.max_corpus_bytes), cfg.eval_fraction
+        data.load_corpus(files, cfg.max_corpus_bytes), cfg.eval_fraction, seq_len=cfg.seq_len
     )
 
     model = build_model(cfg, mesh)
     optimizer = nnx.Optimizer(model, optax.adamw(cfg.learning_rate), wrt=nnx.Param)
+    place_on_mesh(optimizer, mesh)
     checkpoints = _Checkpoints(workdir, cfg.checkpoint_every)
     start = checkpoints.restore(model, optimizer)
     metrics = workdir / "metrics.jsonl"
