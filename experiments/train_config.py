@@ -34,6 +34,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     eval_every: int = 50
     print_every: int = 10
+    profile_loads: bool = False  # per-step, per-layer loads to <workdir>/loads.jsonl
 
     def __post_init__(self):
         if self.balance not in ("none", "ultraep"):

@@ -113,7 +113,24 @@ def _layer_record(stats: list[uep.MoEStats]) -> dict:
         "imbalance_after": [round(float(s.imbalance_after), 5) for s in stats],
         "dropped": [int(s.dropped) for s in stats],
         "replicas": [int(s.replicas) for s in stats],
-        "expert_load": [np.asarray(s.expert_load).tolist() for s in stats],
+    }
+
+
+def _load_profile(step: int, stats: list[uep.MoEStats]) -> dict:
+    """Per-layer loads of one step for `<workdir>/loads.jsonl` (the load profiler)."""
+    stats = jax.device_get(stats)
+    return {
+        "step": step,
+        "layers": [
+            {
+                "expert_load": np.asarray(s.expert_load).tolist(),
+                "rank_load_before": np.asarray(s.rank_load_before).tolist(),
+                "rank_load_after": np.asarray(s.rank_load_after).tolist(),
+                "replicas": int(s.replicas),
+                "dropped": int(s.dropped),
+            }
+            for s in stats
+        ],
     }
 
 
@@ -149,9 +166,11 @@ def run(cfg: TrainConfig) -> dict:
     checkpoints = _Checkpoints(workdir, cfg.checkpoint_every)
     start = checkpoints.restore(model, optimizer)
     metrics = workdir / "metrics.jsonl"
+    profile = workdir / "loads.jsonl"
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
         _keep_records_up_to(metrics, start)
+        _keep_records_up_to(profile, start)
         print(
             f"{cfg.balance}: {len(files)} files, {train_bytes.size} train bytes, "
             f"{jax.device_count()} devices as data={data_size} x expert={ep_size}, "
@@ -185,6 +204,9 @@ def run(cfg: TrainConfig) -> dict:
         if lead:
             with metrics.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            if cfg.profile_loads:
+                with profile.open("a") as f:
+                    f.write(json.dumps(_load_profile(step, stats)) + "\n")
             if step % cfg.print_every == 0 or step == cfg.steps or step == start + 1:
                 print(_progress_line(record), flush=True)
         checkpoints.save(step, model, optimizer, force=step == cfg.steps)
