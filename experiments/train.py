@@ -61,6 +61,12 @@ flags.DEFINE_integer("ep_size", 0, "Devices on the expert axis (0: all); the res
 flags.DEFINE_integer("checkpoint_every", _D["checkpoint_every"].default, "Checkpoint interval.")
 flags.DEFINE_integer("eval_every", _D["eval_every"].default, "Eval interval.")
 flags.DEFINE_integer("print_every", _D["print_every"].default, "Progress line interval.")
+flags.DEFINE_bool(
+    "profile_loads",
+    False,
+    "Record per-step, per-layer expert and rank loads before/after balancing to "
+    "<workdir>/loads.jsonl.",
+)
 flags.DEFINE_integer(
     "cpu_devices", 8, "Simulated CPU devices per process when there is no accelerator."
 )
