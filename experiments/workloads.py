@@ -11,6 +11,8 @@ Generated workloads:
   * :func:`rank_zipf_loads` -- UltraEP-style rank-level Zipf, with the exponent solved so the
     initial (master-only) max/mean rank load hits a target such as 1.5 / 2.0 / 3.0.
   * :func:`expert_zipf_loads` -- Zipf over experts with a given exponent.
+  * :func:`drifting_stream` -- a non-stationary stream ``[steps, R, E]``: expert popularity
+    drifts (a random walk on the logits) and occasionally jumps (a random re-ranking).
 
 Measured workloads (DESIGN.md section 9; read-only data under ``shared/traces``, see its README):
   * :func:`deepseek_trace_expert_counts` -- DeepSeek-V3/R1 serving runs (SGLang), 256 experts.
@@ -42,6 +44,7 @@ __all__ = [
     "rank_zipf_loads",
     "rank_zipf_loads_with_exponent",
     "expert_zipf_loads",
+    "drifting_stream",
     "deepseek_trace_expert_counts",
     "harmoeny_trace_rows",
     "loads_from_expert_counts",
@@ -331,6 +334,83 @@ def expert_zipf_loads(
     p[order] = _zipf_weights(num_experts, exponent)
     loads = np.random.default_rng(ss_draw).multinomial(n_pairs, p, size=ep_size)
     return loads.astype(np.int32)
+
+
+def drifting_stream(
+    ep_size: int,
+    num_experts: int,
+    tokens_per_rank: int,
+    top_k: int,
+    steps: int,
+    seed: int,
+    *,
+    exponent: float = 0.5,
+    drift: float = 0.05,
+    reversion: float = 0.02,
+    jump_every: float = 50.0,
+) -> np.ndarray:
+    """A non-stationary stream of load matrices: expert popularity drifts and jumps.
+
+    Model: expert logits start at Zipf logits ``-exponent * log(i)`` (``i = 1..E``) assigned to
+    the experts by a seeded random permutation, the same popularity as :func:`expert_zipf_loads`.
+    After every step the logits take a random-walk step ``drift * N(0, 1)`` per expert, with a weak
+    pull of ``reversion`` times the distance back toward the current base logits (so the skew
+    stays stationary instead of growing without bound). Each step, with probability
+    ``1 / jump_every`` (a jump every ~``jump_every`` steps), popularity jumps: one random
+    permutation re-assigns both the logits and the base logits to other experts, so different
+    experts (usually on different ranks) become hot at once. At every step each source rank draws
+    its ``tokens_per_rank * top_k`` (token, choice) pairs from ``softmax(logits)`` with a seeded
+    multinomial.
+
+    Args:
+      ep_size: ``R``; num_experts: ``E`` (divisible by ``R``); tokens_per_rank, top_k: pairs per
+        source rank and step are ``tokens_per_rank * top_k``; steps: ``T``; seed: int.
+      exponent: Zipf exponent of the base popularity (``>= 0``; 0.5 gives an initial max/mean of
+        about 2.8 at EP64 / 256 experts); drift: std of the per-step logit step (``>= 0``);
+        reversion: pull toward the base logits per step, in ``[0, 1]``; jump_every: mean steps
+        between jumps (``>= 1``; ``inf`` for none).
+
+    Returns:
+      int32 ``[T, R, E]``; every ``[R, E]`` row of every step sums to ``tokens_per_rank * top_k``.
+    """
+    ep_size, num_experts = _check_layout(ep_size, num_experts)
+    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
+    top_k = _check_positive_int("top_k", top_k)
+    steps = _check_positive_int("steps", steps)
+    if not float(exponent) >= 0.0:
+        raise ValueError(f"exponent must be >= 0, got {exponent}")
+    if not float(drift) >= 0.0:
+        raise ValueError(f"drift must be >= 0, got {drift}")
+    if not 0.0 <= float(reversion) <= 1.0:
+        raise ValueError(f"reversion must lie in [0, 1], got {reversion}")
+    if not float(jump_every) >= 1.0:
+        raise ValueError(f"jump_every must be >= 1, got {jump_every}")
+    n_pairs = tokens_per_rank * top_k
+    if ep_size * n_pairs > np.iinfo(np.int32).max:
+        raise ValueError("R * tokens_per_rank * top_k overflows int32 loads")
+
+    ss_perm, ss_walk, ss_jump, ss_draw = np.random.SeedSequence(seed).spawn(4)
+    walk_rng = np.random.default_rng(ss_walk)
+    jump_rng = np.random.default_rng(ss_jump)
+    draw_rng = np.random.default_rng(ss_draw)
+    base = np.empty(num_experts, dtype=np.float64)
+    base[np.random.default_rng(ss_perm).permutation(num_experts)] = -float(exponent) * np.log(
+        np.arange(1, num_experts + 1, dtype=np.float64)
+    )
+    logits = base.copy()
+    out = np.empty((steps, ep_size, num_experts), dtype=np.int32)
+    for t in range(steps):
+        p = np.exp(logits - logits.max())
+        out[t] = draw_rng.multinomial(n_pairs, p / p.sum(), size=ep_size)
+        logits = (
+            logits
+            + float(reversion) * (base - logits)
+            + float(drift) * walk_rng.standard_normal(num_experts)
+        )
+        if jump_rng.random() < 1.0 / float(jump_every):
+            perm = jump_rng.permutation(num_experts)
+            logits, base = logits[perm], base[perm]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
