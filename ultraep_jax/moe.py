@@ -327,9 +327,22 @@ class MoE(nnx.Module):
                 f"MoE: batch {x.shape[0]} is not divisible by the {devices} devices "
                 f"of the mesh {dict(self.mesh.shape)}"
             )
+        typed_mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if isinstance(x, jax.core.Tracer) and AxisType.Explicit in getattr(
+            typed_mesh, "axis_types", ()
+        ):
+            # x carries explicit sharding types (a mesh from jax.make_mesh): run the layer with
+            # those axes in Auto mode and give y back split over the batch, stats replicated.
+            axes = tuple(self.mesh.axis_names)
+            out = (NamedSharding(typed_mesh, P(axes)), NamedSharding(typed_mesh, P()))
+            y, stats = jax.sharding.auto_axes(self._apply, out_sharding=out)(x)
+            return y, stats
+        return self._apply(x)
+
+    def _apply(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         axes = tuple(self.mesh.axis_names)
         data_axes = tuple(a for a in axes if a != self.expert_axis)
-        tokens_per_device = x.shape[0] // devices * x.shape[1]
+        tokens_per_device = x.shape[0] // self.mesh.size * x.shape[1]
         ea = self.expert_axis
         shard = functools.partial(
             _moe_shard,

@@ -1,0 +1,650 @@
+"""The balanced MoE layer (`uep.MoE`) against a dense one-device reference written here.
+
+Everything runs on the 8 simulated CPU devices forced by conftest.py. The reference below is the
+independent oracle: it never calls the library, only the math of DESIGN.md / issue 3. Routing
+decisions are checked to have a clear margin (the k-th and (k+1)-th logits differ by more than
+float32 noise), so that the layer and the reference pick the same experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ultraep_jax as uep
+
+D, F = 8, 16
+HIGHEST = jax.lax.Precision.HIGHEST
+RTOL = 1e-4
+ATOL = 1e-5
+PARAM_NAMES = ("router_kernel", "w_gate", "w_up", "w_down")
+
+
+# -- the dense one-device reference -----------------------------------------------------------
+
+
+def reference_routing(x, router_kernel, top_k):
+    """Router of the reference: float32 softmax, top-k, weights renormalised over the k choices.
+
+    Returns (weights [T, k], experts [T, k], logits [T, E]) for tokens flattened in (batch, seq)
+    order.
+    """
+    xt = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    logits = jnp.dot(xt, router_kernel.astype(jnp.float32), precision=HIGHEST)
+    probs = jax.nn.softmax(logits, axis=-1)
+    vals, idx = jax.lax.top_k(probs, top_k)
+    return vals / jnp.sum(vals, axis=-1, keepdims=True), idx, logits
+
+
+def reference_moe(x, router_kernel, w_gate, w_up, w_down, top_k, keep=None):
+    """Dense SwiGLU MoE on one device: every expert on every token, then the top-k are selected.
+
+    ``keep`` (optional, [T, k] of 0/1) zeroes the contribution of dropped (token, choice) pairs.
+    """
+    weights, idx, _ = reference_routing(x, router_kernel, top_k)
+    if keep is not None:
+        weights = weights * keep
+    xt = x.reshape(-1, x.shape[-1])
+    gate = jnp.einsum("td,edf->tef", xt, w_gate, precision=HIGHEST)
+    up = jnp.einsum("td,edf->tef", xt, w_up, precision=HIGHEST)
+    out = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, w_down, precision=HIGHEST)
+    chosen = jnp.take_along_axis(out, idx[:, :, None], axis=1)  # [T, k, D]
+    return jnp.sum(chosen * weights[:, :, None], axis=1).reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames="top_k")
+def reference_value_and_grads(x, params, cotangent, top_k):
+    """y and the gradients of sum(y * cotangent) w.r.t. x and every parameter (a dict)."""
+
+    def loss(x, params):
+        y = reference_moe(x, *(params[n] for n in PARAM_NAMES), top_k)
+        return jnp.sum(y * cotangent), y
+
+    (_, y), (gx, gp) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
+    return y, gx, gp
+
+
+# -- building and running the layer ------------------------------------------------------------
+
+
+def make_mesh(kind: str):
+    """'ep8': (8,) ("expert",); 'dp2ep4': (2, 4) ("data", "expert")."""
+    if kind == "ep8":
+        return jax.make_mesh((8,), ("expert",))
+    if kind == "dp2ep4":
+        return jax.make_mesh((2, 4), ("data", "expert"))
+    raise ValueError(kind)
+
+
+def mesh_groups(mesh) -> tuple[int, int]:
+    """(G, R): independent EP groups (the "data" size, 1 without it) and the EP size."""
+    return mesh.shape.get("data", 1), mesh.shape["expert"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One layer configuration and input distribution."""
+
+    mesh: str
+    num_experts: int
+    top_k: int
+    batch: int
+    seq: int
+    slots: int
+    skew: bool
+    seed: int
+
+    @property
+    def id(self) -> str:
+        kind = "skew" if self.skew else "uniform"
+        return (
+            f"{self.mesh}-E{self.num_experts}-k{self.top_k}-b{self.batch}x{self.seq}"
+            f"-S{self.slots}-{kind}"
+        )
+
+
+def balancer_config(mesh, num_experts, slots, **kwargs) -> uep.BalancerConfig:
+    """A balancer for this mesh that replicates readily (tiny token floor)."""
+    kwargs.setdefault("min_tokens_per_replica", 2)
+    return uep.BalancerConfig(
+        num_experts=num_experts, ep_size=mesh.shape["expert"], slots_per_rank=slots, **kwargs
+    )
+
+
+def set_param(var, value) -> None:
+    """Writes a NumPy value into an nnx.Param, keeping the parameter's sharding."""
+    old = var[...]
+    var[...] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
+
+
+def make_inputs(rng, batch, seq, num_experts, top_k, skew, hot=None):
+    """x [batch, seq, D] and parameter values; ``skew`` makes the ``hot`` experts take most
+    tokens (a shared direction ``u`` in x that the hot experts' router columns align with).
+
+    Draws again until every token's top-k choice has a clear logit margin.
+    """
+    hot = [0, 1] if hot is None else hot
+    for _ in range(50):
+        u = rng.normal(size=D)
+        u /= np.linalg.norm(u)
+        x = rng.normal(size=(batch, seq, D))
+        router = 0.7 * rng.normal(size=(D, num_experts))
+        if skew:
+            x += 2.0 * u
+            router[:, hot] += 3.0 * u[:, None]
+        params = {
+            "router_kernel": router,
+            "w_gate": rng.normal(size=(num_experts, D, F)) / math.sqrt(D),
+            "w_up": rng.normal(size=(num_experts, D, F)) / math.sqrt(D),
+            "w_down": rng.normal(size=(num_experts, F, D)) / math.sqrt(F),
+        }
+        x = x.astype(np.float32)
+        params = {k: v.astype(np.float32) for k, v in params.items()}
+        if routing_margin(x, params["router_kernel"], top_k) > 1e-3:
+            return x, params
+    raise AssertionError("could not draw inputs with a clear routing margin")
+
+
+def routing_margin(x, router_kernel, top_k) -> float:
+    """Smallest gap between a token's k-th and (k+1)-th logit (inf when k == E)."""
+    logits = x.reshape(-1, x.shape[-1]).astype(np.float64) @ router_kernel.astype(np.float64)
+    if top_k == logits.shape[-1]:
+        return math.inf
+    part = -np.sort(-logits, axis=-1)
+    return float(np.min(part[:, top_k - 1] - part[:, top_k]))
+
+
+def build_layer(mesh, num_experts, top_k, balancer, capacity_factor, params):
+    """uep.MoE with the given parameter values written in."""
+    layer = uep.MoE(
+        d_model=D,
+        d_ff=F,
+        num_experts=num_experts,
+        top_k=top_k,
+        mesh=mesh,
+        balancer=balancer,
+        capacity_factor=capacity_factor,
+        rngs=nnx.Rngs(0),
+    )
+    for name in PARAM_NAMES:
+        set_param(getattr(layer, name), params[name])
+    return layer
+
+
+def place_batch(mesh, x):
+    """x with its batch axis sharded over every mesh axis (("data", "expert") or "expert")."""
+    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(tuple(mesh.axis_names))))
+
+
+def to_numpy_stats(stats) -> dict:
+    """MoEStats as a dict of NumPy arrays."""
+    return {f.name: np.asarray(getattr(stats, f.name)) for f in dataclasses.fields(stats)}
+
+
+def layer_forward(layer, x):
+    """Jitted forward of the layer as a pure function of its split state: (y, stats)."""
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    @jax.jit
+    def fwd(params, rest, x):
+        return nnx.merge(graphdef, params, rest)(x)
+
+    y, stats = fwd(params, rest, x)
+    return np.asarray(y), to_numpy_stats(stats)
+
+
+def layer_value_and_grads(layer, x, cotangent):
+    """Jitted y, stats and the gradients of sum(y * cotangent) w.r.t. x and every parameter."""
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    @jax.jit
+    def step(params, rest, x):
+        def loss(params, x):
+            y, stats = nnx.merge(graphdef, params, rest)(x)
+            return jnp.sum(y * cotangent), (y, stats)
+
+        (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        return aux, grads
+
+    (y, stats), (gp, gx) = step(params, rest, x)
+    grad_layer = nnx.merge(graphdef, gp, rest)
+    grads = {name: np.asarray(getattr(grad_layer, name)[...]) for name in PARAM_NAMES}
+    return np.asarray(y), to_numpy_stats(stats), np.asarray(gx), grads
+
+
+def independent_loads(x, router_kernel, top_k, mesh, num_experts):
+    """int [G, R, E] (token, choice) pairs per EP group, source rank and expert, from the
+    reference routing; device (g, r) holds the g*R + r-th slice of the batch."""
+    G, R = mesh_groups(mesh)
+    _, idx, _ = reference_routing(jnp.asarray(x), jnp.asarray(router_kernel), top_k)
+    idx = np.asarray(idx).reshape(G, R, -1)
+    loads = np.zeros((G, R, num_experts), np.int64)
+    for g, r in itertools.product(range(G), range(R)):
+        loads[g, r] = np.bincount(idx[g, r], minlength=num_experts)
+    return loads
+
+
+def rank_loads(loads):
+    """[G, R] pairs received by each EP rank's masters, from [G, R_src, E] loads."""
+    G, R, E = loads.shape
+    return loads.sum(axis=1).reshape(G, R, E // R).sum(axis=-1)
+
+
+def group_imbalance(rank_load) -> float:
+    """max over groups of max/mean rank load."""
+    rank_load = np.asarray(rank_load, np.float64)
+    return float(np.max(rank_load.max(axis=-1) / rank_load.mean(axis=-1)))
+
+
+def assert_close(got, want, what, rtol=RTOL, atol=ATOL):
+    """float32-tolerance comparison, absolute tolerance scaled to the reference's magnitude."""
+    want = np.asarray(want)
+    scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * scale, err_msg=what)
+
+
+# -- dropless: output and gradients ---------------------------------------------------------
+
+CASES = [
+    Case("ep8", 8, 1, 8, 8, slots=2, skew=True, seed=0),
+    Case("ep8", 16, 2, 16, 8, slots=1, skew=False, seed=1),
+    Case("dp2ep4", 8, 2, 8, 12, slots=2, skew=True, seed=3),
+    Case("dp2ep4", 8, 3, 16, 4, slots=1, skew=False, seed=4),
+]
+SKEWED = [c for c in CASES if c.skew]
+
+
+@functools.cache
+def run_case(case: Case) -> dict:
+    """Balanced and unbalanced (dropless) layer results and the reference, as NumPy."""
+    rng = np.random.default_rng(case.seed)
+    mesh = make_mesh(case.mesh)
+    x, params = make_inputs(rng, case.batch, case.seq, case.num_experts, case.top_k, case.skew)
+    cotangent = rng.normal(size=x.shape).astype(np.float32)
+    ref_y, ref_gx, ref_gp = reference_value_and_grads(
+        jnp.asarray(x), {k: jnp.asarray(v) for k, v in params.items()}, cotangent, case.top_k
+    )
+    out = {
+        "x": x,
+        "params": params,
+        "cotangent": cotangent,
+        "ref": (
+            np.asarray(ref_y),
+            np.asarray(ref_gx),
+            {k: np.asarray(v) for k, v in ref_gp.items()},
+        ),
+        "loads": independent_loads(x, params["router_kernel"], case.top_k, mesh, case.num_experts),
+    }
+    balancer = balancer_config(mesh, case.num_experts, case.slots)
+    for key, bal in (("balanced", balancer), ("plain", None)):
+        layer = build_layer(mesh, case.num_experts, case.top_k, bal, None, params)
+        out[key] = layer_value_and_grads(layer, place_batch(mesh, x), jnp.asarray(cotangent))
+    out["balancer"] = balancer
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("which", ["balanced", "plain"])
+def test_output_and_grads_equal_dense_reference(case, which):
+    res = run_case(case)
+    ref_y, ref_gx, ref_gp = res["ref"]
+    y, _, gx, gp = res[which]
+    assert y.shape == res["x"].shape and y.dtype == np.float32
+    assert_close(y, ref_y, f"{which} y")
+    assert_close(gx, ref_gx, f"{which} d/dx")
+    for name in PARAM_NAMES:
+        assert gp[name].shape == ref_gp[name].shape, name
+        assert_close(gp[name], ref_gp[name], f"{which} d/d{name}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_balanced_equals_unbalanced(case):
+    res = run_case(case)
+    y_b, _, gx_b, gp_b = res["balanced"]
+    y_p, _, gx_p, gp_p = res["plain"]
+    assert_close(y_b, y_p, "y balanced vs plain")
+    assert_close(gx_b, gx_p, "d/dx balanced vs plain")
+    for name in PARAM_NAMES:
+        assert_close(gp_b[name], gp_p[name], f"d/d{name} balanced vs plain")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_dropless_stats(case):
+    res = run_case(case)
+    mesh = make_mesh(case.mesh)
+    G, R = mesh_groups(mesh)
+    before = rank_loads(res["loads"])  # [G, R]
+    total = G * R * (case.batch // (G * R)) * case.seq * case.top_k
+    assert before.sum() == total
+    for which in ("balanced", "plain"):
+        stats = res[which][1]
+        assert stats["rank_load_before"].shape == (R,) and stats["rank_load_after"].shape == (R,)
+        assert stats["rank_load_before"].dtype == np.int32, which
+        np.testing.assert_array_equal(stats["rank_load_before"], before.sum(0), err_msg=which)
+        assert int(stats["rank_load_after"].sum()) == total, which
+        assert int(stats["dropped"]) == 0, which
+        np.testing.assert_allclose(stats["imbalance_before"], group_imbalance(before), rtol=1e-6)
+        assert stats["imbalance_after"] <= stats["imbalance_before"] + 1e-6, which
+    plain = res["plain"][1]
+    np.testing.assert_array_equal(plain["rank_load_after"], plain["rank_load_before"])
+    assert int(plain["replicas"]) == 0
+    np.testing.assert_allclose(plain["imbalance_after"], plain["imbalance_before"], rtol=1e-6)
+    # Dropless, the layer runs exactly the planner's plan for each group's load matrix.
+    plans = [uep.plan(res["loads"][g].astype(np.int32), res["balancer"]) for g in range(G)]
+    bal = res["balanced"][1]
+    np.testing.assert_array_equal(
+        bal["rank_load_after"], sum(np.asarray(p.rank_load) for p in plans)
+    )
+    assert int(bal["replicas"]) == sum(int(p.num_replicas) for p in plans)
+    want_after = np.stack([np.asarray(p.rank_load) for p in plans])
+    np.testing.assert_allclose(bal["imbalance_after"], group_imbalance(want_after), rtol=1e-6)
+
+
+def _auto_axes(mesh):
+    """The same devices and axis names with every axis of type Auto."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+
+
+@pytest.mark.parametrize("placement", ["unplaced", "auto_mesh"])
+def test_input_placement_does_not_matter(placement):
+    """x as a plain array, or placed on an Auto-axes copy of the mesh, gives the same output and
+    gradients as x placed on the user's mesh (`jax.make_mesh` gives Explicit axes)."""
+    case = CASES[0]
+    res = run_case(case)
+    mesh = make_mesh(case.mesh)
+    if placement == "unplaced":
+        x = jnp.asarray(res["x"])
+    else:
+        x = place_batch(_auto_axes(mesh), res["x"])
+    layer = build_layer(mesh, case.num_experts, case.top_k, None, None, res["params"])
+    y, _, gx, gp = layer_value_and_grads(layer, x, jnp.asarray(res["cotangent"]))
+    y_ref, _, gx_ref, gp_ref = res["plain"]
+    assert_close(y, y_ref, f"y, {placement} x")
+    assert_close(gx, gx_ref, f"d/dx, {placement} x")
+    for name in PARAM_NAMES:
+        assert_close(gp[name], gp_ref[name], f"d/d{name}, {placement} x")
+
+
+@pytest.mark.parametrize("case", SKEWED, ids=lambda c: c.id)
+def test_replicated_expert_gradient_reaches_master(case):
+    """A hot expert is replicated; its weight gradients (summed over master and replicas) equal
+    the reference's."""
+    res = run_case(case)
+    mesh = make_mesh(case.mesh)
+    G, _ = mesh_groups(mesh)
+    stats = res["balanced"][1]
+    assert stats["imbalance_before"] > 1.5, "the router was not skewed enough"
+    assert int(stats["replicas"]) > 0
+    replicated = set()
+    for g in range(G):
+        plan = uep.plan(res["loads"][g].astype(np.int32), res["balancer"])
+        slot_expert, slot_quota = np.asarray(plan.slot_expert), np.asarray(plan.slot_quota)
+        replicated |= {int(e) for e, q in zip(slot_expert.ravel(), slot_quota.ravel()) if q > 0}
+    assert replicated, "no replica carries tokens"
+    _, _, ref_gp = res["ref"]
+    gp = res["balanced"][3]
+    for e in sorted(replicated):
+        for name in ("w_gate", "w_up", "w_down"):
+            assert np.abs(ref_gp[name][e]).max() > 0
+            assert_close(gp[name][e], ref_gp[name][e], f"d/d{name}[{e}] (replicated expert)")
+
+
+# -- capacity ------------------------------------------------------------------------------
+
+
+def capacity_rows(capacity_factor, top_k, tokens_per_device) -> int:
+    """Receive-buffer rows per rank."""
+    return math.ceil(capacity_factor * top_k * tokens_per_device)
+
+
+def classify_drops(idx, mesh, num_experts, capacity):
+    """Which (token, choice) pairs a plain-EP layer keeps under the rule "rows from lower source
+    ranks first" (each destination rank fills its buffer from source rank 0 upwards).
+
+    Args:
+        idx: [T, k] experts chosen by the reference router, tokens in (batch, seq) order.
+
+    Returns:
+        status [T, k]: 1 kept, 0 dropped, -1 undetermined (the source rank whose rows straddle the
+        buffer end; which of its rows are kept is implementation-defined);
+        partial_kept {(g, src, dst): rows of that straddling block that are kept};
+        expected dropped count (order-independent).
+    """
+    G, R = mesh_groups(mesh)
+    E_m = num_experts // R
+    T, k = idx.shape
+    dst = (idx // E_m).reshape(G, R, -1, k)
+    status = np.ones((G, R, T // (G * R), k), np.int64)
+    partial_kept, dropped = {}, 0
+    for g, d in itertools.product(range(G), range(R)):
+        before = 0
+        for s in range(R):
+            mask = dst[g, s] == d
+            count = int(mask.sum())
+            if before >= capacity:
+                status[g, s][mask] = 0
+            elif before + count > capacity:
+                status[g, s][mask] = -1
+                partial_kept[(g, s, d)] = capacity - before
+            before += count
+        dropped += max(before - capacity, 0)
+    return status.reshape(T, k), partial_kept, dropped
+
+
+def skewed_capacity_setup(mesh_kind, seed):
+    """Mesh, inputs and sizes for the capacity tests: E=8, top-2, 16 tokens per device, skewed."""
+    mesh = make_mesh(mesh_kind)
+    rng = np.random.default_rng(seed)
+    batch, seq, num_experts, top_k = 8, 16, 8, 2
+    x, params = make_inputs(rng, batch, seq, num_experts, top_k, skew=True, hot=[0, 1])
+    tokens_per_device = batch * seq // mesh.size
+    return mesh, x, params, num_experts, top_k, tokens_per_device
+
+
+@pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
+def test_balanced_capacity_1_1_drops_nothing(mesh_kind):
+    mesh, x, params, E, k, _ = skewed_capacity_setup(mesh_kind, seed=10)
+    balancer = balancer_config(mesh, E, slots=2, balance_eps=0.01)
+    layer = build_layer(mesh, E, k, balancer, 1.1, params)
+    y, stats = layer_forward(layer, place_batch(mesh, x))
+    assert stats["imbalance_before"] > 1.5, "the router was not skewed enough"
+    assert int(stats["dropped"]) == 0
+    assert float(stats["imbalance_after"]) <= 1.05
+    assert int(stats["replicas"]) > 0
+    assert int(stats["rank_load_after"].sum()) == x.shape[0] * x.shape[1] * k
+    ref = reference_moe(jnp.asarray(x), *(jnp.asarray(params[n]) for n in PARAM_NAMES), k)
+    assert_close(y, ref, "balanced y with capacity 1.1")
+
+
+@pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
+def test_unbalanced_capacity_1_1_drops_counted_and_kept_tokens_exact(mesh_kind):
+    mesh, x, params, E, k, tokens_per_device = skewed_capacity_setup(mesh_kind, seed=10)
+    capacity = capacity_rows(1.1, k, tokens_per_device)
+    layer = build_layer(mesh, E, k, None, 1.1, params)
+    y, stats = layer_forward(layer, place_batch(mesh, x))
+    y = y.reshape(-1, D)
+    _, idx, _ = reference_routing(jnp.asarray(x), jnp.asarray(params["router_kernel"]), k)
+    status, partial_kept, want_dropped = classify_drops(np.asarray(idx), mesh, E, capacity)
+    assert want_dropped > 0, "the skew did not overflow the buffer"
+    assert int(stats["dropped"]) == want_dropped
+    G, R = mesh_groups(mesh)
+    loads = independent_loads(x, params["router_kernel"], k, mesh, E)
+    np.testing.assert_array_equal(stats["rank_load_before"], rank_loads(loads).sum(0))
+
+    ref_args = (jnp.asarray(x), *(jnp.asarray(params[n]) for n in PARAM_NAMES), k)
+    full = np.asarray(reference_moe(*ref_args)).reshape(-1, D)
+    all_kept = np.all(status == 1, axis=1)
+    assert all_kept.any()
+    assert_close(y[all_kept], full[all_kept], "tokens with no dropped choice")
+
+    # Every token equals the reference over some subset of its choices: the known drops, plus
+    # any subset of the undetermined ones; the undetermined kept per block match the capacity.
+    subset_refs = {}
+    for keep in itertools.product([0, 1], repeat=k):
+        subset_refs[keep] = np.asarray(
+            reference_moe(
+                *ref_args, keep=jnp.broadcast_to(jnp.asarray(keep, jnp.float32), idx.shape)
+            )
+        ).reshape(-1, D)
+    kept_in_block = dict.fromkeys(partial_kept, 0)
+    tokens_per_rank = status.shape[0] // (G * R)
+    dst = np.asarray(idx) // (E // R)
+    for t in range(status.shape[0]):
+        options = [
+            keep for keep in subset_refs if all(status[t, j] in (-1, keep[j]) for j in range(k))
+        ]
+        errors = [np.max(np.abs(y[t] - subset_refs[keep][t])) for keep in options]
+        best = int(np.argmin(errors))
+        scale = max(1.0, float(np.max(np.abs(full[t]))))
+        assert errors[best] <= ATOL * scale + RTOL * np.max(
+            np.abs(subset_refs[options[best]][t])
+        ), f"token {t}: output matches no subset of its choices (status {status[t]})"
+        g, s = divmod(t // tokens_per_rank, R)
+        for j in range(k):
+            if status[t, j] == -1 and options[best][j]:
+                kept_in_block[(g, s, int(dst[t, j]))] += 1
+    assert kept_in_block == partial_kept, "kept rows of the straddling source blocks"
+
+
+# -- lowering ------------------------------------------------------------------------------
+
+
+RAGGED_OP = re.compile(r"custom_call\s*@ragged_all_to_all\b")
+
+
+def _pure_forward(layer):
+    """(fn(params, rest, x) -> (y, stats), params, rest) for lowering and export."""
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def fn(params, rest, x):
+        return nnx.merge(graphdef, params, rest)(x)
+
+    return fn, params, rest
+
+
+def _hlo_layer(balanced: bool):
+    mesh = make_mesh("ep8")
+    rng = np.random.default_rng(20)
+    x, params = make_inputs(rng, 8, 8, 8, 2, skew=True)
+    balancer = balancer_config(mesh, 8, slots=2) if balanced else None
+    return mesh, build_layer(mesh, 8, 2, balancer, 1.25, params), place_batch(mesh, x)
+
+
+def test_cpu_lowering_has_planner_custom_call_no_callback_no_ragged():
+    _, layer, x = _hlo_layer(balanced=True)
+    fn, params, rest = _pure_forward(layer)
+    text = jax.jit(fn).lower(params, rest, x).as_text()
+    assert "ultraep_plan" in text
+    assert "callback" not in text
+    assert not RAGGED_OP.search(text)
+
+    def loss(params, rest, x):
+        y, _ = fn(params, rest, x)
+        return jnp.sum(y * y)
+
+    grad_text = jax.jit(jax.grad(loss, argnums=(0, 2))).lower(params, rest, x).as_text()
+    assert "ultraep_plan" in grad_text
+    assert "callback" not in grad_text
+    assert not RAGGED_OP.search(grad_text)
+
+
+def _cuda_text(balanced: bool) -> str:
+    _, layer, x = _hlo_layer(balanced)
+    fn, params, rest = _pure_forward(layer)
+    exported = jax.export.export(
+        jax.jit(fn),
+        platforms=["cuda"],
+        disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("ultraep_plan"),
+            # ragged_all_to_all has no export compatibility guarantee in this JAX
+            jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all"),
+        ],
+    )(params, rest, x)
+    assert exported.platforms == ("cuda",)
+    return exported.mlir_module()
+
+
+def test_cuda_lowering_uses_ragged_all_to_all_for_tokens_and_weights():
+    balanced = _cuda_text(balanced=True)
+    plain = _cuda_text(balanced=False)
+    assert "ultraep_plan" in balanced and "ultraep_plan" not in plain
+    assert "callback" not in balanced and "callback" not in plain
+    n_balanced = len(RAGGED_OP.findall(balanced))
+    n_plain = len(RAGGED_OP.findall(plain))
+    assert n_plain >= 2, "token dispatch out and back"
+    assert n_balanced >= 3, "token dispatch out and back, and the replica weight transfer"
+    assert n_balanced > n_plain
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+def _layer(mesh=None, num_experts=8, top_k=2, balancer="default", capacity_factor=1.25):
+    mesh = make_mesh("ep8") if mesh is None else mesh
+    if balancer == "default":
+        balancer = balancer_config(mesh, num_experts, slots=1)
+    return uep.MoE(
+        d_model=D,
+        d_ff=F,
+        num_experts=num_experts,
+        top_k=top_k,
+        mesh=mesh,
+        balancer=balancer,
+        capacity_factor=capacity_factor,
+        rngs=nnx.Rngs(0),
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(top_k=9), "top_k"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=-1), "top_k"),
+        (dict(num_experts=12, balancer=None), r"divisible|multiple"),
+        (dict(num_experts=4, balancer=None), r"divisible|multiple|expert"),
+        (dict(balancer=uep.BalancerConfig(num_experts=16, ep_size=8)), r"(?i)balancer"),
+        (dict(balancer=uep.BalancerConfig(num_experts=8, ep_size=4)), r"(?i)balancer"),
+    ],
+)
+def test_bad_construction_raises(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        _layer(**kwargs)
+
+
+def test_mesh_without_expert_axis_raises():
+    mesh = jax.make_mesh((8,), ("data",))
+    with pytest.raises((ValueError, TypeError), match="expert"):
+        _layer(mesh=mesh, balancer=None)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(64, D), (8, 8, D + 1), (8, 8, D // 2), (8, 8, 1, D), (4, 16, D), (12, 8, D)],
+    ids=["rank2", "wide", "narrow", "rank4", "batch4", "batch12"],
+)
+def test_bad_input_raises_at_trace_time(shape):
+    layer = _layer()
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    with pytest.raises((ValueError, TypeError)):
+        jax.eval_shape(lambda p, r, x: nnx.merge(graphdef, p, r)(x), params, rest, x)
+
+
+def test_bad_input_raises_when_called_eagerly():
+    layer = _layer()
+    with pytest.raises((ValueError, TypeError)):
+        layer(jnp.zeros((64, D), jnp.float32))
+    with pytest.raises((ValueError, TypeError)):
+        layer(jnp.zeros((8, 8, D + 1), jnp.float32))
