@@ -7,6 +7,11 @@ Quality: final max/mean rank load and replicas on the UltraEP reference setup (E
 2 spare slots per rank, top-8, 8192 tokens per rank, rank-level Zipf at initial 1.5 / 2.0 / 3.0)
 and on every layer of the real traces in shared/traces. Time: one `jax.jit` of `jax.vmap(plan)`
 over a batch of load matrices (so dispatch is amortised), median over repeats, per plan.
+
+Baselines (experiments/baselines.py): none, eplb_exact, eplb_periodic, eplb_plus and ultraep on the
+same load matrices: every trace, rank-level Zipf 1.5 / 2 / 3, expert-level Zipf and a drifting
+stream; final max/mean (mean, p95, worst), replicas, placements moved per re-plan, and planning
+time per matrix; per trace, ultraep against eplb_exact and the bar of issue 5.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
-from experiments import workloads
+from experiments import baselines, workloads
 
 _SEEDS = flags.DEFINE_integer("seeds", 10, "Seeds per generated setup.")
 _SLOTS = flags.DEFINE_integer("slots_per_rank", 2, "Spare slots per rank.")
@@ -40,6 +45,25 @@ _TRACES = flags.DEFINE_list(
     "trace:ep_size pairs to evaluate (empty for none).",
 )
 _JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
+_BASELINES = flags.DEFINE_bool("baselines", True, "Print the baseline comparison table.")
+_BASE_SEEDS = flags.DEFINE_integer(
+    "baseline_seeds", 30, "Seeds (matrices) per generated Zipf setup in the baseline table."
+)
+_EXPERT_ZIPF = flags.DEFINE_list(
+    "expert_zipf", ["0.5", "1.0"], "Expert-level Zipf exponents in the baseline table (EP64/E256)."
+)
+_STREAM_STEPS = flags.DEFINE_integer("stream_steps", 600, "Steps of the drifting stream.")
+_STREAM_WINDOW = flags.DEFINE_integer("stream_window", 100, "eplb_periodic window on streams.")
+_STREAM_INTERVAL = flags.DEFINE_integer("stream_interval", 100, "eplb_periodic interval, streams.")
+_SHORT_WINDOW = flags.DEFINE_integer(
+    "short_window", 10, "eplb_periodic window on traces and i.i.d. Zipf draws (short series)."
+)
+_SHORT_INTERVAL = flags.DEFINE_integer(
+    "short_interval", 10, "eplb_periodic interval on traces and i.i.d. Zipf draws."
+)
+_TRACE_STRIDE = flags.DEFINE_integer(
+    "trace_stride", 1, "Baseline table: keep every n-th time series of each trace (1 = all)."
+)
 
 # UltraEP (arXiv 2606.04101), EP64 / 256 experts / 2 slots / top-8 / 8192 tokens per rank.
 _ULTRAEP_REPLICAS = {1.5: 38, 2.0: 46, 3.0: 51}
@@ -92,13 +116,271 @@ def _time_per_plan_us(batch: np.ndarray, cfg: uep.BalancerConfig) -> float:
     return float(np.median(times)) / len(batch) * 1e6
 
 
+_ZIPF_CACHE: dict = {}
+_TRACE_CACHE: dict = {}
+
+
 def _zipf_batch(initial: float, ep_size: int, num_experts: int, seeds) -> np.ndarray:
-    return np.stack(
-        [
-            workloads.rank_zipf_loads(ep_size, num_experts, _TOKENS.value, 8, initial, s)
-            for s in seeds
-        ]
+    for s in seeds:
+        key = (initial, ep_size, num_experts, _TOKENS.value, s)
+        if key not in _ZIPF_CACHE:
+            _ZIPF_CACHE[key] = workloads.rank_zipf_loads(
+                ep_size, num_experts, _TOKENS.value, 8, initial, s
+            )
+    return np.stack([_ZIPF_CACHE[(initial, ep_size, num_experts, _TOKENS.value, s)] for s in seeds])
+
+
+def _trace_top_k(name: str) -> int:
+    """top-8 for DeepSeek (its own); the model's own top-k for Qwen1.5-MoE (4) and Switch (1)."""
+    return 8 if name == "deepseek-r1" else workloads.TRACE_TOP_K[name]
+
+
+def _trace_rows(name: str, ep: int) -> list:
+    """Every (label, loads [R, E]) of a trace, seed 0, loaded once per run."""
+    key = (name, ep, _TOKENS.value)
+    if key not in _TRACE_CACHE:
+        _TRACE_CACHE[key] = list(
+            workloads.trace_workloads(name, ep, _TOKENS.value, _trace_top_k(name), seed=0)
+        )
+    return _TRACE_CACHE[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Baseline table
+# --------------------------------------------------------------------------------------------
+
+
+def _trace_series(labels: list) -> list:
+    """Time series of a trace's items: lists of indices into ``labels``, each in time order.
+
+    DeepSeek-R1 (``deepseek-r1/<file>/layerLL``): one series per layer over the 12 files in
+    sorted file order (each file is a separate serving run, so a plan is applied to another
+    workload). HarMoEny CSVs (``name/<file>/<group>/iterII/layerLL``): one series per (file, group,
+    layer) over its iterations in order.
+    """
+    series: dict = {}
+    for i, label in enumerate(labels):
+        parts = label.split("/")
+        if parts[0] == "deepseek-r1":
+            key, t = parts[-1], len(series.get(parts[-1], []))
+        else:
+            key, t = tuple(parts[1:3] + parts[4:5]), int(parts[3].removeprefix("iter"))
+        series.setdefault(key, []).append((t, i))
+    return [[i for _, i in sorted(v)] for v in series.values()]
+
+
+def _summary(imb, replicas, moved, seconds) -> dict:
+    imb = np.asarray(imb, dtype=np.float64)
+    return {
+        "n": int(imb.size),
+        "final_mean": float(imb.mean()),
+        "final_p95": float(np.percentile(imb, 95)),
+        "final_worst": float(imb.max()),
+        "replicas_mean": float(np.mean(replicas)),
+        "moved_per_replan": float(np.mean(moved)) if moved is not None and len(moved) else None,
+        "replans": len(moved) if moved is not None else None,
+        "plan_us": float(np.mean(seconds)) * 1e6,
+    }
+
+
+def _evaluate(matrices: np.ndarray, series: list, cfg: uep.BalancerConfig, window, interval):
+    """All baselines on ``matrices [N, R, E]``; ``series`` orders them in time for eplb_periodic
+    and for counting eplb_exact's per-step layout changes. Returns {baseline: summary dict}."""
+    S = cfg.slots_per_rank
+    R, E = cfg.ep_size, cfg.num_experts
+    out = {}
+    for name, fn in (
+        ("none", baselines.none),
+        ("eplb_exact", lambda x: baselines.eplb_exact(x, S)),
+        ("eplb_plus", lambda x: baselines.eplb_plus(x, S)),
+    ):
+        results, seconds = [], []
+        for loads in matrices:
+            start = time.perf_counter()
+            results.append(fn(loads))
+            seconds.append(time.perf_counter() - start)
+        moved = None
+        if name == "eplb_exact":  # every step is a re-plan: placements new vs the step before
+            moved = []
+            for idx in series:
+                prev = baselines.master_layout(R, E)
+                for i in idx:
+                    moved.append(baselines.new_placements(prev, results[i].layout, E))
+                    prev = results[i].layout
+        out[name] = _summary(
+            [r.imbalance for r in results], [r.num_replicas for r in results], moved, seconds
+        )
+    imb, replicas, moved, seconds = [], [], [], []
+    for idx in series:
+        p = baselines.eplb_periodic(matrices[idx], S, window, interval)
+        imb += [r.imbalance for r in p.steps]
+        replicas += [r.num_replicas for r in p.steps]
+        moved += p.new_placements
+        seconds += p.plan_seconds
+    out["eplb_periodic"] = _summary(imb, replicas, moved, seconds)
+    results, batch_seconds = baselines.ultraep_batch(matrices, cfg, repeats=3)
+    out["ultraep"] = _summary(
+        [r.imbalance for r in results],
+        [r.num_replicas for r in results],
+        None,
+        [batch_seconds / len(matrices)],
     )
+    return out
+
+
+_BASELINE_ORDER = ("none", "eplb_periodic", "eplb_exact", "eplb_plus", "ultraep")
+
+
+def _print_rows(workload: str, rows: dict) -> None:
+    for name in _BASELINE_ORDER:
+        q = rows[name]
+        moved = "-" if q["moved_per_replan"] is None else f"{q['moved_per_replan']:.1f}"
+        replans = "" if q["replans"] is None else f" ({q['replans']})"
+        print(
+            f"{workload:<28} {name:<14} {q['n']:5d} {q['final_mean']:7.4f} {q['final_p95']:7.4f} "
+            f"{q['final_worst']:7.4f} {q['replicas_mean']:8.1f} {moved + replans:>13} "
+            f"{q['plan_us']:10.1f}"
+        )
+
+
+def _bar(rows: dict) -> tuple[bool, str]:
+    """Issue 5's bar on one trace: ultraep's mean final max/mean is the lowest of the
+    replication-only planners (eplb_plus, ultraep), within 0.02 of eplb_exact, and ultraep plans
+    faster than eplb_exact."""
+    u, x, p = rows["ultraep"], rows["eplb_exact"], rows["eplb_plus"]
+    lowest = u["final_mean"] <= p["final_mean"]
+    close = u["final_mean"] - x["final_mean"] <= 0.02
+    faster = u["plan_us"] < x["plan_us"]
+    ratio = x["plan_us"] / u["plan_us"]
+    line = (
+        f"ultraep - eplb_exact final max/mean: mean {u['final_mean'] - x['final_mean']:+.4f}, "
+        f"p95 {u['final_p95'] - x['final_p95']:+.4f}, worst {u['final_worst'] - x['final_worst']:+.4f}"
+        f"; ultraep - eplb_plus mean {u['final_mean'] - p['final_mean']:+.4f}; plan time "
+        f"eplb_exact/ultraep = {ratio:.1f}x; bar "
+        f"{'MET' if lowest and close and faster else 'NOT MET'}"
+        f" (lowest replication-only: {'yes' if lowest else 'no'}, within 0.02 of eplb_exact: "
+        f"{'yes' if close else 'no'}, faster: {'yes' if faster else 'no'})"
+    )
+    return lowest and close and faster, line
+
+
+def _baseline_table(results: dict) -> None:
+    S = _SLOTS.value
+    print(
+        f"\nBaselines on the same load matrices ({S} spare slots/rank, {_TOKENS.value} tokens/rank; "
+        f"top-8 for generated loads and DeepSeek-R1, the model's own top-k for Qwen1.5-MoE (4) and "
+        f"Switch-Base-128 (1); ultraep: min_tokens_per_replica={_MIN_TOKENS.value}, "
+        f"eps={_EPS.value})."
+    )
+    print(
+        "  final = max/mean rank load after balancing over the n matrices. replicas = instances "
+        "beyond one per expert (ultraep and eplb_plus rebuild them every step, masters never "
+        "move; EPLB fills all R*S)."
+    )
+    print(
+        "  moved/re-plan = (rank, expert) placements a new EPLB layout holds that the one before "
+        "did not (masters included; first re-plan vs the master layout), (re-plans in brackets); "
+        "eplb_exact re-plans every step."
+    )
+    print(
+        "  eplb_periodic: re-planned at steps 0, N, 2N, ... on the summed loads of the last W "
+        "steps up to and including the re-plan step (optimistic: the re-plan step is planned on "
+        "its own loads), layout applied to each step's loads."
+    )
+    print(
+        f"  time axis: traces: per DeepSeek layer, the 12 files in sorted order; per HarMoEny "
+        f"(file, group, layer), its iterations; W=N={_SHORT_WINDOW.value}/{_SHORT_INTERVAL.value} "
+        f"steps. Zipf: the i.i.d. seeds in order (popularity re-drawn every step), "
+        f"W/N={_SHORT_WINDOW.value}/{_SHORT_INTERVAL.value}. drift stream: "
+        f"W/N={_STREAM_WINDOW.value}/{_STREAM_INTERVAL.value}."
+    )
+    print(
+        "  plan us = planning time per matrix on this CPU: NumPy/Python baselines timed per call "
+        "(time.perf_counter); eplb_periodic per re-plan; ultraep = one jit(vmap(plan)) call over "
+        "all n matrices / n (median of 3). The baselines are Python loops: part of the ratio is "
+        "language, not algorithm."
+    )
+    if _TRACE_STRIDE.value > 1:
+        print(f"  traces subsampled: every {_TRACE_STRIDE.value}-th time series kept.")
+    print(
+        f"{'workload':<28} {'baseline':<14} {'n':>5} {'mean':>7} {'p95':>7} {'worst':>7} "
+        f"{'replicas':>8} {'moved/re-plan':>13} {'plan us':>10}"
+    )
+    table = results.setdefault("baselines", {})
+    bars = []
+
+    for item in _TRACES.value:
+        name, ep = item.split(":")
+        ep = int(ep)
+        try:
+            rows = _trace_rows(name, ep)
+        except FileNotFoundError as err:
+            print(f"{name} EP{ep} skipped: {err}")
+            continue
+        series = _trace_series([label for label, _ in rows])[:: _TRACE_STRIDE.value]
+        keep = sorted(i for idx in series for i in idx)
+        where = {i: j for j, i in enumerate(keep)}
+        matrices = np.stack([rows[i][1] for i in keep])
+        series = [[where[i] for i in idx] for idx in series]
+        workload = f"{name} EP{ep} top{_trace_top_k(name)}"
+        res = _evaluate(
+            matrices,
+            series,
+            _config(workloads.TRACE_NUM_EXPERTS[name], ep),
+            _SHORT_WINDOW.value,
+            _SHORT_INTERVAL.value,
+        )
+        table[workload] = res
+        _print_rows(workload, res)
+        bars.append((workload, *_bar(res)))
+
+    for initial in (1.5, 2.0, 3.0):
+        batch = _zipf_batch(initial, 64, 256, range(_BASE_SEEDS.value))
+        workload = f"rank-zipf {initial:g} EP64 E256"
+        res = _evaluate(
+            batch,
+            [list(range(len(batch)))],
+            _config(256, 64),
+            _SHORT_WINDOW.value,
+            _SHORT_INTERVAL.value,
+        )
+        table[workload] = res
+        _print_rows(workload, res)
+
+    for exponent in (float(x) for x in _EXPERT_ZIPF.value):
+        batch = np.stack(
+            [
+                workloads.expert_zipf_loads(64, 256, _TOKENS.value, 8, exponent, s)
+                for s in range(_BASE_SEEDS.value)
+            ]
+        )
+        workload = f"expert-zipf {exponent:g} EP64 E256"
+        res = _evaluate(
+            batch,
+            [list(range(len(batch)))],
+            _config(256, 64),
+            _SHORT_WINDOW.value,
+            _SHORT_INTERVAL.value,
+        )
+        table[workload] = res
+        _print_rows(workload, res)
+
+    stream = workloads.drifting_stream(64, 256, _TOKENS.value, 8, _STREAM_STEPS.value, seed=0)
+    workload = "drift-stream EP64 E256"
+    res = _evaluate(
+        stream,
+        [list(range(len(stream)))],
+        _config(256, 64),
+        _STREAM_WINDOW.value,
+        _STREAM_INTERVAL.value,
+    )
+    table[workload] = res
+    _print_rows(workload, res)
+
+    print("\nPer trace: ultraep vs eplb_exact, and issue 5's bar")
+    for workload, met, line in bars:
+        print(f"  {workload}: {line}")
+    results["baseline_bar"] = {w: met for w, met, _ in bars}
 
 
 def main(argv):
@@ -140,9 +422,8 @@ def main(argv):
         for item in _TRACES.value:
             name, ep = item.split(":")
             ep = int(ep)
-            top_k = 8 if name == "deepseek-r1" else workloads.TRACE_TOP_K[name]
             try:
-                rows = list(workloads.trace_workloads(name, ep, _TOKENS.value, top_k, seed=0))
+                rows = _trace_rows(name, ep)
             except FileNotFoundError as err:
                 print(f"{name:>16} skipped: {err}")
                 continue
@@ -155,6 +436,9 @@ def main(argv):
                 f"{name:>16} {ep:4d} {q['n']:6d} {q['initial_mean']:13.3f} {q['final_mean']:11.4f} "
                 f"{q['final_p95']:10.4f} {q['final_worst']:12.4f} {q['replicas_mean']:9.1f}"
             )
+
+    if _BASELINES.value:
+        _baseline_table(results)
 
     print(
         f"\nPlanner time on {results['device']}: jit(vmap(plan)) over {_TIMING_BATCH.value} "
