@@ -2,7 +2,7 @@
 
     python -m experiments.train                       # 8 simulated CPU devices, stdlib text
     python -m experiments.train --balance=none --workdir=runs/none
-    python -m experiments.train --data='~/books/*.txt' --steps=2000
+    python -m experiments.train --data='books/*.txt' --steps=2000
     # two processes x 4 CPU devices on one machine:
     python -m experiments.train --num_processes=2 --process_id=0 --cpu_devices=4 \\
         --coordinator_address=127.0.0.1:12345 &
