@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from experiments.train_config import TrainConfig
 
@@ -105,6 +105,8 @@ def _start_jax():
 
 
 def main(argv):
+    # Orbax logs every checkpoint step at INFO; keep the run's own output readable.
+    logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:  # bad flags end with one line, not a traceback
