@@ -34,17 +34,17 @@ STEP_TIME_KEYS = ("step_time_s", "step_time", "step_s")
 # --------------------------------------------------------------------------------------------
 
 
-def read_metrics(metrics_path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` file, one per step, sorted by ``step``.
+def read_step_records(path, required=("step",)) -> list[dict]:
+    """The JSON records of a ``*.jsonl`` file written once per step, sorted by ``step``.
 
     Blank lines are skipped. A malformed *last* line (a run killed mid-write) is ignored; a
     malformed line elsewhere raises ValueError. When a step appears more than once (a resumed run
     re-logging steps after its last checkpoint) the last record wins.
 
     Raises:
-      ValueError: the file holds no record, a record lacks ``step``/``loss``, or a line is bad.
+      ValueError: a record lacks one of ``required``, or a line other than the last is bad.
     """
-    path = pathlib.Path(metrics_path)
+    path = pathlib.Path(path)
     lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
     by_step: dict[int, dict] = {}
     for k, (lineno, line) in enumerate(lines):
@@ -54,12 +54,19 @@ def read_metrics(metrics_path) -> list[dict]:
             if k == len(lines) - 1:
                 break
             raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-        if not isinstance(record, dict) or "step" not in record or "loss" not in record:
-            raise ValueError(f"{path}:{lineno}: a record needs 'step' and 'loss'")
+        if not isinstance(record, dict) or any(key not in record for key in required):
+            raise ValueError(f"{path}:{lineno}: a record needs {' and '.join(map(repr, required))}")
         by_step[int(record["step"])] = record
-    if not by_step:
-        raise ValueError(f"{path}: no metrics records")
     return [by_step[s] for s in sorted(by_step)]
+
+
+def read_metrics(metrics_path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file (see `read_step_records`); each needs ``step``
+    and ``loss``. ValueError when the file holds no record."""
+    records = read_step_records(metrics_path, ("step", "loss"))
+    if not records:
+        raise ValueError(f"{metrics_path}: no metrics records")
+    return records
 
 
 def _first_key(record: dict, keys) -> float | None:

@@ -50,28 +50,9 @@ _OUT = flags.DEFINE_string("out", None, "Output HTML file (default <workdir>/vie
 
 
 def read_loads(loads_path) -> list[dict]:
-    """The records of a ``loads.jsonl`` file, one per step, sorted by ``step``.
-
-    Blank lines are skipped; a malformed *last* line (a run killed mid-write) is ignored; a
-    re-logged step (a resumed run) keeps its last record.
-
-    Raises:
-      ValueError: a line other than the last is not JSON, or a record lacks ``step``/``layers``.
-    """
-    path = pathlib.Path(loads_path)
-    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
-    by_step: dict[int, dict] = {}
-    for k, (lineno, line) in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if k == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-        if not isinstance(record, dict) or "step" not in record or "layers" not in record:
-            raise ValueError(f"{path}:{lineno}: a record needs 'step' and 'layers'")
-        by_step[int(record["step"])] = record
-    return [by_step[s] for s in sorted(by_step)]
+    """The records of a ``loads.jsonl`` file, one per step, sorted by ``step`` (see
+    `plot.read_step_records`); each needs ``step`` and ``layers``."""
+    return plot.read_step_records(loads_path, ("step", "layers"))
 
 
 # --------------------------------------------------------------------------------------------
