@@ -4,9 +4,32 @@ from __future__ import annotations
 
 import jax
 
+from ultraep_jax.gmm import grouped_matmul
+
+KERNELS = ("auto", "ragged_dot", "pallas")
+
+
+def _grouped(lhs, rhs, group_sizes, kernel: str):
+    """``ragged_dot(lhs, rhs, group_sizes)`` by the chosen implementation; "auto" takes the
+    Pallas (Triton) kernel on CUDA and `jax.lax.ragged_dot` elsewhere, per platform at lowering."""
+    if kernel == "ragged_dot":
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    if kernel == "pallas":
+        return grouped_matmul(lhs, rhs, group_sizes)
+    if kernel != "auto":
+        raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
+    return jax.lax.platform_dependent(
+        lhs, rhs, group_sizes, cuda=grouped_matmul, default=jax.lax.ragged_dot
+    )
+
 
 def swiglu_experts(
-    rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array
+    rows: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    group_sizes: jax.Array,
+    kernel: str = "auto",
 ) -> jax.Array:
     """[C, D]: ``(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for each row's group g.
 
@@ -15,7 +38,9 @@ def swiglu_experts(
         rows past ``sum(group_sizes)`` give zeros.
       w_gate, w_up: [G, D, F]; w_down: [G, F, D].
       group_sizes: int32 [G].
+      kernel: grouped-matmul implementation, one of `KERNELS`.
     """
-    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(rows, w_up, group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes).astype(rows.dtype)
+    gate = _grouped(rows, w_gate, group_sizes, kernel)
+    up = _grouped(rows, w_up, group_sizes, kernel)
+    out = _grouped(jax.nn.silu(gate) * up, w_down, group_sizes, kernel)
+    return out.astype(rows.dtype)

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ultraep_jax import comm, dispatch, reroute, transfer
 from ultraep_jax._vma import vary
 from ultraep_jax.config import BalancerConfig
-from ultraep_jax.experts import swiglu_experts
+from ultraep_jax.experts import KERNELS, swiglu_experts
 from ultraep_jax.planner import plan as make_plan
 from ultraep_jax.routing import expert_loads, route
 from ultraep_jax.stats import imbalance
@@ -79,6 +79,7 @@ def _moe_shard(
     expert_axis,
     data_axes,
     backend,
+    expert_kernel,
 ):
     """The layer on one device: x [b, s, D], w_* [E_m, ...] -> (y [b, s, D], stats)."""
     b, s, D = x.shape
@@ -137,7 +138,7 @@ def _moe_shard(
             jnp.concatenate([w, p.reshape((S,) + w.shape[1:])])
             for w, p in zip((w_gate, w_up, w_down), parts)
         )
-    out = swiglu_experts(rows, w_gate, w_up, w_down, jnp.sum(kept_in, axis=0))
+    out = swiglu_experts(rows, w_gate, w_up, w_down, jnp.sum(kept_in, axis=0), expert_kernel)
     out = jnp.where((position < capacity)[:, None], out[jnp.clip(position, 0, capacity - 1)], 0)
 
     # Back to the sources, then the weighted combine.
@@ -209,6 +210,8 @@ class MoE(nnx.Module):
       expert_axis: the name of the EP mesh axis.
       comm_backend: "auto" (portable all-to-all on CPU, `ragged_all_to_all` elsewhere),
         "portable" or "ragged"; see `comm.ragged_exchange`.
+      expert_kernel: the grouped matmul of the experts: "auto" (the Pallas/Triton kernel of
+        `ultraep_jax.gmm` on CUDA, `jax.lax.ragged_dot` elsewhere), "ragged_dot" or "pallas".
       param_dtype: dtype of the parameters.
       rngs: initialisation randomness.
 
@@ -230,6 +233,7 @@ class MoE(nnx.Module):
         *,
         expert_axis: str = "expert",
         comm_backend: str = "auto",
+        expert_kernel: str = "auto",
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -273,6 +277,8 @@ class MoE(nnx.Module):
             raise ValueError(
                 f"MoE: comm_backend must be one of {comm.BACKENDS}, got {comm_backend!r}"
             )
+        if expert_kernel not in KERNELS:
+            raise ValueError(f"MoE: expert_kernel must be one of {KERNELS}, got {expert_kernel!r}")
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         # Parameters and inputs live on the mesh with Auto axes: shard_map does the splitting,
         # and users can assign to parameters without explicit-sharding rules getting in the way.
@@ -281,6 +287,7 @@ class MoE(nnx.Module):
         )
         self.mesh, self.balancer, self.capacity_factor = mesh, balancer, capacity_factor
         self.expert_axis, self.comm_backend = expert_axis, comm_backend
+        self.expert_kernel = expert_kernel
 
         init = jax.nn.initializers.normal
         experts = NamedSharding(mesh, P(expert_axis))
@@ -353,6 +360,7 @@ class MoE(nnx.Module):
             expert_axis=ea,
             data_axes=data_axes,
             backend=self.comm_backend,
+            expert_kernel=self.expert_kernel,
         )
         specs = (P(axes), P(), P(ea), P(ea), P(ea))
         args = (x, self.router_kernel[...], self.w_gate[...], self.w_up[...], self.w_down[...])
