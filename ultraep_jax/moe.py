@@ -124,21 +124,30 @@ def _moe_shard(
         backend=backend,
     )
 
-    # Receive side: regroup rows by local group, run masters and replicas in one grouped matmul.
+    # Receive side: regroup rows by local group (masters, then slots). Masters and replicas run
+    # as separate grouped matmuls so that the masters' work does not wait for the replica
+    # weights to arrive (XLA may overlap the transfer with it).
     kept_in = kept[:, me, :]  # [src, G]
+    sizes = jnp.sum(kept_in, axis=0)  # [G]
     position = dispatch.group_major_positions(kept_in, capacity)
     rows = jnp.zeros_like(buffer).at[position].set(buffer, mode="drop", unique_indices=True)
+    out = swiglu_experts(rows, w_gate, w_up, w_down, sizes[:em], expert_kernel)
     if S > 0:
         flat = [w.reshape(em, -1) for w in (w_gate, w_up, w_down)]
         replicas = transfer.fetch_replica_weights(
             jnp.concatenate(flat, axis=1), plan.slot_expert, axis_name=expert_axis, backend=backend
         )
         parts = jnp.split(replicas, np.cumsum([f.shape[1] for f in flat])[:-1].tolist(), axis=1)
-        w_gate, w_up, w_down = (
-            jnp.concatenate([w, p.reshape((S,) + w.shape[1:])])
-            for w, p in zip((w_gate, w_up, w_down), parts)
+        r_gate, r_up, r_down = (
+            p.reshape((S,) + w.shape[1:]) for w, p in zip((w_gate, w_up, w_down), parts)
         )
-    out = swiglu_experts(rows, w_gate, w_up, w_down, jnp.sum(kept_in, axis=0), expert_kernel)
+        # The slots' rows follow the masters' rows: shift them to the front and back again.
+        start = jnp.sum(sizes[:em])
+        row = jnp.arange(capacity, dtype=jnp.int32)
+        shifted = rows[jnp.clip(row + start, 0, capacity - 1)]
+        out_slots = swiglu_experts(shifted, r_gate, r_up, r_down, sizes[em:], expert_kernel)
+        back = row - start
+        out = out + jnp.where((back >= 0)[:, None], out_slots[jnp.clip(back, 0, capacity - 1)], 0)
     out = jnp.where((position < capacity)[:, None], out[jnp.clip(position, 0, capacity - 1)], 0)
 
     # Back to the sources, then the weighted combine.
