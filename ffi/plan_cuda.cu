@@ -16,15 +16,34 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr int kThreads = 256;
+
+// One block per plan: all threads sum the expert totals (coalesced: neighbouring threads read
+// neighbouring experts of a row), then thread 0 runs the sequential rest of the planner.
 __global__ void plan_kernel(ultraep::PlanDims d, ultraep::PlanOptions o, int64_t count,
                             int64_t ws_elems, const int32_t* loads, int32_t* slot_expert,
                             int32_t* slot_quota, int32_t* master_quota, int32_t* rank_load,
                             int64_t* workspace) {
   const int64_t i = blockIdx.x;
   if (i >= count) return;
+  const int32_t* plan_loads = loads + i * d.R * d.E;
+  int64_t* ws = workspace + i * ws_elems;
+  int64_t* load_e = ultraep::detail::Workspace(ws, d).load_e;
+  int32_t sign = 0;
+  for (int64_t e = threadIdx.x; e < d.E; e += blockDim.x) {
+    int64_t sum = 0;
+    for (int64_t r = 0; r < d.R; ++r) {
+      const int32_t v = plan_loads[r * d.E + e];
+      sign |= v;
+      sum += v;
+    }
+    load_e[e] = sum;
+  }
+  const int negative = __syncthreads_or(sign < 0);
+  if (threadIdx.x != 0) return;
   ultraep::PlanOut out{slot_expert + i * d.R * d.S, slot_quota + i * d.R * d.S,
                        master_quota + i * d.E, rank_load + i * d.R};
-  ultraep::plan_one(d, o, loads + i * d.R * d.E, out, workspace + i * ws_elems);
+  ultraep::plan_from_totals(d, o, negative != 0, out, ws);
 }
 
 ffi::Error PlanCuda(cudaStream_t stream, ffi::AnyBuffer loads, int64_t slots_per_rank,
@@ -43,7 +62,7 @@ ffi::Error PlanCuda(cudaStream_t stream, ffi::AnyBuffer loads, int64_t slots_per
   if (opt.failure()) return opt;
   if (b.count == 0) return ffi::Error::Success();
   const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps};
-  plan_kernel<<<static_cast<unsigned>(b.count), 1, 0, stream>>>(
+  plan_kernel<<<static_cast<unsigned>(b.count), kThreads, 0, stream>>>(
       b.dims, o, b.count, b.workspace, loads.typed_data<int32_t>(),
       slot_expert->typed_data<int32_t>(), slot_quota->typed_data<int32_t>(),
       master_quota->typed_data<int32_t>(), rank_load->typed_data<int32_t>(),

@@ -201,26 +201,32 @@ UEP_HD inline bool try_threshold(const PlanDims& d, const PlanOptions& o, Worksp
 
 }  // namespace detail
 
-// Plans one load matrix `loads` [R, E] (row-major). Returns a PlanStatus; on an error the outputs
-// hold -1 everywhere so that a caller that cannot raise (the device) still yields no valid plan.
-UEP_HD inline int32_t plan_one(const PlanDims& d, const PlanOptions& o, const int32_t* loads,
-                               PlanOut out, int64_t* workspace) {
+// Phase 1: load_e[e] = sum_r loads[r, e] into the workspace's first E entries (row by row, so
+// that it vectorises on the host). Returns the OR of all loads: negative iff some load is.
+UEP_HD inline int32_t expert_totals(const PlanDims& d, const int32_t* loads, int64_t* workspace) {
+  int64_t* load_e = detail::Workspace(workspace, d).load_e;
+  for (int64_t e = 0; e < d.E; ++e) load_e[e] = 0;
+  int32_t sign = 0;  // branch-free, so the loop vectorises
+  for (int64_t r = 0; r < d.R; ++r) {
+    for (int64_t e = 0; e < d.E; ++e) {
+      const int32_t v = loads[r * d.E + e];
+      sign |= v;
+      load_e[e] += v;
+    }
+  }
+  return sign;
+}
+
+// Phase 2: the plan from the expert totals that phase 1 left in the workspace (a device may
+// compute those in parallel; the sums are integers, so any order gives the same plan).
+UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, bool negative,
+                                       PlanOut out, int64_t* workspace) {
   using detail::max64;
   detail::Workspace ws(workspace, d);
   const int64_t em = d.E / d.R;
   const int64_t kInt32Max = 2147483647;
 
-  int32_t status = kPlanOk;
-  for (int64_t e = 0; e < d.E; ++e) ws.load_e[e] = 0;
-  int32_t sign = 0;  // OR of all loads: negative iff some load is; branch-free so it vectorises
-  for (int64_t r = 0; r < d.R; ++r) {
-    for (int64_t e = 0; e < d.E; ++e) {
-      const int32_t v = loads[r * d.E + e];
-      sign |= v;
-      ws.load_e[e] += v;
-    }
-  }
-  if (sign < 0) status = kPlanNegativeLoad;
+  int32_t status = negative ? kPlanNegativeLoad : kPlanOk;
   int64_t total = 0, lmax = 0;
   for (int64_t r = 0; r < d.R && status == kPlanOk; ++r) {
     int64_t l = 0;
@@ -314,6 +320,14 @@ UEP_HD inline int32_t plan_one(const PlanDims& d, const PlanOptions& o, const in
   }
   for (int64_t r = 0; r < d.R; ++r) out.rank_load[r] = static_cast<int32_t>(ws.L[r]);
   return kPlanOk;
+}
+
+// Plans one load matrix `loads` [R, E] (row-major). Returns a PlanStatus; on an error the outputs
+// hold -1 everywhere so that a caller that cannot raise (the device) still yields no valid plan.
+UEP_HD inline int32_t plan_one(const PlanDims& d, const PlanOptions& o, const int32_t* loads,
+                               PlanOut out, int64_t* workspace) {
+  const int32_t sign = expert_totals(d, loads, workspace);
+  return plan_from_totals(d, o, sign < 0, out, workspace);
 }
 
 }  // namespace ultraep
