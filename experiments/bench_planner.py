@@ -79,8 +79,13 @@ def _config(num_experts: int, ep_size: int) -> uep.BalancerConfig:
     )
 
 
+def _batched_planner(cfg: uep.BalancerConfig):
+    """One jitted call that plans a whole batch [N, R, E]."""
+    return jax.jit(jax.vmap(lambda loads: uep.plan(loads, cfg)))
+
+
 def _plan_batch(batch: np.ndarray, cfg: uep.BalancerConfig) -> uep.Plan:
-    return jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))(batch)
+    return _batched_planner(cfg)(batch)
 
 
 def _quality(batch: np.ndarray, cfg: uep.BalancerConfig) -> dict:
@@ -105,7 +110,7 @@ def _quality(batch: np.ndarray, cfg: uep.BalancerConfig) -> dict:
 
 
 def _time_per_plan_us(batch: np.ndarray, cfg: uep.BalancerConfig) -> float:
-    fn = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))
+    fn = _batched_planner(cfg)
     batch = jax.device_put(batch)
     jax.block_until_ready(fn(batch))
     times = []

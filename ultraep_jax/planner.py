@@ -71,8 +71,8 @@ def plan(loads, config: BalancerConfig) -> Plan:
 
     Raises:
         ValueError / TypeError: wrong shape or dtype (before anything runs). A negative load is
-        reported by the custom call when it runs on the CPU (an `XlaRuntimeError` naming the entry);
-        on GPU, where a kernel cannot raise, every output of that plan is -1.
+        reported by the custom call when it runs on the CPU (a `jax.errors.JaxRuntimeError` naming
+        the entry); on GPU, where a kernel cannot raise, every output of that plan is -1.
     """
     loads = _check_loads(loads, config)
     _native.cpu_library()  # registers the FFI targets once
