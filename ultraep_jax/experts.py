@@ -3,24 +3,41 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from ultraep_jax.gmm import grouped_matmul
+from ultraep_jax.tiled_experts import tiled_swiglu
 
-KERNELS = ("auto", "ragged_dot", "pallas")
+KERNELS = ("auto", "tiled", "ragged_dot", "pallas")
 
 
 def _grouped(lhs, rhs, group_sizes, kernel: str):
-    """``ragged_dot(lhs, rhs, group_sizes)`` by the chosen implementation; "auto" takes the
-    Pallas (Triton) kernel on CUDA and `jax.lax.ragged_dot` elsewhere, per platform at lowering."""
-    if kernel == "ragged_dot":
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    """``ragged_dot(lhs, rhs, group_sizes)`` by the chosen matmul implementation."""
     if kernel == "pallas":
         return grouped_matmul(lhs, rhs, group_sizes)
-    if kernel != "auto":
-        raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
-    return jax.lax.platform_dependent(
-        lhs, rhs, group_sizes, cuda=grouped_matmul, default=jax.lax.ragged_dot
-    )
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+
+def _matmul_swiglu(rows, w_gate, w_up, w_down, group_sizes, first_row, kernel: str):
+    """SwiGLU as three grouped matmuls over groups laid out from row 0; rows from ``first_row``
+    are rotated to the front and back (the grouped matmuls know no row offset)."""
+    C = rows.shape[0]
+    shifted = first_row is not None
+    if shifted:
+        idx = jnp.arange(C, dtype=jnp.int32)
+        rows = rows[(idx + first_row) % C]
+    gate = _grouped(rows, w_gate, group_sizes, kernel)
+    up = _grouped(rows, w_up, group_sizes, kernel)
+    out = _grouped(jax.nn.silu(gate) * up, w_down, group_sizes, kernel).astype(rows.dtype)
+    if shifted:
+        out = out[(idx - first_row) % C]
+    return out
+
+
+def _tiled(rows, w_gate, w_up, w_down, group_sizes, first_row):
+    sizes = group_sizes.astype(jnp.int32)
+    start = jnp.cumsum(sizes) - sizes + (0 if first_row is None else first_row)
+    return tiled_swiglu(rows, w_gate, w_up, w_down, start, sizes)
 
 
 def swiglu_experts(
@@ -30,17 +47,29 @@ def swiglu_experts(
     w_down: jax.Array,
     group_sizes: jax.Array,
     kernel: str = "auto",
+    first_row: jax.Array | None = None,
 ) -> jax.Array:
     """[C, D]: ``(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for each row's group g.
 
     Args:
-      rows: [C, D], grouped: the first ``group_sizes[0]`` rows belong to group 0, and so on;
-        rows past ``sum(group_sizes)`` give zeros.
+      rows: [C, D]. The groups are consecutive from row ``first_row`` (0 when None): the first
+        ``group_sizes[0]`` rows from there belong to group 0, and so on; rows in no group give
+        zeros.
       w_gate, w_up: [G, D, F]; w_down: [G, F, D].
       group_sizes: int32 [G].
-      kernel: grouped-matmul implementation, one of `KERNELS`.
+      kernel: one of `KERNELS`: "tiled" (`tiled_experts`: a loop over row tiles whose cost tracks
+        the rows present), "ragged_dot" (`jax.lax.ragged_dot`; a masked dense product on CPU),
+        "pallas" (the Pallas/Triton kernel of `ultraep_jax.gmm`), or "auto": Pallas on CUDA,
+        tiled elsewhere, chosen per platform at lowering time.
+      first_row: int32 [], where the groups start.
     """
-    gate = _grouped(rows, w_gate, group_sizes, kernel)
-    up = _grouped(rows, w_up, group_sizes, kernel)
-    out = _grouped(jax.nn.silu(gate) * up, w_down, group_sizes, kernel)
-    return out.astype(rows.dtype)
+    args = (rows, w_gate, w_up, w_down, group_sizes, first_row)
+    if kernel == "tiled":
+        return _tiled(*args)
+    if kernel in ("ragged_dot", "pallas"):
+        return _matmul_swiglu(*args, kernel)
+    if kernel != "auto":
+        raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
+    return jax.lax.platform_dependent(
+        cuda=lambda: _matmul_swiglu(*args, "pallas"), default=lambda: _tiled(*args)
+    )

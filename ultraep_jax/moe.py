@@ -125,29 +125,20 @@ def _moe_shard(
     )
 
     # Receive side: regroup rows by local group (masters, then slots). Masters and replicas run
-    # as separate grouped matmuls so that the masters' work does not wait for the replica
-    # weights to arrive (XLA may overlap the transfer with it).
+    # as separate expert calls so that the masters' work does not wait for the replica weights
+    # (XLA may overlap the transfer with it); each call costs only its own rows.
     kept_in = kept[:, me, :]  # [src, G]
     sizes = jnp.sum(kept_in, axis=0)  # [G]
     position = dispatch.group_major_positions(kept_in, capacity)
     rows = jnp.zeros_like(buffer).at[position].set(buffer, mode="drop", unique_indices=True)
     out = swiglu_experts(rows, w_gate, w_up, w_down, sizes[:em], expert_kernel)
     if S > 0:
-        flat = [w.reshape(em, -1) for w in (w_gate, w_up, w_down)]
-        replicas = transfer.fetch_replica_weights(
-            jnp.concatenate(flat, axis=1), plan.slot_expert, axis_name=expert_axis, backend=backend
+        r_gate, r_up, r_down = transfer.fetch_replica_experts(
+            (w_gate, w_up, w_down), plan.slot_expert, axis_name=expert_axis, backend=backend
         )
-        parts = jnp.split(replicas, np.cumsum([f.shape[1] for f in flat])[:-1].tolist(), axis=1)
-        r_gate, r_up, r_down = (
-            p.reshape((S,) + w.shape[1:]) for w, p in zip((w_gate, w_up, w_down), parts)
+        out = out + swiglu_experts(
+            rows, r_gate, r_up, r_down, sizes[em:], expert_kernel, first_row=jnp.sum(sizes[:em])
         )
-        # The slots' rows follow the masters' rows: shift them to the front and back again.
-        start = jnp.sum(sizes[:em])
-        row = jnp.arange(capacity, dtype=jnp.int32)
-        shifted = rows[jnp.clip(row + start, 0, capacity - 1)]
-        out_slots = swiglu_experts(shifted, r_gate, r_up, r_down, sizes[em:], expert_kernel)
-        back = row - start
-        out = out + jnp.where((back >= 0)[:, None], out_slots[jnp.clip(back, 0, capacity - 1)], 0)
     out = jnp.where((position < capacity)[:, None], out[jnp.clip(position, 0, capacity - 1)], 0)
 
     # Back to the sources, then the weighted combine.
@@ -357,24 +348,51 @@ class MoE(nnx.Module):
 
     def _apply(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         axes = tuple(self.mesh.axis_names)
-        data_axes = tuple(a for a in axes if a != self.expert_axis)
         tokens_per_device = x.shape[0] // self.mesh.size * x.shape[1]
-        ea = self.expert_axis
-        shard = functools.partial(
-            _moe_shard,
+        spec = _ShardSpec(
+            mesh=self.mesh,
             num_experts=self.num_experts,
             top_k=self.top_k,
             balancer=self.balancer,
             capacity=self.capacity(tokens_per_device),
-            expert_axis=ea,
-            data_axes=data_axes,
+            expert_axis=self.expert_axis,
+            data_axes=tuple(a for a in axes if a != self.expert_axis),
             backend=self.comm_backend,
             expert_kernel=self.expert_kernel,
         )
-        specs = (P(axes), P(), P(ea), P(ea), P(ea))
-        args = (x, self.router_kernel[...], self.w_gate[...], self.w_up[...], self.w_down[...])
-        args = [_place(a, NamedSharding(self.mesh, spec)) for a, spec in zip(args, specs)]
-        y, stats = jax.shard_map(shard, mesh=self.mesh, in_specs=specs, out_specs=(P(axes), P(ea)))(
-            *args
-        )
-        return y, jax.tree.map(lambda a: a[0], stats)
+        params = (self.router_kernel[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+        args = [_place(a, NamedSharding(self.mesh, s)) for a, s in zip((x, *params), spec.in_specs)]
+        return _moe_call(spec, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardSpec:
+    """Everything static about one call of the layer (hashable: a jit static argument)."""
+
+    mesh: Mesh
+    num_experts: int
+    top_k: int
+    balancer: BalancerConfig | None
+    capacity: int
+    expert_axis: str
+    data_axes: tuple[str, ...]
+    backend: str
+    expert_kernel: str
+
+    @property
+    def in_specs(self):
+        ea = self.expert_axis
+        return (P(tuple(self.mesh.axis_names)), P(), P(ea), P(ea), P(ea))
+
+
+# Jitted so that the layer called outside `jax.jit` compiles once per shape, not op by op on
+# every call; inside a jitted step it is inlined.
+@functools.partial(jax.jit, static_argnums=0)
+def _moe_call(spec: _ShardSpec, x, router_kernel, w_gate, w_up, w_down):
+    kw = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "mesh"}
+    shard = functools.partial(_moe_shard, **kw)
+    out_specs = (P(tuple(spec.mesh.axis_names)), P(spec.expert_axis))
+    y, stats = jax.shard_map(shard, mesh=spec.mesh, in_specs=spec.in_specs, out_specs=out_specs)(
+        x, router_kernel, w_gate, w_up, w_down
+    )
+    return y, jax.tree.map(lambda a: a[0], stats)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ultraep_jax import comm
 
@@ -65,3 +66,29 @@ def fetch_replica_weights(
     key = my_owner * S + slot
     position = jnp.sum(key[None, :] < key[:, None], axis=1)
     return received[position]
+
+
+def fetch_replica_experts(
+    master_experts: tuple[jax.Array, ...], slot_expert: jax.Array, *, axis_name: str, backend: str
+) -> tuple[jax.Array, ...]:
+    """The weight tensors of this rank's spare slots, one exchange for all of them.
+
+    Args:
+      master_experts: this rank's master weights, each [E_m, ...] (for SwiGLU: w_gate, w_up,
+        w_down).
+      slot_expert: int32 [R, S], the plan's slots.
+
+    Returns:
+      One [S, ...] array per input, in the same order (zeros for empty slots).
+    """
+    em = master_experts[0].shape[0]
+    flat = [w.reshape(em, -1) for w in master_experts]
+    received = fetch_replica_weights(
+        jnp.concatenate(flat, axis=1), slot_expert, axis_name=axis_name, backend=backend
+    )
+    S = slot_expert.shape[1]
+    ends = np.cumsum([f.shape[1] for f in flat])
+    return tuple(
+        received[:, end - f.shape[1] : end].reshape((S,) + w.shape[1:])
+        for w, f, end in zip(master_experts, flat, ends)
+    )
