@@ -650,3 +650,36 @@ def test_bad_input_raises_when_called_eagerly():
         layer(jnp.zeros((64, D), jnp.float32))
     with pytest.raises((ValueError, TypeError)):
         layer(jnp.zeros((8, 8, D + 1), jnp.float32))
+
+
+# -- eager use ------------------------------------------------------------------------------
+
+
+def test_eager_calls_compile_once_and_match_jit():
+    """The layer called outside `jax.jit` compiles a handful of programs on the first call and
+    none on later calls of the same shape, and gives the jitted result."""
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: (
+            compiles.append(event)
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
+    )
+    mesh = make_mesh("ep8")
+    rng = np.random.default_rng(30)
+    x, params = make_inputs(rng, 8, 8, 8, 2, skew=True)
+    layer = build_layer(mesh, 8, 2, balancer_config(mesh, 8, slots=2), 1.25, params)
+    xs = place_batch(mesh, x)
+    y_jit, stats_jit = layer_forward(layer, xs)
+    before = len(compiles)
+    y1, _ = layer(xs)
+    first = len(compiles) - before
+    x2 = xs * 1.0
+    before_second = len(compiles)
+    y2, stats2 = layer(x2)
+    assert first <= 3, f"the first eager call compiled {first} programs"
+    assert len(compiles) == before_second, "a second eager call recompiled"
+    assert_close(np.asarray(y1), y_jit, "eager y vs jit")
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y1))
+    np.testing.assert_array_equal(np.asarray(stats2.rank_load_after), stats_jit["rank_load_after"])

@@ -73,3 +73,46 @@ def swiglu_experts(
     return jax.lax.platform_dependent(
         cuda=lambda: _matmul_swiglu(*args, "pallas"), default=lambda: _tiled(*args)
     )
+
+
+def local_experts(
+    rows: jax.Array,
+    masters: tuple[jax.Array, jax.Array, jax.Array],
+    replicas: tuple[jax.Array, jax.Array, jax.Array] | None,
+    group_sizes: jax.Array,
+    kernel: str = "auto",
+) -> jax.Array:
+    """[C, D]: every received row through its local instance: the E_m masters' groups first,
+    then the S replica slots' groups.
+
+    Args:
+      rows: [C, D], grouped by local instance from row 0.
+      masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts.
+      replicas: the same for the S slots ([S, ...]), or None when there are no slots.
+      group_sizes: int32 [E_m + S].
+      kernel: see `swiglu_experts`.
+
+    The tiled kernel runs masters and slots as one loop (on a CPU nothing can overlap, and one
+    loop has half the fixed cost). The matmul kernels run them as two calls, so that the
+    masters' work does not wait for the replica weights to arrive.
+    """
+    em = masters[0].shape[0]
+    if replicas is None:
+        return swiglu_experts(rows, *masters, group_sizes, kernel)
+
+    def one_loop():
+        weights = [jnp.concatenate([m, r], axis=0) for m, r in zip(masters, replicas)]
+        return _tiled(rows, *weights, group_sizes, None)
+
+    def two_calls(matmul_kernel):
+        out = swiglu_experts(rows, *masters, group_sizes[:em], matmul_kernel)
+        first = jnp.sum(group_sizes[:em])
+        return out + swiglu_experts(rows, *replicas, group_sizes[em:], matmul_kernel, first)
+
+    if kernel == "tiled":
+        return one_loop()
+    if kernel in ("ragged_dot", "pallas"):
+        return two_calls(kernel)
+    if kernel != "auto":
+        raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
+    return jax.lax.platform_dependent(cuda=lambda: two_calls("pallas"), default=one_loop)

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ultraep_jax import comm, dispatch, reroute, transfer
 from ultraep_jax._vma import vary
 from ultraep_jax.config import BalancerConfig
-from ultraep_jax.experts import KERNELS, swiglu_experts
+from ultraep_jax.experts import KERNELS, local_experts
 from ultraep_jax.planner import plan as make_plan
 from ultraep_jax.routing import expert_loads, route
 from ultraep_jax.stats import imbalance
@@ -124,21 +124,17 @@ def _moe_shard(
         backend=backend,
     )
 
-    # Receive side: regroup rows by local group (masters, then slots). Masters and replicas run
-    # as separate expert calls so that the masters' work does not wait for the replica weights
-    # (XLA may overlap the transfer with it); each call costs only its own rows.
+    # Receive side: regroup rows by local group (masters, then slots) and run the experts.
     kept_in = kept[:, me, :]  # [src, G]
-    sizes = jnp.sum(kept_in, axis=0)  # [G]
     position = dispatch.group_major_positions(kept_in, capacity)
     rows = jnp.zeros_like(buffer).at[position].set(buffer, mode="drop", unique_indices=True)
-    out = swiglu_experts(rows, w_gate, w_up, w_down, sizes[:em], expert_kernel)
+    masters = (w_gate, w_up, w_down)
+    replicas = None
     if S > 0:
-        r_gate, r_up, r_down = transfer.fetch_replica_experts(
-            (w_gate, w_up, w_down), plan.slot_expert, axis_name=expert_axis, backend=backend
+        replicas = transfer.fetch_replica_experts(
+            masters, plan.slot_expert, axis_name=expert_axis, backend=backend
         )
-        out = out + swiglu_experts(
-            rows, r_gate, r_up, r_down, sizes[em:], expert_kernel, first_row=jnp.sum(sizes[:em])
-        )
+    out = local_experts(rows, masters, replicas, jnp.sum(kept_in, axis=0), expert_kernel)
     out = jnp.where((position < capacity)[:, None], out[jnp.clip(position, 0, capacity - 1)], 0)
 
     # Back to the sources, then the weighted combine.

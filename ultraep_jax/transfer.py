@@ -1,9 +1,14 @@
 """Replica expert weights: each spare slot receives its expert's weights from the master's rank.
 
-One ragged exchange carries every slot's weights. It is linear in the master weights, so its
-transpose (the backward pass) sends each replica's weight gradient back and adds it into the
-master's gradient: no custom VJP needed. Nothing here waits on the masters' own matmuls, so XLA
-is free to overlap the transfer with them.
+The transfer is linear in the master weights, so its transpose (the backward pass) sends each
+replica's weight gradient back and adds it into the master's gradient: no custom VJP needed.
+Nothing here waits on the masters' own matmuls, so XLA is free to overlap the transfer with them.
+
+Two implementations behind `fetch_replica_experts`: a dense one (a row selection and a
+reduce-scatter of ``R * S`` rows, cheaper on XLA:CPU than an all-to-all) and
+a ragged one (`jax.lax.ragged_all_to_all`, which moves only the filled slots; GPU/TPU).
+
+Shapes: R ranks, S slots per rank, E_m master experts per rank, P weights per expert.
 """
 
 from __future__ import annotations
@@ -68,27 +73,61 @@ def fetch_replica_weights(
     return received[position]
 
 
+def _fetch_dense(master_weights: jax.Array, slot_expert: jax.Array, axis_name: str) -> jax.Array:
+    """[S, P] by a dense exchange: every rank sends each peer one row per slot of that peer (its
+    master's weights if it owns the slot's expert, else zeros) and each slot sums what it got."""
+    em = master_weights.shape[0]
+    me = jax.lax.axis_index(axis_name)
+    mine = (slot_owners(slot_expert, em) == me).reshape(-1)  # [R * S]
+    local = (jnp.clip(slot_expert, 0, None) % em).reshape(-1)
+    send = jnp.where(mine[:, None], master_weights[local], 0)  # [R(dst) * S, P]
+    # Only the owner's row of each slot is non-zero, so summing over senders delivers it: a
+    # reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster than all-to-all).
+    return jax.lax.psum_scatter(send, axis_name, scatter_dimension=0, tiled=True)
+
+
 def fetch_replica_experts(
-    master_experts: tuple[jax.Array, ...], slot_expert: jax.Array, *, axis_name: str, backend: str
+    master_experts: tuple[jax.Array, ...],
+    slot_expert: jax.Array,
+    *,
+    axis_name: str,
+    backend: str = "auto",
 ) -> tuple[jax.Array, ...]:
-    """The weight tensors of this rank's spare slots, one exchange for all of them.
+    """The weights of the experts in this rank's spare slots, one exchange for all tensors.
 
     Args:
       master_experts: this rank's master weights, each [E_m, ...] (for SwiGLU: w_gate, w_up,
         w_down).
-      slot_expert: int32 [R, S], the plan's slots.
+      slot_expert: int32 [R, S], the plan's slots (identical on every rank of the EP group).
+      axis_name: the EP mesh axis.
+      backend: "portable" (the dense exchange), "ragged" (`ragged_all_to_all`), or "auto":
+        dense on CPU, ragged elsewhere, chosen per platform at lowering time.
 
     Returns:
       One [S, ...] array per input, in the same order (zeros for empty slots).
     """
     em = master_experts[0].shape[0]
-    flat = [w.reshape(em, -1) for w in master_experts]
-    received = fetch_replica_weights(
-        jnp.concatenate(flat, axis=1), slot_expert, axis_name=axis_name, backend=backend
-    )
+    flat = jnp.concatenate([w.reshape(em, -1) for w in master_experts], axis=1)  # [E_m, P]
+
+    def dense():
+        return _fetch_dense(flat, slot_expert, axis_name)
+
+    def ragged():
+        return fetch_replica_weights(flat, slot_expert, axis_name=axis_name, backend="ragged")
+
+    if backend == "portable":
+        received = dense()
+    elif backend == "ragged":
+        received = ragged()
+    elif backend == "auto":
+        received = jax.lax.platform_dependent(cpu=dense, default=ragged)
+    else:
+        raise ValueError(
+            f"unknown communication backend {backend!r}; expected one of {comm.BACKENDS}"
+        )
     S = slot_expert.shape[1]
-    ends = np.cumsum([f.shape[1] for f in flat])
+    ends = np.cumsum([int(np.prod(w.shape[1:])) for w in master_experts])
     return tuple(
-        received[:, end - f.shape[1] : end].reshape((S,) + w.shape[1:])
-        for w, f, end in zip(master_experts, flat, ends)
+        received[:, end - int(np.prod(w.shape[1:])) : end].reshape((S,) + w.shape[1:])
+        for w, end in zip(master_experts, ends)
     )
