@@ -178,11 +178,14 @@ UEP_HD inline bool attempt(const PlanDims& d, const PlanOptions& o, Workspace& w
     ws.free_slots[t] = d.S;
     if (ws.slack[t] > 0 && d.S > 0) ws.active[n_active++] = t;
   }
+  int64_t later = 0;  // X of PLANNER.md: the excess that the ranks after the current one must shed
+  for (int64_t t = 0; t < d.R; ++t) later += max64(ws.L[t] - tau, 0);
   int64_t nrep = 0;
   for (int64_t ri = 0; ri < d.R; ++ri) {
     const int64_t src = ws.rank_order[ri];
     int64_t x = ws.L[src] - tau;
     if (x <= 0) break;
+    later -= x;
     const int64_t first = src * em;
     while (x > 0) {
       const int64_t fl = min64(f, x);
@@ -200,9 +203,10 @@ UEP_HD inline bool attempt(const PlanDims& d, const PlanOptions& o, Workspace& w
       const int64_t k = pick_target(ws, n_active, min64(x, avail), avail, strict);
       if (k < 0) return false;
       const int64_t t = ws.active[k];
-      // Fill the target as far as the expert allows, even past the source's need: the source
-      // then takes later ranks' replicas in its own, otherwise idle, slots.
-      const int64_t q = min64(ws.slack[t], avail);
+      // Fill the target as far as the expert allows, even past the source's need (but not past
+      // what the later ranks could use): the source then takes later ranks' replicas in its
+      // own, otherwise idle, slots.
+      const int64_t q = min64(min64(ws.slack[t], avail), x + later);
       if (q < fl) return false;
       ws.rep_expert[nrep] = e;
       ws.rep_target[nrep] = t;

@@ -150,10 +150,12 @@ def attempt(tau: int, load_e: list[int], L: list[int], S: int, f: int, K: int, s
     free = [S] * R
     exported = [0] * len(load_e)
     replicas: list[tuple[int, int, int]] = []
+    X = sum(max(L[d] - tau, 0) for d in range(R))
     for d in _rank_order(L):
         x = L[d] - tau
         if x <= 0:
             break  # ranks are sorted: the rest are fine
+        X -= x  # what the ranks after d must still shed
         masters = range(d * E_m, (d + 1) * E_m)
         while x > 0:
             fl = min(f, x)  # adaptive floor
@@ -165,7 +167,8 @@ def attempt(tau: int, load_e: list[int], L: list[int], S: int, f: int, K: int, s
             t = _pick_target(slack, free, min(x, avail), avail, strict)
             if t == -1:
                 return False, []
-            q = min(slack[t], avail)  # fill the target as far as the expert allows
+            # fill the target as far as the expert allows and the later ranks can use
+            q = min(slack[t], avail, x + X)
             if q < fl:
                 return False, []
             replicas.append((e, t, q))
