@@ -65,12 +65,14 @@ inline ffi::Error plan_batch(const ffi::AnyBuffer& loads, int64_t slots_per_rank
 }
 
 inline ffi::Error check_options(int64_t min_tokens_per_replica, int64_t master_keep_tokens,
-                                double eps) {
+                                double eps, int64_t capacity) {
   if (min_tokens_per_replica < 1)
     return ffi::Error::InvalidArgument("ultraep_plan: min_tokens_per_replica must be >= 1");
   if (master_keep_tokens < 0)
     return ffi::Error::InvalidArgument("ultraep_plan: master_keep_tokens must be >= 0");
   if (!(eps >= 0.0)) return ffi::Error::InvalidArgument("ultraep_plan: balance_eps must be >= 0");
+  if (capacity < 0)
+    return ffi::Error::InvalidArgument("ultraep_plan: capacity must be >= 0 (0: unbounded)");
   return ffi::Error::Success();
 }
 

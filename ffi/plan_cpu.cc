@@ -24,7 +24,7 @@ std::string negative_load_message(const int32_t* loads, const PlanBatch& b, int6
 }
 
 ffi::Error PlanCpu(ffi::AnyBuffer loads, int64_t slots_per_rank, int64_t min_tokens_per_replica,
-                   int64_t master_keep_tokens, double balance_eps,
+                   int64_t master_keep_tokens, double balance_eps, int64_t capacity,
                    ffi::Result<ffi::AnyBuffer> slot_expert, ffi::Result<ffi::AnyBuffer> slot_quota,
                    ffi::Result<ffi::AnyBuffer> master_quota, ffi::Result<ffi::AnyBuffer> rank_load,
                    ffi::Result<ffi::AnyBuffer> workspace) {
@@ -34,10 +34,10 @@ ffi::Error PlanCpu(ffi::AnyBuffer loads, int64_t slots_per_rank, int64_t min_tok
   ffi::Error shapes = ultraep::plan_batch(loads, slots_per_rank, *slot_expert, *slot_quota,
                                           *master_quota, *rank_load, *workspace, &b);
   if (shapes.failure()) return shapes;
-  ffi::Error opt = ultraep::check_options(min_tokens_per_replica, master_keep_tokens, balance_eps);
+  ffi::Error opt = ultraep::check_options(min_tokens_per_replica, master_keep_tokens, balance_eps, capacity);
   if (opt.failure()) return opt;
   const auto& d = b.dims;
-  const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps};
+  const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity};
   const int32_t* in = loads.typed_data<int32_t>();
   for (int64_t i = 0; i < b.count; ++i) {
     ultraep::PlanOut out{slot_expert->typed_data<int32_t>() + i * d.R * d.S,
@@ -69,6 +69,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UltraepPlanCpu, PlanCpu,
                                   .Attr<int64_t>("min_tokens_per_replica")
                                   .Attr<int64_t>("master_keep_tokens")
                                   .Attr<double>("balance_eps")
+                                  .Attr<int64_t>("capacity")
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()

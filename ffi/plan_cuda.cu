@@ -48,7 +48,8 @@ __global__ void plan_kernel(ultraep::PlanDims d, ultraep::PlanOptions o, int64_t
 
 ffi::Error PlanCuda(cudaStream_t stream, ffi::AnyBuffer loads, int64_t slots_per_rank,
                     int64_t min_tokens_per_replica, int64_t master_keep_tokens,
-                    double balance_eps, ffi::Result<ffi::AnyBuffer> slot_expert,
+                    double balance_eps, int64_t capacity,
+                    ffi::Result<ffi::AnyBuffer> slot_expert,
                     ffi::Result<ffi::AnyBuffer> slot_quota,
                     ffi::Result<ffi::AnyBuffer> master_quota,
                     ffi::Result<ffi::AnyBuffer> rank_load, ffi::Result<ffi::AnyBuffer> workspace) {
@@ -58,10 +59,10 @@ ffi::Error PlanCuda(cudaStream_t stream, ffi::AnyBuffer loads, int64_t slots_per
   ffi::Error shapes = ultraep::plan_batch(loads, slots_per_rank, *slot_expert, *slot_quota,
                                           *master_quota, *rank_load, *workspace, &b);
   if (shapes.failure()) return shapes;
-  ffi::Error opt = ultraep::check_options(min_tokens_per_replica, master_keep_tokens, balance_eps);
+  ffi::Error opt = ultraep::check_options(min_tokens_per_replica, master_keep_tokens, balance_eps, capacity);
   if (opt.failure()) return opt;
   if (b.count == 0) return ffi::Error::Success();
-  const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps};
+  const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity};
   plan_kernel<<<static_cast<unsigned>(b.count), kThreads, 0, stream>>>(
       b.dims, o, b.count, b.workspace, loads.typed_data<int32_t>(),
       slot_expert->typed_data<int32_t>(), slot_quota->typed_data<int32_t>(),
@@ -87,6 +88,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UltraepPlanCuda, PlanCuda,
                                   .Attr<int64_t>("min_tokens_per_replica")
                                   .Attr<int64_t>("master_keep_tokens")
                                   .Attr<double>("balance_eps")
+                                  .Attr<int64_t>("capacity")
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()

@@ -5,8 +5,8 @@
 // description; tests/reference_planner.py implements it independently in NumPy.
 //
 // Memory: the caller provides a workspace of `workspace_elems(dims)` int64 values; the planner
-// allocates nothing. Work per threshold probe: O(E + R * replicas); sorting once per plan:
-// O(E log E + R log R).
+// allocates nothing. Work per threshold probe: O(E + replicas * (R + E / R)); sorting the ranks
+// once per plan: O(R log R).
 #pragma once
 
 #include <cmath>
@@ -29,7 +29,8 @@ struct PlanDims {
 struct PlanOptions {
   int64_t min_tokens_per_replica;  // F: the least tokens a replica may carry (>= 1)
   int64_t master_keep_tokens;      // K: tokens a master always keeps (>= 0)
-  double eps;                      // balance tolerance: target threshold ceil(mean * (1 + eps))
+  double eps;                      // balance tolerance (>= 0, not NaN); 0 is exact mode
+  int64_t capacity;                // per-rank receive-buffer rows the plan should stay within; 0: none
 };
 
 enum PlanStatus : int32_t {
@@ -47,7 +48,7 @@ struct PlanOut {
 };
 
 UEP_HD inline int64_t workspace_elems(const PlanDims& d) {
-  return 3 * d.E + 6 * d.R + 3 * d.R * d.S;
+  return 2 * d.E + 6 * d.R + 3 * d.R * d.S;
 }
 
 namespace detail {
@@ -103,7 +104,6 @@ struct DescendingKey {
 struct Workspace {
   int64_t* load_e;        // [E]
   int64_t* exported;      // [E]
-  int64_t* expert_order;  // [E]: per rank, its masters by load descending
   int64_t* L;             // [R]: master-only rank loads
   int64_t* slack;         // [R]
   int64_t* free_slots;    // [R]
@@ -117,8 +117,7 @@ struct Workspace {
   UEP_HD Workspace(int64_t* base, const PlanDims& d) {
     load_e = base;
     exported = load_e + d.E;
-    expert_order = exported + d.E;
-    L = expert_order + d.E;
+    L = exported + d.E;
     slack = L + d.R;
     free_slots = slack + d.R;
     rank_order = free_slots + d.R;
@@ -130,73 +129,175 @@ struct Workspace {
   }
 };
 
-// The target for a replica that should carry `need` tokens: among ranks with a free slot and
-// slack (ws.active[0, *n_active)), the one with the least slack that still takes all of `need`
-// (best fit keeps large slacks for large excesses), else the one with the most slack; ties ->
-// smallest rank. Returns the position in ws.active, -1 if there is no candidate.
-UEP_HD inline int64_t pick_target(const Workspace& ws, int64_t n_active, int64_t need) {
-  int64_t fit = -1, most = -1, fit_s = 0, most_s = 0, fit_t = 0, most_t = 0;
+// The target for a replica that should carry `need` tokens of an expert that can give `a`: among
+// ranks with a free slot and slack (ws.active[0, n_active)), the one with the least slack that
+// still takes all of `need` (best fit keeps large slacks for large excesses), else the one with
+// the most slack; ties -> smallest rank. With `strict`, a rank whose last free slot would strand
+// slack (free == 1, slack > a) is left out unless no other candidate exists. Returns the position
+// in ws.active, -1 if there is no candidate.
+UEP_HD inline int64_t pick_target(const Workspace& ws, int64_t n_active, int64_t need, int64_t a,
+                                  bool strict) {
+  // [0]: every candidate; [1]: the strict rule's candidates. One pass computes both.
+  int64_t fit[2] = {-1, -1}, most[2] = {-1, -1}, fit_s[2] = {0, 0}, most_s[2] = {0, 0};
+  int64_t fit_t[2] = {0, 0}, most_t[2] = {0, 0};
+  const int kinds = strict ? 2 : 1;
   for (int64_t k = 0; k < n_active; ++k) {
     const int64_t t = ws.active[k], s = ws.slack[t];
-    if (s >= need && (fit < 0 || s < fit_s || (s == fit_s && t < fit_t))) {
-      fit = k;
-      fit_s = s;
-      fit_t = t;
-    }
-    if (most < 0 || s > most_s || (s == most_s && t < most_t)) {
-      most = k;
-      most_s = s;
-      most_t = t;
+    const bool keep = !(ws.free_slots[t] == 1 && s > a);
+    for (int c = 0; c < kinds; ++c) {
+      if (c == 1 && !keep) continue;
+      if (s >= need && (fit[c] < 0 || s < fit_s[c] || (s == fit_s[c] && t < fit_t[c]))) {
+        fit[c] = k;
+        fit_s[c] = s;
+        fit_t[c] = t;
+      }
+      if (most[c] < 0 || s > most_s[c] || (s == most_s[c] && t < most_t[c])) {
+        most[c] = k;
+        most_s[c] = s;
+        most_t[c] = t;
+      }
     }
   }
-  return fit >= 0 ? fit : most;
+  const int c = (strict && most[1] >= 0) ? 1 : 0;
+  return fit[c] >= 0 ? fit[c] : most[c];
 }
 
-// The oracle of PLANNER.md: can every rank be brought to at most `tau`? On success the replicas
-// are in ws.rep_* [0, *num_replicas) and ws.exported holds what each master gave away.
-UEP_HD inline bool try_threshold(const PlanDims& d, const PlanOptions& o, Workspace& ws,
-                                 int64_t tau, int64_t lmax, int64_t* num_replicas) {
+// attempt(tau, f, strict) of PLANNER.md: can every rank be brought to at most `tau` with replicas
+// of at least floor `f` (adaptive)? On success the replicas are in ws.rep_* [0, *num_replicas) and
+// ws.exported holds what each master gave away.
+UEP_HD inline bool attempt(const PlanDims& d, const PlanOptions& o, Workspace& ws, int64_t tau,
+                           int64_t lmax, int64_t f, bool strict, int64_t* num_replicas) {
   *num_replicas = 0;
   for (int64_t e = 0; e < d.E; ++e) ws.exported[e] = 0;
   if (tau >= lmax) return true;
   const int64_t em = d.E / d.R;
+  const int64_t K = o.master_keep_tokens;
   int64_t n_active = 0;  // ranks that can still take a replica, in any order
   for (int64_t t = 0; t < d.R; ++t) {
     ws.slack[t] = max64(tau - ws.L[t], 0);
     ws.free_slots[t] = d.S;
     if (ws.slack[t] > 0 && d.S > 0) ws.active[n_active++] = t;
   }
+  int64_t later = 0;  // X of PLANNER.md: the excess that the ranks after the current one must shed
+  for (int64_t t = 0; t < d.R; ++t) later += max64(ws.L[t] - tau, 0);
   int64_t nrep = 0;
   for (int64_t ri = 0; ri < d.R; ++ri) {
     const int64_t src = ws.rank_order[ri];
     int64_t x = ws.L[src] - tau;
     if (x <= 0) break;
-    for (int64_t j = 0; j < em && x > 0; ++j) {
-      const int64_t e = ws.expert_order[src * em + j];
-      while (x > 0) {
-        const int64_t fl = min64(o.min_tokens_per_replica, x);
-        const int64_t avail = ws.load_e[e] - o.master_keep_tokens - ws.exported[e];
-        if (avail < fl) break;
-        const int64_t k = pick_target(ws, n_active, min64(x, avail));
-        if (k < 0) return false;
-        const int64_t t = ws.active[k];
-        const int64_t q = min64(min64(x, ws.slack[t]), avail);
-        if (q < fl) return false;
-        ws.rep_expert[nrep] = e;
-        ws.rep_target[nrep] = t;
-        ws.rep_quota[nrep] = q;
-        ++nrep;
-        ws.slack[t] -= q;
-        ws.free_slots[t] -= 1;
-        x -= q;
-        ws.exported[e] += q;
-        if (ws.slack[t] == 0 || ws.free_slots[t] == 0) ws.active[k] = ws.active[--n_active];
+    later -= x;
+    const int64_t first = src * em;
+    while (x > 0) {
+      const int64_t fl = min64(f, x);
+      // The master with the most tokens left to give (ties -> smallest index): a large piece
+      // now keeps the source's replica count low.
+      int64_t e = first, avail = ws.load_e[first] - K - ws.exported[first];
+      for (int64_t j = first + 1; j < first + em; ++j) {
+        const int64_t a = ws.load_e[j] - K - ws.exported[j];
+        if (a > avail) {
+          e = j;
+          avail = a;
+        }
       }
+      if (avail < fl) return false;
+      const int64_t k = pick_target(ws, n_active, min64(x, avail), avail, strict);
+      if (k < 0) return false;
+      const int64_t t = ws.active[k];
+      // Fill the target as far as the expert allows, even past the source's need (but not past
+      // what the later ranks could use): the source then takes later ranks' replicas in its
+      // own, otherwise idle, slots.
+      const int64_t q = min64(min64(ws.slack[t], avail), x + later);
+      if (q < fl) return false;
+      ws.rep_expert[nrep] = e;
+      ws.rep_target[nrep] = t;
+      ws.rep_quota[nrep] = q;
+      ++nrep;
+      ws.slack[t] -= q;
+      ws.free_slots[t] -= 1;
+      x -= q;
+      ws.exported[e] += q;
+      if (ws.slack[t] == 0 || ws.free_slots[t] == 0) ws.active[k] = ws.active[--n_active];
     }
-    if (x > 0) return false;
+    ws.slack[src] = -x;  // over-exported: the source becomes a target
+    if (x < 0 && d.S > 0) ws.active[n_active++] = src;
   }
   *num_replicas = nrep;
   return true;
+}
+
+// try(tau) of PLANNER.md: the attempts in their order until one succeeds (its replicas stay in ws).
+UEP_HD inline bool try_threshold(const PlanDims& d, const PlanOptions& o, Workspace& ws,
+                                 int64_t tau, int64_t lmax, int64_t* num_replicas) {
+  const int64_t F = o.min_tokens_per_replica;
+  const int floors = (o.eps == 0.0 && F > 1) ? 2 : 1;  // exact mode falls back to floor 1
+  for (int i = 0; i < floors; ++i) {
+    const int64_t f = i == 0 ? F : 1;
+    if (attempt(d, o, ws, tau, lmax, f, false, num_replicas)) return true;
+    if (attempt(d, o, ws, tau, lmax, f, true, num_replicas)) return true;
+  }
+  return false;
+}
+
+// The threshold search of PLANNER.md: probes thresholds in a fixed order, the first success wins.
+// On return *tau is the winner and ws holds its replicas (*have) or must be recomputed (!*have).
+struct Search {
+  const PlanDims& d;
+  const PlanOptions& o;
+  Workspace& ws;
+  int64_t lmax;
+  int64_t* nrep;
+  int64_t last = -1;  // the previous probe: a repeat has the same (failed) outcome
+
+  UEP_HD bool probe(int64_t tau) {
+    // Only failures are ever probed again (a success ends the search), and a repeat fails again.
+    if (tau < lmax && tau == last) return false;
+    last = tau;
+    return try_threshold(d, o, ws, tau, lmax, nrep);  // tau >= lmax: success, no replicas
+  }
+
+  // The refine probes between a failed `a` and a successful `b`: the first success, else `b`
+  // (*have says whether ws holds the winner's replicas).
+  UEP_HD int64_t refine(int64_t a, int64_t b, bool* have) {
+    *have = true;  // ws holds b's replicas unless a refine probe runs
+    for (int64_t i = 1; i < 16; ++i) {
+      const int64_t r = a + (b - a) * i / 16;
+      if (r <= a || r >= b) continue;
+      *have = false;
+      if (probe(r)) {
+        *have = true;
+        return r;
+      }
+    }
+    return b;
+  }
+
+  // window(a, b): the winner, or -1 if the window fails.
+  UEP_HD int64_t window(int64_t a, int64_t b, int64_t delta, bool* have) {
+    *have = true;
+    if (probe(a)) return a;
+    int64_t p = a;
+    for (int64_t k = 1; k < 4 && a + k * delta <= b; ++k) {
+      p = a + k * delta;
+      if (probe(p)) return p;
+    }
+    if (p >= b) return -1;
+    int64_t prev = p;
+    for (int64_t j = 1; j <= 32; ++j) {
+      const int64_t c = p + (b - p) * j / 32;
+      if (probe(c)) return refine(prev, c, have);
+      prev = c;
+    }
+    return -1;
+  }
+};
+
+// clampfloor / clampceil of PLANNER.md: the double's floor (ceil) as int64 when it is below
+// `lmax`, else `lmax` (so that a huge, infinite or NaN value never reaches the int64 conversion).
+UEP_HD inline int64_t clamp_floor(double v, int64_t lmax) {
+  return v < static_cast<double>(lmax) ? static_cast<int64_t>(floor(v)) : lmax;
+}
+UEP_HD inline int64_t clamp_ceil(double v, int64_t lmax) {
+  return v < static_cast<double>(lmax) ? static_cast<int64_t>(ceil(v)) : lmax;
 }
 
 }  // namespace detail
@@ -248,53 +349,56 @@ UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, 
 
   for (int64_t r = 0; r < d.R; ++r) ws.rank_order[r] = r;
   detail::sort_indices(ws.rank_order, d.R, detail::DescendingKey{ws.L});
-  for (int64_t e = 0; e < d.E; ++e) ws.expert_order[e] = e;
-  for (int64_t r = 0; r < d.R; ++r)
-    detail::sort_indices(ws.expert_order + r * em, em, detail::DescendingKey{ws.load_e});
 
   // Threshold search: a fixed probe sequence, the first success wins (PLANNER.md).
   // The largest integer threshold within (1 + eps) of the mean, but never below the mean's ceiling.
+  const int64_t mean_ceil = (total + d.R - 1) / d.R;
   const int64_t tau0 = max64(
-      (total + d.R - 1) / d.R,
-      static_cast<int64_t>(floor(static_cast<double>(total) * (1.0 + o.eps) / static_cast<double>(d.R))));
+      mean_ceil, detail::clamp_floor(static_cast<double>(total) * (1.0 + o.eps) /
+                                         static_cast<double>(d.R),
+                                     lmax));
+  const int64_t delta = max64(
+      1, detail::clamp_ceil(static_cast<double>(total) * o.eps / static_cast<double>(d.R) / 2.0,
+                            lmax));
   int64_t tau = lmax;
   int64_t nrep = 0;
   bool have = false;  // ws holds the winner's replicas
-  if (total > 0 && d.S > 0 && d.R > 1 && tau0 < lmax) {
-    const int64_t delta = max64(
-        1, static_cast<int64_t>(ceil(static_cast<double>(total) * o.eps / static_cast<double>(d.R) / 2.0)));
-    for (int64_t i = 0; i < 4 && !have; ++i) {
-      if (detail::try_threshold(d, o, ws, tau0 + i * delta, lmax, &nrep)) {
-        tau = tau0 + i * delta;
-        have = true;
+  if (total > 0 && d.S > 0 && d.R > 1) {
+    detail::Search search{d, o, ws, lmax, &nrep};
+    bool found = false;
+    const int64_t cap = o.capacity;
+    if (cap > 0 && cap < lmax && cap >= mean_ceil) {  // thresholds within the capacity first
+      const int64_t w = search.window(detail::min64(tau0, cap), cap, delta, &have);
+      if (w >= 0) {
+        tau = w;
+        found = true;
       }
     }
-    if (!have) {
-      const int64_t lo = tau0 + 3 * delta;
-      const int64_t span = lmax - lo;
-      int64_t prev = lo, hit = -1;
-      for (int64_t j = 1; j < 32; ++j) {
-        const int64_t c = lo + span * j / 32;
-        if (detail::try_threshold(d, o, ws, c, lmax, &nrep)) {
-          hit = c;
-          break;
+    if (!found && tau0 < lmax) {
+      for (int64_t i = 0; i < 4 && !found; ++i) {
+        if (search.probe(tau0 + i * delta)) {
+          tau = tau0 + i * delta;
+          found = have = true;
         }
-        prev = c;
       }
-      if (hit >= 0) {
-        tau = hit;
-        have = true;  // ws holds hit's replicas unless a refine probe runs
-        for (int64_t i = 1; i < 16; ++i) {
-          const int64_t r = prev + (hit - prev) * i / 16;
-          if (r <= prev || r >= hit) continue;
-          have = false;
-          if (detail::try_threshold(d, o, ws, r, lmax, &nrep)) {
-            tau = r;
-            have = true;
+      if (!found) {
+        const int64_t lo = tau0 + 3 * delta;
+        const int64_t span = lmax - lo;
+        int64_t prev = lo;
+        for (int64_t j = 1; j < 32; ++j) {
+          const int64_t c = lo + span * j / 32;
+          if (search.probe(c)) {
+            tau = search.refine(prev, c, &have);
+            found = true;
             break;
           }
+          prev = c;
         }
       }
+    }
+    if (!found) {
+      tau = lmax;
+      have = false;
     }
   }
   if (!have) detail::try_threshold(d, o, ws, tau, lmax, &nrep);

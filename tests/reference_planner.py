@@ -4,13 +4,13 @@ This module is an independent, deliberately simple rendering of the normative sp
 (``ffi/PLANNER.md``): linear scans, no heaps, Python integers (which are exact and therefore
 agree with the spec's 64-bit integer arithmetic whenever that arithmetic does not overflow), and
 Python floats for the two IEEE-double formulas (``tau0`` and ``delta``), evaluated in exactly the
-order the spec gives. The tests compare it bit for bit with the C++ planner, so every tie break
+order the spec gives and clamped to ``Lmax`` as the spec says. The tests compare it bit for bit with the C++ planner, so every tie break
 follows the spec literally.
 
 Public API:
 
 - ``reference_plan(loads, slots_per_rank, min_tokens_per_replica, balance_eps,
-  master_keep_tokens=1) -> dict`` with int32 arrays ``slot_expert [R,S]`` (-1 empty),
+  master_keep_tokens=1, capacity=0) -> dict`` with int32 arrays ``slot_expert [R,S]`` (-1 empty),
   ``slot_quota [R,S]``, ``master_quota [E]``, ``rank_load [R]``.
 - ``reference_plan_info(...)``: same arguments; returns ``(plan, info)`` where ``info`` also
   holds the chosen threshold ``tau``, ``tau0``, ``delta``, the replicas in creation order and the
@@ -22,21 +22,22 @@ Public API:
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 INT32_MAX = 2**31 - 1
 
 __all__ = [
+    "attempt",
+    "check_plan_invariants",
+    "compute_delta",
+    "compute_tau0",
+    "oracle",
+    "rank_loads_before",
     "reference_plan",
     "reference_plan_info",
-    "rank_loads_before",
-    "check_plan_invariants",
-    "oracle",
     "search_tau",
-    "compute_tau0",
-    "compute_delta",
 ]
 
 
@@ -78,30 +79,37 @@ def rank_loads_before(loads) -> np.ndarray:
     return np.asarray(_master_loads(_expert_loads(arr), R), dtype=np.int64)
 
 
-def compute_tau0(T: int, R: int, eps: float) -> int:
-    """tau0 = max(ceil(T / R), floor(double(T) * (1.0 + eps) / double(R))).
+def compute_tau0(T: int, R: int, eps: float, lmax: int | None = None) -> int:
+    """tau0 = max(ceil(T / R), clampfloor(double(T) * (1.0 + eps) / double(R))).
 
-    The first term in exact integers, the second as multiply, then divide, then floor.
+    The first term in exact integers, the second as add, multiply, then divide, then floor. With
+    ``lmax`` the floor is clamped as in the spec: ``lmax`` whenever the double is not below
+    ``lmax`` (huge ``eps``, inf, NaN). Without it a non-finite double raises ValueError.
     """
     v = float(T) * (1.0 + float(eps))
     v = v / float(R)
+    if lmax is not None and not v < float(lmax):
+        return max(-(-T // R), int(lmax))
     if not math.isfinite(v):
         raise ValueError("tau0 is not a finite double (balance_eps too large)")
-    return max(-(-T // R), int(math.floor(v)))
+    return max(-(-T // R), math.floor(v))
 
 
-def compute_delta(T: int, R: int, eps: float) -> int:
-    """delta = max(1, ceil(double(T) * eps / double(R) / 2.0)), evaluated left to right."""
+def compute_delta(T: int, R: int, eps: float, lmax: int | None = None) -> int:
+    """delta = max(1, clampceil(double(T) * eps / double(R) / 2.0)), evaluated left to right;
+    with ``lmax`` clamped to ``lmax`` as in the spec (else a non-finite double raises)."""
     v = float(T) * float(eps)
     v = v / float(R)
     v = v / 2.0
+    if lmax is not None and not v < float(lmax):
+        return max(1, int(lmax))
     if not math.isfinite(v):
         raise ValueError("delta is not a finite double (balance_eps too large)")
-    return max(1, int(math.ceil(v)))
+    return max(1, math.ceil(v))
 
 
 # --------------------------------------------------------------------------------------------
-# The oracle try(tau)
+# The oracle: attempt(tau, f, strict) and try(tau)
 # --------------------------------------------------------------------------------------------
 
 
@@ -110,16 +118,15 @@ def _rank_order(L: list[int]) -> list[int]:
     return sorted(range(len(L)), key=lambda d: (-L[d], d))
 
 
-def _expert_order(d: int, E_m: int, load_e: list[int]) -> list[int]:
-    # d's masters sorted by load_e descending, ties by expert index ascending.
-    masters = [d * E_m + j for j in range(E_m)]
-    return sorted(masters, key=lambda e: (-load_e[e], e))
-
-
-def _pick_target(slack: list[int], free: list[int], need: int) -> int:
-    """Among ranks with a free slot and slack: the least slack >= need (best fit), else the most
-    slack; ties -> smallest rank (strict comparisons in a scan by ascending rank). -1 if none."""
+def _pick_target(slack: list[int], free: list[int], need: int, a: int, strict: bool) -> int:
+    """Among ranks with a free slot and slack (with ``strict``: leaving out those with one free slot
+    and more slack than ``a``, unless that leaves none): the least slack >= need (best fit), else
+    the most slack; ties -> smallest rank. -1 if there is no candidate."""
     candidates = [t for t in range(len(slack)) if free[t] > 0 and slack[t] > 0]
+    if strict:
+        kept = [t for t in candidates if not (free[t] == 1 and slack[t] > a)]
+        if kept:
+            candidates = kept
     fits = [t for t in candidates if slack[t] >= need]
     if fits:
         return min(fits, key=lambda t: (slack[t], t))
@@ -128,8 +135,8 @@ def _pick_target(slack: list[int], free: list[int], need: int) -> int:
     return -1
 
 
-def oracle(tau: int, load_e: list[int], L: list[int], S: int, F: int, K: int):
-    """``try(tau)`` of PLANNER.md.
+def attempt(tau: int, load_e: list[int], L: list[int], S: int, f: int, K: int, strict: bool):
+    """``attempt(tau, f, strict)`` of PLANNER.md.
 
     Returns ``(success, replicas)`` with ``replicas`` a list of ``(expert, target, quota)`` in
     creation order (empty on failure).
@@ -143,37 +150,86 @@ def oracle(tau: int, load_e: list[int], L: list[int], S: int, F: int, K: int):
     free = [S] * R
     exported = [0] * len(load_e)
     replicas: list[tuple[int, int, int]] = []
+    X = sum(max(L[d] - tau, 0) for d in range(R))
     for d in _rank_order(L):
         x = L[d] - tau
         if x <= 0:
             break  # ranks are sorted: the rest are fine
-        for e in _expert_order(d, E_m, load_e):
-            while x > 0:
-                fl = min(F, x)  # adaptive floor
-                avail = load_e[e] - K - exported[e]
-                if avail < fl:
-                    break  # this expert cannot give a legal replica
-                t = _pick_target(slack, free, min(x, avail))
-                if t == -1:
-                    return False, []
-                q = min(x, slack[t], avail)
-                if q < fl:
-                    return False, []
-                replicas.append((e, t, q))
-                slack[t] -= q
-                free[t] -= 1
-                x -= q
-                exported[e] += q
-            if x == 0:
-                break
-        if x > 0:
-            return False, []
+        X -= x  # what the ranks after d must still shed
+        masters = range(d * E_m, (d + 1) * E_m)
+        while x > 0:
+            fl = min(f, x)  # adaptive floor
+            # the master with the most tokens left to give; ties -> smallest index
+            e = min(masters, key=lambda m: (-(load_e[m] - K - exported[m]), m))
+            avail = load_e[e] - K - exported[e]
+            if avail < fl:
+                return False, []
+            t = _pick_target(slack, free, min(x, avail), avail, strict)
+            if t == -1:
+                return False, []
+            # fill the target as far as the expert allows and the later ranks can use
+            q = min(slack[t], avail, x + X)
+            if q < fl:
+                return False, []
+            replicas.append((e, t, q))
+            slack[t] -= q
+            free[t] -= 1
+            x -= q
+            exported[e] += q
+        slack[d] = -x  # over-export makes d a target for the ranks after it
     return True, replicas
+
+
+def oracle(tau: int, load_e: list[int], L: list[int], S: int, F: int, K: int, exact: bool = False):
+    """``try(tau)`` of PLANNER.md: the attempts (F, loose), (F, strict), and in exact mode with
+    F > 1 also (1, loose), (1, strict), until one succeeds.
+
+    Returns ``(success, replicas)`` of the first successful attempt (``(False, [])`` if none).
+    """
+    floors = [F, 1] if exact and F > 1 else [F]
+    for f in floors:
+        for strict in (False, True):
+            ok, replicas = attempt(tau, load_e, L, S, f, K, strict)
+            if ok:
+                return True, replicas
+    return False, []
 
 
 # --------------------------------------------------------------------------------------------
 # The threshold search
 # --------------------------------------------------------------------------------------------
+
+
+def _refine(a: int, b: int, probe) -> int:
+    """The refine probes between a failed ``a`` and a successful ``b``: the first success wins,
+    else ``b``."""
+    for i in range(1, 16):
+        r_i = a + ((b - a) * i) // 16
+        if r_i <= a or r_i >= b:
+            continue
+        if probe(r_i):
+            return r_i
+    return b
+
+
+def _window(a: int, b: int, delta: int, probe) -> int | None:
+    """``window(a, b)`` of PLANNER.md: the winning threshold, or None if the window fails."""
+    if probe(a):
+        return a
+    p = a
+    for k in range(1, 4):
+        if a + k * delta > b:
+            break
+        p = a + k * delta
+        if probe(p):
+            return p
+    if p >= b:
+        return None
+    c = [p] + [p + ((b - p) * j) // 32 for j in range(1, 33)]  # c[0] = p, c[32] = b
+    for j in range(1, 33):
+        if probe(c[j]):
+            return _refine(c[j - 1], c[j], probe)
+    return None
 
 
 def search_tau(
@@ -184,12 +240,13 @@ def search_tau(
     eps: float,
     try_fn: Callable[[int], bool],
     probes: list[int] | None = None,
+    capacity: int = 0,
 ):
     """The fixed probe sequence of PLANNER.md.
 
     ``try_fn(tau)`` reports whether the oracle succeeds at ``tau``; it is only called for
     ``tau < Lmax`` (probes with ``tau >= Lmax`` succeed with no replicas without calling it).
-    Every evaluated probe is appended to ``probes`` when given.
+    Every evaluated probe is appended to ``probes`` when given. ``capacity`` 0 means unbounded.
     Returns ``(tau, tau0, delta)``; ``delta`` is None when the search short-circuits.
     ``tau == Lmax`` (or any ``tau >= Lmax``) means "no replicas".
     """
@@ -201,10 +258,19 @@ def search_tau(
             return True
         return bool(try_fn(tau))
 
-    tau0 = compute_tau0(T, R, eps) if R >= 1 else 0
-    if T == 0 or S == 0 or R == 1 or tau0 >= Lmax:
+    tau0 = compute_tau0(T, R, eps, Lmax) if R >= 1 else 0
+    if T == 0 or S == 0 or R == 1:
         return Lmax, tau0, None
-    delta = compute_delta(T, R, eps)
+    mean_ceil = -(-T // R)
+    C = int(capacity)
+    if 0 < C < Lmax and C >= mean_ceil:
+        delta = compute_delta(T, R, eps, Lmax)
+        tau = _window(min(tau0, C), C, delta, probe)
+        if tau is not None:
+            return tau, tau0, delta
+    if tau0 >= Lmax:
+        return Lmax, tau0, None
+    delta = compute_delta(T, R, eps, Lmax)
 
     # fast path
     for k in range(4):
@@ -216,21 +282,10 @@ def search_tau(
     lo = tau0 + 3 * delta
     span = Lmax - lo  # > 0: the fast path failed, so lo < Lmax
     c = [lo] + [lo + (span * j) // 32 for j in range(1, 32)]  # c[0] = lo
-    j_star = None
     for j in range(1, 32):
         if probe(c[j]):
-            j_star = j
-            break
-    if j_star is None:
-        return Lmax, tau0, delta
-    a, b = c[j_star - 1], c[j_star]
-    for i in range(1, 16):
-        r_i = a + ((b - a) * i) // 16
-        if r_i <= a or r_i >= b:
-            continue
-        if probe(r_i):
-            return r_i, tau0, delta
-    return b, tau0, delta
+            return _refine(c[j - 1], c[j], probe), tau0, delta
+    return Lmax, tau0, delta
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,11 +299,13 @@ def reference_plan_info(
     min_tokens_per_replica: int,
     balance_eps: float,
     master_keep_tokens: int = 1,
+    capacity: int = 0,
 ):
     """Like ``reference_plan`` but returns ``(plan, info)``.
 
     ``info``: ``tau`` (the winning threshold; ``Lmax`` when the search found nothing better or
-    short-circuited), ``tau0``, ``delta`` (None when the search short-circuited), ``replicas``
+    short-circuited), ``tau0``, ``delta`` (None when the search short-circuited or ended before
+    it needed one), ``replicas``
     (``(expert, target, quota)`` in creation order), ``probes`` (the evaluated thresholds, in
     order), ``load_e`` and ``L`` (lists of Python ints), ``T``, ``Lmax``.
     """
@@ -258,6 +315,7 @@ def reference_plan_info(
     F = int(min_tokens_per_replica)
     K = int(master_keep_tokens)
     eps = float(balance_eps)
+    C = int(capacity)
     if R < 1:
         raise ValueError("need R >= 1")
     if E % R != 0:
@@ -268,8 +326,11 @@ def reference_plan_info(
         raise ValueError("min_tokens_per_replica must be >= 1")
     if K < 0:
         raise ValueError("master_keep_tokens must be >= 0")
-    if not (eps >= 0.0) or not math.isfinite(eps):
-        raise ValueError("balance_eps must be a finite double >= 0")
+    if not (eps >= 0.0):
+        raise ValueError("balance_eps must be a double >= 0 (not NaN)")
+    if C < 0:
+        raise ValueError("capacity must be >= 0 (0: unbounded)")
+    exact = eps == 0.0
     E_m = E // R
 
     load_e = _expert_loads(arr)
@@ -280,11 +341,11 @@ def reference_plan_info(
     Lmax = max(L) if L else 0
 
     def try_fn(tau: int) -> bool:
-        return oracle(tau, load_e, L, S, F, K)[0]
+        return oracle(tau, load_e, L, S, F, K, exact)[0]
 
     probes: list[int] = []
-    tau, tau0, delta = search_tau(T, Lmax, R, S, eps, try_fn, probes)
-    ok, replicas = oracle(tau, load_e, L, S, F, K)
+    tau, tau0, delta = search_tau(T, Lmax, R, S, eps, try_fn, probes, capacity=C)
+    ok, replicas = oracle(tau, load_e, L, S, F, K, exact)
     assert ok, "the winning threshold must succeed"
 
     # Output: replicas placed in creation order; the n-th replica created on t takes slot n of t.
@@ -331,15 +392,16 @@ def reference_plan(
     min_tokens_per_replica: int,
     balance_eps: float,
     master_keep_tokens: int = 1,
+    capacity: int = 0,
 ) -> dict:
-    """The plan of PLANNER.md for ``loads[R, E]``.
+    """The plan of PLANNER.md for ``loads[R, E]`` (``capacity`` 0: unbounded).
 
     Returns a dict of int32 NumPy arrays: ``slot_expert [R,S]`` (-1 empty), ``slot_quota [R,S]``
     (0 empty), ``master_quota [E]``, ``rank_load [R]``. Raises ValueError on invalid input
     (negative loads, ``load_e`` or ``L`` above 2^31 - 1, ``E % R != 0``, bad parameters).
     """
     plan, _ = reference_plan_info(
-        loads, slots_per_rank, min_tokens_per_replica, balance_eps, master_keep_tokens
+        loads, slots_per_rank, min_tokens_per_replica, balance_eps, master_keep_tokens, capacity
     )
     return plan
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 try:  # tests/ on sys.path (pytest's default rootdir-less import mode)
     from reference_planner import (
         INT32_MAX,
+        attempt,
         check_plan_invariants,
         compute_delta,
         compute_tau0,
@@ -33,6 +34,7 @@ try:  # tests/ on sys.path (pytest's default rootdir-less import mode)
 except ImportError:  # tests/ is a package
     from tests.reference_planner import (
         INT32_MAX,
+        attempt,
         check_plan_invariants,
         compute_delta,
         compute_tau0,
@@ -141,13 +143,15 @@ def test_hand_fallback_coarse_probe_refine_skipped():
 def test_hand_fallback_refine_wins():
     # R=2, E=2, S=1, F=1, K=1490, eps=0. load_e = [2000, 0]; L = [2000, 0]; T = 2000;
     # tau0 = max(1000, floor(2000.0 / 2)) = 1000; delta = 1. One replica on rank 1 of at most
-    # avail = 510 tokens: success iff x = 2000 - tau <= 510, i.e. tau >= 1490.
+    # avail = 510 tokens: success iff x = 2000 - tau <= 510, i.e. tau >= 1490 (both attempts, loose
+    # and strict, make the same single replica: rank 1 is the only candidate).
     # Fast path 1000..1003 fails. lo = 1003, span = 997; c_j = 1003 + (997 j) // 32:
     #   c_15 = 1003 + 14955 // 32 = 1003 + 467 = 1470 (fails),
     #   c_16 = 1003 + 15952 // 32 = 1003 + 498 = 1501 (first success) -> j* = 16.
     # Refine: r_i = 1470 + (31 i) // 16: i = 10 -> 1470 + 19 = 1489 (fails),
     #   i = 11 -> 1470 + 341 // 16 = 1470 + 21 = 1491 (succeeds) -> tau = 1491.
-    # try(1491): x = 509, avail = 510, need = 509, rank 1 (slack 1491) fits -> q = 509.
+    # try(1491): x = 509, avail = 510, need = 509, rank 1 (slack 1491) fits; no rank after rank 0
+    # has excess (X = 0), so q = min(1491, 510, 509 + 0) = 509.
     # master_quota = [1491, 0]; rank_load = [1491, 509].
     loads = loads_from_expert_totals([2000, 0], 2)
     plan, info = reference_plan_info(loads, 1, 1, 0.0, 1490)
@@ -157,6 +161,7 @@ def test_hand_fallback_refine_wins():
     assert refine[-2:] == [1489, 1491]
     assert info["probes"] == [1000, 1001, 1002, 1003] + coarse + refine
     assert info["tau"] == 1491
+    assert info["replicas"] == [(0, 1, 509)]
     assert_plan(plan, [[-1], [0]], [[0], [509]], [1491, 0], [1491, 509])
     check_plan_invariants(loads, plan, 1)
 
@@ -167,10 +172,13 @@ HOT8 = [100, 10, 10, 10, 10, 10, 10, 10]
 def test_hand_r4_e8_s2_one_hot_expert():
     # R=4, E=8 (E_m=2), S=2, F=1, K=1, eps=0. load_e = HOT8; L = [110, 20, 20, 20]; T = 170;
     # tau0 = max(ceil(170 / 4), floor(42.5)) = max(43, 42) = 43 (the ceil term wins); Lmax = 110.
-    # try(43): slack = [0, 23, 23, 23]; rank order 0, 1, 2, 3. d=0: x = 67; expert order e0 (100),
-    #   e1 (10). e0: avail 99, need 67: no slack >= 67 -> the most slack, 23, ties -> rank 1:
-    #   q = 23, x = 44. avail 76, need 44: no fit -> most slack, rank 2 (23): q = 23, x = 21.
-    #   avail 53, need 21: rank 3 (23 >= 21) is the only fit: q = min(21, 23, 53) = 21.
+    # (eps = 0 is exact mode, but with F = 1 there is no floor to fall back from.)
+    # try(43), attempt(43, 1, loose): slack = [0, 23, 23, 23]; rank order 0, 1, 2, 3. d=0: x = 67.
+    #   The master with the most avail: e0 (99; e1 has 9). need = min(67, 99) = 67: no slack
+    #   >= 67 -> the most slack, 23, ties -> rank 1: q = min(23, 99, 67 + 0) = 23, x = 44.
+    #   e0 (avail 76), need 44: no fit -> most slack, rank 2 (23): q = 23, x = 21.
+    #   e0 (avail 53), need 21: rank 3 (23 >= 21) is the only fit. No other rank has excess
+    #   (X = 0), so the replica does not over-export: q = min(23, 53, 21 + 0) = 21.
     # Plan: ranks 1, 2, 3 hold e0 in slot 0 with 23, 23, 21; master_quota[0] = 100 - 67 = 33;
     #   rank_load = [43, 43, 43, 41].
     # The tokens are spread over the source rows: only the column sums matter.
@@ -193,20 +201,25 @@ def test_hand_r4_e8_s2_one_hot_expert():
 
 
 def test_hand_r4_e8_s2_one_hot_expert_large_floor():
-    # As above with F = 30 (tau0 = 43, delta = 1).
-    # try(43): x = 67, fl = 30, need 67: no fit -> most slack, rank 1 (23): q = 23 < 30 -> failure.
+    # As above with F = 30 and eps = 0.001 (not exact mode): 170.0 * 1.001 / 4.0 = 42.54...,
+    # floor 42, so tau0 = max(43, 42) = 43; delta = max(1, ceil(170 * 0.001 / 4 / 2 = 0.02)) = 1.
+    # Every attempt below makes the same choices loose and strict (no candidate ever has exactly
+    # one free slot when it is picked), so try(tau) is one attempt done twice.
+    # try(43): x = 67, fl = 30, e0 (avail 99), need 67: no fit -> most slack, rank 1 (23):
+    #   q = min(23, 99, 67) = 23 < 30 -> failure.
     #   Likewise try(44), try(45), try(46): need 66..64 > slack 24..26, q = slack < 30.
     # Fallback: lo = 46, span = 64, c_j = 46 + 2 j. c_1 = 48: need 62 > slack 28, q = 28 < 30
     #   -> failure. c_2 = 50: x = 60, need 60 > slack 30: most slack, tie -> rank 1, q = 30,
-    #   x = 30; fl = 30, avail 69, need 30: ranks 2 and 3 (30) both fit, tie -> rank 2, q = 30,
-    #   x = 0 -> success. j* = 2.
+    #   x = 30; fl = 30, e0 avail 69, need 30: ranks 2 and 3 (30) both fit, tie -> rank 2,
+    #   q = min(30, 69, 30) = 30, x = 0 -> success. j* = 2.
     # Refine between 48 and 50: r_i = 48 + (2 i) // 16: i = 1..7 -> 48 (skipped), i = 8..15 -> 49:
     #   try(49): x = 61, need 61 > slack 29, q = 29 < 30 -> failure (probed 8 times).
     #   c_2 = 50 wins.
     # Plan: e0 replicas on ranks 1, 2 with 30 each; master_quota[0] = 40;
     #   rank_load = [50, 50, 50, 20].
     loads = loads_from_expert_totals(HOT8, 4)
-    plan, info = reference_plan_info(loads, 2, 30, 0.0, 1)
+    plan, info = reference_plan_info(loads, 2, 30, 0.001, 1)
+    assert info["tau0"] == 43 and info["delta"] == 1
     assert info["probes"] == [43, 44, 45, 46, 48, 50] + [49] * 8
     assert info["tau"] == 50
     assert_plan(
@@ -217,6 +230,30 @@ def test_hand_r4_e8_s2_one_hot_expert_large_floor():
         [50, 50, 50, 20],
     )
     check_plan_invariants(loads, plan, 2)
+
+
+def test_hand_exact_mode_falls_back_to_floor_one():
+    # The same loads with F = 30 in exact mode (eps = 0): tau0 = 43, delta = 1.
+    # try(43): attempt(43, 30, loose) and attempt(43, 30, strict) fail as in the test above
+    #   (q = 23 < 30); then attempt(43, 1, loose) succeeds exactly as with F = 1 (the test before
+    #   the one above): replicas of e0 with 23, 23, 21 tokens. No threshold above tau0 is probed.
+    loads = loads_from_expert_totals(HOT8, 4)
+    plan, info = reference_plan_info(loads, 2, 30, 0.0, 1)
+    assert info["probes"] == [43] and info["tau"] == 43
+    assert info["replicas"] == [(0, 1, 23), (0, 2, 23), (0, 3, 21)]
+    assert_plan(
+        plan,
+        [[-1, -1], [0, -1], [0, -1], [0, -1]],
+        [[0, 0], [23, 0], [23, 0], [21, 0]],
+        [33, 10, 10, 10, 10, 10, 10, 10],
+        [43, 43, 43, 41],
+    )
+    check_plan_invariants(loads, plan, 2)
+    # The floor only gives way in exact mode: the attempts at floor 30 fail on their own.
+    assert attempt(43, HOT8, [110, 20, 20, 20], 2, 30, 1, False) == (False, [])
+    assert attempt(43, HOT8, [110, 20, 20, 20], 2, 30, 1, True) == (False, [])
+    assert oracle(43, HOT8, [110, 20, 20, 20], 2, 30, 1) == (False, [])
+    assert oracle(43, HOT8, [110, 20, 20, 20], 2, 30, 1, exact=True)[0]
 
 
 def test_hand_rank_order_tie_break():
@@ -256,22 +293,19 @@ def test_hand_expert_order_tie_break_and_slot_order():
 
 
 def test_hand_master_keep_zero_drains_a_master():
-    # R=3, E=6 (E_m=2), S=2, F=1, K=0, eps=0. load_e = [9, 9, 0, 0, 0, 0]; L = [18, 0, 0];
-    # T = 18, tau0 = max(6, floor(6.0)) = 6. try(6): slack = [0, 6, 6]; d=0: x = 12;
-    #   e0 (tie -> index 0 first): avail 9, need = min(12, 9) = 9 > every slack -> most slack,
-    #   tie -> rank 1: q = 6, x = 6; avail 3, need 3: rank 2 (6) is the only candidate and fits:
-    #   q = 3, x = 3; avail 0 -> break. e1: avail 9, need 3: rank 2 (slack 3, one slot left) fits:
-    #   q = 3, x = 0.
-    # master_quota[0] = 0 (K = 0 lets the master keep nothing).
-    loads = loads_from_expert_totals([9, 9, 0, 0, 0, 0], 3)
+    # R=2, E=4 (E_m=2), S=2, F=1, eps=0. load_e = [3, 3, 0, 0]; L = [6, 0]; T = 6;
+    # tau0 = max(3, floor(3.0)) = 3. try(3): slack = [0, 3]; d=0: x = 3, X = 0.
+    # K = 0: e0 and e1 both have avail 3 (tie -> e0), need = min(3, 3) = 3, rank 1 (slack 3)
+    #   fits: q = min(3, 3, 3) = 3, x = 0. master_quota[0] = 0 (K = 0 lets a master keep nothing).
+    loads = loads_from_expert_totals([3, 3, 0, 0], 2)
     plan = reference_plan(loads, 2, 1, 0.0, 0)
-    assert_plan(
-        plan,
-        [[-1, -1], [0, -1], [0, 1]],
-        [[0, 0], [6, 0], [3, 3]],
-        [0, 6, 0, 0, 0, 0],
-        [6, 6, 6],
-    )
+    assert_plan(plan, [[-1, -1], [0, -1]], [[0, 0], [3, 0]], [0, 3, 0, 0], [3, 3])
+    check_plan_invariants(loads, plan, 2)
+    # K = 1: e0 (tie -> e0) has avail 2: need 2, rank 1 fits: q = min(3, 2, 3) = 2, x = 1; now e1
+    #   has the most avail (2 > 0): need 1, rank 1 (slack 1, one slot left) fits: q = 1.
+    #   Every master keeps its token: master_quota = [1, 2, 0, 0].
+    plan = reference_plan(loads, 2, 1, 0.0, 1)
+    assert_plan(plan, [[-1, -1], [0, 1]], [[0, 0], [2, 1]], [1, 2, 0, 0], [3, 3])
     check_plan_invariants(loads, plan, 2)
 
 
@@ -280,42 +314,49 @@ NONMONO_LOAD_E = [1, 3, 44, 96, 1, 5, 9, 8]
 
 def test_hand_oracle_is_not_monotone():
     # R=4, E_m=2, S=1, F=40, K=10. L = [4, 140, 6, 17], Lmax = 140.
-    # try(50): slack = [46, 0, 44, 33]; d=1, x = 90; expert order e3 (96), e2 (44).
-    #   e3: fl 40, avail 86, need 86 > every slack -> most slack, rank 0 (46): q = 46, x = 44;
-    #   fl 40, avail 40, need = min(44, 40) = 40: fits are slack >= 40 with a free slot: only
-    #   rank 2 (44; rank 3 has 33): q = min(44, 44, 40) = 40 >= 40, x = 4; fl 4, avail 0 -> break.
-    #   e2: fl 4, avail 34, need 4: candidates rank 3 only (ranks 0 and 2 have no free slot),
-    #   33 >= 4 fits: q = 4, x = 0 -> success.
-    # try(51): slack = [47, 0, 45, 34]; x = 89. e3: need 86, no fit -> rank 0 (47): q = 47, x = 42;
-    #   fl 40, avail 39 -> break. e2: fl 40, avail 34 -> break. x > 0 -> failure.
+    # attempt(50, 40, loose): slack = [46, 0, 44, 33]; d=1, x = 90, X = 0. avail: e3 86, e2 34.
+    #   e3 (most avail): fl 40, need 86 > every slack -> most slack, rank 0 (46): q = 46, x = 44;
+    #   e3 still has the most avail (40 vs 34): fl 40, need = min(44, 40) = 40: fits are slack
+    #   >= 40 with a free slot: only rank 2 (44; rank 3 has 33): q = min(44, 40, 44) = 40, x = 4;
+    #   now e2 (34 vs 0): fl 4, need 4: candidates rank 3 only (ranks 0 and 2 have no free slot),
+    #   33 >= 4 fits: q = min(33, 34, 4) = 4, x = 0 -> success.
+    # attempt(51, 40, *): slack = [47, 0, 45, 34]; x = 89. e3: need 86, no fit -> rank 0 (47):
+    #   q = 47, x = 42; the most avail is now e3's 39 < fl 40 -> failure. (The strict attempt
+    #   makes the same first choice: no candidate's slack exceeds e3's 86.)
     load_e = NONMONO_LOAD_E
     L = [4, 140, 6, 17]
     ok, reps = oracle(50, load_e, L, 1, 40, 10)
     assert ok and reps == [(3, 0, 46), (3, 2, 40), (2, 3, 4)]
     assert oracle(51, load_e, L, 1, 40, 10) == (False, [])
+    assert attempt(51, load_e, L, 1, 40, 10, True) == (False, [])
 
 
 def test_hand_nonmonotone_case_full_plan():
-    # Same input through the search, eps = 0: T = 167,
-    # tau0 = max(ceil(167 / 4), floor(41.75)) = max(42, 41) = 42 (the ceil term wins), delta = 1.
-    # e3 (avail 86) always comes first and its first need, min(x, 86) = 86, exceeds every slack,
-    # so its first replica goes to the most slack, rank 0.
+    # Same input through the search, eps = 0.001 (exact mode would give up the floor at tau0):
+    # T = 167, tau0 = max(ceil(167 / 4), floor(167.0 * 1.001 / 4.0 = 41.79...)) = 42 (the ceil term
+    # wins), delta = max(1, ceil(167 * 0.001 / 4 / 2 = 0.02)) = 1.
+    # e3 (avail 86) always gives first and its first need, min(x, 86) = 86, exceeds every slack,
+    # so its first replica goes to the most slack, rank 0. With S = 1 every candidate has one free
+    # slot, but no slack below exceeds the avail of the expert being placed, so the strict attempt
+    # makes the loose one's choices: each try(tau) below is one attempt, done twice.
     # try(42), try(43): rank 0's slack 38, 39 is the q, < fl 40 -> failure.
-    # try(44): (e3 -> rank 0, 40), x = 56, avail 46, need 46 > slacks 38, 27 -> most slack,
-    #   rank 2: q = 38 < 40 -> failure.
-    # try(45): (e3 -> rank 0, 41), x = 54, avail 45, need 45 > 39, 28 -> rank 2: q = 39 < 40 ->
+    # try(44): (e3 -> rank 0, 40), x = 56, e3 avail 46 (> e2's 34), need 46 > slacks 38, 27 ->
+    #   most slack, rank 2: q = 38 < 40 -> failure.
+    # try(45): (e3 -> rank 0, 41), x = 54, e3 avail 45, need 45 > 39, 28 -> rank 2: q = 39 < 40 ->
     #   failure.
     # Fallback: lo = 45, span = 95, c_1 = 45 + 95 // 32 = 47:
-    #   slack [43, 0, 41, 30], x = 93: (e3 -> 0, 43), x = 50, avail 43, need 43 > 41, 30 -> most
-    #   slack: (e3 -> 2, min(50,41,43)=41), x = 9, avail 2 < 9 -> break; e2: fl 9, avail 34,
-    #   need 9, rank 3 (30) is the only candidate and fits: q = 9 -> success. j* = 1.
+    #   slack [43, 0, 41, 30], x = 93: (e3 -> 0, 43), x = 50, e3 avail 43, need 43 > 41, 30 ->
+    #   most slack: (e3 -> 2, min(41, 43, 50) = 41), x = 9; e3 avail 2, e2 avail 34 -> e2: fl 9,
+    #   need 9, rank 3 (30) is the only candidate and fits: q = min(30, 34, 9) = 9 -> success.
+    #   j* = 1.
     # Refine between c_0 = 45 and c_1 = 47: r_i = 45 + (2 i) // 16: i = 1..7 -> 45 (skipped),
-    #   i = 8 -> 46: slack [42, 0, 40, 29], x = 94: (e3 -> 0, 42), x = 52, avail 44, need 44 > 40,
-    #   29: (e3 -> 2, min(52, 40, 44) = 40), x = 12, avail 4 < 12 -> break; e2: fl 12, avail 34,
+    #   i = 8 -> 46: slack [42, 0, 40, 29], x = 94: (e3 -> 0, 42), x = 52, e3 avail 44, need 44 >
+    #   40, 29: (e3 -> 2, min(40, 44, 52) = 40), x = 12; e3 avail 4 < e2 avail 34 -> e2: fl 12,
     #   need 12, rank 3 (29) fits: q = 12 -> success. tau = 46.
     # master_quota = [1, 3, 44-12, 96-82, 1, 5, 9, 8]; rank_load = [46, 46, 46, 29].
     loads = loads_from_expert_totals(NONMONO_LOAD_E, 4)
-    plan, info = reference_plan_info(loads, 1, 40, 0.0, 10)
+    plan, info = reference_plan_info(loads, 1, 40, 0.001, 10)
+    assert info["tau0"] == 42 and info["delta"] == 1
     assert info["probes"] == [42, 43, 44, 45, 47, 46]
     assert info["tau"] == 46
     assert info["replicas"] == [(3, 0, 42), (3, 2, 40), (2, 3, 12)]
@@ -327,6 +368,13 @@ def test_hand_nonmonotone_case_full_plan():
         [46, 46, 46, 29],
     )
     check_plan_invariants(loads, plan, 1)
+    # In exact mode the first probe already succeeds with floor 1: attempt(42, 1, loose):
+    #   slack [38, 0, 36, 25], x = 98: (e3 -> 0, 38), x = 60; e3 avail 48, need 48 > 36, 25 ->
+    #   (e3 -> 2, 36), x = 24; e2 avail 34 > e3's 12: need 24, rank 3 (25) fits: q = 24.
+    plan, info = reference_plan_info(loads, 1, 40, 0.0, 10)
+    assert info["probes"] == [42]
+    assert info["replicas"] == [(3, 0, 38), (3, 2, 36), (2, 3, 24)]
+    assert plan["rank_load"].tolist() == [42, 42, 42, 41]
 
 
 def test_hand_best_fit_prefers_the_smaller_fitting_slack():
@@ -368,36 +416,179 @@ def test_hand_no_fit_takes_the_most_slack():
 
 
 def test_hand_best_fit_reaches_tau0_where_most_slack_would_fail():
+    # R=5, E=5 (E_m=1), S=1, F=3, K=0, eps=0.01 (not exact mode). load_e = L = [0, 6, 7, 0, 1];
+    # T = 14; Lmax = 7; tau0 = max(ceil(14 / 5), floor(14.0 * 1.01 / 5.0 = 2.83)) = 3; delta = 1.
+    # try(3), attempt(3, 3, loose): slack = [3, 0, 0, 3, 2]; rank order 2 (7), 1 (6), 4, 0, 3;
+    #   X = 4 + 3 = 7.
+    #   d=2: x = 4, X = 3. e2 (avail 7), fl = 3, need 4: no slack >= 4 -> the most slack, ties ->
+    #     rank 0: q = min(3, 7, 4 + 3) = 3, x = 1. fl = 1, e2 (avail 4), need 1: ranks 3 (3) and
+    #     4 (2) fit -> the least slack, rank 4: q = min(2, 4, 1 + 3) = 2, x = -1: rank 2
+    #     over-exported one token and becomes a target (slack 1, one free slot).
+    #   d=1: x = 3, X = 0. fl = 3, e1 (avail 6), need 3: ranks 3 (3) fits (rank 2 has 1) ->
+    #     q = min(3, 6, 3) = 3, x = 0. Success at the first probe.
+    # (Taking the most slack for e2's second replica would put it on rank 3 (q = min(3, 4, 4) =
+    #  3, rank 2's slack 2); rank 1's 3 tokens would then meet slacks of 2 on ranks 2 and 4,
+    #  q = 2 < F = 3: failure.)
+    # Plan: replicas (e2 -> 0, 3), (e2 -> 4, 2), (e1 -> 3, 3); master_quota = [0, 3, 2, 0, 1];
+    #   rank_load = [3, 3, 2, 3, 3].
+    loads = loads_from_expert_totals([0, 6, 7, 0, 1], 5)
+    plan, info = reference_plan_info(loads, 1, 3, 0.01, 0)
+    assert info["tau0"] == 3 and info["probes"] == [3] and info["tau"] == 3
+    assert info["replicas"] == [(2, 0, 3), (2, 4, 2), (1, 3, 3)]
+    assert_plan(
+        plan,
+        [[2], [-1], [-1], [1], [2]],
+        [[3], [0], [0], [3], [2]],
+        [0, 3, 2, 0, 1],
+        [3, 3, 2, 3, 3],
+    )
+    check_plan_invariants(loads, plan, 1)
+
+
+def test_hand_the_master_with_the_most_avail_gives_next():
     # R=4, E=8 (E_m=2), S=1, F=1, K=1, eps=0. load_e = [12, 12, 0, 0, 3, 2, 1, 5];
-    # L = [24, 0, 5, 6]; T = 35; Lmax = 24.
-    # tau0 = max(ceil(35 / 4), floor(8.75)) = max(9, 8) = 9 (the ceil term wins); delta = 1.
-    # try(9): slack = [0, 9, 4, 3], free = [1, 1, 1, 1]; rank order 0 (24), 3 (6), 2 (5), 1 (0).
-    #   d=0: x = 15; expert order e0, e1 (tie on 12 -> index).
-    #   e0: avail = 11, need = min(15, 11) = 11 > every slack (9, 4, 3) -> most slack, rank 1:
-    #     q = min(15, 9, 11) = 9, x = 6; slack[1] = 0, free[1] = 0.
-    #     avail = 2, need = min(6, 2) = 2: ranks 2 (4) and 3 (3) both fit -> least slack, rank 3:
-    #     q = min(6, 3, 2) = 2, x = 4; slack[3] = 1, free[3] = 0. avail = 0 < fl -> break.
-    #   e1: avail = 11, need = min(4, 11) = 4: the only candidate is rank 2 (slack 4, free 1),
-    #     which fits: q = 4, x = 0.
+    # L = [24, 0, 5, 6]; T = 35; Lmax = 24; tau0 = max(ceil(35 / 4), floor(8.75)) = 9; delta = 1.
+    # try(9), attempt(9, 1, loose): slack = [0, 9, 4, 3]; rank order 0 (24), 3 (6), 2 (5), 1 (0);
+    #   X = 15.
+    #   d=0: x = 15, X = 0. e0 and e1 both have avail 11 (tie -> e0), need = min(15, 11) = 11 >
+    #     every slack -> the most slack, rank 1: q = min(9, 11, 15) = 9, x = 6.
+    #     Now e1 has the most avail (11 vs e0's 2): need 6 > slacks 4, 3 -> the most slack,
+    #     rank 2: q = min(4, 11, 6) = 4, x = 2. e1 (avail 7), need 2: rank 3 (3) is the only
+    #     candidate and fits: q = min(3, 7, 2) = 2, x = 0.
     #   d=3: x = 6 - 9 <= 0 -> break. Success at tau0.
-    # (The most-slack rule would send the 2-token replica to rank 2, whose only slot then holds
-    #  it with 2 slack unused; e1's 4 tokens would find only rank 3 (3): q = 3, x = 1, then no
-    #  candidate -> try(9) would fail.)
-    # Plan: replicas (e0 -> 1, 9), (e0 -> 3, 2), (e1 -> 2, 4); master_quota[0] = 12 - 11 = 1,
-    #   master_quota[1] = 12 - 4 = 8; rank_load = [24 - 15, 0 + 9, 5 + 4, 6 + 2] = [9, 9, 9, 8].
+    # Plan: replicas (e0 -> 1, 9), (e1 -> 2, 4), (e1 -> 3, 2); master_quota = [3, 6, 0, 0, 3, 2,
+    #   1, 5]; rank_load = [24 - 15, 0 + 9, 5 + 4, 6 + 2] = [9, 9, 9, 8].
     load_e = [12, 12, 0, 0, 3, 2, 1, 5]
     loads = loads_from_expert_totals(load_e, 4)
     plan, info = reference_plan_info(loads, 1, 1, 0.0, 1)
     assert info["tau0"] == 9 and info["probes"] == [9] and info["tau"] == 9
-    assert info["replicas"] == [(0, 1, 9), (0, 3, 2), (1, 2, 4)]
+    assert info["replicas"] == [(0, 1, 9), (1, 2, 4), (1, 3, 2)]
     assert_plan(
         plan,
-        [[-1], [0], [1], [0]],
+        [[-1], [0], [1], [1]],
         [[0], [9], [4], [2]],
-        [1, 8, 0, 0, 3, 2, 1, 5],
+        [3, 6, 0, 0, 3, 2, 1, 5],
         [9, 9, 9, 8],
     )
     check_plan_invariants(loads, plan, 1)
+
+
+def test_hand_over_export_makes_a_source_a_target():
+    # R=3, E=3 (E_m=1), S=1, F=1, K=0, eps=0. load_e = L = [0, 3, 3]; T = 6; tau0 = 2.
+    # try(2), attempt(2, 1, loose): slack = [2, 0, 0]; rank order 1, 2 (tie on 3 -> index), 0;
+    #   X = 1 + 1 = 2.
+    #   d=1: x = 1, X = 1. e1 (avail 3), need 1: rank 0 (2) is the only candidate and fits:
+    #     q = min(2, 3, 1 + 1) = 2: rank 0 filled to tau, rank 1 one token below it (x = -1), so
+    #     rank 1 becomes a target with slack 1 and its own free slot.
+    #   d=2: x = 1, X = 0. e2 (avail 3), need 1: rank 0 has no free slot; rank 1 (1) fits:
+    #     q = min(1, 3, 1) = 1. Success.
+    # (Without the over-export rank 0's one slot would take 1 token of e1 and rank 2 would find
+    #  no candidate: with S = 1 no plan at tau = 2 sends every token to a rank below the mean.)
+    loads = loads_from_expert_totals([0, 3, 3], 3)
+    plan, info = reference_plan_info(loads, 1, 1, 0.0, 0)
+    assert info["probes"] == [2] and info["replicas"] == [(1, 0, 2), (2, 1, 1)]
+    assert_plan(plan, [[1], [2], [-1]], [[2], [1], [0]], [0, 1, 2], [2, 2, 2])
+    check_plan_invariants(loads, plan, 1)
+
+
+def test_hand_strict_attempt_keeps_a_last_slot_for_a_filler():
+    # R=6, E=12 (E_m=2), S=1, F=2, K=0, eps=0 (exact mode; the strict attempt at F comes first).
+    # load_e = [5, 0, 31, 10, 10, 10, 11, 9, 3, 2, 34, 12]; L = [5, 41, 20, 20, 5, 46]; T = 137;
+    # tau0 = ceil(137 / 6) = 23; Lmax = 46. slack = [18, 0, 3, 3, 18, 0]; rank order 5 (46),
+    # 1 (41), 2, 3 (20), 0, 4 (5); X = 23 + 18 = 41. With S = 1 every candidate has one free slot.
+    # attempt(23, 2, loose):
+    #   d=5: x = 23, X = 18. e10 (avail 34 > e11's 12), need 23 > every slack -> the most slack,
+    #     ranks 0 and 4 tie -> rank 0: q = min(18, 34, 41) = 18, x = 5. e10 (avail 16), need 5:
+    #     rank 4 (18) is the only fit: q = min(18, 16, 23) = 16, x = -11 -> slack[5] = 11.
+    #   d=1: x = 18, X = 0. e2 (avail 31), need 18: candidates ranks 2, 3 (3) and 5 (11), no fit
+    #     -> rank 5: q = 11, x = 7; then ranks 2 and 3 take 3 each (x = 4, then 1); e2 still has
+    #     14 but the only rank with slack (rank 4, 2 left) has no free slot -> failure. Rank 4's
+    #     last slot took 16 of its 18 and stranded 2.
+    # attempt(23, 2, strict): a candidate whose last slot has more slack than the expert can give
+    #   is left out while others exist.
+    #   d=5: e10 (avail 34): no slack exceeds 34 -> as above, rank 0: q = 18, x = 5.
+    #     e10 (avail 16), need 5: rank 4 (18 > 16) is left out; ranks 2, 3 (3) do not fit -> the
+    #     most slack, tie -> rank 2: q = min(3, 16, 23) = 3, x = 2. e10 (avail 13 > 12), need 2:
+    #     rank 4 (18 > 13) left out; rank 3 (3) fits: q = min(3, 13, 20) = 3, x = -1 ->
+    #     slack[5] = 1.
+    #   d=1: x = 18, X = 0. e2 (avail 31), need 18: ranks 4 (18) and 5 (1) (neither above 31):
+    #     rank 4 fits: q = min(18, 31, 18) = 18, x = 0. Success at tau0 with floor F.
+    loads = loads_from_expert_totals([5, 0, 31, 10, 10, 10, 11, 9, 3, 2, 34, 12], 6)
+    L = [5, 41, 20, 20, 5, 46]
+    load_e = [5, 0, 31, 10, 10, 10, 11, 9, 3, 2, 34, 12]
+    assert attempt(23, load_e, L, 1, 2, 0, False) == (False, [])
+    plan, info = reference_plan_info(loads, 1, 2, 0.0, 0)
+    assert info["probes"] == [23]
+    assert info["replicas"] == [(10, 0, 18), (10, 2, 3), (10, 3, 3), (2, 4, 18)]
+    assert_plan(
+        plan,
+        [[10], [-1], [10], [10], [2], [-1]],
+        [[18], [0], [3], [3], [18], [0]],
+        [5, 0, 13, 10, 10, 10, 11, 9, 3, 2, 10, 12],
+        [23, 23, 23, 23, 23, 22],
+    )
+    check_plan_invariants(loads, plan, 1)
+
+
+# --- the capacity ------------------------------------------------------------------------------
+
+
+def test_hand_capacity_below_the_tolerated_threshold():
+    # HOT8, R=4, S=2, F=1, K=1, eps=0.5: T = 170, M = 43, tau0 = max(43, floor(170.0 * 1.5 / 4.0
+    # = 63.75)) = 63, delta = ceil(170 * 0.5 / 4 / 2 = 10.6) = 11.
+    # Without a capacity try(63): slack [0, 43, 43, 43]; x = 47, X = 0:
+    #   e0 (99), need 47 > 43 -> rank 1: q = min(43, 99, 47) = 43; need 4: ranks 2, 3 fit, tie ->
+    #   rank 2: q = 4. rank_load [63, 63, 24, 20].
+    loads = loads_from_expert_totals(HOT8, 4)
+    plan, info = reference_plan_info(loads, 2, 1, 0.5, 1)
+    assert info["tau0"] == 63 and info["delta"] == 11 and info["probes"] == [63]
+    assert plan["rank_load"].tolist() == [63, 63, 24, 20]
+    # capacity 50 (M <= 50 < Lmax): window(min(63, 50), 50) = window(50, 50) probes 50 alone:
+    #   slack [0, 30, 30, 30], x = 60: rank 1 takes 30 (no fit for 60), then need 30 fits ranks 2
+    #   and 3, tie -> rank 2: q = 30. rank_load [50, 50, 50, 20] <= 50.
+    plan, info = reference_plan_info(loads, 2, 1, 0.5, 1, capacity=50)
+    assert info["probes"] == [50] and info["tau"] == 50
+    assert info["replicas"] == [(0, 1, 30), (0, 2, 30)]
+    assert plan["rank_load"].tolist() == [50, 50, 50, 20]
+
+
+def test_hand_capacity_window_probes():
+    # HOT8 with F = 30, eps = 0.01 (the large-floor test above: tau0 = 43, delta = 1, and
+    # try(tau) succeeds at 50 but at none of 43..49). Without a capacity the probes are
+    # [43, 44, 45, 46, 48, 50] + [49] * 8 and tau = 50.
+    loads = loads_from_expert_totals(HOT8, 4)
+    _, free_info = reference_plan_info(loads, 2, 30, 0.01, 1)
+    assert free_info["probes"] == [43, 44, 45, 46, 48, 50] + [49] * 8 and free_info["tau"] == 50
+    # capacity 60: window(43, 60): fast 43, 44, 45, 46 (all fail), p = 46; coarse
+    #   c_j = 46 + (14 j) // 32 = 46, 46, 47, 47, 48, 48, 49, 49, 49, 50 for j = 1..10 (c_10
+    #   succeeds); refine between c_9 = 49 and 50: 49 + i // 16 = 49 <= c_9 for every i (skipped).
+    plan, info = reference_plan_info(loads, 2, 30, 0.01, 1, capacity=60)
+    coarse = [46 + (14 * j) // 32 for j in range(1, 11)]
+    assert coarse == [46, 46, 47, 47, 48, 48, 49, 49, 49, 50]
+    assert info["probes"] == [43, 44, 45, 46] + coarse and info["tau"] == 50
+    assert plan["rank_load"].tolist() == [50, 50, 50, 20]
+    # capacity 45: window(43, 45): 43, 44, 45 (43 + 3 = 46 > 45 ends the fast path; p = 45 = b, no
+    #   coarse probes) all fail; the search then runs as without a capacity, and the plan is that
+    #   plan: max(rank_load) = 50 > 45 tells the caller that nothing fits.
+    plan, info = reference_plan_info(loads, 2, 30, 0.01, 1, capacity=45)
+    assert info["probes"] == [43, 44, 45] + free_info["probes"]
+    assert info["tau"] == 50 and max(plan["rank_load"]) == 50  # > 45
+    for cap in (40, 42, 110, 10**9):  # below M = 43 (no window), or >= Lmax = 110 (no bound)
+        _, capped = reference_plan_info(loads, 2, 30, 0.01, 1, capacity=cap)
+        assert capped["probes"] == free_info["probes"] and capped["tau"] == 50
+
+
+def test_hand_capacity_where_eps_alone_plans_nothing():
+    # HOT8, F = 1, eps = 1e17: 170.0 * (1 + 1e17) / 4.0 = 4.25e18 >= Lmax = 110, so tau0 = 110
+    # (the clamp) and the plan keeps every token on its master. With capacity 43 (= M) the window
+    # (43, 43) probes 43 alone; delta is computed for it: 170.0 * 1e17 / 4.0 / 2.0 >= 110 -> 110.
+    # try(43) as in test_hand_r4_e8_s2_one_hot_expert.
+    loads = loads_from_expert_totals(HOT8, 4)
+    plan, info = reference_plan_info(loads, 2, 1, 1e17, 1)
+    assert info["tau0"] == 110 and info["probes"] == [] and info["replicas"] == []
+    plan, info = reference_plan_info(loads, 2, 1, 1e17, 1, capacity=43)
+    assert info["tau0"] == 110 and info["delta"] == 110 and info["probes"] == [43]
+    assert plan["rank_load"].tolist() == [43, 43, 43, 41]
 
 
 # --- the IEEE-double formulas -----------------------------------------------------------------
@@ -492,6 +683,31 @@ def test_tau0_formula_properties(T, R, eps):
         assert tau0 == c  # floor(T / R) <= ceil(T / R)
 
 
+def test_tau0_and_delta_clamp_to_lmax():
+    # A tolerance whose double reaches Lmax means no replicas: tau0 and delta clamp to Lmax
+    # instead of converting a double beyond int64 (1e17 * 65536 > 2^63; 1e308 * 2 is inf).
+    T, R, Lmax = 65536 * 64, 64, 3 * 65536
+    assert float(T) * (1.0 + 1e17) / float(R) > 2.0**63
+    assert compute_tau0(T, R, 1e17, Lmax) == Lmax
+    assert compute_delta(T, R, 1e17, Lmax) == Lmax
+    assert math.isinf(float(T) * (1.0 + 1e308))
+    assert compute_tau0(T, R, 1e308, Lmax) == Lmax
+    assert compute_delta(T, R, 1e308, Lmax) == Lmax
+    assert compute_tau0(T, R, math.inf, Lmax) == Lmax
+    assert compute_tau0(0, R, math.inf, 0) == 0  # 0 * inf is NaN: clamped too
+    with pytest.raises(ValueError, match="not a finite double"):
+        compute_tau0(T, R, 1e308)  # no Lmax given: nothing to clamp to
+    # Just below Lmax the formula stands: eps = 1.999 gives 3 * 65536 - 65.536 -> floor.
+    assert compute_tau0(T, R, 1.999, Lmax) == math.floor(float(T) * 2.999 / float(R)) < Lmax
+    assert compute_delta(T, R, 1.999, Lmax) == math.ceil(float(T) * 1.999 / float(R) / 2.0)
+    # In a plan: no replicas, the loads stay where they are.
+    loads = loads_from_expert_totals([100, 0, 5, 5], 2)
+    for eps in (1e17, 1e300, 1.7e308):
+        plan, info = reference_plan_info(loads, 2, 1, eps, 1)
+        assert info["tau0"] == 100 and info["probes"] == [] and info["replicas"] == []
+        assert plan["rank_load"].tolist() == [100, 10]
+
+
 def test_delta_ieee_examples():
     # 40 * 0.1 / 2 / 2 == 1.0 in IEEE double (exact binary value is just above 1 -> 2).
     assert compute_delta(40, 2, 0.1) == 1
@@ -561,8 +777,37 @@ def _search(T, Lmax, R, S, eps, pred):
         assert tau < Lmax
         return pred(tau)
 
-    tau, tau0, delta = search_tau(T, Lmax, R, S, eps, try_fn, probes)
+    tau, _, _ = search_tau(T, Lmax, R, S, eps, try_fn, probes)
     return tau, probes, calls
+
+
+def test_search_capacity_probes_at_or_below_it_first():
+    # T=1000, R=4, eps=0: tau0 = 250, delta = 1, Lmax = 1000. capacity 300: window(250, 300):
+    # fast 250..253, then c_j = 253 + (47 j) // 32 for j = 1..32 (c_32 = 300), then refine.
+    coarse = [253 + (47 * j) // 32 for j in range(1, 33)]
+    assert coarse[-1] == 300
+    tau, probes, _ = _search_cap(1000, 1000, 4, 1, 0.0, lambda t: t >= 290, 300)
+    j = next(k for k, c in enumerate(coarse) if c >= 290)  # c_{j+1} is the first success
+    assert probes[: 4 + j + 1] == [250, 251, 252, 253] + coarse[: j + 1]
+    assert tau == 290 and max(probes) <= 300
+    # Nothing at or below the capacity succeeds: the window's probes, then the search without one.
+    tau, probes, _ = _search_cap(1000, 1000, 4, 1, 0.0, lambda t: t >= 600, 300)
+    window = [250, 251, 252, 253] + coarse
+    assert probes[: len(window)] == window and all(p <= 300 for p in window)
+    _, free, _ = _search(1000, 1000, 4, 1, 0.0, lambda t: t >= 600)
+    assert probes[len(window) :] == free and tau == 600
+    # capacity below tau0 (eps tolerates 10 %): the window starts at the capacity itself.
+    tau, probes, _ = _search_cap(1000, 1000, 4, 1, 0.1, lambda t: t >= 260, 260)
+    assert probes == [260] and tau == 260
+    # capacity below ceil(T / R), or at/above Lmax: no window.
+    for cap in (249, 1000, 5000):
+        assert _search_cap(1000, 1000, 4, 1, 0.0, lambda t: t >= 600, cap)[1] == free
+
+
+def _search_cap(T, Lmax, R, S, eps, pred, capacity):
+    probes = []
+    tau, _, delta = search_tau(T, Lmax, R, S, eps, pred, probes, capacity=capacity)
+    return tau, probes, delta
 
 
 def test_search_fast_path():
@@ -700,6 +945,53 @@ def planner_inputs(draw):
     return loads.astype(np.int32), S, F, K, eps
 
 
+def _replays(replicas, before, load_e, tau, R, S, f, K, strict) -> bool:
+    """Whether ``replicas`` (creation order) is what attempt(tau, f, strict) of PLANNER.md makes,
+    checked step by step against the rules rather than recomputed: each source rank (L > tau, in
+    rank order) gives until its excess is gone; each replica's expert is the source's master with
+    the most avail (ties -> smallest index); its target is a candidate (free slot, slack; strict:
+    not a last slot that the expert cannot fill, unless no other candidate) with the least slack
+    >= need, else the most slack (ties -> smallest rank); its quota is min(slack, avail, x + X)
+    and at least the adaptive floor min(f, x)."""
+    E_m = len(load_e) // R
+    slack = [max(tau - int(before[u]), 0) for u in range(R)]
+    free = [S] * R
+    exported = [0] * len(load_e)
+    order = sorted((u for u in range(R) if before[u] > tau), key=lambda u: (-before[u], u))
+    X = sum(int(before[u]) - tau for u in order)
+    i = 0
+    for d in order:
+        x = int(before[d]) - tau
+        X -= x
+        while x > 0:
+            if i == len(replicas):
+                return False
+            e, t, q = replicas[i]
+            i += 1
+            avail = [int(load_e[m]) - K - exported[m] for m in range(d * E_m, (d + 1) * E_m)]
+            a = max(avail)
+            if e != d * E_m + avail.index(a):  # index() finds the first, i.e. the smallest
+                return False
+            need = min(x, a)
+            cands = [u for u in range(R) if free[u] > 0 and slack[u] > 0]
+            if strict and any(not (free[u] == 1 and slack[u] > a) for u in cands):
+                cands = [u for u in cands if not (free[u] == 1 and slack[u] > a)]
+            if t not in cands:
+                return False
+            fits = [u for u in cands if slack[u] >= need]
+            want = min(fits, key=lambda u: (slack[u], u)) if fits else None
+            if want is None:
+                want = min(cands, key=lambda u: (-slack[u], u))
+            if t != want or q != min(slack[t], a, x + X) or q < min(f, x):
+                return False
+            slack[t] -= q
+            free[t] -= 1
+            x -= q
+            exported[e] += q
+        slack[d] = -x
+    return i == len(replicas)
+
+
 def _check_properties(loads, S, F, K, eps):
     plan, info = reference_plan_info(loads, S, F, eps, K)
     check_plan_invariants(loads, plan, S)
@@ -722,10 +1014,13 @@ def _check_properties(loads, S, F, K, eps):
     # no plan beats the integer mean
     assert after.max(initial=0) >= mean_ceil
 
-    # tau0 = max(ceil(T / R), floor(v)): never below the integer mean; equal to it when v is below
-    # it, else the largest integer <= v.
+    # tau0 = max(ceil(T / R), clampfloor(v)): never below the integer mean; Lmax when v reaches
+    # Lmax (the clamp); else equal to the mean's ceiling when v is below it, else the largest
+    # integer <= v.
     assert tau0 >= mean_ceil
-    if v < mean_ceil:
+    if not v < Lmax:
+        assert tau0 == Lmax
+    elif v < mean_ceil:
         assert tau0 == mean_ceil
     else:
         assert tau0 <= v < tau0 + 1
@@ -749,63 +1044,36 @@ def _check_properties(loads, S, F, K, eps):
         assert row == sorted(row, reverse=True), plan["slot_expert"][d]
 
     if replicas:
-        # the winning threshold is below Lmax, at or above tau0, and every rank ends at <= tau;
-        # the ranks that gave tokens away end at exactly tau.
+        # the winning threshold is below Lmax, at or above tau0, and every rank ends at <= tau.
         assert S >= 1 and R >= 2
         assert info["tau0"] <= tau < info["Lmax"]
-        assert after.max() == tau
+        assert after.max() <= tau
         assert after.max() < before.max()
+        excess = {d: int(before[d]) - tau for d in range(R) if before[d] > tau}
         donors = {e // E_m for e, _, _ in replicas}
+        assert donors == set(excess), (donors, excess)  # exactly the overloaded ranks give
+        sent = {d: sum(q for e, _, q in replicas if e // E_m == d) for d in donors}
+        got = {t: sum(q for _, u, q in replicas if u == t) for t in range(R)}
         for d in donors:
-            assert after[d] == tau
-            assert before[d] > tau
-        # receivers had slack and stay at or below tau
-        for _, t, _ in replicas:
-            assert before[t] < tau and after[t] <= tau
+            # each gives at least its excess, and no more than the excess of itself and the ranks
+            # after it in rank order could use (the over-export cap x + X)
+            later = sum(x for u, x in excess.items() if (-before[u], u) > (-before[d], d))
+            assert excess[d] <= sent[d] <= excess[d] + later, (d, sent[d], excess[d], later)
+        for t in range(R):
+            if got[t]:  # receivers had slack, or made it by over-exporting, and stay <= tau
+                assert before[t] < tau or sent.get(t, 0) > excess.get(t, 0), t
+                assert after[t] <= tau
         # masters that exported keep at least K tokens
         for e in {e for e, _, _ in replicas}:
             assert plan["master_quota"][e] >= K
-        # a replica below the floor F is the last one its source rank made, and carries exactly
-        # that rank's remaining need: at most one per source rank
-        for d in donors:
-            mine = [q for e, _, q in replicas if e // E_m == d]
-            assert all(q >= F for q in mine[:-1]), (d, mine, F)
-            assert sum(mine) == before[d] - tau
-        # each source rank exports experts in expert order (load_e descending, index ascending)
-        for d in donors:
-            seq = [e for e, _, _ in replicas if e // E_m == d]
-            keys = [(-load_e[e], e) for e in seq]
-            assert keys == sorted(keys)
-        # pick_target: replaying the replicas in creation order, each target is the spec's choice
-        # for need = min(x, avail) among ranks with a free slot and slack: the least slack >= need
-        # (ties -> smallest rank) and then q == need (it ends the source rank's excess or drains
-        # the expert), else the most slack (ties -> smallest rank) and then q == its slack (it
-        # fills the target to tau).
-        slack = [max(tau - int(before[u]), 0) for u in range(R)]
-        free = [S] * R
-        rem = {d: int(before[d]) - tau for d in donors}
-        exported = [0] * E
-        for e, t, q in replicas:
-            d = e // E_m
-            need = min(rem[d], int(load_e[e]) - K - exported[e])
-            cands = [u for u in range(R) if free[u] > 0 and slack[u] > 0]
-            assert t in cands, (e, t, q, slack, free)
-            if slack[t] >= need:
-                assert not any(
-                    need <= slack[u] < slack[t] or (slack[u] == slack[t] and u < t) for u in cands
-                ), ("not the best fit", e, t, need, slack, free)
-                assert q == need
-            else:
-                assert all(slack[u] < need for u in cands), ("a fit was skipped", t, need, slack)
-                assert not any(
-                    slack[u] > slack[t] or (slack[u] == slack[t] and u < t) for u in cands
-                ), ("not the most slack", e, t, need, slack, free)
-                assert q == slack[t]
-            slack[t] -= q
-            free[t] -= 1
-            rem[d] -= q
-            exported[e] += q
-        assert all(r == 0 for r in rem.values())
+        # The replicas replay, in creation order, as one of try(tau)'s attempts (floor f, loose or
+        # strict): see _replays.
+        modes = [(F, False), (F, True)]
+        if eps == 0.0 and F > 1:
+            modes += [(1, False), (1, True)]
+        assert any(
+            _replays(replicas, before, load_e, tau, R, S, f, K, strict) for f, strict in modes
+        ), (replicas, tau, modes)
     else:
         # no replicas: nothing moved
         np.testing.assert_array_equal(after, before)
@@ -819,6 +1087,45 @@ def _check_properties(loads, S, F, K, eps):
 def test_properties_random(args):
     loads, S, F, K, eps = args
     _check_properties(loads, S, F, K, eps)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(planner_inputs(), st.floats(0.0, 1.2))
+def test_capacity_properties(args, frac):
+    # capacity C between the mean's ceiling M and Lmax (frac picks where; below M and above Lmax
+    # included): every probe at or below C comes before any above it; the plan stays within C
+    # whenever the window finds a plan (and always when the plan without a capacity does);
+    # otherwise it is exactly the plan without a capacity.
+    loads, S, F, K, eps = args
+    R = loads.shape[0]
+    before = rank_loads_before(loads)
+    T, Lmax = int(before.sum()), int(before.max(initial=0))
+    M = -(-T // R)
+    C = max(1, M - 1 + int(frac * (Lmax - M + 2)))
+    free, free_info = reference_plan_info(loads, S, F, eps, K)
+    plan, info = _check_capacity_plan(loads, S, F, K, eps, C)
+    probes = info["probes"]
+    first_above = next((i for i, p in enumerate(probes) if p > C), len(probes))
+    window = 0 < C < Lmax and C >= M and S > 0 and R > 1 and T > 0
+    if window:
+        assert first_above > 0  # the window's probes come first
+        if info["tau"] > C:  # the window failed: it probed C itself, before anything above it
+            assert C in probes[:first_above]
+    else:
+        assert probes == free_info["probes"]
+    if max(plan["rank_load"], default=0) > C:
+        for k in plan:
+            np.testing.assert_array_equal(plan[k], free[k])
+        assert max(free["rank_load"], default=0) > C
+    if max(free["rank_load"], default=0) <= C:
+        assert max(plan["rank_load"], default=0) <= C
+
+
+def _check_capacity_plan(loads, S, F, K, eps, C):
+    plan, info = reference_plan_info(loads, S, F, eps, K, capacity=C)
+    check_plan_invariants(loads, plan, S)
+    assert max(plan["rank_load"], default=0) <= max(rank_loads_before(loads), default=0)
+    return plan, info
 
 
 @settings(max_examples=100, deadline=None)

@@ -4,20 +4,46 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+
+import numpy as np
+
+# Every integer field reaches the native planner as an int64 FFI attribute.
+_INT64_MAX = 2**63 - 1
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _as_int(name: str, value, minimum: int) -> int:
+    """``value`` as a Python int in [minimum, 2^63 - 1]; NumPy integer scalars are accepted."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"BalancerConfig.{name} must be an int, got {type(value).__name__} {value!r}"
         )
+    value = int(value)
     if value < minimum:
         raise ValueError(f"BalancerConfig.{name} must be >= {minimum}, got {value}")
+    if value > _INT64_MAX:
+        raise ValueError(f"BalancerConfig.{name} must fit in int64 (<= 2**63 - 1), got {value}")
+    return value
+
+
+def _as_float(name: str, value) -> float:
+    """``value`` as a finite Python float >= 0; ints and NumPy integer/float scalars are accepted."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"BalancerConfig.{name} must be a float, got {type(value).__name__} {value!r}"
+        )
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"BalancerConfig.{name} must be finite and >= 0, got {value}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
 class BalancerConfig:
     """What the planner may do, for one expert-parallel group.
+
+    Integer fields accept Python or NumPy integers and ``balance_eps`` any real scalar (NumPy
+    float32 included); they are stored as Python ``int`` / ``float``.
 
     Attributes:
         num_experts: E, logical experts; expert ``e`` lives on rank ``e // (E // ep_size)``.
@@ -25,9 +51,13 @@ class BalancerConfig:
         slots_per_rank: S, spare slots per rank, each able to hold one replica expert's weights.
             0 disables replication (the plan then keeps every token on its master).
         min_tokens_per_replica: the least tokens a replica may carry (each replica costs a weight
-            transfer); a smaller replica is allowed only when it exactly clears a rank's remaining excess.
+            transfer); a smaller replica is allowed only when it exactly clears a rank's remaining
+            excess, or in exact mode (``balance_eps == 0``) when the floor would stop the planner
+            from reaching the mean.
         balance_eps: tolerance above the mean rank load: the planner aims for every rank at most
-            ``ceil(mean * (1 + balance_eps))`` and raises the threshold only when that is infeasible.
+            ``ceil(mean * (1 + balance_eps))`` and raises the threshold only when that is
+            infeasible. 0 is exact mode: every rank at ``ceil(mean)`` whenever the slots allow,
+            with replicas below ``min_tokens_per_replica`` where needed (ffi/PLANNER.md).
         master_keep_tokens: tokens an expert's master always keeps for itself.
     """
 
@@ -39,21 +69,21 @@ class BalancerConfig:
     master_keep_tokens: int = 1
 
     def __post_init__(self):
-        _check_int("num_experts", self.num_experts, 1)
-        _check_int("ep_size", self.ep_size, 1)
-        _check_int("slots_per_rank", self.slots_per_rank, 0)
-        _check_int("min_tokens_per_replica", self.min_tokens_per_replica, 1)
-        _check_int("master_keep_tokens", self.master_keep_tokens, 0)
+        # Normalised in place (the dataclass is frozen), so equal configs hash equal whatever
+        # scalar types they were built from.
+        for name, minimum in (
+            ("num_experts", 1),
+            ("ep_size", 1),
+            ("slots_per_rank", 0),
+            ("min_tokens_per_replica", 1),
+            ("master_keep_tokens", 0),
+        ):
+            object.__setattr__(self, name, _as_int(name, getattr(self, name), minimum))
+        object.__setattr__(self, "balance_eps", _as_float("balance_eps", self.balance_eps))
         if self.num_experts % self.ep_size:
             raise ValueError(
                 f"BalancerConfig: num_experts={self.num_experts} is not divisible by "
                 f"ep_size={self.ep_size}"
-            )
-        if isinstance(self.balance_eps, bool) or not isinstance(self.balance_eps, (int, float)):
-            raise TypeError(f"BalancerConfig.balance_eps must be a float, got {self.balance_eps!r}")
-        if not math.isfinite(self.balance_eps) or self.balance_eps < 0:
-            raise ValueError(
-                f"BalancerConfig.balance_eps must be finite and >= 0, got {self.balance_eps}"
             )
 
     @property

@@ -39,6 +39,9 @@ class Plan:
         return jnp.sum(self.slot_expert >= 0, axis=(-2, -1), dtype=jnp.int32)
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _check_loads(loads, config: BalancerConfig):
     if not isinstance(config, BalancerConfig):
         raise TypeError(f"plan: config must be a BalancerConfig, got {type(config).__name__}")
@@ -56,7 +59,20 @@ def _check_loads(loads, config: BalancerConfig):
     return loads
 
 
-def plan(loads, config: BalancerConfig) -> Plan:
+def _check_capacity(capacity) -> int:
+    """The FFI attribute for ``capacity``: 0 for None (unbounded), else the validated int."""
+    if capacity is None:
+        return 0
+    if isinstance(capacity, (bool, np.bool_)) or not isinstance(capacity, (int, np.integer)):
+        raise TypeError(
+            f"plan: capacity must be an int or None, got {type(capacity).__name__} {capacity!r}"
+        )
+    if not 1 <= int(capacity) <= _INT64_MAX:
+        raise ValueError(f"plan: capacity must be >= 1 and fit in int64, got {capacity}")
+    return int(capacity)
+
+
+def plan(loads, config: BalancerConfig, capacity: int | None = None) -> Plan:
     """Plans replicas and quotas for one expert-load matrix.
 
     Args:
@@ -65,16 +81,25 @@ def plan(loads, config: BalancerConfig) -> Plan:
             `jax.shard_map` pass the all-gathered matrix, so that every rank computes the same plan.
         config: the balancer configuration; ``loads`` must be ``[config.ep_size,
             config.num_experts]``.
+        capacity: optional static int >= 1, the rows of each rank's receive buffer. The planner
+            then tries thresholds at or below ``capacity`` (``capacity`` itself among them) before
+            any above it, so no rank is planned above ``capacity`` when the search finds a plan
+            that fits, even where ``balance_eps`` alone would tolerate more. When it finds none
+            (for instance ``capacity < ceil(sum(loads) / R)``), the plan is the one without a
+            capacity, and the caller detects that as ``max(plan.rank_load) > capacity``. None: no
+            bound.
 
     Returns:
         The `Plan`. The planner is a pure, deterministic function of ``loads``.
 
     Raises:
-        ValueError / TypeError: wrong shape or dtype (before anything runs). A negative load is
-        reported by the custom call when it runs on the CPU (a `jax.errors.JaxRuntimeError` naming
-        the entry); on GPU, where a kernel cannot raise, every output of that plan is -1.
+        ValueError / TypeError: wrong shape or dtype, or a bad ``capacity`` (before anything runs).
+        A negative load is reported by the custom call when it runs on the CPU (a
+        `jax.errors.JaxRuntimeError` naming the entry); on GPU, where a kernel cannot raise, every
+        output of that plan is -1.
     """
     loads = _check_loads(loads, config)
+    cap = _check_capacity(capacity)
     _native.cpu_library()  # registers the FFI targets once
     R, E, S = config.ep_size, config.num_experts, config.slots_per_rank
     i32 = jnp.int32
@@ -93,5 +118,6 @@ def plan(loads, config: BalancerConfig) -> Plan:
         min_tokens_per_replica=np.int64(config.min_tokens_per_replica),
         master_keep_tokens=np.int64(config.master_keep_tokens),
         balance_eps=np.float64(config.balance_eps),
+        capacity=np.int64(cap),
     )
     return Plan(slot_expert, slot_quota, master_quota, rank_load)
