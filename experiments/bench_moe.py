@@ -1,20 +1,18 @@
 """MoE layer benchmark: the cost of balancing and its memory win, on 8 simulated CPU devices.
 
-        python -m experiments.bench_moe                      # about a minute on 2 cores
-        python -m experiments.bench_moe --tokens_per_device=512 --repeats=20 --json_out=moe.json
+        python -m experiments.bench_moe                      # a few minutes on 2 cores
+        python -m experiments.bench_moe --d_model=256 --d_ff=512 --num_experts=32 --top_k=4 \
+            --tokens_per_device=1024 --json_out=moe.json
 
-On mesh (8,) "expert" with a skewed router (a few hot experts take most tokens), for
-``balancer=None`` (plain EP) and for the balancer:
+On mesh (8,) "expert" with a skewed router (a few hot experts take most tokens), four layers:
+plain EP and balanced, each with dropless worst-case receive buffers (R x the pairs a rank routes)
+and with buffers of ``--capacity_factor`` x those pairs. For each: compile time, forward+backward
+step time (the gradient w.r.t. x and every parameter; the four compiled steps run interleaved,
+``--repeats`` rounds, medians, so that a busy machine slows them alike), buffer rows, dropped
+pairs, per-rank load before and after balancing, and the ratios between them.
 
-- compile time (lower + compile) and steady step time (forward + backward under `jax.jit`, the
-  gradient w.r.t. x and every parameter; median over --repeats) and their ratio;
-- per-rank load before and after balancing (from `MoEStats`);
-- receive-buffer rows per rank needed for zero drops: max over ranks of ``rank_load_before``
-  (plain EP) or ``rank_load_after`` (balanced), also as a multiple of ``tokens_per_device *
-  top_k`` (the capacity factor that would be needed).
-
-Simulated CPU devices share the host's cores, so step times measure work, not a real
-interconnect; the compile time and the buffer rows are the transferable figures.
+Simulated CPU devices share the host's cores, so step times measure total work, not a real
+interconnect.
 """
 
 from __future__ import annotations
@@ -50,20 +48,14 @@ _TOKENS = flags.DEFINE_integer("tokens_per_device", 256, "Tokens on each device.
 _SEQ = flags.DEFINE_integer("seq_len", 64, "Sequence length (must divide tokens_per_device).")
 _HOT = flags.DEFINE_integer("hot_experts", 2, "Experts the skewed router favours.")
 _SKEW = flags.DEFINE_float("skew", 2.0, "Router bias strength toward the hot experts.")
-_CF = flags.DEFINE_string(
-    "capacity_factor", "none", "Receive buffer as a multiple of top_k * tokens; 'none' = dropless."
+_CF = flags.DEFINE_float(
+    "capacity_factor", 1.05, "Receive buffer of the capped layers, as a multiple of top_k * tokens."
 )
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens_per_replica", 16, "Least tokens per replica.")
 _EPS = flags.DEFINE_float("balance_eps", 0.01, "Balance tolerance above the mean.")
-_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed steps (the median is reported).")
+_REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds (medians are reported).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the inputs and parameters.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
-
-
-def _capacity_factor() -> float | None:
-    """The --capacity_factor flag as a float, or None for dropless buffers."""
-    value = _CF.value.strip().lower()
-    return None if value in ("none", "") else float(value)
 
 
 def _skewed_inputs(mesh, rng):
@@ -84,7 +76,7 @@ def _skewed_inputs(mesh, rng):
     return x, router.astype(np.float32)
 
 
-def _build(mesh, balancer, router):
+def _build(mesh, balancer, router, capacity_factor):
     """The layer with the skewed router written in."""
     layer = uep.MoE(
         d_model=_D.value,
@@ -93,7 +85,7 @@ def _build(mesh, balancer, router):
         top_k=_K.value,
         mesh=mesh,
         balancer=balancer,
-        capacity_factor=_capacity_factor(),
+        capacity_factor=capacity_factor,
         rngs=nnx.Rngs(_SEED.value),
     )
     old = layer.router_kernel[...]
@@ -113,23 +105,17 @@ def _train_step(layer):
     return step, params, rest
 
 
-def _measure(layer, x) -> dict:
-    """Compile time, median step time and the stats of one layer."""
+def _compile(layer, x) -> dict:
+    """The layer's compiled training step, its compile time and the stats of one step."""
     step, params, rest = _train_step(layer)
     start = time.perf_counter()
     compiled = step.lower(params, rest, x).compile()
     compile_s = time.perf_counter() - start
-    (_, stats), grads = jax.block_until_ready(compiled(params, rest, x))  # warm-up
-    times = []
-    for _ in range(_REPEATS.value):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(params, rest, x))
-        times.append(time.perf_counter() - start)
-    del grads
+    (_, stats), _ = jax.block_until_ready(compiled(params, rest, x))  # warm-up
     return {
+        "run": lambda: compiled(params, rest, x),
         "compile_s": compile_s,
-        "step_ms": float(np.median(times)) * 1e3,
-        "step_ms_min": float(np.min(times)) * 1e3,
+        "buffer_rows": layer.capacity(_TOKENS.value),
         "rank_load_before": np.asarray(stats.rank_load_before).tolist(),
         "rank_load_after": np.asarray(stats.rank_load_after).tolist(),
         "dropped": int(stats.dropped),
@@ -139,23 +125,52 @@ def _measure(layer, x) -> dict:
     }
 
 
+def _time_interleaved(layers: dict, repeats: int) -> None:
+    """Adds ``step_ms`` (median) and ``step_ms_min`` to each entry, timing one step of each layer
+    per round."""
+    times = {name: [] for name in layers}
+    for _ in range(repeats):
+        for name, r in layers.items():
+            start = time.perf_counter()
+            jax.block_until_ready(r["run"]())
+            times[name].append(time.perf_counter() - start)
+    for name, r in layers.items():
+        r["step_ms"] = float(np.median(times[name])) * 1e3
+        r["step_ms_min"] = float(np.min(times[name])) * 1e3
+
+
+NAMES = {
+    "plain_dropless": "plain EP, dropless",
+    "plain_capped": "plain EP, capped",
+    "balanced_capped": "balanced, capped",
+    "balanced_dropless": "balanced, dropless",
+}
+
+
 def _print_report(res: dict) -> None:
-    """The readable table."""
-    cfg = res["config"]
-    plain, bal = res["plain"], res["balanced"]
+    """The readable tables."""
+    cfg, runs = res["config"], res["runs"]
     print(
         f"MoE layer on {cfg['devices']} x {cfg['device']}, mesh (8,) 'expert': D={cfg['d_model']} "
         f"F={cfg['d_ff']} E={cfg['num_experts']} top-{cfg['top_k']} S={cfg['slots_per_rank']} "
-        f"tokens/device={cfg['tokens_per_device']} capacity_factor={cfg['capacity_factor']} "
-        f"skewed router ({cfg['hot_experts']} hot experts, bias {cfg['skew']})"
+        f"tokens/device={cfg['tokens_per_device']}, capped = capacity factor "
+        f"{cfg['capacity_factor']}, skewed router ({cfg['hot_experts']} hot experts, bias "
+        f"{cfg['skew']}), {cfg['repeats']} interleaved rounds"
     )
-    print(f"\n{'':>10} {'compile s':>10} {'step ms (median)':>17} {'step ms (min)':>14}")
-    for name, r in (("plain EP", plain), ("balanced", bal)):
-        print(f"{name:>10} {r['compile_s']:10.2f} {r['step_ms']:17.2f} {r['step_ms_min']:14.2f}")
     print(
-        f"{'ratio':>10} {bal['compile_s'] / plain['compile_s']:10.2f} "
-        f"{bal['step_ms'] / plain['step_ms']:17.2f}   (balanced / plain: the overhead of balancing)"
+        f"\n{'':>20} {'buffer rows':>11} {'dropped':>8} {'compile s':>10} {'step ms':>9} "
+        f"{'(min)':>8}"
     )
+    for key, name in NAMES.items():
+        r = runs[key]
+        print(
+            f"{name:>20} {r['buffer_rows']:11d} {r['dropped']:8d} {r['compile_s']:10.2f} "
+            f"{r['step_ms']:9.2f} {r['step_ms_min']:8.2f}"
+        )
+    print("\nStep-time ratios (medians of the same run):")
+    for key, (a, b, what) in RATIOS.items():
+        print(f"  {NAMES[a]:>20} / {NAMES[b]:<20} {res['ratios'][key]:6.3f}   {what}")
+    bal = runs["balanced_dropless"]
     R = len(bal["rank_load_before"])
     print(f"\nPer-rank load ((token, choice) pairs), skewed router:\n{'rank':>8}", end="")
     print("".join(f"{r:>6}" for r in range(R)) + f"{'max/mean':>10}")
@@ -163,15 +178,25 @@ def _print_report(res: dict) -> None:
     print(f"{bal['imbalance_before']:10.3f}")
     print(f"{'after':>8}" + "".join(f"{v:6d}" for v in bal["rank_load_after"]), end="")
     print(f"{bal['imbalance_after']:10.3f}   ({bal['replicas']} replicas)")
-    print(f"\nDropped pairs: plain {plain['dropped']}, balanced {bal['dropped']}")
-    rows = res["buffer_rows"]
-    print(
-        f"\nReceive-buffer rows per rank for zero drops (multiple of tokens/device x top-k = "
-        f"{rows['pairs_per_device']}):"
-    )
-    print(f"  plain EP  {rows['plain']:6d}  ({rows['plain_factor']:.3f}x)")
-    print(f"  balanced  {rows['balanced']:6d}  ({rows['balanced_factor']:.3f}x)")
-    print(f"  saving    {1 - rows['balanced'] / rows['plain']:.1%} of the buffer")
+
+
+RATIOS = {
+    "overhead_dropless": (
+        "balanced_dropless",
+        "plain_dropless",
+        "the cost of balancing, same buffers, same work",
+    ),
+    "capped_vs_plain_dropless": (
+        "balanced_capped",
+        "plain_dropless",
+        "balanced in a small buffer vs plain EP that drops nothing",
+    ),
+    "capped_vs_plain_capped": (
+        "balanced_capped",
+        "plain_capped",
+        "same buffer; plain EP drops pairs (less work)",
+    ),
+}
 
 
 def main(argv):
@@ -188,6 +213,16 @@ def main(argv):
         min_tokens_per_replica=_MIN_TOKENS.value,
         balance_eps=_EPS.value,
     )
+    layers = {
+        "plain_dropless": _build(mesh, None, router, None),
+        "plain_capped": _build(mesh, None, router, _CF.value),
+        "balanced_capped": _build(mesh, balancer, router, _CF.value),
+        "balanced_dropless": _build(mesh, balancer, router, None),
+    }
+    runs = {name: _compile(layer, x) for name, layer in layers.items()}
+    _time_interleaved(runs, _REPEATS.value)
+    for r in runs.values():
+        del r["run"]
     res = {
         "config": {
             "device": str(jax.devices()[0].device_kind),
@@ -198,28 +233,18 @@ def main(argv):
             "top_k": _K.value,
             "slots_per_rank": _S.value,
             "tokens_per_device": _TOKENS.value,
-            "capacity_factor": _capacity_factor(),
+            "capacity_factor": _CF.value,
             "hot_experts": _HOT.value,
             "skew": _SKEW.value,
             "min_tokens_per_replica": _MIN_TOKENS.value,
             "balance_eps": _EPS.value,
             "repeats": _REPEATS.value,
         },
-        "plain": _measure(_build(mesh, None, router), x),
-        "balanced": _measure(_build(mesh, balancer, router), x),
+        "runs": runs,
+        "ratios": {
+            key: runs[a]["step_ms"] / runs[b]["step_ms"] for key, (a, b, _) in RATIOS.items()
+        },
     }
-    pairs = _TOKENS.value * _K.value
-    need_plain = max(res["balanced"]["rank_load_before"])
-    need_bal = max(res["balanced"]["rank_load_after"])
-    res["buffer_rows"] = {
-        "pairs_per_device": pairs,
-        "plain": need_plain,
-        "balanced": need_bal,
-        "plain_factor": need_plain / pairs,
-        "balanced_factor": need_bal / pairs,
-    }
-    res["step_time_ratio"] = res["balanced"]["step_ms"] / res["plain"]["step_ms"]
-    res["compile_time_ratio"] = res["balanced"]["compile_s"] / res["plain"]["compile_s"]
     _print_report(res)
     if _JSON.value:
         with open(_JSON.value, "w") as f:

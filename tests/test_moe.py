@@ -1,7 +1,7 @@
 """The balanced MoE layer (`uep.MoE`) against a dense one-device reference written here.
 
 Everything runs on the 8 simulated CPU devices forced by conftest.py. The reference below is the
-independent oracle: it never calls the library, only the math of DESIGN.md / issue 3. Routing
+independent oracle: it never calls the library, only the math of the layer. Routing
 decisions are checked to have a clear margin (the k-th and (k+1)-th logits differ by more than
 float32 noise), so that the layer and the reference pick the same experts.
 """
@@ -23,6 +23,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
+from tests.dispatch_reference import kept_pairs, prefix_transport
+from tests.reference_planner import reference_plan
 
 D, F = 8, 16
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -340,15 +342,25 @@ def test_dropless_stats(case):
     np.testing.assert_array_equal(plain["rank_load_after"], plain["rank_load_before"])
     assert int(plain["replicas"]) == 0
     np.testing.assert_allclose(plain["imbalance_after"], plain["imbalance_before"], rtol=1e-6)
-    # Dropless, the layer runs exactly the planner's plan for each group's load matrix.
-    plans = [uep.plan(res["loads"][g].astype(np.int32), res["balancer"]) for g in range(G)]
+    # Dropless, the layer runs exactly the NumPy reference planner's plan of each group's loads.
+    cfg = res["balancer"]
+    plans = [
+        reference_plan(
+            res["loads"][g],
+            cfg.slots_per_rank,
+            cfg.min_tokens_per_replica,
+            cfg.balance_eps,
+            cfg.master_keep_tokens,
+            capacity=R * (case.batch // (G * R)) * case.seq * case.top_k,
+        )
+        for g in range(G)
+    ]
     bal = res["balanced"][1]
-    np.testing.assert_array_equal(
-        bal["rank_load_after"], sum(np.asarray(p.rank_load) for p in plans)
-    )
-    assert int(bal["replicas"]) == sum(int(p.num_replicas) for p in plans)
-    want_after = np.stack([np.asarray(p.rank_load) for p in plans])
+    np.testing.assert_array_equal(bal["rank_load_after"], sum(p["rank_load"] for p in plans))
+    assert int(bal["replicas"]) == sum(int((p["slot_expert"] >= 0).sum()) for p in plans)
+    want_after = np.stack([p["rank_load"] for p in plans])
     np.testing.assert_allclose(bal["imbalance_after"], group_imbalance(want_after), rtol=1e-6)
+    assert int(bal["over_capacity"]) == 0 and int(plain["over_capacity"]) == 0
 
 
 def _auto_axes(mesh):
@@ -408,38 +420,40 @@ def capacity_rows(capacity_factor, top_k, tokens_per_device) -> int:
     return math.ceil(capacity_factor * top_k * tokens_per_device)
 
 
-def classify_drops(idx, mesh, num_experts, capacity):
-    """Which (token, choice) pairs a plain-EP layer keeps under the rule "rows from lower source
-    ranks first" (each destination rank fills its buffer from source rank 0 upwards).
-
-    Args:
-        idx: [T, k] experts chosen by the reference router, tokens in (batch, seq) order.
-
-    Returns:
-        status [T, k]: 1 kept, 0 dropped, -1 undetermined (the source rank whose rows straddle the
-        buffer end; which of its rows are kept is implementation-defined);
-        partial_kept {(g, src, dst): rows of that straddling block that are kept};
-        expected dropped count (order-independent).
-    """
+def expected_keep(x, params, mesh, num_experts, top_k, capacity, balancer):
+    """[T, k] 0/1: the pairs the layer must keep, by the NumPy reference planner and the
+    reference dispatch rules (tests/dispatch_reference.py), per EP group."""
     G, R = mesh_groups(mesh)
-    E_m = num_experts // R
-    T, k = idx.shape
-    dst = (idx // E_m).reshape(G, R, -1, k)
-    status = np.ones((G, R, T // (G * R), k), np.int64)
-    partial_kept, dropped = {}, 0
-    for g, d in itertools.product(range(G), range(R)):
-        before = 0
-        for s in range(R):
-            mask = dst[g, s] == d
-            count = int(mask.sum())
-            if before >= capacity:
-                status[g, s][mask] = 0
-            elif before + count > capacity:
-                status[g, s][mask] = -1
-                partial_kept[(g, s, d)] = capacity - before
-            before += count
-        dropped += max(before - capacity, 0)
-    return status.reshape(T, k), partial_kept, dropped
+    _, idx, _ = reference_routing(jnp.asarray(x), jnp.asarray(params["router_kernel"]), top_k)
+    experts = np.asarray(idx).reshape(G, R, -1)  # each source's pairs in pair order
+    loads = independent_loads(x, params["router_kernel"], top_k, mesh, num_experts)
+    keep = np.zeros_like(experts, dtype=bool)
+    plans = []
+    for g in range(G):
+        if balancer is None:
+            load_e = loads[g].sum(0)
+            em = num_experts // R
+            plan = {
+                "slot_expert": np.zeros((R, 0), np.int64),
+                "slot_quota": np.zeros((R, 0), np.int64),
+                "master_quota": load_e,
+                "rank_load": load_e.reshape(R, em).sum(1),
+            }
+        else:
+            plan = reference_plan(
+                loads[g],
+                balancer.slots_per_rank,
+                balancer.min_tokens_per_replica,
+                balancer.balance_eps,
+                balancer.master_keep_tokens,
+                capacity=capacity,
+            )
+        assign = prefix_transport(
+            loads[g], plan["slot_expert"], plan["slot_quota"], plan["master_quota"]
+        )
+        keep[g] = kept_pairs(experts[g], assign, plan["slot_expert"], capacity)
+        plans.append(plan)
+    return keep.reshape(-1, top_k).astype(np.float32), plans
 
 
 def skewed_capacity_setup(mesh_kind, seed):
@@ -467,54 +481,34 @@ def test_balanced_capacity_1_1_drops_nothing(mesh_kind):
     assert_close(y, ref, "balanced y with capacity 1.1")
 
 
-@pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
-def test_unbalanced_capacity_1_1_drops_counted_and_kept_tokens_exact(mesh_kind):
+@pytest.mark.parametrize(
+    "mesh_kind, slots, factor",
+    [("ep8", 0, 1.1), ("dp2ep4", 0, 1.1), ("ep8", 1, 0.8), ("dp2ep4", 1, 0.8)],
+    ids=["plain-ep8", "plain-dp2ep4", "replicas-ep8", "replicas-dp2ep4"],
+)
+def test_capacity_drops_exactly_the_pairs_the_rule_names(mesh_kind, slots, factor):
+    """Under a receive buffer too small for the load (plain EP, or balanced with too few slots
+    and a buffer below the mean), the layer drops exactly the pairs named by the rule: plan,
+    locality-first reroute, destination stores sources in rank order, each by local group, each
+    group in pair order, keeps the first ``capacity`` rows. Output equals the dense reference with
+    those pairs removed; the drop count matches."""
     mesh, x, params, E, k, tokens_per_device = skewed_capacity_setup(mesh_kind, seed=10)
-    capacity = capacity_rows(1.1, k, tokens_per_device)
-    layer = build_layer(mesh, E, k, None, 1.1, params)
+    capacity = capacity_rows(factor, k, tokens_per_device)
+    balancer = balancer_config(mesh, E, slots=slots) if slots else None
+    layer = build_layer(mesh, E, k, balancer, factor, params)
     y, stats = layer_forward(layer, place_batch(mesh, x))
-    y = y.reshape(-1, D)
-    _, idx, _ = reference_routing(jnp.asarray(x), jnp.asarray(params["router_kernel"]), k)
-    status, partial_kept, want_dropped = classify_drops(np.asarray(idx), mesh, E, capacity)
-    assert want_dropped > 0, "the skew did not overflow the buffer"
+    keep, plans = expected_keep(x, params, mesh, E, k, capacity, balancer)
+    want_dropped = int((keep == 0).sum())
+    assert want_dropped > 0, "the buffer did not overflow"
     assert int(stats["dropped"]) == want_dropped
-    G, R = mesh_groups(mesh)
-    loads = independent_loads(x, params["router_kernel"], k, mesh, E)
-    np.testing.assert_array_equal(stats["rank_load_before"], rank_loads(loads).sum(0))
-
-    ref_args = (jnp.asarray(x), *(jnp.asarray(params[n]) for n in PARAM_NAMES), k)
-    full = np.asarray(reference_moe(*ref_args)).reshape(-1, D)
-    all_kept = np.all(status == 1, axis=1)
-    assert all_kept.any()
-    assert_close(y[all_kept], full[all_kept], "tokens with no dropped choice")
-
-    # Every token equals the reference over some subset of its choices: the known drops, plus
-    # any subset of the undetermined ones; the undetermined kept per block match the capacity.
-    subset_refs = {}
-    for keep in itertools.product([0, 1], repeat=k):
-        subset_refs[keep] = np.asarray(
-            reference_moe(
-                *ref_args, keep=jnp.broadcast_to(jnp.asarray(keep, jnp.float32), idx.shape)
-            )
-        ).reshape(-1, D)
-    kept_in_block = dict.fromkeys(partial_kept, 0)
-    tokens_per_rank = status.shape[0] // (G * R)
-    dst = np.asarray(idx) // (E // R)
-    for t in range(status.shape[0]):
-        options = [
-            keep for keep in subset_refs if all(status[t, j] in (-1, keep[j]) for j in range(k))
-        ]
-        errors = [np.max(np.abs(y[t] - subset_refs[keep][t])) for keep in options]
-        best = int(np.argmin(errors))
-        scale = max(1.0, float(np.max(np.abs(full[t]))))
-        assert errors[best] <= ATOL * scale + RTOL * np.max(
-            np.abs(subset_refs[options[best]][t])
-        ), f"token {t}: output matches no subset of its choices (status {status[t]})"
-        g, s = divmod(t // tokens_per_rank, R)
-        for j in range(k):
-            if status[t, j] == -1 and options[best][j]:
-                kept_in_block[(g, s, int(dst[t, j]))] += 1
-    assert kept_in_block == partial_kept, "kept rows of the straddling source blocks"
+    if slots:
+        assert int(stats["replicas"]) > 0, "no replica: the case does not test drops with replicas"
+        over = sum(int(max(p["rank_load"]) > capacity) for p in plans)
+        assert int(stats["over_capacity"]) == over > 0
+    ref = reference_moe(
+        jnp.asarray(x), *(jnp.asarray(params[n]) for n in PARAM_NAMES), k, keep=jnp.asarray(keep)
+    )
+    assert_close(y, ref, "output with the rule's pairs dropped")
 
 
 # -- lowering ------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """`uep.reroute.reroute_counts`: how each source rank's (token, choice) pairs split over the
-instances of their expert (DESIGN.md section 4).
+instances of their expert, locality first.
 
 Instances are the E masters in expert order, then the R*S spare slots in (rank, slot) order. The
-exact split of the non-local remainder is implementation-defined, so the random tests check the
-properties (row sums per expert, column sums = quotas, non-negative, locality first) and compare
-with an independent NumPy transport written here only where the answer is unique.
+random tests check the properties (row sums per expert, column sums = quotas, non-negative,
+locality first), compare with a greedy NumPy transport where the answer is unique, and with the
+documented prefix-sum rule (tests/dispatch_reference.py) everywhere.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ultraep_jax as uep
+from tests.dispatch_reference import prefix_transport
 
 _reroute = jax.jit(uep.reroute.reroute_counts)
 
@@ -200,8 +201,9 @@ def test_reroute_properties_on_planned_skewed_loads(R, S, em, floor, seed):
     # Experts without a replica have one instance: the whole column is determined.
     single = [e for e in range(E) if (expert == e).sum() == 1]
     np.testing.assert_array_equal(got[:, single], loads[:, single])
-    # Determinism: the same inputs give the same counts.
-    np.testing.assert_array_equal(np.asarray(_reroute(loads, plan)), got)
+    # The whole matrix follows the documented prefix-sum rule, rendered independently in NumPy.
+    want_exact = prefix_transport(loads, pd["slot_expert"], pd["slot_quota"], pd["master_quota"])
+    np.testing.assert_array_equal(got, want_exact)
 
 
 @pytest.mark.parametrize("R, S", [(2, 2), (4, 1), (8, 2)])

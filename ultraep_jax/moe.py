@@ -41,10 +41,12 @@ class MoEStats:
       dropped: int32 [], pairs that did not fit in their destination's receive buffer; they
         contribute nothing to the output.
       replicas: int32 [], replica instances used.
+      over_capacity: int32 [], EP groups whose plan could not keep every rank within the receive
+        buffer (their excess pairs are dropped and counted in ``dropped``).
       imbalance_before, imbalance_after: float32 [], max / mean of the rank loads.
 
     With other mesh axes beside the EP axis, each of their indices is an independent EP group:
-    loads, ``dropped`` and ``replicas`` are summed over the groups, and the imbalances are the
+    loads, ``dropped``, ``replicas`` and ``over_capacity`` are summed over the groups, and the imbalances are the
     worst group's.
     """
 
@@ -53,6 +55,7 @@ class MoEStats:
     rank_load_after: jax.Array
     dropped: jax.Array
     replicas: jax.Array
+    over_capacity: jax.Array
     imbalance_before: jax.Array
     imbalance_after: jax.Array
 
@@ -94,7 +97,10 @@ def _moe_shard(
     loads = jax.lax.all_gather(expert_loads(experts, E), expert_axis)  # [R, E]
     # The plan is identical across the EP group; the FFI result carries no sharding type, so
     # mark it as per-device (it differs between data groups).
-    plan = make_plan(loads, balancer) if balancer is not None else reroute.masters_only_plan(loads)
+    if balancer is not None:
+        plan = make_plan(loads, balancer, capacity=capacity)
+    else:
+        plan = reroute.masters_only_plan(loads)
     plan = jax.tree.map(lambda a: vary(a, all_axes), plan)
 
     assign = reroute.reroute_counts(loads, plan)  # [R, I]
@@ -160,6 +166,7 @@ def _moe_shard(
         rank_load_after=plan.rank_load,
         dropped=jnp.sum(counts) - jnp.sum(kept),
         replicas=plan.num_replicas if S > 0 else jnp.int32(0),
+        over_capacity=(jnp.max(plan.rank_load) > capacity).astype(jnp.int32),
         imbalance_before=imbalance(before),
         imbalance_after=imbalance(plan.rank_load),
     )
@@ -175,6 +182,7 @@ def _moe_shard(
                     "rank_load_after",
                     "dropped",
                     "replicas",
+                    "over_capacity",
                 )
             },
             **{
