@@ -1,7 +1,8 @@
 """Rack-scale step-time simulator for MoE training with expert load balancing.
 
-        python -m experiments.simulate                       # full table, about 2 minutes on 2 cores
+        python -m experiments.simulate             # the full table: about 2 minutes on 2 cores
         python -m experiments.simulate --models=qwen3-235b --scenarios=ep64-nvl72
+        python -m experiments.simulate --traces_dir=path/to/traces
 
 For each model shape (published configs of GLM-4.5-Air 106B, Qwen3-235B-A22B, DeepSeek-V3 671B),
 each parallel layout (EP8 in one HGX H100 node; EP64 in a GB200 NVL72 rack; 2560 H100 GPUs as

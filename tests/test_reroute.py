@@ -1,5 +1,5 @@
 """`uep.reroute.reroute_counts`: how each source rank's (token, choice) pairs split over the
-instances of their expert (DESIGN.md section 4).
+instances of their expert.
 
 Instances are the E masters in expert order, then the R*S spare slots in (rank, slot) order. The
 exact split of the non-local remainder is implementation-defined, so the random tests check the

@@ -6,6 +6,7 @@ resuming, Ctrl-C saves everything, summary.json is written, and 2 processes x 4 
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -330,3 +331,22 @@ def test_two_processes_match_one(tmp_path):
     assert [r["step"] for r in two] == [1, 2, 3]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
     assert two[-1]["eval_loss"] == pytest.approx(one[-1]["eval_loss"], rel=1e-5)
+
+
+# Internal planning documents are not part of the repository: user-facing text (docstrings, help
+# strings, messages) must not send readers to them.
+INTERNAL_REFERENCES = re.compile(r"DESIGN\.md|\b[Ii]ssue \d|(?<![./])\bshared/")
+# Reworded by the engineer who owns it; drop it from here once that lands.
+NOT_YET_REWORDED = {"experiments/bench_planner.py"}
+
+
+def test_no_references_to_internal_documents():
+    found = []
+    for path in sorted([*ROOT.glob("experiments/*.py"), *ROOT.glob("models/*.py")]):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in NOT_YET_REWORDED:
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if INTERNAL_REFERENCES.search(line):
+                found.append(f"{rel}:{lineno}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -1,4 +1,5 @@
-"""Tests for experiments/workloads.py (pure NumPy; run with `python -m pytest` from the repo root)."""
+"""Tests for experiments/workloads.py (pure NumPy; run with `python -m pytest` from the repo
+root), and for where the real expert-load traces are read from."""
 
 import itertools
 import json
