@@ -79,6 +79,7 @@ class _Checkpoints:
         self._manager = ocp.CheckpointManager(
             self._dir,
             options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every),
+            item_handlers=ocp.StandardCheckpointHandler(),  # lets item_metadata read shapes
         )
 
     def latest_step(self) -> int | None:
@@ -99,6 +100,14 @@ class _Checkpoints:
             "opt": nnx.to_pure_dict(nnx.state(optimizer)),
         }
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        mismatches = self._mismatches(step, abstract)
+        if mismatches:
+            more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+            raise RunError(
+                f"the checkpoint of step {step} in {self._dir} does not fit this model: "
+                f"{mismatches[0]}{more}; resume with the flags that wrote it or choose another "
+                f"--workdir"
+            )
         try:
             restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         except (ValueError, KeyError, TypeError) as err:
@@ -114,6 +123,36 @@ class _Checkpoints:
             nnx.replace_by_pure_dict(target, restored[key])
             nnx.update(obj, target)
         return step
+
+    def _mismatches(self, step: int, abstract) -> list[str]:
+        """How the arrays saved at ``step`` differ from ``abstract`` (missing, extra, or of
+        another shape), checked on the checkpoint's metadata before restoring anything."""
+        try:
+            saved = self._manager.item_metadata(step)
+        except Exception:  # noqa: BLE001 (unreadable metadata: restoring will say what is wrong)
+            return []
+        if saved is None:
+            return []
+
+        def shapes(tree) -> dict[str, tuple]:
+            return {
+                "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(
+                    leaf.shape
+                )
+                for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+                if hasattr(leaf, "shape")
+            }
+
+        have, want = shapes(saved), shapes(abstract)
+        out = []
+        for name in sorted(have.keys() | want.keys()):
+            if name not in have:
+                out.append(f"{name} is not in the checkpoint")
+            elif name not in want:
+                out.append(f"the checkpoint holds {name}, which this model does not have")
+            elif have[name] != want[name]:
+                out.append(f"{name} is {have[name]} there, {want[name]} here")
+        return out
 
     def save(self, step: int, model, optimizer, force: bool = False) -> bool:
         """Saves (in the background) when ``step`` is on the interval or ``force``; returns
@@ -338,10 +377,40 @@ def run(cfg: TrainConfig) -> dict:
     stop = StopRequest()
     stop.install()
     try:
-        return _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size)
+        return _in_worker_thread(
+            lambda: _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size)
+        )
     finally:
         checkpoints.close()
         stop.restore()
+
+
+def _in_worker_thread(fn):
+    """Calls ``fn`` in another thread while the main thread waits, and returns its result (or
+    raises its exception).
+
+    Python runs signal handlers in the main thread between bytecodes only: a main thread busy in
+    a long XLA call (compiling a step can take a minute) would answer Ctrl-C only when the call
+    returns. Waiting here instead, it answers at once (the message, and a second Ctrl-C ends the
+    process). Off the main thread (no handlers there), ``fn`` simply runs here.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 (re-raised in the caller's thread)
+            outcome["error"] = err
+
+    worker = threading.Thread(target=target, name="train-loop", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size) -> dict:
