@@ -22,7 +22,7 @@ Our own implementations, written from the published descriptions of each method 
 Every balancer returns a :class:`Balanced`: a physical layout ``[R, C]`` (the logical expert in
 each physical slot of each rank, ``-1`` when empty) and the tokens each instance processes
 ``[R, C]``; the per-rank load after balancing is ``quota.sum(1)``. ``loads`` is always the
-``[R, E]`` int matrix of DESIGN.md section 2 (``loads[r, e]``: pairs from source rank ``r`` to
+``[R, E]`` int matrix of the planner (``loads[r, e]``: pairs from source rank ``r`` to
 expert ``e``). Even splits are done in integers: an expert with load ``l`` and ``n`` instances gives
 ``l // n`` to each instance and one more to the first ``l % n`` of them in row-major layout order,
 so every expert's tokens are conserved exactly.

@@ -1,7 +1,8 @@
 """Rack-scale step-time simulator for MoE training with expert load balancing.
 
-        python -m experiments.simulate                       # full table, under a minute on 2 cores
+        python -m experiments.simulate             # the full table: about 2 minutes on 2 cores
         python -m experiments.simulate --models=qwen3-235b --scenarios=ep64-nvl72
+        python -m experiments.simulate --traces_dir=path/to/traces
 
 For each model shape (published configs of GLM-4.5-Air 106B, Qwen3-235B-A22B, DeepSeek-V3 671B),
 each parallel layout (EP8 in one HGX H100 node; EP64 in a GB200 NVL72 rack; 2560 H100 GPUs as
@@ -41,6 +42,8 @@ import functools
 import importlib
 import importlib.util
 import json
+import pathlib
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -781,14 +784,19 @@ TOPK_DRAWS = 16384
 
 
 @functools.cache
-def trace_runs(trace: str) -> tuple[np.ndarray, ...]:
+def trace_runs(trace: str, traces_dir: str | None = None) -> tuple[np.ndarray, ...]:
     """A trace as runs of per-layer counts, each ``[layers, E]``.
 
     deepseek-r1: one run per file (12 serving runs x 58 MoE layers). switch-base-128: one run per
     (dataset, iteration) of ``expert_freq_switch128_datasets.csv`` (4 x 30 runs), encoder layers
-    0-5 only (see ``SWITCH_ENCODER_LAYERS``).
+    0-5 only (see ``SWITCH_ENCODER_LAYERS``). ``traces_dir`` is the folder holding the trace
+    folders (default `workloads.default_traces_dir`); FileNotFoundError when the trace is not
+    there.
     """
-    root = workloads.default_traces_dir() / trace
+    base = workloads.default_traces_dir() if traces_dir is None else pathlib.Path(traces_dir)
+    root = base / trace
+    if not root.is_dir():
+        raise FileNotFoundError(f"trace folder not found: {root} (see --traces_dir)")
     if trace == "deepseek-r1":
         return tuple(workloads.deepseek_trace_expert_counts(p) for p in sorted(root.glob("*.json")))
     rows = workloads.harmoeny_trace_rows(root / "expert_freq_switch128_datasets.csv")
@@ -817,10 +825,12 @@ def topk_counts(counts, top_k: int, draws: int, seed: int) -> np.ndarray:
 
 
 @functools.cache
-def trace_layer_counts(trace: str, run: int, layer: int, top_k: int) -> np.ndarray:
+def trace_layer_counts(
+    trace: str, run: int, layer: int, top_k: int, traces_dir: str | None = None
+) -> np.ndarray:
     """Counts of one trace (run, layer) for a ``top_k`` router (``topk_counts`` when the traced
     model routed to fewer experts than ``top_k``)."""
-    counts = trace_runs(trace)[run][layer]
+    counts = trace_runs(trace, traces_dir)[run][layer]
     if workloads.TRACE_TOP_K[trace] >= top_k:
         return counts
     return topk_counts(counts, top_k, TOPK_DRAWS, seed=run * 1000 + layer)
@@ -852,6 +862,7 @@ def workload_streams(
     seed: int,
     zipf_pool: int,
     history: int = 0,
+    traces_dir: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Load streams and their histories, group-major over (DP group, sampled layer).
 
@@ -866,18 +877,19 @@ def workload_streams(
     (seeded). ``zipfX``: UltraEP-style rank-level Zipf at initial imbalance X; ``ezipfX``:
     expert-level Zipf with exponent X; both drawn cyclically from a pool of ``zipf_pool`` seeded
     matrices (each seed has its own hot ranks, so the history says nothing about the present).
+    ``traces_dir``: the folder holding the trace folders (default: `workloads.default_traces_dir`).
     """
     tokens, k, E = params.tokens_per_rank, model.top_k, model.num_experts
     total = microbatches + history
     out = np.empty((groups * len(layers), total, ep, E), dtype=np.int32)
     if workload == "trace":
-        runs = trace_runs(model.trace)
+        runs = trace_runs(model.trace, traces_dir)
         for g in range(groups):
             for li, layer in enumerate(layers):
                 for q in range(total):
                     run = (g * microbatches + q) % len(runs)
                     trace_layer = layer * runs[run].shape[0] // model.moe_layers
-                    counts = trace_layer_counts(model.trace, run, trace_layer, k)
+                    counts = trace_layer_counts(model.trace, run, trace_layer, k, traces_dir)
                     s = int(np.random.SeedSequence([seed, g, layer, q]).generate_state(1)[0])
                     out[g * len(layers) + li, q] = workloads.loads_from_expert_counts(
                         counts, ep, tokens, k, s
@@ -960,19 +972,31 @@ def simulate_cell(
     seed: int = 0,
     zipf_pool: int = 6,
     history: int = 4,
+    traces_dir: str | None = None,
 ) -> dict:
     """Every balancer on one (model, scenario, workload); returns a dict of rows and metadata.
 
     Rows are keyed by baseline name; balancers that move weights get a second row
     ``"<name> (direct)"`` (the first uses relay with ``params.relay_fanout``). ``history`` load
     matrices per stream are handed to the balancers (for eplb_periodic) but never costed.
+    ``traces_dir``: where the ``trace`` workload reads (default `workloads.default_traces_dir`).
     """
     cluster = CLUSTERS[scenario.cluster]
     ep = scenario.ep_size(model)
     groups = min(scenario.dp_size(model), dp_groups_sampled)
     layers = layer_samples(model.moe_layers, layers_sampled)
     streams, past = workload_streams(
-        workload, model, ep, groups, layers, microbatches, params, seed, zipf_pool, history
+        workload,
+        model,
+        ep,
+        groups,
+        layers,
+        microbatches,
+        params,
+        seed,
+        zipf_pool,
+        history,
+        traces_dir,
     )
     cfg = uep.BalancerConfig(num_experts=model.num_experts, ep_size=ep, **cfg_kwargs)
     mean = params.tokens_per_rank * model.top_k
@@ -1328,6 +1352,11 @@ _HISTORY = flags.DEFINE_integer(
 _TIMING_BATCH = flags.DEFINE_integer("timing_batch", 256, "Matrices per timed planner call.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for trace splits.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write every cell to this JSON file.")
+_TRACES = flags.DEFINE_string(
+    "traces_dir",
+    str(workloads.default_traces_dir()),
+    "Folder holding the real expert-load traces (one folder per trace) for the trace workload.",
+)
 
 
 def available_balancers(wanted: Sequence[str], timing_batch: int) -> tuple[dict, list[str]]:
@@ -1362,8 +1391,10 @@ def run_all(
     seed: int = 0,
     zipf_pool: int = 6,
     history: int = 4,
+    traces_dir: str | None = None,
 ) -> list[dict]:
-    """Every (model, scenario, workload) cell, in that order."""
+    """Every (model, scenario, workload) cell, in that order (``traces_dir``: see
+    `simulate_cell`)."""
     cells = []
     for model_name in models:
         model = MODELS[model_name]
@@ -1382,14 +1413,32 @@ def run_all(
                     seed,
                     zipf_pool,
                     history,
+                    traces_dir,
                 )
                 cells.append(cell)
     return cells
 
 
+def _check_traces(traces_dir: str, models: Sequence[str], workload_names: Sequence[str]):
+    """Ends with one line ``error: ...`` when the trace workload needs a trace not in
+    ``traces_dir``."""
+    if "trace" not in workload_names:
+        return
+    needed = sorted({MODELS[m].trace for m in models if m in MODELS})
+    missing = [t for t in needed if not (pathlib.Path(traces_dir) / t).is_dir()]
+    if missing:
+        print(
+            f"error: --traces_dir={traces_dir} has no {' or '.join(missing)} folder (the trace "
+            f"workload needs it; leave out --workloads=trace to run without)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
 def main(argv):
     del argv
     start = time.perf_counter()
+    _check_traces(_TRACES.value, _MODELS.value, _WORKLOADS.value)
     params = CostParams(
         tokens_per_rank=_TOKENS.value,
         seq_len=_SEQ.value,
@@ -1433,6 +1482,7 @@ def main(argv):
         _SEED.value,
         _POOL.value,
         _HISTORY.value,
+        _TRACES.value,
     )
     names = list(dict.fromkeys(n for c in cells for n in c["rows"]))
 

@@ -9,23 +9,36 @@
     python -m experiments.train --num_processes=2 --process_id=1 --cpu_devices=4 \\
         --coordinator_address=127.0.0.1:12345
 
-Writes ``<workdir>/metrics.jsonl`` (one record per step), ``metrics.png`` and orbax checkpoints;
-rerunning with the same ``--workdir`` continues from the last checkpoint.
+Writes into ``--workdir`` (printed at the start and at the end): ``config.json`` (the run's flags),
+``metrics.jsonl`` (one record per step), orbax checkpoints under ``checkpoints/``, and at the end
+``metrics.png`` and ``summary.json`` (final losses, imbalance before/after balancing, dropped
+pairs, replicas, step time, flags).
+
+Rerunning with the same ``--workdir`` continues from the last checkpoint; the flags that fix the
+model's shape must then be the same (the others, such as ``--steps``, may change). A workdir
+already at ``--steps`` is left alone: raise ``--steps`` to train further.
+
+Ctrl-C (SIGINT) or SIGTERM: the run finishes the current step, saves a checkpoint, the metrics,
+the plot and the summary, says where they are and exits with code 130 (SIGINT) or 143
+(SIGTERM); rerunning the same command continues from there. A second Ctrl-C quits at once.
+
+Problems with the flags, the data or the workdir end with one line ``error: ...`` (exit code 2).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from absl import app, flags, logging
 
-from experiments.train_config import TrainConfig
+from experiments.train_config import TrainConfig, parse_capacity_factor
 
 _D = TrainConfig.__dataclass_fields__
 
 flags.DEFINE_string("workdir", "runs/default", "Output folder; reused to resume.")
-flags.DEFINE_string("balance", "ultraep", "Expert load balancing: none or ultraep.")
+flags.DEFINE_string("balance", _D["balance"].default, "Expert load balancing: none or ultraep.")
 flags.DEFINE_integer("steps", _D["steps"].default, "Training steps (total, across resumes).")
 flags.DEFINE_string(
     "data",
@@ -52,8 +65,10 @@ flags.DEFINE_integer(
 flags.DEFINE_float("balance_eps", _D["balance_eps"].default, "Balance tolerance over the mean.")
 flags.DEFINE_string(
     "capacity_factor",
-    "none",
-    "Receive buffer per rank as a multiple of its routed pairs; none = dropless.",
+    _D["capacity_factor"].default,
+    "Receive buffer per rank as a multiple of the pairs it routes; pairs beyond it are dropped. "
+    "auto: 1.05 with --balance=ultraep (room for the balanced load), dropless with none; "
+    "none: dropless (worst-case buffers); or a number.",
 )
 flags.DEFINE_float("learning_rate", _D["learning_rate"].default, "AdamW learning rate.")
 flags.DEFINE_integer("seed", _D["seed"].default, "Initialisation seed.")
@@ -78,11 +93,8 @@ FLAGS = flags.FLAGS
 
 
 def _config() -> TrainConfig:
-    capacity = FLAGS.capacity_factor.strip().lower()
-    try:
-        capacity = None if capacity == "none" else float(capacity)
-    except ValueError:
-        raise ValueError(f"--capacity_factor must be a number or none, got {capacity!r}")
+    """The run's configuration from the flags (ValueError naming a bad flag)."""
+    capacity = parse_capacity_factor(FLAGS.capacity_factor)
     names = [f for f in _D if f != "capacity_factor"]
     return TrainConfig(capacity_factor=capacity, **{n: getattr(FLAGS, n) for n in names})
 
@@ -104,26 +116,41 @@ def _start_jax():
         jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
 
 
+def _fail(message) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv):
     # Orbax logs every checkpoint step at INFO; keep the run's own output readable.
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    try:  # bad flags end with one line, not a traceback
-        cfg = _config()
-        _start_jax()
-        import jax
+    try:
+        try:  # bad flags end with one line, not a traceback
+            cfg = _config()
+            _start_jax()
+            import jax
 
-        from experiments import data
+            from experiments import data
 
-        cfg.check_devices(jax.device_count())
-        data.corpus_files(cfg.data)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    from experiments import trainer
+            cfg.check_devices(jax.device_count())
+            data.corpus_files(cfg.data)
+        except ValueError as err:
+            _fail(err)
+        from experiments import trainer
 
-    trainer.run(cfg)
+        try:
+            result = trainer.run(cfg)
+        except trainer.RunError as err:
+            _fail(err)
+    except KeyboardInterrupt:  # before the run's own handler is in place
+        print("interrupted before training started", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
+    if result["stopped_by"] in ("SIGINT", "SIGTERM"):
+        sys.exit(128 + signal.Signals[result["stopped_by"]])
+    if result["stopped_by"]:
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Expert-load workloads for evaluating the planner (pure NumPy, host only).
 
 Every generator here returns ``loads``: an int32 matrix of shape ``[R, E]`` where ``loads[r, e]``
-is the number of (token, choice) pairs on source rank ``r`` that the router sent to expert ``e``
-(DESIGN.md section 2). ``R`` is the EP size, ``E`` the number of logical experts, and expert ``e``
-is a master on rank ``e // (E // R)``. Each top-k choice counts once, so a source rank that holds
+is the number of (token, choice) pairs on source rank ``r`` that the router sent to expert ``e``.
+``R`` is the EP size, ``E`` the number of logical experts, and expert ``e`` is a master on rank
+``e // (E // R)``. Each top-k choice counts once, so a source rank that holds
 ``tokens_per_rank`` tokens contributes ``tokens_per_rank * top_k`` pairs and every row of a
 generated matrix sums to exactly that.
 
@@ -14,7 +14,8 @@ Generated workloads:
   * :func:`drifting_stream` -- a non-stationary stream ``[steps, R, E]``: expert popularity
     drifts (a random walk on the logits) and occasionally jumps (a random re-ranking).
 
-Measured workloads (DESIGN.md section 9; read-only data under ``shared/traces``, see its README):
+Measured workloads (real routing counts of public models; the data is in the repository's
+``traces/`` folder, whose README names the sources; see :func:`default_traces_dir`):
   * :func:`deepseek_trace_expert_counts` -- DeepSeek-V3/R1 serving runs (SGLang), 256 experts.
   * :func:`harmoeny_trace_rows` -- Qwen1.5-MoE-A2.7B (60 experts) and Switch-Base-128 (HarMoEny).
   * :func:`loads_from_expert_counts` -- turns a per-expert count vector into ``loads[R, E]``.
@@ -30,27 +31,28 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
 __all__ = [
+    "DEEPSEEK_DENSE_LAYERS",
     "TRACE_NAMES",
     "TRACE_NUM_EXPERTS",
     "TRACE_TOP_K",
-    "DEEPSEEK_DENSE_LAYERS",
+    "deepseek_trace_expert_counts",
     "default_traces_dir",
+    "drifting_stream",
+    "expert_zipf_loads",
+    "harmoeny_trace_rows",
+    "initial_imbalance",
+    "loads_from_expert_counts",
+    "master_rank_loads",
     "rank_zipf_loads",
     "rank_zipf_loads_with_exponent",
-    "expert_zipf_loads",
-    "drifting_stream",
-    "deepseek_trace_expert_counts",
-    "harmoeny_trace_rows",
-    "loads_from_expert_counts",
     "trace_workloads",
-    "master_rank_loads",
-    "initial_imbalance",
+    "traces_dir_for",
 ]
 
 #: Trace names accepted by :func:`trace_workloads` (folder names under the traces directory).
@@ -265,7 +267,7 @@ def rank_zipf_loads(
          of the target for the reference size. If even ``s = 0`` (uniform ranks, sampling noise
          only) is above the target, the ``s = 0`` matrix is returned.
 
-    Reference setup (UltraEP paper, DESIGN.md section 1): ``ep_size=64, num_experts=256,
+    Reference setup (the UltraEP paper's): ``ep_size=64, num_experts=256,
     tokens_per_rank=8192, top_k=8``, targets 1.5 / 2.0 / 3.0.
 
     Memory: holds ``ep_size * tokens_per_rank * top_k`` float64 uniforms (32 MiB for the
@@ -418,16 +420,26 @@ def drifting_stream(
 # --------------------------------------------------------------------------------------------
 
 
+def traces_dir_for(checkout: Path) -> Path:
+    """The trace folder a repository ``checkout`` reads: ``<checkout>/../shared/traces`` when it
+    exists (a workspace's shared copy), else the copy kept in the repository,
+    ``<checkout>/traces``."""
+    checkout = Path(checkout)
+    shared = checkout.parent / "shared" / "traces"
+    return shared if shared.is_dir() else checkout / "traces"
+
+
 def default_traces_dir() -> Path:
-    """``<workspace>/shared/traces``: two levels above this package's repository checkout."""
-    return Path(__file__).resolve().parents[2] / "shared" / "traces"
+    """The trace folder of this checkout (see :func:`traces_dir_for`)."""
+    return traces_dir_for(Path(__file__).resolve().parents[1])
 
 
 def _resolve_traces_dir(traces_dir) -> Path:
     path = default_traces_dir() if traces_dir is None else Path(traces_dir)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"trace folder not found: {path} (pass traces_dir=... pointing at shared/traces)"
+            f"trace folder not found: {path} (pass traces_dir=... pointing at a folder that holds "
+            f"{', '.join(TRACE_NAMES)})"
         )
     return path
 
@@ -645,8 +657,8 @@ def trace_workloads(
       tokens_per_rank, top_k: each matrix holds ``R * tokens_per_rank * top_k`` pairs (the
         model's own top-k is in :data:`TRACE_TOP_K`; any value works).
       seed: integer seed.
-      traces_dir: folder holding the trace folders; default ``shared/traces`` of this workspace
-        (:func:`default_traces_dir`). FileNotFoundError if missing.
+      traces_dir: folder holding the trace folders; default :func:`default_traces_dir`.
+        FileNotFoundError if missing.
     """
     if name not in TRACE_NAMES:
         raise ValueError(f"unknown trace {name!r}; expected one of {', '.join(TRACE_NAMES)}")

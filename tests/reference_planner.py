@@ -16,7 +16,9 @@ Public API:
   holds the chosen threshold ``tau``, ``tau0``, ``delta``, the replicas in creation order and the
   probes that were evaluated (useful for debugging a mismatch with the C++ planner).
 - ``rank_loads_before(loads) -> [R]``: master-only rank loads ``L``.
-- ``check_plan_invariants(loads, plan, slots_per_rank)``: asserts the DESIGN.md invariants.
+- ``check_plan_invariants(loads, plan, slots_per_rank)``: asserts the plan invariants (every
+  expert's quotas sum to its load, no rank holds an expert twice, quotas >= 0, ``rank_load``
+  consistent with the quotas).
 """
 
 from __future__ import annotations
@@ -412,7 +414,7 @@ def reference_plan(
 
 
 def check_plan_invariants(loads, plan, slots_per_rank: int) -> None:
-    """Assert the DESIGN.md invariants of ``plan`` (any array-likes, e.g. jax arrays) for ``loads``."""
+    """Assert the plan invariants of ``plan`` (any array-likes, e.g. jax arrays) for ``loads``."""
     arr = np.asarray(loads).astype(np.int64)
     assert arr.ndim == 2, arr.shape
     R, E = arr.shape

@@ -1,9 +1,10 @@
 """The balanced MoE layer (`uep.MoE`) against a dense one-device reference written here.
 
 Everything runs on the 8 simulated CPU devices forced by conftest.py. The reference below is the
-independent oracle: it never calls the library, only the math of the layer. Routing
-decisions are checked to have a clear margin (the k-th and (k+1)-th logits differ by more than
-float32 noise), so that the layer and the reference pick the same experts.
+independent oracle: it never calls the library, only the math of the layer (top-k routing, SwiGLU
+experts, the plan's quotas). Routing decisions are checked to have a clear margin (the k-th and
+(k+1)-th logits differ by more than float32 noise), so that the layer and the reference pick the
+same experts.
 """
 
 from __future__ import annotations

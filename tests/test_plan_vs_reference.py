@@ -6,6 +6,7 @@ import itertools
 import jax
 import numpy as np
 import pytest
+from conftest import skip_without_traces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -155,7 +156,7 @@ def test_deepseek_r1_traces(ep_size):
     try:
         rows = list(workloads.trace_workloads("deepseek-r1", ep_size, 8192, 8, seed=0))
     except FileNotFoundError as err:
-        pytest.skip(f"traces not available: {err}")
+        skip_without_traces(f"traces not available: {err}")
     cfg = uep.BalancerConfig(
         num_experts=256,
         ep_size=ep_size,

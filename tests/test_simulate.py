@@ -3,13 +3,19 @@ tree, the balancer hook, and one small table end to end."""
 
 import dataclasses
 import importlib.machinery
+import os
+import pathlib
+import shutil
+import subprocess
 import sys
 import types
 
 import numpy as np
 import pytest
+from conftest import skip_without_traces
 
 from experiments import simulate as sim
+from experiments import workloads
 
 # A tiny model whose FLOPs are easy to count by hand:
 #   experts: 3 GEMMs x 2 x D x F = 6 * 64 * 32 = 12288 FLOPs per row forward.
@@ -286,3 +292,32 @@ def test_table_builds_for_one_small_model():
         )
         > 10
     )
+
+
+def test_traces_dir(tmp_path):
+    source = sorted((workloads.default_traces_dir() / "deepseek-r1").glob("*.json"))
+    if not source:
+        skip_without_traces("no deepseek-r1 trace")
+    (tmp_path / "deepseek-r1").mkdir()
+    shutil.copy(source[0], tmp_path / "deepseek-r1" / source[0].name)
+    runs = sim.trace_runs("deepseek-r1", str(tmp_path))
+    assert len(runs) == 1 and runs[0].shape == (58, 256)
+    assert len(sim.trace_runs("deepseek-r1")) == 12  # the default folder holds all of them
+    with pytest.raises(FileNotFoundError, match="trace folder not found"):
+        sim.trace_runs("deepseek-r1", str(tmp_path / "nope"))
+
+
+def test_missing_traces_dir_ends_with_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.simulate", f"--traces_dir={tmp_path}"],
+        check=False,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"--traces_dir={tmp_path}" in errors[0], proc.stderr

@@ -1,8 +1,11 @@
-"""Tests for experiments/workloads.py (pure NumPy; run with `python -m pytest` from the repo root)."""
+"""Tests for experiments/workloads.py (pure NumPy; run with `python -m pytest` from the repo
+root), and for where the real expert-load traces are read from."""
 
 import itertools
 import json
+import pathlib
 
+import conftest
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,7 +15,14 @@ from experiments import workloads
 
 R, E, T, K = 64, 256, 8192, 8  # UltraEP reference setup
 TRACES = workloads.default_traces_dir()
-needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"no trace folder at {TRACES}")
+CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def needs_traces():
+    """Skips without the trace folder (fails instead when ULTRAEP_REQUIRE_TRACES is set)."""
+    if not TRACES.is_dir():
+        conftest.skip_without_traces(f"no trace folder at {TRACES}")
 
 
 def _check_matrix(loads, ep_size, num_experts, pairs_per_rank):
@@ -156,7 +166,7 @@ def test_deepseek_loader_synthetic(tmp_path):
         workloads.deepseek_trace_expert_counts(tmp_path / "bad.json")
 
 
-@needs_traces
+@pytest.mark.usefixtures("needs_traces")
 def test_deepseek_loader_drops_exactly_the_dense_layers():
     files = sorted((TRACES / "deepseek-r1").glob("*.json"))
     assert len(files) == 12
@@ -170,7 +180,7 @@ def test_deepseek_loader_drops_exactly_the_dense_layers():
         np.testing.assert_array_equal(out, raw[3:])
 
 
-@needs_traces
+@pytest.mark.usefixtures("needs_traces")
 def test_harmoeny_rows():
     qwen = workloads.harmoeny_trace_rows(
         TRACES / "qwen1.5-moe/expert_freq_qwen_policy_datasets.csv"
@@ -184,7 +194,7 @@ def test_harmoeny_rows():
     assert all(c.shape == (128,) for _, c in skew)
 
 
-@needs_traces
+@pytest.mark.usefixtures("needs_traces")
 @pytest.mark.parametrize(
     "name,ep_size,top_k",
     [("deepseek-r1", 64, 8), ("qwen1.5-moe", 12, 4), ("switch-base-128", 8, 1)],
@@ -203,7 +213,7 @@ def test_trace_workloads(name, ep_size, top_k):
         np.testing.assert_array_equal(a, b)
 
 
-@needs_traces
+@pytest.mark.usefixtures("needs_traces")
 def test_trace_workloads_deepseek_count_and_labels():
     labels = [lab for lab, _ in workloads.trace_workloads("deepseek-r1", 8, 16, 8, 0)]
     assert len(labels) == 12 * 58
@@ -218,3 +228,38 @@ def test_trace_workloads_errors(tmp_path):
         workloads.trace_workloads("mixtral", 8, 100, 2, 0)
     with pytest.raises(FileNotFoundError):
         workloads.trace_workloads("deepseek-r1", 8, 100, 8, 0, traces_dir=tmp_path / "nope")
+
+
+# ----------------------------------------------------------------------------- trace folder
+
+
+def test_the_repository_keeps_the_traces():
+    vendored = CHECKOUT / "traces"
+    readme = (vendored / "README.md").read_text()  # the attribution travels with the data
+    assert "sacs-epfl/HarMoEny" in readme and "GeneratedRandomly/SGLang-reproduce" in readme
+    assert len(sorted((vendored / "deepseek-r1").glob("*.json"))) == 12
+    for name in workloads.TRACE_NAMES:
+        assert any((vendored / name).iterdir()), name
+    shared = CHECKOUT.parent / "shared" / "traces"
+    if shared.is_dir():  # the workspace's copy and the repository's hold the same data
+        files = sorted(p.relative_to(shared) for p in shared.rglob("*") if p.is_file())
+        assert files == sorted(p.relative_to(vendored) for p in vendored.rglob("*") if p.is_file())
+        for rel in files:
+            assert (shared / rel).read_bytes() == (vendored / rel).read_bytes(), rel
+
+
+def test_traces_dir_prefers_the_shared_folder(tmp_path):
+    checkout = tmp_path / "repo"
+    (checkout / "traces").mkdir(parents=True)
+    assert workloads.traces_dir_for(checkout) == checkout / "traces"
+    (tmp_path / "shared" / "traces").mkdir(parents=True)
+    assert workloads.traces_dir_for(checkout) == tmp_path / "shared" / "traces"
+    assert workloads.default_traces_dir().is_dir()
+
+
+@pytest.mark.parametrize("value, fails", [("", False), ("0", False), ("1", True)])
+def test_missing_traces_fail_when_required(monkeypatch, value, fails):
+    monkeypatch.setenv(conftest.REQUIRE_TRACES_ENV, value)
+    expected = pytest.fail.Exception if fails else pytest.skip.Exception
+    with pytest.raises(expected, match="no traces here"):
+        conftest.skip_without_traces("no traces here")
