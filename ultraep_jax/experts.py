@@ -4,22 +4,36 @@ from __future__ import annotations
 
 import jax
 
-from ultraep_jax.gmm import grouped_matmul
+from ultraep_jax import gmm
 
-KERNELS = ("auto", "ragged_dot", "pallas")
+KERNELS = ("auto", "ragged_dot", "pallas", "mgpu")
+
+
+def _cuda_auto(lhs, rhs, group_sizes):
+    """The CUDA choice of "auto": JAX's Hopper (Mosaic GPU) ragged-dot kernels on an H100/H200
+    when the operands suit them, else our Pallas (Triton) kernel."""
+    if (
+        gmm.is_hopper()
+        and lhs.dtype == rhs.dtype
+        and not gmm.mgpu_unsupported(lhs.shape, rhs.shape, lhs.dtype)
+    ):
+        return gmm.grouped_matmul_mgpu(lhs, rhs, group_sizes)
+    return gmm.grouped_matmul(lhs, rhs, group_sizes)
 
 
 def _grouped(lhs, rhs, group_sizes, kernel: str):
-    """``ragged_dot(lhs, rhs, group_sizes)`` by the chosen implementation; "auto" takes the
-    Pallas (Triton) kernel on CUDA and `jax.lax.ragged_dot` elsewhere, per platform at lowering."""
+    """``ragged_dot(lhs, rhs, group_sizes)`` by the chosen implementation; "auto" takes
+    `_cuda_auto` on CUDA and `jax.lax.ragged_dot` elsewhere, per platform at lowering."""
     if kernel == "ragged_dot":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
     if kernel == "pallas":
-        return grouped_matmul(lhs, rhs, group_sizes)
+        return gmm.grouped_matmul(lhs, rhs, group_sizes)
+    if kernel == "mgpu":
+        return gmm.grouped_matmul_mgpu(lhs, rhs, group_sizes)
     if kernel != "auto":
         raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
     return jax.lax.platform_dependent(
-        lhs, rhs, group_sizes, cuda=grouped_matmul, default=jax.lax.ragged_dot
+        lhs, rhs, group_sizes, cuda=_cuda_auto, default=jax.lax.ragged_dot
     )
 
 
