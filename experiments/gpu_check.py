@@ -80,7 +80,14 @@ _MGPU_CONFIGS = flags.DEFINE_list(
 _GMM_GROUPS = flags.DEFINE_list("gmm_groups", ["8", "32"], "G of the shape sweep.")
 _GMM_SIZES = flags.DEFINE_list("gmm_sizes", ["16384", "65536"], "M of the shape sweep.")
 _MOE_TOKENS = flags.DEFINE_integer("moe_tokens", 8192, "Tokens per MoE step (d).")
-_MOE_KERNELS = flags.DEFINE_list("moe_kernels", ["auto"], "Expert kernels of the MoE timing.")
+_MOE_KERNELS = flags.DEFINE_list(
+    "moe_kernels",
+    ["auto"],
+    "MoE rows: expert kernels, each optionally with /<comm_backend> (e.g. auto/portable).",
+)
+_PROFILE = flags.DEFINE_bool(
+    "profile", True, "Profile the first MoE row's steps (device time per kernel name)."
+)
 
 TARGETS = (1.5, 2.0, 3.0)
 
@@ -468,6 +475,7 @@ def _gmm_case(device, dry, M, K, N, G, skewed, impls, check_grads, seed=0) -> li
             "fwd_bwd_tflops": 3 * flops / tb / 1e12,
         }
     )
+    print(f"  gmm {label} dense: {rows[0]}", flush=True)
     for name, mm in impls.items():
         row = {"case": label, "impl": name}
         try:
@@ -511,7 +519,9 @@ def section_gmm(device, dry: bool) -> dict:
         ok = [r for r in out["sweep"] if r["impl"].startswith(prefix) and "fwd_bwd_tflops" in r]
         return max(ok, key=lambda r: r["fwd_bwd_tflops"])["impl"] if ok else None
 
-    chosen = [b for b in (best("pallas"), best("mgpu")) if b] + ["ragged_dot"]
+    # The shape sweep times the fastest setting of each of our kernels (ragged_dot, several
+    # times slower and slow to compile at large shapes, only in the settings sweep above).
+    chosen = [b for b in (best("pallas"), best("mgpu")) if b] or ["ragged_dot"]
     out["chosen"] = chosen
     impls = _impls(dry, configs, _MGPU_CONFIGS.value)
     impls = {k: impls[k] for k in chosen}
@@ -528,7 +538,8 @@ def section_gmm(device, dry: bool) -> dict:
 
 
 _INTERESTING = re.compile(
-    r"custom-call|all-to-all|ragged-all-to-all|all-gather|collective-permute|-start|-done"
+    r"^(custom-call|all-to-all|ragged-all-to-all|all-gather|all-reduce|collective-permute"
+    r"|[a-z\-]+-start|[a-z\-]+-done)$"
 )
 
 
@@ -542,16 +553,60 @@ def schedule_summary(hlo_text: str) -> list[str]:
             continue
         if in_entry and line.startswith("}"):
             break
-        if in_entry and _INTERESTING.search(line):
-            name = line.strip().split(" = ")[0]
-            target = re.search(r'custom_call_target="([^"]+)"', line)
-            op = re.search(r"\s([a-z\-]+)\(", line)
-            kname = re.search(r'"name":"([^"]+)"|name=\\?"(ultraep_\w+)', line)
-            lines.append(
-                f"{name}: {op.group(1) if op else '?'}"
-                + (f" {target.group(1)}" if target else "")
-                + (f" [{next(g for g in kname.groups() if g)}]" if kname else "")
-            )
+        if not in_entry or " = " not in line:
+            continue
+        op = re.search(r"\s([a-z][a-z\-]*)\(", line.split(" = ", 1)[1])
+        if not op or not _INTERESTING.search(op.group(1)):
+            continue
+        name = line.strip().split(" = ")[0]
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        kname = re.search(r'"name":"([^"]+)"|name=\\?"(ultraep_\w+)', line)
+        lines.append(
+            f"{name}: {op.group(1)}"
+            + (f" {target.group(1)}" if target else "")
+            + (f" [{next(g for g in kname.groups() if g)}]" if kname else "")
+        )
+    return lines
+
+
+def device_profile(fn, calls: int, top: int = 25) -> list[str]:
+    """Device time per kernel name over ``calls`` calls of ``fn`` (one warm-up first), from
+    JAX's profiler (its Perfetto trace): the ``top`` names by total time, as text lines."""
+    import glob
+    import gzip
+    import tempfile
+
+    _block(fn())
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            _block([fn() for _ in range(calls)])
+        paths = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not paths:
+            return ["no perfetto trace written"]
+        with gzip.open(paths[0], "rt") as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname = {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        proc = pname.get(e.get("pid"), "")
+        if "GPU" not in proc and "gpu" not in proc and "device" not in proc.lower():
+            continue
+        acc = totals.setdefault(e["name"][:90], [0.0, 0])
+        acc[0] += float(e["dur"])
+        acc[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in totals.values())
+    lines = [
+        f"device events total {total / 1e3 / calls:.2f} ms per call ({sorted(set(pname.values()))[:6]})"
+    ]
+    lines += [f"{v[0] / 1e3 / calls:9.3f} ms/call {v[1] // calls:5d}x  {k}" for k, v in rows[:top]]
     return lines
 
 
@@ -578,8 +633,10 @@ def section_moe(device, dry: bool) -> dict:
         "rows": [],
     }
     kernels = ["auto"] if dry else _MOE_KERNELS.value
-    for kernel in kernels:
-        row = {"expert_kernel": kernel}
+    for spec in kernels:
+        kernel, _, comm = spec.partition("/")
+        comm = comm or "auto"
+        row = {"expert_kernel": kernel, "comm_backend": comm}
         for name, balancer in (
             ("off", None),
             ("on", uep.BalancerConfig(E, 1, 2, min_tokens_per_replica=16)),
@@ -595,6 +652,7 @@ def section_moe(device, dry: bool) -> dict:
                     capacity_factor=None,
                     param_dtype=dt,
                     expert_kernel=kernel,
+                    comm_backend=comm,
                     rngs=nnx.Rngs(0),
                 )
                 graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
@@ -609,7 +667,11 @@ def section_moe(device, dry: bool) -> dict:
                 row[f"balancer_{name}_step_ms"] = 1e3 * _median_s(
                     lambda step=step, params=params: step(params, x), repeats
                 )
-                if name == "on" and kernel == kernels[0]:
+                if spec == kernels[0] and _PROFILE.value and not dry:
+                    out[f"profile_balancer_{name}"] = device_profile(
+                        lambda step=step, params=params: step(params, x), 3
+                    )
+                if name == "on" and spec == kernels[0]:
                     text = step.lower(params, x).compile().as_text()
                     out["balanced_schedule"] = schedule_summary(text)
                     if _OUT.value:
@@ -675,6 +737,10 @@ def _table(results: dict) -> str:
         lines.append(f"(d) MoE fwd+bwd, EP=1, {d['setup']}:")
         for row in d["rows"]:
             lines.append(f"      {row}")
+        for key in ("profile_balancer_off", "profile_balancer_on"):
+            if d.get(key):
+                lines.append(f"      {key} (first row's kernel):")
+                lines += [f"        {s}" for s in d[key]]
         if d.get("balanced_schedule"):
             lines.append("      balanced step, scheduled entry computation (kernels, collectives):")
             lines += [f"        {s}" for s in d["balanced_schedule"][:80]]

@@ -424,22 +424,33 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1)
 
 enum Mode : int { kModeAuto = 0, kModeSerial = 1 };
 
-// Largest opt-in dynamic shared memory per block on the current device, raised once per device
-// for the parallel kernel.
+// Dynamic shared memory the parallel kernel may use on the current device (the opt-in maximum
+// less the kernel's static shared memory), with the kernel's limit raised to it once per device;
+// 0 when that fails (the serial kernel then runs). Leaves no error behind for the launch check.
 int64_t parallel_smem_limit() {
   static std::atomic<int64_t> limits[64];
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  int64_t have = limits[dev].load();
-  if (have != 0) return have;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    cudaGetLastError();
+    return 0;
+  }
+  const int64_t have = limits[dev].load();
+  if (have != 0) return have > 0 ? have : 0;
   int optin = 0;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return -1;
-  if (cudaFuncSetAttribute(plan_kernel_parallel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           optin) != cudaSuccess)
-    return -1;
-  limits[dev].store(optin);
-  return optin;
+  cudaFuncAttributes attr;
+  int64_t limit = -1;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) ==
+          cudaSuccess &&
+      cudaFuncGetAttributes(&attr, plan_kernel_parallel) == cudaSuccess) {
+    const int dynamic = optin - static_cast<int>(attr.sharedSizeBytes);
+    if (dynamic > 0 && cudaFuncSetAttribute(plan_kernel_parallel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            dynamic) == cudaSuccess)
+      limit = dynamic;
+  }
+  cudaGetLastError();  // a failure above only means: no parallel kernel
+  limits[dev].store(limit);
+  return limit > 0 ? limit : 0;
 }
 
 bool serial_forced() {

@@ -283,7 +283,8 @@ ALLOWED_CALLS = {"ultraep_plan", "__gpu$xla.gpu.triton", "mosaic_gpu_v2", "ragge
 
 
 def _exported_training_step(balanced: bool):
-    mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    # CPU devices (conftest.py forces 8), also on a GPU machine: export needs no GPU.
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), devices=jax.devices("cpu")[:8])
     E, D, F = 8, 128, 128
     layer = _layer(mesh, E, D, F, jnp.bfloat16, "auto", balancer=balanced)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)

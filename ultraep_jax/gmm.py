@@ -460,5 +460,10 @@ def grouped_matmul_mgpu(
         raise ValueError(f"grouped_matmul_mgpu: unsupported operands: {why}")
     axes = tuple(sorted(varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes)))
     lhs, rhs, group_sizes = (vary(a, axes) for a in (lhs, rhs, group_sizes))
-    sizes = _clipped_sizes(group_sizes, lhs.shape[0])
-    return _gmm_mgpu(lhs, rhs, sizes, tiles)
+    M = lhs.shape[0]
+    sizes = _clipped_sizes(group_sizes, M)
+    # The kernels' TMA tiles need the row count to be a multiple of the row tiles: pad with zero
+    # rows past every group (they give zeros and get zero gradient), then crop.
+    Mp = _round_up(M, max(tiles.block_m, tiles.block_k, 8))
+    out = _gmm_mgpu(_pad_to(lhs, 0, Mp), rhs, sizes, tiles)
+    return out[:M] if Mp != M else out
