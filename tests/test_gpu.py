@@ -1,45 +1,100 @@
-"""GPU-only tests: the CUDA planner handler, the grouped-matmul kernel, the MoE layer on one GPU.
+"""The GPU path: the CUDA planner handler, the grouped-matmul kernels, the MoE layer on one GPU.
 
-They skip without a GPU. conftest.py defaults JAX_PLATFORMS to "cpu", so on a GPU machine run
+The tests marked ``needs_gpu`` skip without a GPU. conftest.py defaults JAX_PLATFORMS to "cpu",
+so on a GPU machine run
 
     JAX_PLATFORMS=cuda,cpu python -m pytest tests/test_gpu.py -q
+
+The others run everywhere (CI has no GPU): they export the balanced training step for CUDA with
+`jax.export` and check every custom call and collective it contains.
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
 from ultraep_jax import _native, gmm
 
-pytestmark = pytest.mark.skipif(
-    jax.devices()[0].platform != "gpu",
+ON_GPU = jax.devices()[0].platform == "gpu"
+needs_gpu = pytest.mark.skipif(
+    not ON_GPU,
     reason=(
         f"needs a GPU (default device platform is {jax.devices()[0].platform!r}; on a GPU machine "
         "set JAX_PLATFORMS=cuda,cpu, since conftest.py defaults it to cpu)"
     ),
 )
+needs_hopper = pytest.mark.skipif(not gmm.is_hopper(), reason="needs an H100/H200 (Mosaic GPU)")
 
 
-def _random_loads(rng, n, R, E):
+def _random_loads(rng, n, R, E, tokens=4096, exponent=(0.0, 2.0)):
     """int32 [n, R, E]: skewed loads (a random Zipf-like popularity per matrix), some zeros."""
     out = np.empty((n, R, E), np.int32)
     for i in range(n):
         p = rng.permutation(E) + 1.0
-        p = p ** -rng.uniform(0.0, 2.0)
+        p = p ** -rng.uniform(*exponent)
         p /= p.sum()
-        out[i] = rng.multinomial(int(rng.integers(0, 4096)), p, size=R)
+        out[i] = rng.multinomial(int(rng.integers(0, tokens)), p, size=R)
     return out
 
 
-def test_cuda_planner_equals_cpu_planner():
+# Configurations whose searches between them take every branch of PLANNER.md's threshold search
+# (fast path; coarse probes then refine probes; nothing found), large R * S, and no search.
+PLANNER_CASES = {
+    "EP8_E64_S2": (
+        {"num_experts": 64, "ep_size": 8, "slots_per_rank": 2, "min_tokens_per_replica": 16},
+        (200, 8, 64, 4096, (0.0, 2.0)),
+    ),
+    "EP16_E32_S1_F256_eps0": (
+        {
+            "num_experts": 32,
+            "ep_size": 16,
+            "slots_per_rank": 1,
+            "min_tokens_per_replica": 256,
+            "balance_eps": 0.0,
+        },
+        (100, 16, 32, 8192, (1.0, 3.0)),
+    ),
+    "EP8_E16_S1_K200": (
+        {
+            "num_experts": 16,
+            "ep_size": 8,
+            "slots_per_rank": 1,
+            "min_tokens_per_replica": 64,
+            "balance_eps": 0.05,
+            "master_keep_tokens": 200,
+        },
+        (100, 8, 16, 4096, (0.5, 3.0)),
+    ),
+    "EP256_E256_S4": (
+        {"num_experts": 256, "ep_size": 256, "slots_per_rank": 4, "min_tokens_per_replica": 16},
+        (5, 256, 256, 4096, (0.0, 2.0)),
+    ),
+    "EP4_E8_S0": (
+        {"num_experts": 8, "ep_size": 4, "slots_per_rank": 0},
+        (10, 4, 8, 4096, (0.0, 2.0)),
+    ),
+    "EP1_E8_S2": (
+        {"num_experts": 8, "ep_size": 1, "slots_per_rank": 2, "min_tokens_per_replica": 16},
+        (10, 1, 8, 4096, (0.0, 2.0)),
+    ),
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", list(PLANNER_CASES))
+def test_cuda_planner_equals_cpu_planner(case):
     if not _native.has_cuda_handler():
         pytest.skip("the CUDA planner handler was not built into this install (no nvcc?)")
-    cfg = uep.BalancerConfig(num_experts=64, ep_size=8, slots_per_rank=2, min_tokens_per_replica=16)
-    loads = _random_loads(np.random.default_rng(0), 200, cfg.ep_size, cfg.num_experts)
+    kwargs, (n, R, E, tokens, exponent) = PLANNER_CASES[case]
+    cfg = uep.BalancerConfig(**kwargs)
+    loads = _random_loads(np.random.default_rng(0), n, R, E, tokens, exponent)
     planner = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))
     on_cpu = planner(jax.device_put(loads, jax.devices("cpu")[0]))
     on_gpu = planner(jax.device_put(loads, jax.devices("gpu")[0]))
@@ -52,72 +107,222 @@ def test_cuda_planner_equals_cpu_planner():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("sizes", [[128] * 8, [900, 0, 3, 77, 0, 40, 4, 0]])
-def test_grouped_matmul_equals_ragged_dot_on_gpu(dtype, sizes):
-    rng = np.random.default_rng(1)
-    M, K, N, G = 1100, 256, 384, len(sizes)  # M not a multiple of the tile; rows past the total
+@needs_gpu
+@pytest.mark.parametrize("kernel_warps", [0, 2, 32], ids=["serial", "parallel2", "parallel32"])
+def test_each_cuda_planner_kernel_equals_cpu_planner(kernel_warps):
+    """Both CUDA kernels (the handler picks one), through the library's benchmark hook; outputs
+    are poisoned first, so an unwritten entry shows."""
+    if not _native.has_cuda_handler():
+        pytest.skip("the CUDA planner handler was not built into this install (no nvcc?)")
+    from experiments.gpu_check import cuda_bench
+
+    for kwargs, (n, R, E, tokens, exponent) in PLANNER_CASES.values():
+        cfg = uep.BalancerConfig(**kwargs)
+        loads = _random_loads(np.random.default_rng(1), min(n, 50), R, E, tokens, exponent)
+        want = jax.jit(jax.vmap(lambda l, cfg=cfg: uep.plan(l, cfg)))(
+            jax.device_put(loads, jax.devices("cpu")[0])
+        )
+        got, _, used = cuda_bench(cfg, loads, kernel_warps, 0)
+        assert (used == 0) == (kernel_warps == 0)
+        for a, b in zip(jax.tree.leaves(want), got):
+            np.testing.assert_array_equal(np.asarray(a), b, err_msg=str(kwargs))
+
+
+@needs_gpu
+def test_cuda_planner_negative_load_gives_minus_one():
+    if not _native.has_cuda_handler():
+        pytest.skip("the CUDA planner handler was not built into this install (no nvcc?)")
+    cfg = uep.BalancerConfig(num_experts=16, ep_size=4, slots_per_rank=2, min_tokens_per_replica=4)
+    loads = _random_loads(np.random.default_rng(2), 3, 4, 16)
+    loads[1, 2, 5] = -1
+    plans = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))(jax.device_put(loads, jax.devices()[0]))
+    for leaf in jax.tree.leaves(plans):
+        assert np.all(np.asarray(leaf)[1] == -1)
+    assert np.all(np.asarray(plans.rank_load)[[0, 2]] >= 0)
+
+
+def _gmm_inputs(dtype, sizes, M=1100, K=256, N=384, seed=1):
+    rng = np.random.default_rng(seed)
+    G = len(sizes)
     lhs = jnp.asarray(rng.normal(size=(M, K)), dtype)
     rhs = jnp.asarray(rng.normal(size=(G, K, N)) / np.sqrt(K), dtype)
-    gs = jnp.asarray(sizes, jnp.int32)
     cot = jnp.asarray(rng.normal(size=(M, N)), jnp.float32)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32), cot
+
+
+def _ref(lhs, rhs, gs):
+    return jax.lax.ragged_dot(
+        lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs, precision="highest"
+    )
+
+
+def _check_against_ragged_dot(mm, dtype, sizes, tol):
+    """Forward, rows past the total, and both gradients of ``mm`` against float32 ragged_dot
+    of the same inputs."""
+    lhs, rhs, gs, cot = _gmm_inputs(dtype, sizes)
 
     def loss(mm, lhs, rhs):
         return jnp.sum(mm(lhs, rhs, gs).astype(jnp.float32) * cot)
 
-    def ours(lhs, rhs, gs):
-        return gmm.grouped_matmul(lhs, rhs, gs)
-
-    def ref(lhs, rhs, gs):
-        return jax.lax.ragged_dot(
-            lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs, precision="highest"
-        )
-
-    out = jax.jit(ours)(lhs, rhs, gs)
+    out = jax.jit(mm)(lhs, rhs, gs)
     assert out.dtype == dtype
-    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     np.testing.assert_allclose(
-        np.asarray(out, np.float32), np.asarray(ref(lhs, rhs, gs)), rtol=tol, atol=tol
+        np.asarray(out, np.float32), np.asarray(_ref(lhs, rhs, gs)), rtol=tol, atol=tol
     )
-    assert not np.any(np.asarray(out[sum(sizes) :], np.float32))
-    got = jax.jit(jax.grad(lambda l, r: loss(ours, l, r), argnums=(0, 1)))(lhs, rhs)
-    want = jax.jit(jax.grad(lambda l, r: loss(ref, l, r), argnums=(0, 1)))(lhs, rhs)
+    total = min(int(np.sum(sizes)), lhs.shape[0])
+    assert not np.any(np.asarray(out[total:], np.float32))
+    got = jax.jit(jax.grad(lambda l, r: loss(mm, l, r), argnums=(0, 1)))(lhs, rhs)
+    want = jax.jit(jax.grad(lambda l, r: loss(_ref, l, r), argnums=(0, 1)))(lhs, rhs)
     for g, w in zip(got, want):
         w = np.asarray(w, np.float32)
         scale = float(np.max(np.abs(w))) or 1.0
         np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=tol, atol=tol * scale)
 
 
-def test_moe_layer_forward_backward_on_one_gpu_with_balancer():
-    mesh = Mesh(np.array(jax.devices("gpu")[:1]), ("expert",))
-    E = 8
-    balancer = uep.BalancerConfig(
-        num_experts=E, ep_size=1, slots_per_rank=2, min_tokens_per_replica=16
+SIZES = {
+    "balanced": [128] * 8,
+    "ragged_rows_past_total": [900, 0, 3, 77, 0, 40, 4, 0],
+    "sum_above_rows": [600, 0, 700, 1, 0, 0, 0, 0],
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("sizes", list(SIZES))
+def test_grouped_matmul_equals_ragged_dot_on_gpu(dtype, sizes):
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    _check_against_ragged_dot(gmm.grouped_matmul, dtype, SIZES[sizes], tol)
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("sizes", list(SIZES))
+def test_grouped_matmul_mgpu_equals_ragged_dot_on_gpu(sizes):
+    _check_against_ragged_dot(gmm.grouped_matmul_mgpu, jnp.bfloat16, SIZES[sizes], 2e-2)
+
+
+def test_mgpu_unsupported_names_the_reason():
+    assert gmm.mgpu_unsupported((64, 256), (2, 256, 384), jnp.bfloat16) is None
+    assert "float32" in gmm.mgpu_unsupported((64, 256), (2, 256, 384), jnp.float32)
+    assert "N=100" in gmm.mgpu_unsupported((64, 256), (2, 256, 100), jnp.bfloat16)
+    assert "K=96" in gmm.mgpu_unsupported((64, 96), (2, 96, 128), jnp.bfloat16)
+
+
+def _layer(mesh, E, D, F, dtype, kernel, balancer=True):
+    cfg = uep.BalancerConfig(
+        num_experts=E, ep_size=mesh.shape["expert"], slots_per_rank=2, min_tokens_per_replica=16
     )
-    layer = uep.MoE(
-        d_model=128,
-        d_ff=256,
+    return uep.MoE(
+        d_model=D,
+        d_ff=F,
         num_experts=E,
         top_k=2,
         mesh=mesh,
-        balancer=balancer,
+        balancer=cfg if balancer else None,
         capacity_factor=None,
+        param_dtype=dtype,
+        expert_kernel=kernel,
         rngs=nnx.Rngs(0),
     )
+
+
+def _layer_value_and_grads(layer, x):
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-    x = jax.device_put(
-        jax.random.normal(jax.random.key(0), (4, 128, 128), jnp.float32), jax.devices("gpu")[0]
-    )
 
     def loss(params, x):
         y, stats = nnx.merge(graphdef, params, rest)(x)
-        return jnp.mean(jnp.square(y)), stats
+        return jnp.mean(jnp.square(y.astype(jnp.float32))), (y, stats)
 
-    (value, stats), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        params, x
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+
+
+@needs_gpu
+def test_moe_layer_forward_backward_on_one_gpu_with_balancer():
+    mesh = Mesh(np.array(jax.devices("gpu")[:1]), ("expert",))
+    layer = _layer(mesh, 8, 128, 256, jnp.float32, "auto")
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(0), (4, 128, 128), jnp.float32), jax.devices("gpu")[0]
     )
+    (value, (_, stats)), grads = _layer_value_and_grads(layer, x)
     assert np.isfinite(float(value))
     assert int(stats.dropped) == 0
     assert int(jnp.sum(stats.expert_load)) == 4 * 128 * 2
     for leaf in jax.tree.leaves(grads):
         assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+@needs_gpu
+@pytest.mark.parametrize("kernel", ["auto", "pallas", "mgpu"])
+def test_moe_layer_bf16_kernels_equal_ragged_dot(kernel):
+    """The layer with each GPU expert kernel against the same layer with XLA's ragged_dot (the
+    routing is the same code, so only the experts' matmuls differ), values and gradients."""
+    if kernel == "mgpu" and not gmm.is_hopper():
+        pytest.skip("needs an H100/H200 (Mosaic GPU)")
+    mesh = Mesh(np.array(jax.devices("gpu")[:1]), ("expert",))
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(0), (4, 128, 256), jnp.bfloat16), jax.devices("gpu")[0]
+    )
+    (v, (y, _)), g = _layer_value_and_grads(_layer(mesh, 8, 256, 384, jnp.bfloat16, kernel), x)
+    (v_ref, (y_ref, _)), g_ref = _layer_value_and_grads(
+        _layer(mesh, 8, 256, 384, jnp.bfloat16, "ragged_dot"), x
+    )
+    np.testing.assert_allclose(float(v), float(v_ref), rtol=2e-2)
+    y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
+    assert np.linalg.norm(y - y_ref) <= 2e-2 * np.linalg.norm(y_ref)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 3e-2 * np.linalg.norm(b) + 1e-6
+
+
+# -- the balanced training step exported for CUDA (runs everywhere) ----------------------------
+
+CUSTOM_CALL = re.compile(r"stablehlo\.custom_call\s*@([\w$.]+)")
+# Kernels that may appear in the CUDA step: the planner, the experts' Pallas kernels (Triton, or
+# Mosaic GPU where "auto" picks JAX's Hopper kernels at trace time), and ragged_all_to_all.
+ALLOWED_CALLS = {"ultraep_plan", "__gpu$xla.gpu.triton", "mosaic_gpu_v2", "ragged_all_to_all"}
+
+
+def _exported_training_step(balanced: bool):
+    # CPU devices (conftest.py forces 8), also on a GPU machine: export needs no GPU.
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), devices=jax.devices("cpu")[:8])
+    E, D, F = 8, 128, 128
+    layer = _layer(mesh, E, D, F, jnp.bfloat16, "auto", balancer=balanced)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def step(params, x):
+        # A layer inside a model: the gradient flows to the parameters and to the input.
+        def loss(params, x):
+            y, _ = nnx.merge(graphdef, params, rest)(x)
+            return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+        value, (grads, dx) = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+        return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), dx
+
+    x = jax.ShapeDtypeStruct(
+        (8, 64, D), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "expert")))
+    )
+    exported = jax.export.export(
+        jax.jit(step),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(n) for n in ALLOWED_CALLS],
+    )(params, x)
+    assert exported.platforms == ("cuda",)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "plain"])
+def test_cuda_training_step_custom_calls_and_ragged_all_to_all_count(balanced):
+    text = _exported_training_step(balanced)
+    calls = CUSTOM_CALL.findall(text)
+    assert set(calls) <= ALLOWED_CALLS, set(calls) - ALLOWED_CALLS
+    assert "callback" not in text
+    # One planner call per step (forward only: its outputs are integers, no gradient).
+    assert calls.count("ultraep_plan") == (1 if balanced else 0)
+    # Experts: 3 grouped matmuls forward, 2 kernels each backward (d_lhs, d_rhs) = 9, for the
+    # masters and again for the replica slots.
+    kernels = calls.count("__gpu$xla.gpu.triton") + calls.count("mosaic_gpu_v2")
+    assert kernels == (18 if balanced else 9)
+    # ragged_all_to_all: tokens out and back, forward and their transposes backward (4); the
+    # replica weights forward and the gradients' way back to the masters (2).
+    assert calls.count("ragged_all_to_all") == (6 if balanced else 4)
+    assert "ragged_dot" not in text

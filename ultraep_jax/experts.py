@@ -5,32 +5,48 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax.gmm import grouped_matmul
+from ultraep_jax import gmm
 from ultraep_jax.tiled_experts import tiled_swiglu
 
-KERNELS = ("auto", "tiled", "ragged_dot", "pallas")
+KERNELS = ("auto", "tiled", "ragged_dot", "pallas", "mgpu")
+
+
+def _cuda_grouped(lhs, rhs, group_sizes):
+    """The CUDA grouped matmul of "auto": JAX's Hopper (Mosaic GPU) ragged-dot kernels on an
+    H100/H200 when the operands suit them, else our Pallas (Triton) kernel."""
+    if (
+        gmm.is_hopper()
+        and lhs.dtype == rhs.dtype
+        and not gmm.mgpu_unsupported(lhs.shape, rhs.shape, lhs.dtype)
+    ):
+        return gmm.grouped_matmul_mgpu(lhs, rhs, group_sizes)
+    return gmm.grouped_matmul(lhs, rhs, group_sizes)
 
 
 def _grouped(lhs, rhs, group_sizes, kernel: str):
     """``ragged_dot(lhs, rhs, group_sizes)`` by the chosen matmul implementation."""
     if kernel == "pallas":
-        return grouped_matmul(lhs, rhs, group_sizes)
+        return gmm.grouped_matmul(lhs, rhs, group_sizes)
+    if kernel == "mgpu":
+        return gmm.grouped_matmul_mgpu(lhs, rhs, group_sizes)
+    if kernel == "cuda":
+        return _cuda_grouped(lhs, rhs, group_sizes)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
 
 def _matmul_swiglu(rows, w_gate, w_up, w_down, group_sizes, first_row, kernel: str):
     """SwiGLU as three grouped matmuls over groups laid out from row 0; rows from ``first_row``
-    are rotated to the front and back (the grouped matmuls know no row offset)."""
-    C = rows.shape[0]
+    are rotated to the front and back (the grouped matmuls know no row offset). The rotation is a
+    dynamic roll (slices), whose transpose is another roll: a gather would transpose to a slow
+    scatter-add."""
     shifted = first_row is not None
     if shifted:
-        idx = jnp.arange(C, dtype=jnp.int32)
-        rows = rows[(idx + first_row) % C]
+        rows = jnp.roll(rows, -first_row, axis=0)
     gate = _grouped(rows, w_gate, group_sizes, kernel)
     up = _grouped(rows, w_up, group_sizes, kernel)
     out = _grouped(jax.nn.silu(gate) * up, w_down, group_sizes, kernel).astype(rows.dtype)
     if shifted:
-        out = out[(idx - first_row) % C]
+        out = jnp.roll(out, first_row, axis=0)
     return out
 
 
@@ -59,19 +75,20 @@ def swiglu_experts(
       group_sizes: int32 [G].
       kernel: one of `KERNELS`: "tiled" (`tiled_experts`: a loop over row tiles whose cost tracks
         the rows present), "ragged_dot" (`jax.lax.ragged_dot`; a masked dense product on CPU),
-        "pallas" (the Pallas/Triton kernel of `ultraep_jax.gmm`), or "auto": Pallas on CUDA,
-        tiled elsewhere, chosen per platform at lowering time.
+        "pallas" (the Pallas/Triton kernel of `ultraep_jax.gmm`), "mgpu" (JAX's Hopper Mosaic GPU
+        kernels), or "auto": on CUDA Mosaic GPU on Hopper where the shapes suit it, else Pallas;
+        tiled elsewhere; chosen per platform at lowering time.
       first_row: int32 [], where the groups start.
     """
     args = (rows, w_gate, w_up, w_down, group_sizes, first_row)
     if kernel == "tiled":
         return _tiled(*args)
-    if kernel in ("ragged_dot", "pallas"):
+    if kernel in ("ragged_dot", "pallas", "mgpu"):
         return _matmul_swiglu(*args, kernel)
     if kernel != "auto":
         raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
     return jax.lax.platform_dependent(
-        cuda=lambda: _matmul_swiglu(*args, "pallas"), default=lambda: _tiled(*args)
+        cuda=lambda: _matmul_swiglu(*args, "cuda"), default=lambda: _tiled(*args)
     )
 
 
@@ -105,14 +122,14 @@ def local_experts(
         return _tiled(rows, *weights, group_sizes, None)
 
     def two_calls(matmul_kernel):
-        out = swiglu_experts(rows, *masters, group_sizes[:em], matmul_kernel)
+        out = _matmul_swiglu(rows, *masters, group_sizes[:em], None, matmul_kernel)
         first = jnp.sum(group_sizes[:em])
-        return out + swiglu_experts(rows, *replicas, group_sizes[em:], matmul_kernel, first)
+        return out + _matmul_swiglu(rows, *replicas, group_sizes[em:], first, matmul_kernel)
 
     if kernel == "tiled":
         return one_loop()
-    if kernel in ("ragged_dot", "pallas"):
+    if kernel in ("ragged_dot", "pallas", "mgpu"):
         return two_calls(kernel)
     if kernel != "auto":
         raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
-    return jax.lax.platform_dependent(cuda=lambda: two_calls("pallas"), default=one_loop)
+    return jax.lax.platform_dependent(cuda=lambda: two_calls("cuda"), default=one_loop)

@@ -88,6 +88,10 @@ def _moe_shard(
     tokens = x.reshape(b * s, D)
     N = b * s * top_k
     R = jax.lax.axis_size(expert_axis)
+    if R == 1:
+        # One rank: nothing to balance, and nothing crosses the network (XLA's ragged
+        # all-to-all over one device is slow on GPU, the portable exchange is a copy).
+        balancer, backend = None, "portable"
     E, S = num_experts, (balancer.slots_per_rank if balancer is not None else 0)
     em, G = E // R, E // R + S
     me = jax.lax.axis_index(expert_axis)
