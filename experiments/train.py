@@ -14,9 +14,11 @@ Writes into ``--workdir`` (printed at the start and at the end): ``config.json``
 ``metrics.png`` and ``summary.json`` (final losses, imbalance before/after balancing, dropped
 pairs, replicas, step time, flags).
 
-Rerunning with the same ``--workdir`` continues from the last checkpoint; the flags that fix the
-model's shape must then be the same (the others, such as ``--steps``, may change). A workdir
-already at ``--steps`` is left alone: raise ``--steps`` to train further.
+Rerunning with the same ``--workdir`` continues from the last checkpoint. The flags that fix the
+shape or meaning of the model (``--d_model``, ``--num_layers``, ``--num_heads``, ``--d_ff``,
+``--num_experts``, ``--top_k``, ``--seq_len``) must then be the same as in ``config.json``; the
+others may change (``--steps`` and the intervals silently, the rest with a note). A workdir already
+at ``--steps`` is left alone: raise ``--steps`` to train further.
 
 Ctrl-C (SIGINT) or SIGTERM: the run finishes the current step, saves a checkpoint, the metrics,
 the plot and the summary, says where they are and exits with code 130 (SIGINT) or 143
@@ -37,7 +39,9 @@ from experiments.train_config import TrainConfig, parse_capacity_factor
 
 _D = TrainConfig.__dataclass_fields__
 
-flags.DEFINE_string("workdir", "runs/default", "Output folder; reused to resume.")
+flags.DEFINE_string(
+    "workdir", "runs/default", "Output folder (created if needed); rerun with it to continue."
+)
 flags.DEFINE_string("balance", _D["balance"].default, "Expert load balancing: none or ultraep.")
 flags.DEFINE_integer("steps", _D["steps"].default, "Training steps (total, across resumes).")
 flags.DEFINE_string(

@@ -361,9 +361,10 @@ def run(cfg: TrainConfig) -> dict:
     written (see `StopRequest`). A workdir already at ``cfg.steps`` is left as it is.
 
     Returns:
-      The summary (see `summarize_run`; on processes other than the first only ``step``,
-      ``steps``, ``finished`` and ``stopped_by``). ``stopped_by`` is the name of the signal that
-      stopped the run early, else None.
+      The summary written to ``summary.json`` (see `summarize_run`) plus ``step`` (the last step
+      trained), ``steps``, ``finished`` and ``stopped_by`` (the name of the signal that stopped
+      the run early, else None). Processes other than the first, and a run that found its
+      workdir already finished, return only those four.
 
     Raises:
       RunError: the data, the workdir or its checkpoints cannot be used (a one-line message).
