@@ -226,10 +226,12 @@ UEP_HD inline bool attempt(const PlanDims& d, const PlanOptions& o, Workspace& w
 }
 
 // try(tau) of PLANNER.md: the attempts in their order until one succeeds (its replicas stay in ws).
+// `any_floor`: the probe may give up the floor F (exact mode, the capacity window).
 UEP_HD inline bool try_threshold(const PlanDims& d, const PlanOptions& o, Workspace& ws,
-                                 int64_t tau, int64_t lmax, int64_t* num_replicas) {
+                                 int64_t tau, int64_t lmax, bool any_floor,
+                                 int64_t* num_replicas) {
   const int64_t F = o.min_tokens_per_replica;
-  const int floors = (o.eps == 0.0 && F > 1) ? 2 : 1;  // exact mode falls back to floor 1
+  const int floors = (any_floor && F > 1) ? 2 : 1;
   for (int i = 0; i < floors; ++i) {
     const int64_t f = i == 0 ? F : 1;
     if (attempt(d, o, ws, tau, lmax, f, false, num_replicas)) return true;
@@ -246,13 +248,15 @@ struct Search {
   Workspace& ws;
   int64_t lmax;
   int64_t* nrep;
+  bool any_floor;     // the probes may give up the floor (exact mode; set for the window)
   int64_t last = -1;  // the previous probe: a repeat has the same (failed) outcome
 
   UEP_HD bool probe(int64_t tau) {
-    // Only failures are ever probed again (a success ends the search), and a repeat fails again.
+    // Only failures are ever probed again (a success ends the search), and a repeat fails again
+    // (the window's probes come first and try a superset of the later probes' attempts).
     if (tau < lmax && tau == last) return false;
     last = tau;
-    return try_threshold(d, o, ws, tau, lmax, nrep);  // tau >= lmax: success, no replicas
+    return try_threshold(d, o, ws, tau, lmax, any_floor, nrep);  // tau >= lmax: no replicas
   }
 
   // The refine probes between a failed `a` and a successful `b`: the first success, else `b`
@@ -363,12 +367,15 @@ UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, 
   int64_t tau = lmax;
   int64_t nrep = 0;
   bool have = false;  // ws holds the winner's replicas
+  const bool exact = o.eps == 0.0;
+  const int64_t cap = o.capacity;
   if (total > 0 && d.S > 0 && d.R > 1) {
-    detail::Search search{d, o, ws, lmax, &nrep};
+    detail::Search search{d, o, ws, lmax, &nrep, exact};
     bool found = false;
-    const int64_t cap = o.capacity;
     if (cap > 0 && cap < lmax && cap >= mean_ceil) {  // thresholds within the capacity first
+      search.any_floor = true;  // a plan that fits the buffer is worth a replica below F
       const int64_t w = search.window(detail::min64(tau0, cap), cap, delta, &have);
+      search.any_floor = exact;
       if (w >= 0) {
         tau = w;
         found = true;
@@ -401,7 +408,9 @@ UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, 
       have = false;
     }
   }
-  if (!have) detail::try_threshold(d, o, ws, tau, lmax, &nrep);
+  // The winner's replicas again if a later failed probe overwrote them (the plain attempts come
+  // first, so a winner found outside the window gives the same replicas here).
+  if (!have) detail::try_threshold(d, o, ws, tau, lmax, exact || (cap > 0 && tau <= cap), &nrep);
 
   // Write the plan: replicas take their target's slots in creation order.
   for (int64_t i = 0; i < d.R * d.S; ++i) {
