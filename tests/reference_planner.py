@@ -4,8 +4,8 @@ This module is an independent, deliberately simple rendering of the normative sp
 (``ffi/PLANNER.md``): linear scans, no heaps, Python integers (which are exact and therefore
 agree with the spec's 64-bit integer arithmetic whenever that arithmetic does not overflow), and
 Python floats for the two IEEE-double formulas (``tau0`` and ``delta``), evaluated in exactly the
-order the spec gives and clamped to ``Lmax`` as the spec says. The tests compare it bit for bit with the C++ planner, so every tie break
-follows the spec literally.
+order the spec gives and clamped to ``Lmax`` as the spec says. The tests compare it bit for bit
+with the C++ planner, so every tie break follows the spec literally.
 
 Public API:
 
@@ -426,7 +426,8 @@ def reference_plan(
 
 
 def check_plan_invariants(loads, plan, slots_per_rank: int) -> None:
-    """Assert the DESIGN.md invariants of ``plan`` (any array-likes, e.g. jax arrays) for ``loads``."""
+    """Assert the DESIGN.md invariants of ``plan`` (any array-likes, e.g. jax arrays) for
+    ``loads``."""
     arr = np.asarray(loads).astype(np.int64)
     assert arr.ndim == 2, arr.shape
     R, E = arr.shape
