@@ -129,6 +129,26 @@ struct Workspace {
   }
 };
 
+// The best fit and the most slack among the candidates seen so far (ties -> smallest rank).
+struct Choice {
+  int64_t fit = -1, fit_s = 0, fit_t = 0;     // least slack >= need: position, slack, rank
+  int64_t most = -1, most_s = 0, most_t = 0;  // most slack
+
+  UEP_HD void see(int64_t k, int64_t t, int64_t s, int64_t need) {
+    if (s >= need && (fit < 0 || s < fit_s || (s == fit_s && t < fit_t))) {
+      fit = k;
+      fit_s = s;
+      fit_t = t;
+    }
+    if (most < 0 || s > most_s || (s == most_s && t < most_t)) {
+      most = k;
+      most_s = s;
+      most_t = t;
+    }
+  }
+  UEP_HD int64_t pick() const { return fit >= 0 ? fit : most; }
+};
+
 // The target for a replica that should carry `need` tokens of an expert that can give `a`: among
 // ranks with a free slot and slack (ws.active[0, n_active)), the one with the least slack that
 // still takes all of `need` (best fit keeps large slacks for large excesses), else the one with
@@ -137,29 +157,13 @@ struct Workspace {
 // in ws.active, -1 if there is no candidate.
 UEP_HD inline int64_t pick_target(const Workspace& ws, int64_t n_active, int64_t need, int64_t a,
                                   bool strict) {
-  // [0]: every candidate; [1]: the strict rule's candidates. One pass computes both.
-  int64_t fit[2] = {-1, -1}, most[2] = {-1, -1}, fit_s[2] = {0, 0}, most_s[2] = {0, 0};
-  int64_t fit_t[2] = {0, 0}, most_t[2] = {0, 0};
-  const int kinds = strict ? 2 : 1;
+  Choice all, kept;  // every candidate; the strict rule's candidates
   for (int64_t k = 0; k < n_active; ++k) {
     const int64_t t = ws.active[k], s = ws.slack[t];
-    const bool keep = !(ws.free_slots[t] == 1 && s > a);
-    for (int c = 0; c < kinds; ++c) {
-      if (c == 1 && !keep) continue;
-      if (s >= need && (fit[c] < 0 || s < fit_s[c] || (s == fit_s[c] && t < fit_t[c]))) {
-        fit[c] = k;
-        fit_s[c] = s;
-        fit_t[c] = t;
-      }
-      if (most[c] < 0 || s > most_s[c] || (s == most_s[c] && t < most_t[c])) {
-        most[c] = k;
-        most_s[c] = s;
-        most_t[c] = t;
-      }
-    }
+    all.see(k, t, s, need);
+    if (strict && !(ws.free_slots[t] == 1 && s > a)) kept.see(k, t, s, need);
   }
-  const int c = (strict && most[1] >= 0) ? 1 : 0;
-  return fit[c] >= 0 ? fit[c] : most[c];
+  return (strict && kept.most >= 0) ? kept.pick() : all.pick();
 }
 
 // attempt(tau, f, strict) of PLANNER.md: can every rank be brought to at most `tau` with replicas
