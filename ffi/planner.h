@@ -30,7 +30,7 @@ struct PlanOptions {
   int64_t min_tokens_per_replica;  // F: the least tokens a replica may carry (>= 1)
   int64_t master_keep_tokens;      // K: tokens a master always keeps (>= 0)
   double eps;                      // balance tolerance (>= 0, not NaN); 0 is exact mode
-  int64_t capacity;                // per-rank receive-buffer rows the plan should stay within; 0: none
+  int64_t capacity;                // per-rank receive-buffer rows to stay within; 0: unbounded
 };
 
 enum PlanStatus : int32_t {
