@@ -1,12 +1,17 @@
 """Planner benchmark: balance quality on generated and real loads, and time per plan.
 
-        python -m experiments.bench_planner                # everything, a minute or two on 2 cores
-        python -m experiments.bench_planner --seeds=3 --timing_batch=256
+        python -m experiments.bench_planner                # everything, a few minutes on 2 cores
+        python -m experiments.bench_planner --seeds=3 --timing_batch=256 --nobaselines
+        python -m experiments.bench_planner --train_loads=/tmp/run/loads.jsonl   # a training run
 
 Quality: final max/mean rank load and replicas on the UltraEP reference setup (EP64, 256 experts,
 2 spare slots per rank, top-8, 8192 tokens per rank, rank-level Zipf at initial 1.5 / 2.0 / 3.0)
-and on every layer of the real traces in shared/traces. Time: one `jax.jit` of `jax.vmap(plan)`
-over a batch of load matrices (so dispatch is amortised), median over repeats, per plan.
+and on every layer of the real traces (``--traces_dir``, default
+`experiments.workloads.default_traces_dir()`); exact mode (``balance_eps=0``) next to
+``--balance_eps`` on the UltraEP setup and DeepSeek-R1 EP32/EP64; optionally the per-layer loads a
+training run recorded with ``--profile_loads`` (``--train_loads``). Time: one `jax.jit` of
+`jax.vmap(plan)` over a batch of load matrices (so dispatch is amortised), median over repeats,
+per plan.
 
 Baselines (experiments/baselines.py): none, eplb_exact, eplb_periodic, eplb_plus and ultraep on the
 same load matrices: every trace, rank-level Zipf 1.5 / 2 / 3, expert-level Zipf and a drifting
@@ -16,6 +21,7 @@ time per matrix; per trace, ultraep against eplb_exact and the bar of issue 5.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -24,7 +30,7 @@ import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
-from experiments import baselines, workloads
+from experiments import baselines, plot, workloads
 
 _SEEDS = flags.DEFINE_integer("seeds", 10, "Seeds per generated setup.")
 _SLOTS = flags.DEFINE_integer("slots_per_rank", 2, "Spare slots per rank.")
@@ -43,6 +49,21 @@ _TRACES = flags.DEFINE_list(
         "switch-base-128:64",
     ],
     "trace:ep_size pairs to evaluate (empty for none).",
+)
+_TRACES_DIR = flags.DEFINE_string(
+    "traces_dir", None, "Folder of the trace folders (default: workloads.default_traces_dir())."
+)
+_EXACT = flags.DEFINE_bool(
+    "exact", True, "Also report exact mode (balance_eps=0) on the UltraEP setup and DeepSeek-R1."
+)
+_TRAIN_LOADS = flags.DEFINE_string(
+    "train_loads",
+    None,
+    "A training run's <workdir>/loads.jsonl (from --profile_loads): replay every layer-step.",
+)
+_TRAIN_EP = flags.DEFINE_integer("train_ep_size", 8, "EP ranks of the --train_loads run.")
+_TRAIN_MIN_TOKENS = flags.DEFINE_integer(
+    "train_min_tokens_per_replica", 8, "min_tokens_per_replica of the --train_loads run."
 )
 _JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
 _BASELINES = flags.DEFINE_bool("baselines", True, "Print the baseline comparison table.")
@@ -69,14 +90,19 @@ _TRACE_STRIDE = flags.DEFINE_integer(
 _ULTRAEP_REPLICAS = {1.5: 38, 2.0: 46, 3.0: 51}
 
 
-def _config(num_experts: int, ep_size: int) -> uep.BalancerConfig:
+def _config(num_experts: int, ep_size: int, eps: float | None = None) -> uep.BalancerConfig:
+    """The flags' balancer for [ep_size, num_experts] loads; ``eps`` overrides --balance_eps."""
     return uep.BalancerConfig(
         num_experts=num_experts,
         ep_size=ep_size,
         slots_per_rank=_SLOTS.value,
         min_tokens_per_replica=_MIN_TOKENS.value,
-        balance_eps=_EPS.value,
+        balance_eps=_EPS.value if eps is None else eps,
     )
+
+
+def _traces_dir():
+    return workloads.default_traces_dir() if _TRACES_DIR.value is None else _TRACES_DIR.value
 
 
 def _batched_planner(cfg: uep.BalancerConfig):
@@ -145,7 +171,9 @@ def _trace_rows(name: str, ep: int) -> list:
     key = (name, ep, _TOKENS.value)
     if key not in _TRACE_CACHE:
         _TRACE_CACHE[key] = list(
-            workloads.trace_workloads(name, ep, _TOKENS.value, _trace_top_k(name), seed=0)
+            workloads.trace_workloads(
+                name, ep, _TOKENS.value, _trace_top_k(name), seed=0, traces_dir=_traces_dir()
+            )
         )
     return _TRACE_CACHE[key]
 
@@ -388,6 +416,99 @@ def _baseline_table(results: dict) -> None:
     results["baseline_bar"] = {w: met for w, met, _ in bars}
 
 
+# --------------------------------------------------------------------------------------------
+# Exact mode and training-run loads
+# --------------------------------------------------------------------------------------------
+
+
+def _quality_row(workload: str, eps: float, q: dict) -> str:
+    return (
+        f"{workload:<24} {eps:>6g} {q['n']:5d} {q['initial_mean']:8.3f} {q['final_mean']:9.5f} "
+        f"{q['final_p95']:9.5f} {q['final_worst']:9.5f} {q['replicas_mean']:8.1f} "
+        f"{q['replicas_max']:5d}"
+    )
+
+
+_QUALITY_HEADER = (
+    f"{'workload':<24} {'eps':>6} {'n':>5} {'initial':>8} {'final':>9} {'p95':>9} {'worst':>9} "
+    f"{'replicas':>8} {'max':>5}"
+)
+
+
+def _exact_table(results: dict) -> None:
+    """Final max/mean and replicas with balance_eps=0 next to --balance_eps on the same loads."""
+    print(
+        f"\nExact mode (balance_eps=0) vs balance_eps={_EPS.value} on the same loads "
+        f"({_SLOTS.value} slots/rank, min_tokens_per_replica={_MIN_TOKENS.value}; final = max/mean "
+        f"rank load after balancing: mean, p95, worst over n matrices; replicas: mean, max):"
+    )
+    print(_QUALITY_HEADER)
+    table = results.setdefault("exact_mode", {})
+    seeds = range(_SEEDS.value)
+    cases = [
+        (
+            f"rank-zipf {initial:g} EP64 E256",
+            functools.partial(_zipf_batch, initial, 64, 256, seeds),
+        )
+        for initial in _ULTRAEP_REPLICAS
+    ]
+    cases += [
+        (f"deepseek-r1 EP{ep}", functools.partial(_trace_batch, "deepseek-r1", ep))
+        for ep in (32, 64)
+    ]
+    for workload, batch_fn in cases:
+        try:
+            batch = batch_fn()
+        except FileNotFoundError as err:
+            print(f"{workload} skipped: {err}")
+            continue
+        R, E = batch.shape[1:]
+        for eps in (_EPS.value, 0.0):
+            q = _quality(batch, _config(E, R, eps))
+            table[f"{workload} eps={eps:g}"] = q
+            print(_quality_row(workload, eps, q))
+
+
+def _trace_batch(name: str, ep: int) -> np.ndarray:
+    """int32 [N, R, E]: every layer of a trace (see _trace_rows)."""
+    return np.stack([loads for _, loads in _trace_rows(name, ep)])
+
+
+def _read_train_loads(path: str, ep_size: int) -> np.ndarray:
+    """int32 [N, R, E]: every (step, layer) of a --profile_loads ``loads.jsonl`` (or a saved
+    [N, R, E] ``.npy``). The records hold expert totals only; the planner depends on nothing else,
+    so each total is spread evenly over the R source rows."""
+    if path.endswith(".npy"):
+        return np.load(path).astype(np.int32)
+    records = plot.read_step_records(path, required=("step", "layers"))
+    totals = np.asarray(
+        [layer["expert_load"] for r in records for layer in r["layers"]], dtype=np.int64
+    )
+    loads = np.repeat((totals // ep_size)[:, None, :], ep_size, axis=1)
+    loads[:, 0, :] += totals % ep_size
+    return loads.astype(np.int32)
+
+
+def _train_table(results: dict) -> None:
+    loads = _read_train_loads(_TRAIN_LOADS.value, _TRAIN_EP.value)
+    R, E = loads.shape[1:]
+    print(
+        f"\nTraining-run loads ({_TRAIN_LOADS.value}): {len(loads)} layer-steps, EP{R}, E{E}, "
+        f"{_SLOTS.value} slots/rank, min_tokens_per_replica={_TRAIN_MIN_TOKENS.value}"
+    )
+    print(f"{_QUALITY_HEADER} {'>1.05':>6} {'>1.01':>6}")
+    table = results.setdefault("train_loads", {})
+    for eps in (_EPS.value, 0.0):
+        cfg = uep.BalancerConfig(E, R, _SLOTS.value, _TRAIN_MIN_TOKENS.value, eps)
+        plans = _plan_batch(loads, cfg)
+        after = np.asarray(uep.imbalance(plans.rank_load))
+        q = _quality(loads, cfg)
+        q["over_1.05"] = int((after > 1.05).sum())
+        q["over_1.01"] = int((after > 1.01).sum())
+        table[f"eps={eps:g}"] = q
+        print(f"{_quality_row('training run', eps, q)} {q['over_1.05']:6d} {q['over_1.01']:6d}")
+
+
 def main(argv):
     del argv
     results = {
@@ -442,6 +563,12 @@ def main(argv):
                 f"{q['final_p95']:10.4f} {q['final_worst']:12.4f} {q['replicas_mean']:9.1f}"
             )
 
+    if _EXACT.value:
+        _exact_table(results)
+
+    if _TRAIN_LOADS.value:
+        _train_table(results)
+
     if _BASELINES.value:
         _baseline_table(results)
 
@@ -460,7 +587,12 @@ def main(argv):
         batch = np.resize(distinct, (_TIMING_BATCH.value,) + distinct.shape[1:])
         us = _time_per_plan_us(batch, _config(experts, ep))
         results["timing_us_per_plan"][f"EP{ep}/E{experts}"] = us
-        print(f"  EP{ep:<4} E{experts:<4} S{_SLOTS.value}: {us:7.1f} us per plan")
+        line = f"  EP{ep:<4} E{experts:<4} S{_SLOTS.value}: {us:7.1f} us per plan"
+        if _EXACT.value:
+            exact_us = _time_per_plan_us(batch, _config(experts, ep, 0.0))
+            results["timing_us_per_plan"][f"EP{ep}/E{experts} exact"] = exact_us
+            line += f" (exact mode: {exact_us:7.1f} us)"
+        print(line)
 
     if _JSON.value:
         with open(_JSON.value, "w") as f:

@@ -505,8 +505,8 @@ ffi::Error PlanCuda(cudaStream_t stream, ffi::AnyBuffer loads, int64_t slots_per
   ffi::Error shapes = ultraep::plan_batch(loads, slots_per_rank, *slot_expert, *slot_quota,
                                           *master_quota, *rank_load, *workspace, &b);
   if (shapes.failure()) return shapes;
-  ffi::Error opt = ultraep::check_options(min_tokens_per_replica, master_keep_tokens, balance_eps,
-                                           capacity);
+  ffi::Error opt =
+      ultraep::check_options(min_tokens_per_replica, master_keep_tokens, balance_eps, capacity);
   if (opt.failure()) return opt;
   if (b.count == 0) return ffi::Error::Success();
   const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity};

@@ -30,7 +30,7 @@ struct PlanOptions {
   int64_t min_tokens_per_replica;  // F: the least tokens a replica may carry (>= 1)
   int64_t master_keep_tokens;      // K: tokens a master always keeps (>= 0)
   double eps;                      // balance tolerance (>= 0, not NaN); 0 is exact mode
-  int64_t capacity;                // per-rank receive-buffer rows the plan should stay within; 0: none
+  int64_t capacity;                // per-rank receive-buffer rows to stay within; 0: unbounded
 };
 
 enum PlanStatus : int32_t {
@@ -129,6 +129,26 @@ struct Workspace {
   }
 };
 
+// The best fit and the most slack among the candidates seen so far (ties -> smallest rank).
+struct Choice {
+  int64_t fit = -1, fit_s = 0, fit_t = 0;     // least slack >= need: position, slack, rank
+  int64_t most = -1, most_s = 0, most_t = 0;  // most slack
+
+  UEP_HD void see(int64_t k, int64_t t, int64_t s, int64_t need) {
+    if (s >= need && (fit < 0 || s < fit_s || (s == fit_s && t < fit_t))) {
+      fit = k;
+      fit_s = s;
+      fit_t = t;
+    }
+    if (most < 0 || s > most_s || (s == most_s && t < most_t)) {
+      most = k;
+      most_s = s;
+      most_t = t;
+    }
+  }
+  UEP_HD int64_t pick() const { return fit >= 0 ? fit : most; }
+};
+
 // The target for a replica that should carry `need` tokens of an expert that can give `a`: among
 // ranks with a free slot and slack (ws.active[0, n_active)), the one with the least slack that
 // still takes all of `need` (best fit keeps large slacks for large excesses), else the one with
@@ -137,29 +157,13 @@ struct Workspace {
 // in ws.active, -1 if there is no candidate.
 UEP_HD inline int64_t pick_target(const Workspace& ws, int64_t n_active, int64_t need, int64_t a,
                                   bool strict) {
-  // [0]: every candidate; [1]: the strict rule's candidates. One pass computes both.
-  int64_t fit[2] = {-1, -1}, most[2] = {-1, -1}, fit_s[2] = {0, 0}, most_s[2] = {0, 0};
-  int64_t fit_t[2] = {0, 0}, most_t[2] = {0, 0};
-  const int kinds = strict ? 2 : 1;
+  Choice all, kept;  // every candidate; the strict rule's candidates
   for (int64_t k = 0; k < n_active; ++k) {
     const int64_t t = ws.active[k], s = ws.slack[t];
-    const bool keep = !(ws.free_slots[t] == 1 && s > a);
-    for (int c = 0; c < kinds; ++c) {
-      if (c == 1 && !keep) continue;
-      if (s >= need && (fit[c] < 0 || s < fit_s[c] || (s == fit_s[c] && t < fit_t[c]))) {
-        fit[c] = k;
-        fit_s[c] = s;
-        fit_t[c] = t;
-      }
-      if (most[c] < 0 || s > most_s[c] || (s == most_s[c] && t < most_t[c])) {
-        most[c] = k;
-        most_s[c] = s;
-        most_t[c] = t;
-      }
-    }
+    all.see(k, t, s, need);
+    if (strict && !(ws.free_slots[t] == 1 && s > a)) kept.see(k, t, s, need);
   }
-  const int c = (strict && most[1] >= 0) ? 1 : 0;
-  return fit[c] >= 0 ? fit[c] : most[c];
+  return (strict && kept.most >= 0) ? kept.pick() : all.pick();
 }
 
 // attempt(tau, f, strict) of PLANNER.md: can every rank be brought to at most `tau` with replicas
@@ -226,10 +230,12 @@ UEP_HD inline bool attempt(const PlanDims& d, const PlanOptions& o, Workspace& w
 }
 
 // try(tau) of PLANNER.md: the attempts in their order until one succeeds (its replicas stay in ws).
+// `any_floor`: the probe may give up the floor F (exact mode, the capacity window).
 UEP_HD inline bool try_threshold(const PlanDims& d, const PlanOptions& o, Workspace& ws,
-                                 int64_t tau, int64_t lmax, int64_t* num_replicas) {
+                                 int64_t tau, int64_t lmax, bool any_floor,
+                                 int64_t* num_replicas) {
   const int64_t F = o.min_tokens_per_replica;
-  const int floors = (o.eps == 0.0 && F > 1) ? 2 : 1;  // exact mode falls back to floor 1
+  const int floors = (any_floor && F > 1) ? 2 : 1;
   for (int i = 0; i < floors; ++i) {
     const int64_t f = i == 0 ? F : 1;
     if (attempt(d, o, ws, tau, lmax, f, false, num_replicas)) return true;
@@ -246,13 +252,15 @@ struct Search {
   Workspace& ws;
   int64_t lmax;
   int64_t* nrep;
+  bool any_floor;     // the probes may give up the floor (exact mode; set for the window)
   int64_t last = -1;  // the previous probe: a repeat has the same (failed) outcome
 
   UEP_HD bool probe(int64_t tau) {
-    // Only failures are ever probed again (a success ends the search), and a repeat fails again.
+    // Only failures are ever probed again (a success ends the search), and a repeat fails again
+    // (the window's probes come first and try a superset of the later probes' attempts).
     if (tau < lmax && tau == last) return false;
     last = tau;
-    return try_threshold(d, o, ws, tau, lmax, nrep);  // tau >= lmax: success, no replicas
+    return try_threshold(d, o, ws, tau, lmax, any_floor, nrep);  // tau >= lmax: no replicas
   }
 
   // The refine probes between a failed `a` and a successful `b`: the first success, else `b`
@@ -363,12 +371,15 @@ UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, 
   int64_t tau = lmax;
   int64_t nrep = 0;
   bool have = false;  // ws holds the winner's replicas
+  const bool exact = o.eps == 0.0;
+  const int64_t cap = o.capacity;
   if (total > 0 && d.S > 0 && d.R > 1) {
-    detail::Search search{d, o, ws, lmax, &nrep};
+    detail::Search search{d, o, ws, lmax, &nrep, exact};
     bool found = false;
-    const int64_t cap = o.capacity;
     if (cap > 0 && cap < lmax && cap >= mean_ceil) {  // thresholds within the capacity first
+      search.any_floor = true;  // a plan that fits the buffer is worth a replica below F
       const int64_t w = search.window(detail::min64(tau0, cap), cap, delta, &have);
+      search.any_floor = exact;
       if (w >= 0) {
         tau = w;
         found = true;
@@ -401,7 +412,9 @@ UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, 
       have = false;
     }
   }
-  if (!have) detail::try_threshold(d, o, ws, tau, lmax, &nrep);
+  // The winner's replicas again if a later failed probe overwrote them (the plain attempts come
+  // first, so a winner found outside the window gives the same replicas here).
+  if (!have) detail::try_threshold(d, o, ws, tau, lmax, exact || (cap > 0 && tau <= cap), &nrep);
 
   // Write the plan: replicas take their target's slots in creation order.
   for (int64_t i = 0; i < d.R * d.S; ++i) {

@@ -4,8 +4,8 @@ This module is an independent, deliberately simple rendering of the normative sp
 (``ffi/PLANNER.md``): linear scans, no heaps, Python integers (which are exact and therefore
 agree with the spec's 64-bit integer arithmetic whenever that arithmetic does not overflow), and
 Python floats for the two IEEE-double formulas (``tau0`` and ``delta``), evaluated in exactly the
-order the spec gives and clamped to ``Lmax`` as the spec says. The tests compare it bit for bit with the C++ planner, so every tie break
-follows the spec literally.
+order the spec gives and clamped to ``Lmax`` as the spec says. The tests compare it bit for bit
+with the C++ planner, so every tie break follows the spec literally.
 
 Public API:
 
@@ -183,8 +183,9 @@ def attempt(tau: int, load_e: list[int], L: list[int], S: int, f: int, K: int, s
 
 
 def oracle(tau: int, load_e: list[int], L: list[int], S: int, F: int, K: int, exact: bool = False):
-    """``try(tau)`` of PLANNER.md: the attempts (F, loose), (F, strict), and in exact mode with
-    F > 1 also (1, loose), (1, strict), until one succeeds.
+    """``try(tau)`` of PLANNER.md: the attempts (F, loose), (F, strict), and, if the probe may give
+    up the floor (``exact``: exact mode or a capacity-window probe) and F > 1, also (1, loose),
+    (1, strict), until one succeeds.
 
     Returns ``(success, replicas)`` of the first successful attempt (``(False, [])`` if none).
     """
@@ -243,22 +244,30 @@ def search_tau(
     try_fn: Callable[[int], bool],
     probes: list[int] | None = None,
     capacity: int = 0,
+    try_window: Callable[[int], bool] | None = None,
 ):
     """The fixed probe sequence of PLANNER.md.
 
     ``try_fn(tau)`` reports whether the oracle succeeds at ``tau``; it is only called for
     ``tau < Lmax`` (probes with ``tau >= Lmax`` succeed with no replicas without calling it).
     Every evaluated probe is appended to ``probes`` when given. ``capacity`` 0 means unbounded.
+    The capacity window's probes call ``try_window`` (default ``try_fn``): there the oracle may
+    give up the floor.
     Returns ``(tau, tau0, delta)``; ``delta`` is None when the search short-circuits.
     ``tau == Lmax`` (or any ``tau >= Lmax``) means "no replicas".
     """
 
-    def probe(tau: int) -> bool:
-        if probes is not None:
-            probes.append(tau)
-        if tau >= Lmax:
-            return True
-        return bool(try_fn(tau))
+    def prober(fn):
+        def probe(tau: int) -> bool:
+            if probes is not None:
+                probes.append(tau)
+            if tau >= Lmax:
+                return True
+            return bool(fn(tau))
+
+        return probe
+
+    probe = prober(try_fn)
 
     tau0 = compute_tau0(T, R, eps, Lmax) if R >= 1 else 0
     if T == 0 or S == 0 or R == 1:
@@ -267,7 +276,7 @@ def search_tau(
     C = int(capacity)
     if 0 < C < Lmax and C >= mean_ceil:
         delta = compute_delta(T, R, eps, Lmax)
-        tau = _window(min(tau0, C), C, delta, probe)
+        tau = _window(min(tau0, C), C, delta, prober(try_window or try_fn))
         if tau is not None:
             return tau, tau0, delta
     if tau0 >= Lmax:
@@ -345,9 +354,14 @@ def reference_plan_info(
     def try_fn(tau: int) -> bool:
         return oracle(tau, load_e, L, S, F, K, exact)[0]
 
+    def try_window(tau: int) -> bool:  # the capacity window's probes may give up the floor
+        return oracle(tau, load_e, L, S, F, K, True)[0]
+
     probes: list[int] = []
-    tau, tau0, delta = search_tau(T, Lmax, R, S, eps, try_fn, probes, capacity=C)
-    ok, replicas = oracle(tau, load_e, L, S, F, K, exact)
+    tau, tau0, delta = search_tau(T, Lmax, R, S, eps, try_fn, probes, C, try_window)
+    # The winner's replicas: the window's attempts if the window found it (tau <= C), else the
+    # plain ones (a window probe that failed also fails with the plain, fewer, attempts).
+    ok, replicas = oracle(tau, load_e, L, S, F, K, exact or 0 < tau <= C)
     assert ok, "the winning threshold must succeed"
 
     # Output: replicas placed in creation order; the n-th replica created on t takes slot n of t.

@@ -1,5 +1,7 @@
 """The public planner API: validation, the FFI call under every JAX transformation, lowering."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from tests.reference_planner import check_plan_invariants, rank_loads_before
+from tests.reference_planner import check_plan_invariants, rank_loads_before, reference_plan
 
 
 def _skewed_loads(rng, R, E, hot=3):
@@ -30,31 +32,126 @@ CFG = uep.BalancerConfig(num_experts=16, ep_size=8, slots_per_rank=2, min_tokens
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(num_experts=10, ep_size=4), ValueError, "not divisible"),
-        (dict(num_experts=8, ep_size=0), ValueError, "ep_size must be >= 1"),
-        (dict(num_experts=8, ep_size=4, slots_per_rank=-1), ValueError, "slots_per_rank"),
+        ({"num_experts": 10, "ep_size": 4}, ValueError, "not divisible"),
+        ({"num_experts": 8, "ep_size": 0}, ValueError, "ep_size must be >= 1"),
+        ({"num_experts": 8, "ep_size": 4, "slots_per_rank": -1}, ValueError, "slots_per_rank"),
         (
-            dict(num_experts=8, ep_size=4, min_tokens_per_replica=0),
+            {"num_experts": 8, "ep_size": 4, "min_tokens_per_replica": 0},
             ValueError,
             "min_tokens_per_replica",
         ),
-        (dict(num_experts=8, ep_size=4, balance_eps=-0.1), ValueError, "balance_eps"),
-        (dict(num_experts=8, ep_size=4, balance_eps=float("nan")), ValueError, "balance_eps"),
-        (dict(num_experts=8.0, ep_size=4), TypeError, "num_experts must be an int"),
-        (dict(num_experts=8, ep_size=4, slots_per_rank=True), TypeError, "slots_per_rank"),
+        ({"num_experts": 8, "ep_size": 4, "balance_eps": -0.1}, ValueError, "balance_eps"),
+        ({"num_experts": 8, "ep_size": 4, "balance_eps": float("nan")}, ValueError, "balance_eps"),
+        ({"num_experts": 8.0, "ep_size": 4}, TypeError, "num_experts must be an int"),
+        ({"num_experts": 8, "ep_size": 4, "slots_per_rank": True}, TypeError, "slots_per_rank"),
+        ({"num_experts": 8, "ep_size": np.bool_(True)}, TypeError, "ep_size must be an int"),
+        (
+            {"num_experts": 8, "ep_size": 4, "balance_eps": "0.1"},
+            TypeError,
+            "balance_eps must be a",
+        ),
+        (
+            {"num_experts": 8, "ep_size": 4, "balance_eps": False},
+            TypeError,
+            "balance_eps must be a",
+        ),
+        ({"num_experts": 8, "ep_size": 4, "balance_eps": float("inf")}, ValueError, "balance_eps"),
+        # above int64: the planner's attributes are int64, so these would fail later, obscurely
+        (
+            {"num_experts": 8, "ep_size": 4, "min_tokens_per_replica": 2**63},
+            ValueError,
+            r"min_tokens_per_replica must fit in int64",
+        ),
+        (
+            {"num_experts": 8, "ep_size": 4, "master_keep_tokens": 2**64 + 5},
+            ValueError,
+            r"master_keep_tokens must fit in int64",
+        ),
+        ({"num_experts": 8, "ep_size": 4, "slots_per_rank": 2**70}, ValueError, "slots_per_rank"),
+        ({"num_experts": 8, "ep_size": 4, "master_keep_tokens": -1}, ValueError, "master_keep"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, error, match):
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
         uep.BalancerConfig(**kwargs)
+    assert "\n" not in str(info.value)  # one line
 
 
 def test_config_is_frozen_and_hashable():
     cfg = uep.BalancerConfig(num_experts=8, ep_size=4)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="ep_size"):
         cfg.ep_size = 2
     assert hash(cfg) == hash(uep.BalancerConfig(num_experts=8, ep_size=4))
     assert cfg.experts_per_rank == 2
+
+
+@pytest.mark.parametrize("int_type", [np.int32, np.int64, np.uint16])
+@pytest.mark.parametrize("float_type", [np.float32, np.float64, float, np.int8])
+def test_config_accepts_numpy_scalars_and_normalises_them(int_type, float_type):
+    cfg = uep.BalancerConfig(
+        num_experts=int_type(16),
+        ep_size=int_type(8),
+        slots_per_rank=int_type(2),
+        min_tokens_per_replica=int_type(64),
+        balance_eps=float_type(0.25) if float_type is not np.int8 else float_type(0),
+        master_keep_tokens=int_type(1),
+    )
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        assert type(value) is (float if field.name == "balance_eps" else int), field.name
+    want_eps = float(float_type(0.25)) if float_type is not np.int8 else 0.0
+    assert cfg == uep.BalancerConfig(16, 8, 2, 64, want_eps, 1)
+    assert hash(cfg) == hash(uep.BalancerConfig(16, 8, 2, 64, want_eps, 1))
+    # and the planner takes it (np.float32 used to raise TypeError, huge ints OverflowError)
+    loads = _skewed_loads(np.random.default_rng(3), 8, 16)
+    got = _as_numpy(uep.plan(loads, cfg))
+    want = reference_plan(loads, 2, 64, want_eps, 1)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_config_largest_int64_values_reach_the_planner():
+    # min_tokens_per_replica and master_keep_tokens at int64's maximum are legal and reach the
+    # custom call as they are (they used to fail with a bare OverflowError beyond int64).
+    big = 2**63 - 1
+    loads = _skewed_loads(np.random.default_rng(4), 8, 16)
+    for F, K in ((big, 1), (64, big)):
+        cfg = uep.BalancerConfig(16, 8, min_tokens_per_replica=F, master_keep_tokens=K)
+        got = _as_numpy(uep.plan(loads, cfg))
+        want = reference_plan(loads, 2, F, cfg.balance_eps, K)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        if K == big:  # no master can give a token away
+            np.testing.assert_array_equal(got["rank_load"], rank_loads_before(loads))
+        else:  # only replicas that clear a rank's whole remaining excess (the adaptive floor)
+            assert (got["rank_load"] <= rank_loads_before(loads).max()).all()
+
+
+@pytest.mark.parametrize(
+    "capacity, error, match",
+    [
+        (0, ValueError, r"capacity must be >= 1"),
+        (-5, ValueError, r"capacity must be >= 1"),
+        (2**63, ValueError, r"capacity must be >= 1 and fit in int64"),
+        (100.0, TypeError, r"capacity must be an int or None, got float"),
+        (True, TypeError, r"capacity must be an int or None, got bool"),
+        (np.bool_(True), TypeError, r"capacity must be an int or None"),
+        ("100", TypeError, r"capacity must be an int or None, got str"),
+        (np.array([100]), TypeError, r"capacity must be an int or None, got ndarray"),
+    ],
+)
+def test_plan_rejects_bad_capacity(capacity, error, match):
+    with pytest.raises(error, match=match) as info:
+        uep.plan(np.zeros((8, 16), np.int32), CFG, capacity=capacity)
+    assert "\n" not in str(info.value)
+
+
+def test_capacity_is_a_static_attribute_of_the_custom_call():
+    lower = jax.jit(lambda l: uep.plan(l, CFG, capacity=np.int32(600))).lower
+    text = lower(jax.ShapeDtypeStruct((8, 16), jnp.int32)).as_text()
+    assert "capacity = 600 : i64" in text
+    text = jax.jit(lambda l: uep.plan(l, CFG)).lower(jax.ShapeDtypeStruct((8, 16), jnp.int32))
+    assert "capacity = 0 : i64" in text.as_text()  # None: unbounded
 
 
 def test_plan_rejects_wrong_shape_and_dtype():
@@ -73,14 +170,14 @@ def test_plan_rejects_wrong_shape_and_dtype():
 def test_negative_load_is_reported_by_the_custom_call():
     loads = np.ones((8, 16), np.int32)
     loads[5, 7] = -3
-    with pytest.raises(Exception, match=r"loads\[0\]\[5, 7\] = -3"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"loads\[0\]\[5, 7\] = -3"):
         jax.block_until_ready(uep.plan(loads, CFG).rank_load)
 
 
 def test_overflowing_expert_total_is_reported():
     loads = np.zeros((8, 16), np.int32)
     loads[:, 0] = 2**30  # the expert's total needs 33 bits
-    with pytest.raises(Exception, match="exceeds int32"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="exceeds int32"):
         jax.block_until_ready(uep.plan(loads, CFG).rank_load)
 
 
@@ -105,12 +202,26 @@ def test_eager_jit_vmap_and_lax_map_agree():
     assert int(jnp.sum(vmapped.num_replicas)) > 0  # the skewed loads really were rebalanced
 
 
-def test_plan_is_a_pytree():
-    plan = uep.plan(_skewed_loads(np.random.default_rng(1), 8, 16), CFG)
-    leaves, treedef = jax.tree_util.tree_flatten(plan)
-    assert len(leaves) == 4
-    again = jax.tree_util.tree_unflatten(treedef, leaves)
-    np.testing.assert_array_equal(again.rank_load, plan.rank_load)
+def test_batched_plans_are_pytrees_of_per_matrix_reference_plans():
+    # jit(vmap(plan)) returns one Plan whose leaves carry a leading batch axis; flattening it and
+    # slicing every leaf must give, field by field, the NumPy reference's plan of each matrix.
+    # (A wrong leaf order, a batch axis in the wrong place or a leaf that does not vary over the
+    # batch fails here.)
+    rng = np.random.default_rng(1)
+    batch = np.stack([_skewed_loads(rng, 8, 16) for _ in range(6)])
+    plans = jax.jit(jax.vmap(lambda l: uep.plan(l, CFG, capacity=700)))(batch)
+    leaves, treedef = jax.tree_util.tree_flatten(plans)
+    names = [f.name for f in dataclasses.fields(uep.Plan)]
+    assert treedef.num_leaves == len(names) == 4
+    for i, loads in enumerate(batch):
+        want = reference_plan(loads, 2, 64, CFG.balance_eps, 1, capacity=700)
+        one = jax.tree_util.tree_unflatten(treedef, [np.asarray(leaf)[i] for leaf in leaves])
+        assert isinstance(one, uep.Plan)
+        for name, leaf in zip(names, jax.tree_util.tree_leaves(one)):
+            np.testing.assert_array_equal(leaf, want[name], err_msg=f"{name} of matrix {i}")
+        assert int(one.num_replicas) == int((want["slot_expert"] >= 0).sum())
+    # the matrices differ, so the per-matrix plans must too
+    assert len({np.asarray(plans.slot_quota)[i].tobytes() for i in range(len(batch))}) > 1
 
 
 def test_same_plan_on_every_rank_inside_shard_map():

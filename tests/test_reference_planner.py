@@ -553,29 +553,46 @@ def test_hand_capacity_below_the_tolerated_threshold():
 
 
 def test_hand_capacity_window_probes():
-    # HOT8 with F = 30, eps = 0.01 (the large-floor test above: tau0 = 43, delta = 1, and
-    # try(tau) succeeds at 50 but at none of 43..49). Without a capacity the probes are
-    # [43, 44, 45, 46, 48, 50] + [49] * 8 and tau = 50.
+    # load_e = [2000, 0], R=2, S=1, F=1, K=1490, eps=0 (test_hand_fallback_refine_wins): try(tau)
+    # succeeds iff tau >= 1490 (the master keeps 1490); tau0 = 1000 = M, delta = 1, Lmax = 2000.
+    # Without a capacity the search ends at 1491 (31 probes).
+    loads = loads_from_expert_totals([2000, 0], 2)
+    _, free_info = reference_plan_info(loads, 1, 1, 0.0, 1490)
+    assert free_info["tau"] == 1491 and len(free_info["probes"]) == 31
+    # capacity 1600: window(1000, 1600): fast 1000..1003 (p = 1003), coarse c_j = 1003 +
+    #   (597 j) // 32: c_26 = 1003 + 485 = 1488 fails, c_27 = 1003 + 503 = 1506 succeeds; refine
+    #   r_i = 1488 + (18 i) // 16: 1489 fails, 1490 succeeds. rank_load [1490, 510] (x = 510).
+    plan, info = reference_plan_info(loads, 1, 1, 0.0, 1490, capacity=1600)
+    coarse = [1003 + (597 * j) // 32 for j in range(1, 28)]
+    assert coarse[-2:] == [1488, 1506]
+    assert info["probes"] == [1000, 1001, 1002, 1003] + coarse + [1489, 1490]
+    assert info["tau"] == 1490 and plan["rank_load"].tolist() == [1490, 510]
+    # capacity 1450: no threshold <= 1450 succeeds. The window probes 1000..1003 and c_j = 1003 +
+    #   (447 j) // 32 up to c_32 = 1450 itself, all failing; then the search without a capacity
+    #   runs, and the plan is that plan: max(rank_load) = 1491 > 1450 tells the caller.
+    plan, info = reference_plan_info(loads, 1, 1, 0.0, 1490, capacity=1450)
+    window = [1000, 1001, 1002, 1003] + [1003 + (447 * j) // 32 for j in range(1, 33)]
+    assert window[-1] == 1450
+    assert info["probes"] == window + free_info["probes"]
+    assert info["tau"] == 1491 and plan["rank_load"].tolist() == [1491, 509]
+    for cap in (999, 2000, 10**9):  # below M = 1000 (no window), or >= Lmax (no bound)
+        _, capped = reference_plan_info(loads, 1, 1, 0.0, 1490, capacity=cap)
+        assert capped["probes"] == free_info["probes"] and capped["tau"] == 1491
+
+
+def test_hand_capacity_window_gives_up_the_floor():
+    # HOT8 with F = 30, eps = 0.01 (test_hand_r4_e8_s2_one_hot_expert_large_floor: tau0 = 43,
+    # delta = 1; with the floor no threshold below 50 succeeds, so the plan is at 50).
+    # capacity 45: window(43, 45) probes 43 first; its attempts at floor 30 fail, and as a window
+    # probe it may give up the floor: attempt(43, 1, loose) succeeds as in
+    # test_hand_r4_e8_s2_one_hot_expert. rank_load [43, 43, 43, 41] fits the buffer of 45.
     loads = loads_from_expert_totals(HOT8, 4)
-    _, free_info = reference_plan_info(loads, 2, 30, 0.01, 1)
-    assert free_info["probes"] == [43, 44, 45, 46, 48, 50] + [49] * 8 and free_info["tau"] == 50
-    # capacity 60: window(43, 60): fast 43, 44, 45, 46 (all fail), p = 46; coarse
-    #   c_j = 46 + (14 j) // 32 = 46, 46, 47, 47, 48, 48, 49, 49, 49, 50 for j = 1..10 (c_10
-    #   succeeds); refine between c_9 = 49 and 50: 49 + i // 16 = 49 <= c_9 for every i (skipped).
-    plan, info = reference_plan_info(loads, 2, 30, 0.01, 1, capacity=60)
-    coarse = [46 + (14 * j) // 32 for j in range(1, 11)]
-    assert coarse == [46, 46, 47, 47, 48, 48, 49, 49, 49, 50]
-    assert info["probes"] == [43, 44, 45, 46] + coarse and info["tau"] == 50
-    assert plan["rank_load"].tolist() == [50, 50, 50, 20]
-    # capacity 45: window(43, 45): 43, 44, 45 (43 + 3 = 46 > 45 ends the fast path; p = 45 = b, no
-    #   coarse probes) all fail; the search then runs as without a capacity, and the plan is that
-    #   plan: max(rank_load) = 50 > 45 tells the caller that nothing fits.
+    plan, info = reference_plan_info(loads, 2, 30, 0.01, 1)
+    assert info["tau"] == 50 and plan["rank_load"].tolist() == [50, 50, 50, 20]
     plan, info = reference_plan_info(loads, 2, 30, 0.01, 1, capacity=45)
-    assert info["probes"] == [43, 44, 45] + free_info["probes"]
-    assert info["tau"] == 50 and max(plan["rank_load"]) == 50  # > 45
-    for cap in (40, 42, 110, 10**9):  # below M = 43 (no window), or >= Lmax = 110 (no bound)
-        _, capped = reference_plan_info(loads, 2, 30, 0.01, 1, capacity=cap)
-        assert capped["probes"] == free_info["probes"] and capped["tau"] == 50
+    assert info["probes"] == [43] and info["tau"] == 43
+    assert info["replicas"] == [(0, 1, 23), (0, 2, 23), (0, 3, 21)]
+    assert plan["rank_load"].tolist() == [43, 43, 43, 41]
 
 
 def test_hand_capacity_where_eps_alone_plans_nothing():

@@ -27,7 +27,7 @@ def _as_int(name: str, value, minimum: int) -> int:
 
 
 def _as_float(name: str, value) -> float:
-    """``value`` as a finite Python float >= 0; ints and NumPy integer/float scalars are accepted."""
+    """``value`` as a finite Python float >= 0 (ints and NumPy integer/float scalars accepted)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"BalancerConfig.{name} must be a float, got {type(value).__name__} {value!r}"

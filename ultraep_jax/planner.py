@@ -25,7 +25,8 @@ class Plan:
         master_quota: int32 [E], tokens each expert's master keeps.
         rank_load: int32 [R], tokens each rank processes after balancing.
 
-    For every expert, ``master_quota[e]`` plus the quotas of its replicas equals ``sum_r loads[r, e]``.
+    For every expert, ``master_quota[e]`` plus the quotas of its replicas equals
+    ``sum_r loads[r, e]``.
     """
 
     slot_expert: jax.Array
@@ -50,7 +51,8 @@ def _check_loads(loads, config: BalancerConfig):
     want = (config.ep_size, config.num_experts)
     if tuple(loads.shape) != want:
         raise ValueError(
-            f"plan: loads must have shape [ep_size, num_experts] = {list(want)}, got {list(loads.shape)}"
+            f"plan: loads must have shape [ep_size, num_experts] = {list(want)}, "
+            f"got {list(loads.shape)}"
         )
     if loads.dtype != np.int32:
         raise TypeError(
