@@ -13,7 +13,7 @@ planner  (a) the CUDA planner's plans equal the CPU handler's, bit for bit, on r
          fast path, coarse probes, refine probes, none) and on the EP64/E256/S2 reference
          workloads (``workloads.rank_zipf_loads(64, 256, 8192, 8, target, seed)``, targets
          1.5 / 2 / 3); through JAX (``jit(vmap(plan))`` on the GPU vs on the CPU) and through the
-         CUDA library's benchmark hook for each kernel (parallel, serial).
+         CUDA library's benchmark hook (its one kernel: the core of planner.h on one thread).
          (b) time per plan at EP64/E256/S2: kernel time by CUDA events (the hook: median over
          --repeats launches of one plan, and of a batch of --plan_batch plans divided by the
          batch), and through JAX: a chain of 64 dependent plans in one jitted function (the
@@ -210,7 +210,7 @@ def _plan_arrays(plan) -> list[np.ndarray]:
 
 
 def _cpu_plans(cfg, loads) -> list[np.ndarray]:
-    planner = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))
+    planner = jax.jit(jax.vmap(lambda x: uep.plan(x, cfg)))
     return _plan_arrays(planner(jax.device_put(loads, jax.devices("cpu")[0])))
 
 
@@ -220,29 +220,29 @@ def _bench_lib():
     fn = lib.ultraep_plan_cuda_bench
     i64, i32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
     fn.argtypes = [
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_double,
-        i64,
-        i32p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.POINTER(ctypes.c_float),
-        i32p,
-        i32p,
-        i32p,
-        i32p,
-        ctypes.POINTER(ctypes.c_int),
+        i64,  # R
+        i64,  # E
+        i64,  # S
+        i64,  # min_tokens_per_replica
+        i64,  # master_keep_tokens
+        ctypes.c_double,  # balance_eps
+        i64,  # capacity (0: unbounded)
+        i64,  # count
+        i32p,  # loads [count, R, E]
+        ctypes.c_int,  # iters
+        ctypes.POINTER(ctypes.c_float),  # times_ms [iters]
+        i32p,  # slot_expert [count, R, S]
+        i32p,  # slot_quota [count, R, S]
+        i32p,  # master_quota [count, E]
+        i32p,  # rank_load [count, R]
     ]
     fn.restype = ctypes.c_int
     return fn
 
 
-def cuda_bench(cfg, loads: np.ndarray, max_warps: int, iters: int):
-    """Runs the CUDA library's hook: (plans as 4 int32 arrays, per-launch ms, warps used)."""
+def cuda_bench(cfg, loads: np.ndarray, iters: int, capacity: int | None = None):
+    """Runs the CUDA library's hook: (plans as 4 int32 arrays, per-launch ms of ``iters``
+    launches of the whole batch). ``capacity`` as in ``uep.plan`` (None: unbounded)."""
     fn = _bench_lib()
     loads = np.ascontiguousarray(loads, np.int32)
     n, R, E = loads.shape
@@ -254,8 +254,10 @@ def cuda_bench(cfg, loads: np.ndarray, max_warps: int, iters: int):
         np.zeros((n, R), np.int32),
     ]
     times = np.zeros(max(iters, 1), np.float32)
-    used = ctypes.c_int(-1)
-    p32 = lambda a: a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
+    def p32(a):
+        return a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
     err = fn(
         R,
         E,
@@ -263,20 +265,16 @@ def cuda_bench(cfg, loads: np.ndarray, max_warps: int, iters: int):
         cfg.min_tokens_per_replica,
         cfg.master_keep_tokens,
         float(cfg.balance_eps),
+        0 if capacity is None else int(capacity),
         n,
         p32(loads),
-        max_warps,
         iters,
         times.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
         *(p32(o) for o in outs),
-        ctypes.byref(used),
     )
     if err:
         raise RuntimeError(f"ultraep_plan_cuda_bench: CUDA error {err}")
-    return outs, times[:iters], used.value
-
-
-KERNELS_TO_CHECK = {"parallel": 32, "serial": 0}
+    return outs, times[:iters]
 
 
 def section_planner(device, dry: bool) -> dict:
@@ -286,14 +284,12 @@ def section_planner(device, dry: bool) -> dict:
     ok = True
     for name, (cfg, loads) in planner_cases(dry).items():
         want = _cpu_plans(cfg, loads)
-        planner = jax.jit(jax.vmap(lambda l, cfg=cfg: uep.plan(l, cfg)))
+        planner = jax.jit(jax.vmap(lambda x, cfg=cfg: uep.plan(x, cfg)))
         got = _plan_arrays(planner(jax.device_put(loads, device)))
         row = {"matrices": int(loads.shape[0]), "jax_equal": all(map(np.array_equal, want, got))}
         if not dry:
-            for kname, warps in KERNELS_TO_CHECK.items():
-                plans, _, used = cuda_bench(cfg, loads, warps, 0)
-                row[f"{kname}_equal"] = all(map(np.array_equal, want, plans))
-                row[f"{kname}_warps"] = used
+            plans, _ = cuda_bench(cfg, loads, 0)
+            row["hook_equal"] = all(map(np.array_equal, want, plans))
         ok &= all(v for k, v in row.items() if k.endswith("_equal"))
         out["check"][name] = row
         print(f"  planner {name}: {row}", flush=True)
@@ -302,7 +298,7 @@ def section_planner(device, dry: bool) -> dict:
         cfg = uep.BalancerConfig(64, 8, 2, min_tokens_per_replica=16)
         bad = random_loads(np.random.default_rng(5), 4, 8, 64)
         bad[1, 3, 7] = -5
-        plans, _, _ = cuda_bench(cfg, bad, 32, 0)
+        plans, _ = cuda_bench(cfg, bad, 0)
         neg = all(np.all(p[1] == -1) for p in plans) and all(np.all(p[0] >= 0) for p in plans[3:])
         out["check"]["negative_load_gives_minus_one"] = neg
         ok &= bool(neg)
@@ -317,30 +313,28 @@ def section_planner(device, dry: bool) -> dict:
     t = out["time"]
     t["setup"] = "EP64/E256/S2, rank_zipf_loads 8192 tokens x top-8, targets 1.5/2/3"
     reps = max(_REPEATS.value, 50)
-    for kname, warps in (("parallel32", 32), ("parallel16", 16), ("parallel8", 8), ("serial", 0)):
-        singles = []
-        for s in range(3):
-            _, ms, used = cuda_bench(cfg, base[s : s + 1], warps, reps)
-            singles.append(float(np.median(ms)) * 1e3)
-        _, ms, used = cuda_bench(cfg, base[np.arange(_PLAN_BATCH.value) % 6], warps, 10)
-        t[f"{kname}_event_us_single_by_target"] = singles
-        t[f"{kname}_event_us_per_plan_batched"] = float(np.median(ms)) * 1e3 / _PLAN_BATCH.value
-        t[f"{kname}_warps"] = used
-        print(
-            f"  planner time {kname}: {singles} us single, "
-            f"{t[f'{kname}_event_us_per_plan_batched']:.2f} us/plan batched",
-            flush=True,
-        )
+    singles = []
+    for s in range(3):
+        _, ms = cuda_bench(cfg, base[s : s + 1], reps)
+        singles.append(float(np.median(ms)) * 1e3)
+    _, ms = cuda_bench(cfg, base[np.arange(_PLAN_BATCH.value) % 6], 10)
+    t["event_us_single_by_target"] = singles
+    t["event_us_per_plan_batched"] = float(np.median(ms)) * 1e3 / _PLAN_BATCH.value
+    print(
+        f"  planner time: {singles} us single, "
+        f"{t['event_us_per_plan_batched']:.2f} us/plan batched",
+        flush=True,
+    )
 
     one = jax.device_put(base[0], device)
 
     def chain(n):
         def f(loads):
             def body(_, carry):
-                l, acc = carry
-                p = uep.plan(l, cfg)
+                x, acc = carry
+                p = uep.plan(x, cfg)
                 bump = (p.rank_load[0] < 0).astype(jnp.int32)  # always 0; XLA cannot know
-                return l + bump, acc + p.rank_load[0]
+                return x + bump, acc + p.rank_load[0]
 
             return jax.lax.fori_loop(0, n, body, (loads, jnp.int32(0)), unroll=True)[1]
 
@@ -350,10 +344,10 @@ def section_planner(device, dry: bool) -> dict:
     t64 = _median_s(lambda: c64(one), _REPEATS.value)
     t8 = _median_s(lambda: c8(one), _REPEATS.value)
     t["jax_chain_us_per_plan"] = 1e6 * (t64 - t8) / 56
-    single = jax.jit(lambda l: uep.plan(l, cfg))
+    single = jax.jit(lambda x: uep.plan(x, cfg))
     t["jax_single_plan_wall_us"] = 1e6 * _median_s(lambda: single(one), _REPEATS.value)
     loads = jax.device_put(base[np.arange(_PLAN_BATCH.value) % 6], device)
-    batched = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))
+    batched = jax.jit(jax.vmap(lambda x: uep.plan(x, cfg)))
     t["jax_batched_us_per_plan"] = (
         1e6 * _median_s(lambda: batched(loads), _REPEATS.value) / (_PLAN_BATCH.value)
     )
@@ -438,14 +432,14 @@ def _impls(dry: bool, configs, mgpu_configs) -> dict:
     impls = {"ragged_dot": jax.lax.ragged_dot}
     for text in configs:
         kw = _parse_config(text)
-        impls[f"pallas {text}"] = lambda l, r, g, kw=kw: gmm.grouped_matmul(
-            l, r, g, interpret=dry, **kw
+        impls[f"pallas {text}"] = lambda x, r, g, kw=kw: gmm.grouped_matmul(
+            x, r, g, interpret=dry, **kw
         )
     if not dry:
         for text in mgpu_configs:
             tiles = _parse_mgpu(text)
-            impls[f"mgpu {text}"] = lambda l, r, g, tiles=tiles: gmm.grouped_matmul_mgpu(
-                l, r, g, tiles=tiles
+            impls[f"mgpu {text}"] = lambda x, r, g, tiles=tiles: gmm.grouped_matmul_mgpu(
+                x, r, g, tiles=tiles
             )
     return impls
 
@@ -610,7 +604,8 @@ def device_profile(fn, calls: int, top: int = 25) -> list[str]:
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
     total = sum(v[0] for v in totals.values())
     lines = [
-        f"device events total {total / 1e3 / calls:.2f} ms per call ({sorted(set(pname.values()))[:6]})"
+        f"device events total {total / 1e3 / calls:.2f} ms per call "
+        f"({sorted(set(pname.values()))[:6]})"
     ]
     lines += [f"{v[0] / 1e3 / calls:9.3f} ms/call {v[1] // calls:5d}x  {k}" for k, v in rows[:top]]
     return lines
