@@ -13,7 +13,7 @@ planner  (a) the CUDA planner's plans equal the CPU handler's, bit for bit, on r
          fast path, coarse probes, refine probes, none) and on the EP64/E256/S2 reference
          workloads (``workloads.rank_zipf_loads(64, 256, 8192, 8, target, seed)``, targets
          1.5 / 2 / 3); through JAX (``jit(vmap(plan))`` on the GPU vs on the CPU) and through the
-         CUDA library's benchmark hook for each kernel (parallel, serial).
+         CUDA library's benchmark hook.
          (b) time per plan at EP64/E256/S2: kernel time by CUDA events (the hook: median over
          --repeats launches of one plan, and of a batch of --plan_batch plans divided by the
          batch), and through JAX: a chain of 64 dependent plans in one jitted function (the
@@ -229,20 +229,18 @@ def _bench_lib():
         i64,
         i32p,
         ctypes.c_int,
-        ctypes.c_int,
         ctypes.POINTER(ctypes.c_float),
         i32p,
         i32p,
         i32p,
         i32p,
-        ctypes.POINTER(ctypes.c_int),
     ]
     fn.restype = ctypes.c_int
     return fn
 
 
-def cuda_bench(cfg, loads: np.ndarray, max_warps: int, iters: int):
-    """Runs the CUDA library's hook: (plans as 4 int32 arrays, per-launch ms, warps used)."""
+def cuda_bench(cfg, loads: np.ndarray, iters: int):
+    """Runs the CUDA library's hook: (plans as 4 int32 arrays, per-launch ms)."""
     fn = _bench_lib()
     loads = np.ascontiguousarray(loads, np.int32)
     n, R, E = loads.shape
@@ -254,7 +252,6 @@ def cuda_bench(cfg, loads: np.ndarray, max_warps: int, iters: int):
         np.zeros((n, R), np.int32),
     ]
     times = np.zeros(max(iters, 1), np.float32)
-    used = ctypes.c_int(-1)
     p32 = lambda a: a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
     err = fn(
         R,
@@ -265,18 +262,13 @@ def cuda_bench(cfg, loads: np.ndarray, max_warps: int, iters: int):
         float(cfg.balance_eps),
         n,
         p32(loads),
-        max_warps,
         iters,
         times.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
         *(p32(o) for o in outs),
-        ctypes.byref(used),
     )
     if err:
         raise RuntimeError(f"ultraep_plan_cuda_bench: CUDA error {err}")
-    return outs, times[:iters], used.value
-
-
-KERNELS_TO_CHECK = {"parallel": 32, "serial": 0}
+    return outs, times[:iters]
 
 
 def section_planner(device, dry: bool) -> dict:
@@ -290,10 +282,8 @@ def section_planner(device, dry: bool) -> dict:
         got = _plan_arrays(planner(jax.device_put(loads, device)))
         row = {"matrices": int(loads.shape[0]), "jax_equal": all(map(np.array_equal, want, got))}
         if not dry:
-            for kname, warps in KERNELS_TO_CHECK.items():
-                plans, _, used = cuda_bench(cfg, loads, warps, 0)
-                row[f"{kname}_equal"] = all(map(np.array_equal, want, plans))
-                row[f"{kname}_warps"] = used
+            plans, _ = cuda_bench(cfg, loads, 0)
+            row["hook_equal"] = all(map(np.array_equal, want, plans))
         ok &= all(v for k, v in row.items() if k.endswith("_equal"))
         out["check"][name] = row
         print(f"  planner {name}: {row}", flush=True)
@@ -302,7 +292,7 @@ def section_planner(device, dry: bool) -> dict:
         cfg = uep.BalancerConfig(64, 8, 2, min_tokens_per_replica=16)
         bad = random_loads(np.random.default_rng(5), 4, 8, 64)
         bad[1, 3, 7] = -5
-        plans, _, _ = cuda_bench(cfg, bad, 32, 0)
+        plans, _ = cuda_bench(cfg, bad, 0)
         neg = all(np.all(p[1] == -1) for p in plans) and all(np.all(p[0] >= 0) for p in plans[3:])
         out["check"]["negative_load_gives_minus_one"] = neg
         ok &= bool(neg)
@@ -317,20 +307,18 @@ def section_planner(device, dry: bool) -> dict:
     t = out["time"]
     t["setup"] = "EP64/E256/S2, rank_zipf_loads 8192 tokens x top-8, targets 1.5/2/3"
     reps = max(_REPEATS.value, 50)
-    for kname, warps in (("parallel32", 32), ("parallel16", 16), ("parallel8", 8), ("serial", 0)):
-        singles = []
-        for s in range(3):
-            _, ms, used = cuda_bench(cfg, base[s : s + 1], warps, reps)
-            singles.append(float(np.median(ms)) * 1e3)
-        _, ms, used = cuda_bench(cfg, base[np.arange(_PLAN_BATCH.value) % 6], warps, 10)
-        t[f"{kname}_event_us_single_by_target"] = singles
-        t[f"{kname}_event_us_per_plan_batched"] = float(np.median(ms)) * 1e3 / _PLAN_BATCH.value
-        t[f"{kname}_warps"] = used
-        print(
-            f"  planner time {kname}: {singles} us single, "
-            f"{t[f'{kname}_event_us_per_plan_batched']:.2f} us/plan batched",
-            flush=True,
-        )
+    singles = []
+    for s in range(3):
+        _, ms = cuda_bench(cfg, base[s : s + 1], reps)
+        singles.append(float(np.median(ms)) * 1e3)
+    _, ms = cuda_bench(cfg, base[np.arange(_PLAN_BATCH.value) % 6], 10)
+    t["event_us_single_by_target"] = singles
+    t["event_us_per_plan_batched"] = float(np.median(ms)) * 1e3 / _PLAN_BATCH.value
+    print(
+        f"  planner time: {singles} us single, "
+        f"{t['event_us_per_plan_batched']:.2f} us/plan batched",
+        flush=True,
+    )
 
     one = jax.device_put(base[0], device)
 

@@ -108,10 +108,9 @@ def test_cuda_planner_equals_cpu_planner(case):
 
 
 @needs_gpu
-@pytest.mark.parametrize("kernel_warps", [0, 2, 32], ids=["serial", "parallel2", "parallel32"])
-def test_each_cuda_planner_kernel_equals_cpu_planner(kernel_warps):
-    """Both CUDA kernels (the handler picks one), through the library's benchmark hook; outputs
-    are poisoned first, so an unwritten entry shows."""
+def test_cuda_planner_kernel_equals_cpu_planner():
+    """The CUDA kernel through the library's benchmark hook; outputs are poisoned first, so an
+    unwritten entry shows."""
     if not _native.has_cuda_handler():
         pytest.skip("the CUDA planner handler was not built into this install (no nvcc?)")
     from experiments.gpu_check import cuda_bench
@@ -122,8 +121,7 @@ def test_each_cuda_planner_kernel_equals_cpu_planner(kernel_warps):
         want = jax.jit(jax.vmap(lambda l, cfg=cfg: uep.plan(l, cfg)))(
             jax.device_put(loads, jax.devices("cpu")[0])
         )
-        got, _, used = cuda_bench(cfg, loads, kernel_warps, 0)
-        assert (used == 0) == (kernel_warps == 0)
+        got, _ = cuda_bench(cfg, loads, 0)
         for a, b in zip(jax.tree.leaves(want), got):
             np.testing.assert_array_equal(np.asarray(a), b, err_msg=str(kwargs))
 
