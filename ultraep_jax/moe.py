@@ -215,10 +215,13 @@ class MoE(nnx.Module):
         (``top_k * tokens per device``); pairs beyond it are dropped and counted. None sizes the
         buffer for the worst case (every pair to one rank) so that nothing is ever dropped.
       expert_axis: the name of the EP mesh axis.
-      comm_backend: "auto" (portable all-to-all on CPU, `ragged_all_to_all` elsewhere),
-        "portable" or "ragged"; see `comm.ragged_exchange`.
-      expert_kernel: the grouped matmul of the experts: "auto" (the Pallas/Triton kernel of
-        `ultraep_jax.gmm` on CUDA, `jax.lax.ragged_dot` elsewhere), "ragged_dot" or "pallas".
+      comm_backend: "auto" (fixed-size collectives on CPU, `ragged_all_to_all` elsewhere),
+        "portable" or "ragged"; see `comm.ragged_exchange` and `transfer.fetch_replica_experts`.
+        With one rank on the EP axis nothing is exchanged.
+      expert_kernel: the experts' implementation, one of `experts.KERNELS`: "auto" (on CUDA
+        JAX's Mosaic GPU kernels on Hopper where the shapes suit them, else the Pallas/Triton
+        kernel of `ultraep_jax.gmm`; elsewhere the tiled loop of `ultraep_jax.tiled_experts`),
+        "tiled", "ragged_dot", "pallas" or "mgpu".
       param_dtype: dtype of the parameters.
       rngs: initialisation randomness.
 
