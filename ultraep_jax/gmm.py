@@ -392,12 +392,8 @@ def _mgpu_ragged(lhs, rhs, sizes, tiles: MgpuTiles, transpose_rhs: bool):
         lhs,
         rhs,
         group_sizes=sizes,
-        block_m=tiles.block_m,
-        block_n=tiles.block_n,
-        block_k=tiles.block_k,
-        max_concurrent_steps=tiles.max_concurrent_steps,
-        grid_block_n=tiles.grid_block_n,
         transpose_rhs=transpose_rhs,
+        **tiles._asdict(),  # the fields are the kernels' keyword arguments
     )
     out = _zero_rows_past(out, jnp.sum(sizes))
     return vary(out, tuple(sorted(varying_axes(lhs) | varying_axes(rhs) | varying_axes(sizes))))
@@ -424,11 +420,7 @@ def _gmm_mgpu_bwd(tiles: MgpuTiles, res, d_out):
         lhs,
         d_out,
         group_sizes=sizes,
-        block_m=tiles.block_m,
-        block_n=tiles.block_n,
-        block_k=tiles.block_k,
-        max_concurrent_steps=tiles.max_concurrent_steps,
-        grid_block_n=tiles.grid_block_n,
+        **tiles._asdict(),  # the fields are the kernels' keyword arguments
     )
     d_rhs = vary(d_rhs.astype(rhs.dtype), tuple(sorted(varying_axes(rhs) | varying_axes(d_out))))
     return d_lhs, d_rhs, None
