@@ -678,3 +678,23 @@ def test_eager_calls_compile_once_and_match_jit():
     assert_close(np.asarray(y1), y_jit, "eager y vs jit")
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(y1))
     np.testing.assert_array_equal(np.asarray(stats2.rank_load_after), stats_jit["rank_load_after"])
+
+
+def test_one_expert_rank_equals_reference():
+    """EP size 1 (every device a data group): the balancer has nothing to do and nothing is
+    exchanged; values and gradients still equal the dense reference."""
+    mesh = jax.make_mesh((8, 1), ("data", "expert"))
+    rng = np.random.default_rng(40)
+    x, params = make_inputs(rng, 8, 4, 4, 2, skew=True)
+    balancer = uep.BalancerConfig(num_experts=4, ep_size=1, slots_per_rank=2)
+    layer = build_layer(mesh, 4, 2, balancer, 1.0, params)
+    cotangent = rng.normal(size=x.shape).astype(np.float32)
+    y, stats, gx, gp = layer_value_and_grads(layer, place_batch(mesh, x), jnp.asarray(cotangent))
+    ref_y, ref_gx, ref_gp = reference_value_and_grads(
+        jnp.asarray(x), {k: jnp.asarray(v) for k, v in params.items()}, cotangent, 2
+    )
+    assert int(stats["replicas"]) == 0 and int(stats["dropped"]) == 0
+    assert_close(y, ref_y, "y at EP=1")
+    assert_close(gx, ref_gx, "d/dx at EP=1")
+    for name in PARAM_NAMES:
+        assert_close(gp[name], ref_gp[name], f"d/d{name} at EP=1")
