@@ -26,16 +26,13 @@ def slot_owners(slot_expert: jax.Array, experts_per_rank: int) -> jax.Array:
     return jnp.where(slot_expert >= 0, slot_expert // experts_per_rank, R).astype(jnp.int32)
 
 
-def fetch_replica_weights(
-    master_weights: jax.Array, slot_expert: jax.Array, *, axis_name: str, backend: str = "auto"
-) -> jax.Array:
-    """[S, P]: the weights of the experts in this rank's spare slots (zeros for empty slots).
+def _fetch_ragged(master_weights: jax.Array, slot_expert: jax.Array, axis_name: str) -> jax.Array:
+    """[S, P] by one ragged exchange that moves only the filled slots (zeros for empty slots).
 
     Args:
       master_weights: [E_m, P], this rank's master experts, flattened.
       slot_expert: int32 [R, S], the plan's slots (identical on every rank of the EP group).
       axis_name: the EP mesh axis.
-      backend: see `comm.ragged_exchange`.
     """
     em = master_weights.shape[0]
     R, S = slot_expert.shape
@@ -65,7 +62,7 @@ def fetch_replica_weights(
         recv_sizes,
         axis_name=axis_name,
         max_chunk=S,
-        backend=backend,
+        backend="ragged",
     )
     # Back to slot order: slot s sits at its rank among (owner, slot) pairs.
     key = my_owner * S + slot
@@ -113,7 +110,7 @@ def fetch_replica_experts(
         return _fetch_dense(flat, slot_expert, axis_name)
 
     def ragged():
-        return fetch_replica_weights(flat, slot_expert, axis_name=axis_name, backend="ragged")
+        return _fetch_ragged(flat, slot_expert, axis_name)
 
     if backend == "portable":
         received = dense()
@@ -126,8 +123,6 @@ def fetch_replica_experts(
             f"unknown communication backend {backend!r}; expected one of {comm.BACKENDS}"
         )
     S = slot_expert.shape[1]
-    ends = np.cumsum([int(np.prod(w.shape[1:])) for w in master_experts])
-    return tuple(
-        received[:, end - int(np.prod(w.shape[1:])) : end].reshape((S,) + w.shape[1:])
-        for w, end in zip(master_experts, ends)
-    )
+    sizes = [int(np.prod(w.shape[1:])) for w in master_experts]
+    parts = jnp.split(received, np.cumsum(sizes)[:-1].tolist(), axis=1)
+    return tuple(p.reshape((S,) + w.shape[1:]) for p, w in zip(parts, master_experts))
