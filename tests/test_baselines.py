@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from experiments import baselines as b
-from experiments import workloads
+from experiments.loads import baselines as b
+from experiments.loads import workloads
 
 
 def _loads(expert_load, num_ranks=2):

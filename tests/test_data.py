@@ -15,8 +15,8 @@ import sysconfig
 import numpy as np
 import pytest
 
-from experiments import data as D
-from experiments import plot as P
+from experiments.train import data as D
+from experiments.train import plot as P
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

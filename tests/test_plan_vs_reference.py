@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ultraep_jax as uep
-from experiments import workloads
+from experiments.loads import workloads
 from tests.reference_planner import check_plan_invariants, rank_loads_before, reference_plan
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")

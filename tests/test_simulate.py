@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import skip_without_traces
 
-from experiments import simulate as sim
-from experiments import workloads
+from experiments.sim import simulate as sim
+from experiments.loads import workloads
 
 # A tiny model whose FLOPs are easy to count by hand:
 #   experts: 3 GEMMs x 2 x D x F = 6 * 64 * 32 = 12288 FLOPs per row forward.
@@ -310,7 +310,7 @@ def test_traces_dir(tmp_path):
 def test_missing_traces_dir_ends_with_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.simulate", f"--traces_dir={tmp_path}"],
+        [sys.executable, "-m", "experiments.sim", f"--traces_dir={tmp_path}"],
         check=False,
         cwd=pathlib.Path(__file__).resolve().parents[1],
         env=env,

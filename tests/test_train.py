@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import trainer
-from experiments.train_config import BALANCED_CAPACITY_FACTOR, TrainConfig, parse_capacity_factor
+from experiments.train import trainer
+from experiments.train.config import BALANCED_CAPACITY_FACTOR, TrainConfig, parse_capacity_factor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -343,7 +343,7 @@ NOT_YET_REWORDED = set()
 
 def test_no_references_to_internal_documents():
     found = []
-    for path in sorted([*ROOT.glob("experiments/*.py"), *ROOT.glob("models/*.py")]):
+    for path in sorted([*ROOT.glob("experiments/**/*.py"), *ROOT.glob("models/*.py")]):
         rel = path.relative_to(ROOT).as_posix()
         if rel in NOT_YET_REWORDED:
             continue

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from experiments import viewer
+from experiments.train import viewer
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -175,7 +175,7 @@ def test_read_loads_ignores_a_truncated_last_line_and_keeps_the_last_of_a_step(t
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "experiments.viewer", *args],
+        [sys.executable, "-m", "experiments.train.viewer", *args],
         cwd=REPO,
         check=False,
         capture_output=True,

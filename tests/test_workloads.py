@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments import workloads
+from experiments.loads import workloads
 
 R, E, T, K = 64, 256, 8192, 8  # UltraEP reference setup
 TRACES = workloads.default_traces_dir()

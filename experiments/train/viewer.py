@@ -1,6 +1,6 @@
 """A self-contained HTML viewer for a training run's expert loads (host only, no JAX).
 
-    python -m experiments.viewer --workdir=runs/ultraep [--out=runs/ultraep/viewer.html]
+    python -m experiments.train.viewer --workdir=runs/ultraep [--out=runs/ultraep/viewer.html]
 
 Reads ``<workdir>/metrics.jsonl`` (one record per step: ``step``, ``loss`` and the per-layer lists
 ``imbalance_before``, ``imbalance_after``, ``replicas``, ``dropped``) and, when the run had
@@ -36,7 +36,7 @@ import sys
 
 from absl import app, flags
 
-from experiments import plot
+from experiments.train import plot
 
 __all__ = ["build_html", "main", "read_loads", "write_viewer"]
 

@@ -1,8 +1,8 @@
 """Rack-scale step-time simulator for MoE training with expert load balancing.
 
-        python -m experiments.simulate             # the full table: about 2 minutes on 2 cores
-        python -m experiments.simulate --models=qwen3-235b --scenarios=ep64-nvl72
-        python -m experiments.simulate --traces_dir=path/to/traces
+        python -m experiments.sim             # the full table: about 2 minutes on 2 cores
+        python -m experiments.sim --models=qwen3-235b --scenarios=ep64-nvl72
+        python -m experiments.sim --traces_dir=path/to/traces
 
 For each model shape (published configs of GLM-4.5-Air 106B, Qwen3-235B-A22B, DeepSeek-V3 671B),
 each parallel layout (EP8 in one HGX H100 node; EP64 in a GB200 NVL72 rack; 2560 H100 GPUs as
@@ -52,7 +52,7 @@ import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
-from experiments import workloads
+from experiments.loads import workloads
 
 # --------------------------------------------------------------------------------------------
 # Model shapes (published configs)

@@ -1,13 +1,13 @@
 """Planner benchmark: balance quality on generated and real loads, and time per plan.
 
-        python -m experiments.bench_planner                # everything, a few minutes on 2 cores
-        python -m experiments.bench_planner --seeds=3 --timing_batch=256 --nobaselines
-        python -m experiments.bench_planner --train_loads=/tmp/run/loads.jsonl   # a training run
+        python -m experiments.bench.planner                # everything, a few minutes on 2 cores
+        python -m experiments.bench.planner --seeds=3 --timing_batch=256 --nobaselines
+        python -m experiments.bench.planner --train_loads=/tmp/run/loads.jsonl   # a training run
 
 Quality: final max/mean rank load and replicas on the UltraEP reference setup (EP64, 256 experts,
 2 spare slots per rank, top-8, 8192 tokens per rank, rank-level Zipf at initial 1.5 / 2.0 / 3.0)
 and on every layer of the real traces (``--traces_dir``, default
-`experiments.workloads.default_traces_dir()`); exact mode (``balance_eps=0``) next to
+`experiments.loads.workloads.default_traces_dir()`); exact mode (``balance_eps=0``) next to
 ``--balance_eps`` on the UltraEP setup and DeepSeek-R1 EP32/EP64; optionally the per-layer loads a
 training run recorded with ``--profile_loads`` (``--train_loads``). Time: one `jax.jit` of
 `jax.vmap(plan)` over a batch of load matrices (so dispatch is amortised), median over repeats,
@@ -31,7 +31,8 @@ import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
-from experiments import baselines, plot, workloads
+from experiments.loads import baselines, workloads
+from experiments.train import plot
 
 _SEEDS = flags.DEFINE_integer("seeds", 10, "Seeds per generated setup.")
 _SLOTS = flags.DEFINE_integer("slots_per_rank", 2, "Spare slots per rank.")

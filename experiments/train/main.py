@@ -35,7 +35,7 @@ import sys
 
 from absl import app, flags, logging
 
-from experiments.train_config import TrainConfig, parse_capacity_factor
+from experiments.train.config import TrainConfig, parse_capacity_factor
 
 _D = TrainConfig.__dataclass_fields__
 
@@ -136,13 +136,13 @@ def main(argv):
             _start_jax()
             import jax
 
-            from experiments import data
+            from experiments.train import data
 
             cfg.check_devices(jax.device_count())
             data.corpus_files(cfg.data)
         except ValueError as err:
             _fail(err)
-        from experiments import trainer
+        from experiments.train import trainer
 
         try:
             result = trainer.run(cfg)

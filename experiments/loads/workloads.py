@@ -431,7 +431,7 @@ def traces_dir_for(checkout: Path) -> Path:
 
 def default_traces_dir() -> Path:
     """The trace folder of this checkout (see :func:`traces_dir_for`)."""
-    return traces_dir_for(Path(__file__).resolve().parents[1])
+    return traces_dir_for(Path(__file__).resolve().parents[2])
 
 
 def _resolve_traces_dir(traces_dir) -> Path:

@@ -1,8 +1,8 @@
 """The GPU check: correctness and timings of the GPU path, on one GPU.
 
-        python -m experiments.gpu_check --out=runs/gpu            # on an H100 / H200
-        python -m experiments.gpu_check --out=runs/gpu --sections=planner,gmm
-        python -m experiments.gpu_check --dry_run                 # anywhere: every section on CPU,
+        python -m experiments.bench.gpu_check --out=runs/gpu            # on an H100 / H200
+        python -m experiments.bench.gpu_check --out=runs/gpu --sections=planner,gmm
+        python -m experiments.bench.gpu_check --dry_run                 # anywhere: every section on CPU,
                                                                   # tiny shapes, kernel interpreted
 
 Sections (``--sections``; a table is printed, ``--out/gpu_results.json`` is rewritten after each):
@@ -57,7 +57,7 @@ import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
-from experiments import workloads
+from experiments.loads import workloads
 from ultraep_jax import _native, gmm
 
 _OUT = flags.DEFINE_string("out", None, "Folder for gpu_results.json and the HLO dump (created).")

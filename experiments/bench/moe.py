@@ -1,7 +1,7 @@
 """MoE layer benchmark: the cost of balancing and its memory win, on 8 simulated CPU devices.
 
-        python -m experiments.bench_moe                      # a few minutes on 2 cores
-        python -m experiments.bench_moe --d_model=256 --d_ff=512 --num_experts=32 --top_k=4 \
+        python -m experiments.bench.moe                      # a few minutes on 2 cores
+        python -m experiments.bench.moe --d_model=256 --d_ff=512 --num_experts=32 --top_k=4 \
             --tokens_per_device=1024 --json_out=moe.json
 
 On mesh (8,) "expert" with a skewed router (a few hot experts take most tokens), four layers:

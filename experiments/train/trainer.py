@@ -18,8 +18,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from experiments import data, plot
-from experiments.train_config import TrainConfig
+from experiments.train import data, plot
+from experiments.train.config import TrainConfig
 from models.moe_lm import ModelConfig, MoELM, next_token_loss
 
 
@@ -538,7 +538,7 @@ def _files_written(cfg: TrainConfig, workdir: pathlib.Path, step: int) -> str:
         (SUMMARY_FILE, "final losses, imbalance, dropped pairs, replicas, step time, flags"),
     ]
     if cfg.profile_loads:
-        rows.append((PROFILE_FILE, "per-step, per-layer loads (experiments.viewer)"))
+        rows.append((PROFILE_FILE, "per-step, per-layer loads (experiments.train.viewer)"))
     rows.append((CHECKPOINT_DIR + "/", f"step {step}; rerun with this --workdir to continue"))
     rows = [(name, what) for name, what in rows if (workdir / name).exists()]
     width = max(len(name) for name, _ in rows)
