@@ -4,19 +4,44 @@ in, every all-to-all size and offset, and what the receive capacity keeps.
 Everything here is a function of the all-gathered counts, identical on every rank of an EP group,
 so each rank knows every other rank's sizes and offsets without exchanging them.
 
-Shapes: R ranks, E experts, E_m = E / R masters per rank, S slots per rank, G = E_m + S local
-groups per rank, I = E + R*S instances, N = T * k pairs on this rank, C receive-buffer rows.
+Shapes follow the package's axis legend (`ultraep_jax`): R ranks, E experts, E_m = E / R masters
+per rank, S slots per rank, G = E_m + S local groups per rank, I = E + R*S instances, N = T * k
+pairs on this rank, C receive-buffer rows.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ultraep_jax import reroute
+from ultraep_jax._ops import exclusive_cumsum
+from ultraep_jax.comm import Exchange
+from ultraep_jax.planner import Plan
 
-def _exclusive_cumsum(x, axis):
-    return jnp.cumsum(x, axis=axis) - x
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """Where this rank's pairs go and how received rows are laid out, for one layer call.
+
+    Attributes:
+      send_order_N: int32 [N], pair indices sorted by (destination rank, local group).
+      exchange: the token all-to-all (`comm.Exchange`; ``.reversed()`` brings results back).
+      group_row_C: int32 [C], for each receive-buffer row its row once grouped by local group;
+        C (out of range) for unused rows.
+      group_sizes_G: int32 [G], rows received for each local group (masters, then slots).
+      dropped: int32 [], pairs of the whole EP group that did not fit in their receive buffer.
+    """
+
+    send_order_N: jax.Array
+    exchange: Exchange
+    group_row_C: jax.Array
+    group_sizes_G: jax.Array
+    dropped: jax.Array
 
 
 def instance_index(num_experts: int, ep_size: int, slots_per_rank: int) -> np.ndarray:
@@ -28,82 +53,138 @@ def instance_index(num_experts: int, ep_size: int, slots_per_rank: int) -> np.nd
     return np.concatenate([masters, slots], axis=1)
 
 
-def rank_group_counts(assign: jax.Array, num_experts: int, slots_per_rank: int) -> jax.Array:
-    """int32 [R(src), R(dst), G]: pairs source rank sends to each local group of each rank.
-
-    ``assign``: [R, I] from `reroute.reroute_counts`.
-    """
-    R = assign.shape[0]
-    return assign[:, instance_index(num_experts, R, slots_per_rank)]
+def rank_group_counts(assign_RI: jax.Array, num_experts: int, slots_per_rank: int) -> jax.Array:
+    """int32 [R(src), R(dst), G]: pairs each source rank sends to each local group of each rank,
+    from ``assign_RI`` [R, I] (`reroute.reroute_counts`)."""
+    R = assign_RI.shape[0]
+    return assign_RI[:, instance_index(num_experts, R, slots_per_rank)]
 
 
-def kept_counts(counts: jax.Array, capacity: int) -> jax.Array:
+def kept_counts(counts_RRG: jax.Array, capacity: int) -> jax.Array:
     """int32 [R(src), R(dst), G]: pairs that fit in each destination's ``capacity`` rows.
 
     A destination stores sources in rank order and each source's rows by local group; rows past
     ``capacity`` are dropped (so the drop is deterministic and every rank agrees on it).
     """
-    per_source = jnp.sum(counts, axis=-1)  # [src, dst]
-    start = _exclusive_cumsum(per_source, 0)[..., None] + _exclusive_cumsum(counts, -1)
-    return jnp.clip(capacity - start, 0, counts)
+    per_source_RR = jnp.sum(counts_RRG, axis=-1)
+    start_RRG = exclusive_cumsum(per_source_RR, 0)[..., None] + exclusive_cumsum(counts_RRG, -1)
+    return jnp.clip(capacity - start_RRG, 0, counts_RRG)
 
 
-def pair_instances(experts: jax.Array, assign_row: jax.Array, inst_expert: jax.Array) -> jax.Array:
+def pair_instances(
+    experts_N: jax.Array, assign_I: jax.Array, inst_expert_I: jax.Array
+) -> jax.Array:
     """int32 [N]: the instance each of this rank's pairs goes to.
 
     The j-th pair (in pair order) routed to expert e goes to e's instance whose slice of this
     rank's counts, laid out expert by expert in instance order, contains position j.
 
     Args:
-      experts: int32 [N], the expert of each pair.
-      assign_row: int32 [I], this rank's row of `reroute.reroute_counts`.
-      inst_expert: int32 [I], each instance's expert (-1 for an empty slot).
+      experts_N: int32 [N], the expert of each pair.
+      assign_I: int32 [I], this rank's row of `reroute.reroute_counts`.
+      inst_expert_I: int32 [I], each instance's expert (-1 for an empty slot).
     """
-    I = inst_expert.shape[0]
-    N = experts.shape[0]
+    I = inst_expert_I.shape[0]
+    N = experts_N.shape[0]
     idx = jnp.arange(I, dtype=jnp.int32)
     # Instances expert-major (instance order within an expert); empty slots last.
-    inst_order = jnp.argsort(jnp.where(inst_expert >= 0, inst_expert, I) * I + idx)
-    bounds = jnp.cumsum(assign_row[inst_order])  # [I], inclusive ends in expert-major order
-    pair_order = jnp.argsort(experts, stable=True)  # pairs expert-major
+    inst_order = jnp.argsort(jnp.where(inst_expert_I >= 0, inst_expert_I, I) * I + idx)
+    bounds = jnp.cumsum(assign_I[inst_order])  # inclusive ends in expert-major order
+    pair_order = jnp.argsort(experts_N, stable=True)  # pairs expert-major
     slot = jnp.searchsorted(bounds, jnp.arange(N, dtype=jnp.int32), side="right")
     inst_sorted = inst_order[jnp.clip(slot, 0, I - 1)]
     return jnp.zeros((N,), jnp.int32).at[pair_order].set(inst_sorted, unique_indices=True)
 
 
-def send_order(dest_rank: jax.Array, dest_group: jax.Array, num_groups: int) -> jax.Array:
+def send_order(dest_rank_N: jax.Array, dest_group_N: jax.Array, num_groups: int) -> jax.Array:
     """int32 [N]: pairs sorted by (destination rank, local group, pair index)."""
-    return jnp.argsort(dest_rank * num_groups + dest_group, stable=True).astype(jnp.int32)
+    return jnp.argsort(dest_rank_N * num_groups + dest_group_N, stable=True).astype(jnp.int32)
 
 
-def sent_mask(dest_rank_sorted: jax.Array, counts_row: jax.Array, kept_row: jax.Array):
-    """bool [N]: which pairs, in send order, fit at their destination.
-
-    Args:
-      dest_rank_sorted: int32 [N], destination of each pair in send order.
-      counts_row: int32 [R(dst)], this rank's pairs per destination.
-      kept_row: int32 [R(dst)], how many of them fit (a prefix of each destination's block).
-    """
-    start = _exclusive_cumsum(counts_row, 0)
-    position = jnp.arange(dest_rank_sorted.shape[0], dtype=jnp.int32) - start[dest_rank_sorted]
-    return position < kept_row[dest_rank_sorted]
-
-
-def group_major_positions(kept_in: jax.Array, capacity: int) -> jax.Array:
+def group_major_positions(kept_in_RG: jax.Array, capacity: int) -> jax.Array:
     """int32 [C]: for each row of this rank's receive buffer (sources in rank order, each by
     local group), its row once grouped by local group (groups in order, sources within);
     ``capacity`` (out of range) for unused rows.
 
-    ``kept_in``: int32 [R(src), G], rows this rank received from each source for each group.
+    ``kept_in_RG``: int32 [R(src), G], rows this rank received from each source for each group.
     """
-    R, G = kept_in.shape
-    source_major_start = _exclusive_cumsum(kept_in.reshape(-1), 0)  # blocks (src, g)
-    group_total = jnp.sum(kept_in, axis=0)
+    R, G = kept_in_RG.shape
+    source_major_start = exclusive_cumsum(kept_in_RG.reshape(-1), 0)  # blocks (src, g)
+    group_total_G = jnp.sum(kept_in_RG, axis=0)
     group_major_start = (
-        _exclusive_cumsum(group_total, 0)[None, :] + _exclusive_cumsum(kept_in, 0)
+        exclusive_cumsum(group_total_G, 0)[None, :] + exclusive_cumsum(kept_in_RG, 0)
     ).reshape(-1)
     rows = jnp.arange(capacity, dtype=jnp.int32)
-    ends = source_major_start + kept_in.reshape(-1)
+    ends = source_major_start + kept_in_RG.reshape(-1)
     block = jnp.clip(jnp.searchsorted(ends, rows, side="right"), 0, R * G - 1)
     pos = group_major_start[block] + rows - source_major_start[block]
-    return jnp.where(rows < jnp.sum(kept_in), pos, capacity).astype(jnp.int32)
+    return jnp.where(rows < jnp.sum(kept_in_RG), pos, capacity).astype(jnp.int32)
+
+
+def plan_dispatch(
+    experts_N: jax.Array, loads_RE: jax.Array, plan: Plan, rank: jax.Array, capacity: int
+) -> Dispatch:
+    """The `Dispatch` of this rank's pairs under ``plan``.
+
+    Args:
+      experts_N: int32 [N], the expert of each of this rank's pairs.
+      loads_RE: int32 [R, E], the all-gathered loads the plan was made from.
+      plan: the plan (``slot_expert`` [R, S]; S may be 0).
+      rank: int32 [], this rank's index on the EP axis.
+      capacity: C, receive-buffer rows per rank.
+    """
+    R, E = loads_RE.shape
+    S = plan.slot_expert.shape[-1]
+    G = E // R + S
+    N = experts_N.shape[0]
+    assign_RI = reroute.reroute_counts(loads_RE, plan)
+    counts_RRG = rank_group_counts(assign_RI, E, S)
+    kept_RRG = kept_counts(counts_RRG, capacity)
+    sizes_RR = jnp.sum(kept_RRG, axis=-1)
+    # Offsets count every routed pair: senders lay out all their pairs and send the kept prefix
+    # of each block; a destination drops only past its last kept row, so every block with kept
+    # rows starts at the same place whether dropped pairs are counted or not.
+    sent_RR = jnp.sum(counts_RRG, axis=-1)
+    exchange = Exchange(
+        sizes_RR=sizes_RR,
+        src_start_RR=exclusive_cumsum(sent_RR, 1),
+        dst_start_RR=exclusive_cumsum(sent_RR, 0),
+        rank=rank,
+        send_rows=N,
+        recv_rows=capacity,
+        max_chunk=min(N, capacity),
+    )
+    inst_N = pair_instances(experts_N, assign_RI[rank], reroute.instance_experts(plan))
+    order_N = send_order(
+        reroute.instance_ranks(E, R, S)[inst_N], reroute.instance_groups(E, R, S)[inst_N], G
+    )
+    kept_in_RG = kept_RRG[:, rank, :]
+    return Dispatch(
+        send_order_N=order_N,
+        exchange=exchange,
+        group_row_C=group_major_positions(kept_in_RG, capacity),
+        group_sizes_G=jnp.sum(kept_in_RG, axis=0),
+        dropped=jnp.sum(counts_RRG) - jnp.sum(kept_RRG),
+    )
+
+
+def to_groups(buffer_CD: jax.Array, d: Dispatch) -> jax.Array:
+    """[C, D]: the receive buffer regrouped by local group (masters, then slots) from row 0."""
+    return (
+        jnp.zeros_like(buffer_CD).at[d.group_row_C].set(buffer_CD, mode="drop", unique_indices=True)
+    )
+
+
+def from_groups(rows_CD: jax.Array, d: Dispatch) -> jax.Array:
+    """[C, D]: the inverse of `to_groups` (zeros in unused rows), ready for the return trip."""
+    C = rows_CD.shape[0]
+    used = (d.group_row_C < C)[:, None]
+    return jnp.where(used, rows_CD[jnp.clip(d.group_row_C, 0, C - 1)], 0)
+
+
+def combine(back_ND: jax.Array, d: Dispatch, weights_TK: jax.Array) -> jax.Array:
+    """float32 [T, D]: each token's expert outputs (``back_ND`` [N, D], in send order) weighted
+    by ``weights_TK`` [T, k] and summed; dropped pairs contribute zero."""
+    T, K = weights_TK.shape
+    pair_out_ND = jnp.zeros_like(back_ND).at[d.send_order_N].set(back_ND, unique_indices=True)
+    return jnp.einsum("tk,tkd->td", weights_TK, pair_out_ND.reshape(T, K, -1).astype(jnp.float32))

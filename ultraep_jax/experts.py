@@ -6,9 +6,17 @@ import jax
 import jax.numpy as jnp
 
 from ultraep_jax import gmm
+from ultraep_jax._ops import exclusive_cumsum
 from ultraep_jax.tiled_experts import tiled_swiglu
 
 KERNELS = ("auto", "tiled", "ragged_dot", "pallas", "mgpu")
+
+
+def dense_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """[..., D]: one SwiGLU expert on every token: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``
+    with w_gate, w_up [D, F] and w_down [F, D] (a shared expert)."""
+    h = jax.nn.silu(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
+    return h @ w_down.astype(x.dtype)
 
 
 def _cuda_grouped(lhs, rhs, group_sizes):
@@ -52,7 +60,7 @@ def _matmul_swiglu(rows, w_gate, w_up, w_down, group_sizes, first_row, kernel: s
 
 def _tiled(rows, w_gate, w_up, w_down, group_sizes, first_row):
     sizes = group_sizes.astype(jnp.int32)
-    start = jnp.cumsum(sizes) - sizes + (0 if first_row is None else first_row)
+    start = exclusive_cumsum(sizes, 0) + (0 if first_row is None else first_row)
     return tiled_swiglu(rows, w_gate, w_up, w_down, start, sizes)
 
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ultraep_jax.planner import Plan
+from ultraep_jax.stats import master_rank_load
 
 
 def instance_experts(plan: Plan) -> jax.Array:
@@ -89,7 +90,7 @@ def reroute_counts(loads: jax.Array, plan: Plan) -> jax.Array:
 
 def masters_only_plan(loads: jax.Array) -> Plan:
     """The plan without balancing: every expert's tokens stay on its master (S = 0)."""
-    R, E = loads.shape
-    load_e = jnp.sum(loads, axis=0, dtype=jnp.int32)
-    empty = jnp.zeros((R, 0), jnp.int32)
-    return Plan(empty, empty, load_e, jnp.sum(load_e.reshape(R, E // R), axis=1))
+    R = loads.shape[0]
+    load_E = jnp.sum(loads, axis=0, dtype=jnp.int32)
+    empty_RS = jnp.zeros((R, 0), jnp.int32)
+    return Plan(empty_RS, empty_RS, load_E, master_rank_load(load_E, R))

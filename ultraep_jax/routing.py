@@ -1,30 +1,171 @@
-"""Router: top-k expert choice per token, and the expert loads it produces."""
+"""Routers: from router logits to each token's experts and weights, plus opt-in router losses.
+
+A router is a small frozen dataclass called as ``router(logits_TE, bias_E)`` that returns a
+`Routing`. Two are provided:
+
+- `SoftmaxTopK`: softmax over the experts, the top k, weights optionally renormalised to sum 1
+  (Mixtral, Qwen-MoE, Switch).
+- `SigmoidTopK`: DeepSeek-V3. Sigmoid scores; the choice is made on scores plus a per-expert
+  bias (aux-loss-free balancing: `update_bias` nudges the bias from the exact loads the layer
+  reports), optionally limited to the best groups of experts; the weights are the chosen scores
+  without the bias, normalised to sum 1 and scaled.
+
+Router math is float32 whatever the parameters' dtype.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
+from ultraep_jax._ops import check_positive_int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """A router's decision for T tokens.
+
+    Attributes:
+      experts: int32 [T, K], the chosen experts, best first.
+      weights: float32 [T, K], each choice's weight in the combined output.
+      aux_loss: float32 [], the load-balancing loss ``E / (K T) * sum_e count_e * p_e`` (count_e:
+        pairs routed to e, p_e: e's mean normalised score); 1 when perfectly balanced. Add it to
+        the training loss with a small coefficient to use it.
+      z_loss: float32 [], mean over tokens of ``logsumexp(logits)^2`` (router z-loss).
+    """
+
+    experts: jax.Array
+    weights: jax.Array
+    aux_loss: jax.Array
+    z_loss: jax.Array
+
+
+def _losses(logits_TE, probs_TE, experts_TK):
+    """(aux_loss, z_loss) of one routing; ``probs_TE`` rows sum to 1."""
+    T, E = logits_TE.shape
+    K = experts_TK.shape[-1]
+    count_E = jax.lax.stop_gradient(expert_loads(experts_TK, E)).astype(jnp.float32)
+    aux = E / (K * T) * jnp.sum(count_E * jnp.mean(probs_TE, axis=0))
+    z = jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2)
+    return aux, z
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxTopK:
+    """Softmax top-k routing.
+
+    Attributes:
+      top_k: K, experts per token.
+      renormalize: weights are the chosen probabilities divided by their sum (True) or the
+        probabilities themselves (False).
+    """
+
+    top_k: int
+    renormalize: bool = True
+
+    def __post_init__(self):
+        check_positive_int("SoftmaxTopK", "top_k", self.top_k)
+
+    uses_bias = False
+
+    def __call__(self, logits_TE: jax.Array, bias_E: jax.Array | None = None) -> Routing:
+        del bias_E
+        logits_TE = logits_TE.astype(jnp.float32)
+        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+        weights_TK, experts_TK = jax.lax.top_k(probs_TE, self.top_k)
+        if self.renormalize:
+            weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
+        experts_TK = experts_TK.astype(jnp.int32)
+        return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK))
+
+
+@dataclasses.dataclass(frozen=True)
+class SigmoidTopK:
+    """DeepSeek-V3 routing: sigmoid scores, bias-adjusted and group-limited choice.
+
+    Attributes:
+      top_k: K, experts per token.
+      num_groups: the experts split into this many equal groups (1: no group limit).
+      top_groups: a token may only choose experts in its best ``top_groups`` groups, a group's
+        worth being the sum of its two best biased scores (its best one with one expert per group).
+      scale: the weights are multiplied by this (DeepSeek-V3's routed scaling factor).
+      bias_rate: how far `update_bias` moves each expert's bias per step (0: a fixed bias).
+    """
+
+    top_k: int
+    num_groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
+    bias_rate: float = 1e-3
+
+    uses_bias = True
+
+    def __post_init__(self):
+        for name in ("top_k", "num_groups", "top_groups"):
+            check_positive_int("SigmoidTopK", name, getattr(self, name))
+        if self.top_groups > self.num_groups:
+            raise ValueError(
+                f"SigmoidTopK: top_groups={self.top_groups} exceeds num_groups={self.num_groups}"
+            )
+        if not self.scale > 0 or not self.bias_rate >= 0:
+            raise ValueError(
+                f"SigmoidTopK: scale must be > 0 and bias_rate >= 0, got {self.scale}, "
+                f"{self.bias_rate}"
+            )
+
+    def __call__(self, logits_TE: jax.Array, bias_E: jax.Array | None = None) -> Routing:
+        T, E = logits_TE.shape
+        if E % self.num_groups:
+            raise ValueError(
+                f"SigmoidTopK: {E} experts do not split into num_groups={self.num_groups}"
+            )
+        if self.top_k > E // self.num_groups * self.top_groups:
+            raise ValueError(
+                f"SigmoidTopK: top_k={self.top_k} exceeds the experts of {self.top_groups} "
+                f"groups of {E // self.num_groups}"
+            )
+        logits_TE = logits_TE.astype(jnp.float32)
+        scores_TE = jax.nn.sigmoid(logits_TE)
+        bias_E = jnp.zeros((E,), jnp.float32) if bias_E is None else bias_E.astype(jnp.float32)
+        choice_TE = jax.lax.stop_gradient(scores_TE) + bias_E
+        if self.top_groups < self.num_groups:
+            grouped = choice_TE.reshape(T, self.num_groups, -1)
+            best = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0]
+            _, keep_groups = jax.lax.top_k(jnp.sum(best, axis=-1), self.top_groups)
+            allowed = jnp.zeros((T, self.num_groups), bool).at[
+                jnp.arange(T)[:, None], keep_groups
+            ].set(True)
+            choice_TE = jnp.where(jnp.repeat(allowed, E // self.num_groups, axis=1), choice_TE, -jnp.inf)
+        _, experts_TK = jax.lax.top_k(choice_TE, self.top_k)
+        chosen_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
+        weights_TK = self.scale * chosen_TK / jnp.sum(chosen_TK, axis=-1, keepdims=True)
+        experts_TK = experts_TK.astype(jnp.int32)
+        probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
+        return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK))
+
+
+def update_bias(bias_E: jax.Array, expert_load_E: jax.Array, rate: float) -> jax.Array:
+    """float32 [E]: DeepSeek-V3's aux-loss-free bias step: up by ``rate`` for experts below the
+    mean load, down for those above (``expert_load_E`` [E], the layer's exact loads)."""
+    load = jax.lax.stop_gradient(expert_load_E).astype(jnp.float32)
+    return bias_E + rate * jnp.sign(jnp.mean(load) - load)
+
 
 def route(x: jax.Array, router_kernel: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """Top-k routing with renormalised weights.
+    """Softmax top-k routing with renormalised weights: (experts int32 [T, K], weights float32
+    [T, K]) of tokens ``x`` [T, D] under ``router_kernel`` [D, E]."""
+    r = SoftmaxTopK(top_k)(router_logits(x, router_kernel))
+    return r.experts, r.weights
 
-    Args:
-      x: [T, D] tokens.
-      router_kernel: [D, E].
-      top_k: choices per token.
 
-    Returns:
-      experts: int32 [T, k], the chosen experts in descending probability.
-      weights: float32 [T, k], softmax probabilities of those experts renormalised to sum 1.
-    """
-    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return experts.astype(jnp.int32), weights
+def router_logits(x_TD: jax.Array, router_kernel_DE: jax.Array) -> jax.Array:
+    """float32 [T, E]: the router's logits, computed in float32."""
+    return jnp.dot(x_TD.astype(jnp.float32), router_kernel_DE.astype(jnp.float32))
 
 
 def expert_loads(experts: jax.Array, num_experts: int) -> jax.Array:
-    """int32 [E]: (token, choice) pairs routed to each expert, from ``experts`` [T, k]."""
+    """int32 [E]: (token, choice) pairs routed to each expert, from ``experts`` [T, K]."""
     return jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)

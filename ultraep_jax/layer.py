@@ -1,0 +1,157 @@
+"""`MoE`: the Flax NNX layer: a router, `moe.routed_experts`, and optional shared experts."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ultraep_jax._ops import check_positive_int
+from ultraep_jax.config import BalancerConfig
+from ultraep_jax.moe import ExpertParallel, MoEStats, routed_experts, with_auto_axes
+from ultraep_jax.experts import dense_swiglu
+from ultraep_jax.routing import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
+
+
+class RouterBias(nnx.Variable):
+    """A router's per-expert selection bias: state, not a trained parameter (`SigmoidTopK`)."""
+
+
+class MoE(nnx.Module):
+    """A top-k MoE layer of SwiGLU experts, expert-parallel over ``mesh``, optionally balanced.
+
+    Args:
+      d_model: D, the token width.
+      d_ff: F, each expert's hidden width.
+      num_experts: E; must be divisible by the size of the EP axis.
+      top_k: experts per token, 1 <= top_k <= E.
+      mesh, balancer, capacity_factor, expert_axis, comm_backend, expert_kernel: see
+        `ExpertParallel` (the layer keeps one as ``self.ep``).
+      router: a router of `ultraep_jax.routing` with this ``top_k`` (default
+        ``SoftmaxTopK(top_k)``). With `SigmoidTopK` the layer keeps a `RouterBias`
+        ``router_bias`` [E]; call `update_router_bias` with each step's stats to move it.
+      shared_d_ff: hidden width of an always-on SwiGLU expert every token goes through beside
+        the routed ones (DeepSeek's shared expert; 0: none). Its weights are replicated and it
+        runs outside the expert exchange, so XLA may overlap the two.
+      param_dtype: dtype of the parameters (router math is float32 whatever it is).
+      rngs: initialisation randomness.
+
+    Parameters: ``router_kernel`` [D, E] (replicated); ``w_gate``, ``w_up`` [E, D, F] and
+    ``w_down`` [E, F, D], split over the EP axis; with shared experts ``shared_gate``,
+    ``shared_up`` [D, F_s] and ``shared_down`` [F_s, D] (replicated).
+
+    Calling it on x [batch, seq, D] returns ``(y, stats)``: y [batch, seq, D] and a `MoEStats`
+    whose ``aux_loss`` and ``z_loss`` are the router's (add them to the loss to use them).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        top_k: int,
+        mesh,
+        balancer: BalancerConfig | None = None,
+        capacity_factor: float | None = 1.25,
+        *,
+        expert_axis: str = "expert",
+        comm_backend: str = "auto",
+        expert_kernel: str = "auto",
+        router: SoftmaxTopK | SigmoidTopK | None = None,
+        shared_d_ff: int = 0,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        for name, value in (("d_model", d_model), ("d_ff", d_ff), ("top_k", top_k)):
+            check_positive_int("MoE", name, value)
+        self.ep = ExpertParallel(
+            mesh=mesh,
+            num_experts=num_experts,
+            balancer=balancer,
+            capacity_factor=capacity_factor,
+            expert_axis=expert_axis,
+            comm_backend=comm_backend,
+            expert_kernel=expert_kernel,
+        )
+        if top_k > num_experts:
+            raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")
+        router = SoftmaxTopK(top_k) if router is None else router
+        if not isinstance(router, (SoftmaxTopK, SigmoidTopK)):
+            raise TypeError(f"MoE: router must be SoftmaxTopK or SigmoidTopK, got {router!r}")
+        if router.top_k != top_k:
+            raise ValueError(f"MoE: router.top_k={router.top_k} differs from top_k={top_k}")
+        if isinstance(shared_d_ff, bool) or not isinstance(shared_d_ff, int) or shared_d_ff < 0:
+            raise ValueError(f"MoE: shared_d_ff must be an int >= 0, got {shared_d_ff!r}")
+        self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
+        self.router, self.shared_d_ff = router, shared_d_ff
+
+        def param(scale, shape, sharding):
+            init = jax.nn.initializers.normal(scale)
+            return nnx.Param(jax.device_put(init(rngs.params(), shape, param_dtype), sharding))
+
+        E, D, F = num_experts, d_model, d_ff
+        replicated = NamedSharding(self.ep.mesh, P())
+        self.router_kernel = param(D**-0.5, (D, E), replicated)
+        self.w_gate = param(D**-0.5, (E, D, F), self.ep.expert_sharding)
+        self.w_up = param(D**-0.5, (E, D, F), self.ep.expert_sharding)
+        self.w_down = param(F**-0.5, (E, F, D), self.ep.expert_sharding)
+        if router.uses_bias:
+            self.router_bias = RouterBias(jax.device_put(jnp.zeros((E,), jnp.float32), replicated))
+        if shared_d_ff:
+            Fs = shared_d_ff
+            self.shared_gate = param(D**-0.5, (D, Fs), replicated)
+            self.shared_up = param(D**-0.5, (D, Fs), replicated)
+            self.shared_down = param(Fs**-0.5, (Fs, D), replicated)
+
+    @property
+    def mesh(self):
+        """The layer's mesh (every axis in Auto mode)."""
+        return self.ep.mesh
+
+    def capacity(self, tokens_per_device: int) -> int:
+        """Receive-buffer rows per rank for ``tokens_per_device`` tokens on each device."""
+        return self.ep.capacity(tokens_per_device, self.top_k)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"MoE: x must be [batch, seq, d_model={self.d_model}], got shape {tuple(x.shape)}"
+            )
+        experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        bias = self.router_bias[...] if self.router.uses_bias else None
+        shared = None
+        if self.shared_d_ff:
+            shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
+        return _forward(self.ep, self.router, x, self.router_kernel[...], bias, experts, shared)
+
+    def update_router_bias(self, stats: MoEStats) -> None:
+        """Moves the `SigmoidTopK` bias by `routing.update_bias` from ``stats.expert_load`` (a
+        call's stats; call it once per training step, outside the gradient)."""
+        if not self.router.uses_bias:
+            raise ValueError(f"MoE: the router {self.router!r} has no bias to update")
+        rate = self.router.bias_rate
+        self.router_bias[...] = update_bias(self.router_bias[...], stats.expert_load, rate)
+
+
+# Jitted so that the layer called outside `jax.jit` compiles once per shape; inlined in a step.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward(ep, router, x, router_kernel, bias, experts, shared):
+    def forward(x, router_kernel, bias, experts, shared):
+        B, L, D = x.shape
+        with jax.named_scope("route"):
+            routing = router(router_logits(x.reshape(-1, D), router_kernel), bias)
+        shape = (B, L, router.top_k)
+        y, stats = routed_experts(
+            x, routing.experts.reshape(shape), routing.weights.reshape(shape), experts, ep
+        )
+        if shared is not None:
+            with jax.named_scope("shared_experts"):
+                y = y + dense_swiglu(x, *shared)
+        return y, dataclasses.replace(stats, aux_loss=routing.aux_loss, z_loss=routing.z_loss)
+
+    return with_auto_axes(forward, ep, x, router_kernel, bias, experts, shared)
