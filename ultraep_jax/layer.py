@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from ultraep_jax._ops import check_positive_int
 from ultraep_jax.config import BalancerConfig
-from ultraep_jax.moe import ExpertParallel, MoEStats, routed_experts, with_auto_axes
+from ultraep_jax.moe import ExpertParallel, MoEStats, place, routed_experts, with_auto_axes
 from ultraep_jax.experts import dense_swiglu
 from ultraep_jax.routing import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
 
@@ -92,7 +92,9 @@ class MoE(nnx.Module):
 
         def param(scale, shape, sharding):
             init = jax.nn.initializers.normal(scale)
-            return nnx.Param(jax.device_put(init(rngs.params(), shape, param_dtype), sharding))
+            # `place` also under `nnx.vmap` (stacked layers for `nnx.scan`): a sharding constraint
+            # batches to the per-layer layout, where `device_put` would split the layer axis.
+            return nnx.Param(place(init(rngs.params(), shape, param_dtype), sharding))
 
         E, D, F = num_experts, d_model, d_ff
         replicated = NamedSharding(self.ep.mesh, P())
@@ -101,7 +103,7 @@ class MoE(nnx.Module):
         self.w_up = param(D**-0.5, (E, D, F), self.ep.expert_sharding)
         self.w_down = param(F**-0.5, (E, F, D), self.ep.expert_sharding)
         if router.uses_bias:
-            self.router_bias = RouterBias(jax.device_put(jnp.zeros((E,), jnp.float32), replicated))
+            self.router_bias = RouterBias(place(jnp.zeros((E,), jnp.float32), replicated))
         if shared_d_ff:
             Fs = shared_d_ff
             self.shared_gate = param(D**-0.5, (D, Fs), replicated)

@@ -279,8 +279,9 @@ def _in_specs(ep: ExpertParallel) -> tuple[P, ...]:
     return (tokens, tokens, tokens, experts, experts, experts)
 
 
-def _place(a, sharding):
-    """Puts ``a`` on ``sharding``, which `shard_map` requires of its inputs."""
+def place(a, sharding):
+    """``a`` on ``sharding``: `jax.device_put` for a concrete array, a sharding constraint for a
+    traced one (inside `jit`, `vmap`, ...)."""
     if isinstance(a, jax.core.Tracer):
         return jax.lax.with_sharding_constraint(a, sharding)
     return jax.device_put(a, sharding)
@@ -291,7 +292,7 @@ def _place(a, sharding):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _moe_call(ep: ExpertParallel, capacity: int, *args):
     specs = _in_specs(ep)
-    args = [_place(a, NamedSharding(ep.mesh, s)) for a, s in zip(args, specs)]
+    args = [place(a, NamedSharding(ep.mesh, s)) for a, s in zip(args, specs)]
     shard = functools.partial(_moe_shard, ep=ep, capacity=capacity)
     out_specs = (specs[0], P(ep.expert_axis))
     y, stats = jax.shard_map(shard, mesh=ep.mesh, in_specs=specs, out_specs=out_specs)(*args)
