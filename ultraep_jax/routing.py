@@ -148,10 +148,11 @@ class SigmoidTopK:
 
 
 def update_bias(bias_E: jax.Array, expert_load_E: jax.Array, rate: float) -> jax.Array:
-    """float32 [E]: DeepSeek-V3's aux-loss-free bias step: up by ``rate`` for experts below the
-    mean load, down for those above (``expert_load_E`` [E], the layer's exact loads)."""
+    """float32 [..., E]: DeepSeek-V3's aux-loss-free bias step: up by ``rate`` for experts below
+    the mean load, down for those above (``expert_load_E`` [..., E], the layer's exact loads;
+    leading axes, such as stacked layers, are independent)."""
     load = jax.lax.stop_gradient(expert_load_E).astype(jnp.float32)
-    return bias_E + rate * jnp.sign(jnp.mean(load) - load)
+    return bias_E + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
 def route(x: jax.Array, router_kernel: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
