@@ -11,9 +11,10 @@ Axis legend, used in docstrings (``[R, E]``) and as suffixes of array names (``l
 
 from ultraep_jax import reroute
 from ultraep_jax.config import BalancerConfig
-from ultraep_jax.layer import MoE
+from ultraep_jax.layer import MoE, RouterBias
 from ultraep_jax.moe import ExpertParallel, MoEStats, routed_experts
 from ultraep_jax.planner import Plan, plan
+from ultraep_jax.routing import Routing, SigmoidTopK, SoftmaxTopK, update_bias
 from ultraep_jax.stats import imbalance
 
 __all__ = [
@@ -26,5 +27,10 @@ __all__ = [
     "plan",
     "reroute",
     "routed_experts",
+    "Routing",
+    "RouterBias",
+    "SigmoidTopK",
+    "SoftmaxTopK",
+    "update_bias",
 ]
 __version__ = "0.1.0"
