@@ -74,8 +74,7 @@ inline ffi::Error check_options(const PlanOptions& o) {
     return ffi::Error::InvalidArgument("ultraep_plan: min_tokens_per_replica must be >= 1");
   if (o.master_keep_tokens < 0)
     return ffi::Error::InvalidArgument("ultraep_plan: master_keep_tokens must be >= 0");
-  if (!(o.eps >= 0.0))
-    return ffi::Error::InvalidArgument("ultraep_plan: balance_eps must be >= 0");
+  if (!(o.eps >= 0.0)) return ffi::Error::InvalidArgument("ultraep_plan: balance_eps must be >= 0");
   if (o.capacity < 0)
     return ffi::Error::InvalidArgument("ultraep_plan: capacity must be >= 0 (0: unbounded)");
   return ffi::Error::Success();
@@ -124,15 +123,15 @@ ffi::Error HandlePlanCall(const Run& run, Int32In loads, int64_t slots_per_rank,
                                          std::to_string(count * w.elems));
   }
   const PlanCall call{d,
-                   o,
-                   count,
-                   ws_elems,
-                   loads.typed_data(),
-                   slot_expert->typed_data(),
-                   slot_quota->typed_data(),
-                   master_quota->typed_data(),
-                   rank_load->typed_data(),
-                   reinterpret_cast<int64_t*>(workspace->typed_data())};
+                      o,
+                      count,
+                      ws_elems,
+                      loads.typed_data(),
+                      slot_expert->typed_data(),
+                      slot_quota->typed_data(),
+                      master_quota->typed_data(),
+                      rank_load->typed_data(),
+                      reinterpret_cast<int64_t*>(workspace->typed_data())};
   return run(call);
 }
 

@@ -81,12 +81,13 @@ constexpr auto kPlanCuda = [](cudaStream_t stream, auto... call) {
 }  // namespace
 
 // The library hides everything else; the handler is what the Python side loads by name.
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* UltraepPlanCuda(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* UltraepPlanCuda(
+    XLA_FFI_CallFrame*);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UltraepPlanCuda, kPlanCuda,
-                              ultraep::BindPlanCall(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    UltraepPlanCuda, kPlanCuda,
+    ultraep::BindPlanCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 // Benchmark and test hook (no XLA): plans `count` >= 1 matrices loads_host [count, R, E] on the
 // current device with the handler's kernel and options (capacity 0: unbounded), `iters` timed
