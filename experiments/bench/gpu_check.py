@@ -57,6 +57,7 @@ import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
+from experiments import common
 from experiments.loads import workloads
 from ultraep_jax import _native, gmm
 
@@ -210,7 +211,7 @@ def _plan_arrays(plan) -> list[np.ndarray]:
 
 
 def _cpu_plans(cfg, loads) -> list[np.ndarray]:
-    planner = jax.jit(jax.vmap(lambda x: uep.plan(x, cfg)))
+    planner = common.batched_planner(cfg)
     return _plan_arrays(planner(jax.device_put(loads, jax.devices("cpu")[0])))
 
 
@@ -284,8 +285,7 @@ def section_planner(device, dry: bool) -> dict:
     ok = True
     for name, (cfg, loads) in planner_cases(dry).items():
         want = _cpu_plans(cfg, loads)
-        planner = jax.jit(jax.vmap(lambda x, cfg=cfg: uep.plan(x, cfg)))
-        got = _plan_arrays(planner(jax.device_put(loads, device)))
+        got = _plan_arrays(common.batched_planner(cfg)(jax.device_put(loads, device)))
         row = {"matrices": int(loads.shape[0]), "jax_equal": all(map(np.array_equal, want, got))}
         if not dry:
             plans, _ = cuda_bench(cfg, loads, 0)
@@ -346,11 +346,9 @@ def section_planner(device, dry: bool) -> dict:
     t["jax_chain_us_per_plan"] = 1e6 * (t64 - t8) / 56
     single = jax.jit(lambda x: uep.plan(x, cfg))
     t["jax_single_plan_wall_us"] = 1e6 * _median_s(lambda: single(one), _REPEATS.value)
-    loads = jax.device_put(base[np.arange(_PLAN_BATCH.value) % 6], device)
-    batched = jax.jit(jax.vmap(lambda x: uep.plan(x, cfg)))
-    t["jax_batched_us_per_plan"] = (
-        1e6 * _median_s(lambda: batched(loads), _REPEATS.value) / (_PLAN_BATCH.value)
-    )
+    loads = base[np.arange(_PLAN_BATCH.value) % 6]
+    seconds = common.time_batched_plan(loads, cfg, _REPEATS.value, device)
+    t["jax_batched_us_per_plan"] = 1e6 * seconds / _PLAN_BATCH.value
     return out
 
 

@@ -17,15 +17,10 @@ interconnect.
 
 from __future__ import annotations
 
-import os
+from experiments import common
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+common.force_cpu_devices(8, cpu_only=True)  # before JAX starts a backend
 
-import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 
@@ -246,9 +241,7 @@ def main(argv):
         },
     }
     _print_report(res)
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(res, f, indent=2)
+    common.write_json(_JSON.value, res)
 
 
 if __name__ == "__main__":

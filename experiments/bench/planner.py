@@ -31,6 +31,7 @@ import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
+from experiments import common
 from experiments.loads import baselines, workloads
 from experiments.train import plot
 
@@ -107,18 +108,9 @@ def _traces_dir():
     return workloads.default_traces_dir() if _TRACES_DIR.value is None else _TRACES_DIR.value
 
 
-def _batched_planner(cfg: uep.BalancerConfig):
-    """One jitted call that plans a whole batch [N, R, E]."""
-    return jax.jit(jax.vmap(lambda loads: uep.plan(loads, cfg)))
-
-
-def _plan_batch(batch: np.ndarray, cfg: uep.BalancerConfig) -> uep.Plan:
-    return _batched_planner(cfg)(batch)
-
-
 def _quality(batch: np.ndarray, cfg: uep.BalancerConfig) -> dict:
     """Before/after imbalance and replica counts of a batch [N, R, E]."""
-    plans = _plan_batch(batch, cfg)
+    plans = common.batched_planner(cfg)(batch)
     before = np.asarray(uep.imbalance(np.stack([workloads.master_rank_loads(l) for l in batch])))
     after = np.asarray(uep.imbalance(plans.rank_load))
     replicas = np.asarray(plans.num_replicas)
@@ -138,15 +130,7 @@ def _quality(batch: np.ndarray, cfg: uep.BalancerConfig) -> dict:
 
 
 def _time_per_plan_us(batch: np.ndarray, cfg: uep.BalancerConfig) -> float:
-    fn = _batched_planner(cfg)
-    batch = jax.device_put(batch)
-    jax.block_until_ready(fn(batch))
-    times = []
-    for _ in range(_REPEATS.value):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(batch))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) / len(batch) * 1e6
+    return common.time_batched_plan(batch, cfg, _REPEATS.value) / len(batch) * 1e6
 
 
 _ZIPF_CACHE: dict = {}
@@ -502,7 +486,7 @@ def _train_table(results: dict) -> None:
     table = results.setdefault("train_loads", {})
     for eps in (_EPS.value, 0.0):
         cfg = uep.BalancerConfig(E, R, _SLOTS.value, _TRAIN_MIN_TOKENS.value, eps)
-        plans = _plan_batch(loads, cfg)
+        plans = common.batched_planner(cfg)(loads)
         after = np.asarray(uep.imbalance(plans.rank_load))
         q = _quality(loads, cfg)
         q["over_1.05"] = int((after > 1.05).sum())
