@@ -15,7 +15,7 @@ import pytest
 from conftest import skip_without_traces
 
 from experiments.sim import simulate as sim
-from experiments.loads import workloads
+from experiments.loads import traces, workloads
 
 # A tiny model whose FLOPs are easy to count by hand:
 #   experts: 3 GEMMs x 2 x D x F = 6 * 64 * 32 = 12288 FLOPs per row forward.
@@ -295,7 +295,7 @@ def test_table_builds_for_one_small_model():
 
 
 def test_traces_dir(tmp_path):
-    source = sorted((workloads.default_traces_dir() / "deepseek-r1").glob("*.json"))
+    source = sorted((traces.default_traces_dir() / "deepseek-r1").glob("*.json"))
     if not source:
         skip_without_traces("no deepseek-r1 trace")
     (tmp_path / "deepseek-r1").mkdir()

@@ -7,7 +7,7 @@
 Quality: final max/mean rank load and replicas on the UltraEP reference setup (EP64, 256 experts,
 2 spare slots per rank, top-8, 8192 tokens per rank, rank-level Zipf at initial 1.5 / 2.0 / 3.0)
 and on every layer of the real traces (``--traces_dir``, default
-`experiments.loads.workloads.default_traces_dir()`); exact mode (``balance_eps=0``) next to
+`experiments.loads.traces.default_traces_dir()`); exact mode (``balance_eps=0``) next to
 ``--balance_eps`` on the UltraEP setup and DeepSeek-R1 EP32/EP64; optionally the per-layer loads a
 training run recorded with ``--profile_loads`` (``--train_loads``). Time: one `jax.jit` of
 `jax.vmap(plan)` over a batch of load matrices (so dispatch is amortised), median over repeats,
@@ -32,7 +32,7 @@ from absl import app, flags
 
 import ultraep_jax as uep
 from experiments import common
-from experiments.loads import baselines, workloads
+from experiments.loads import baselines, traces, workloads
 from experiments.train import plot
 
 _SEEDS = flags.DEFINE_integer("seeds", 10, "Seeds per generated setup.")
@@ -54,7 +54,7 @@ _TRACES = flags.DEFINE_list(
     "trace:ep_size pairs to evaluate (empty for none).",
 )
 _TRACES_DIR = flags.DEFINE_string(
-    "traces_dir", None, "Folder of the trace folders (default: workloads.default_traces_dir())."
+    "traces_dir", None, "Folder of the trace folders (default: traces.default_traces_dir())."
 )
 _EXACT = flags.DEFINE_bool(
     "exact", True, "Also report exact mode (balance_eps=0) on the UltraEP setup and DeepSeek-R1."
@@ -105,7 +105,7 @@ def _config(num_experts: int, ep_size: int, eps: float | None = None) -> uep.Bal
 
 
 def _traces_dir():
-    return workloads.default_traces_dir() if _TRACES_DIR.value is None else _TRACES_DIR.value
+    return traces.default_traces_dir() if _TRACES_DIR.value is None else _TRACES_DIR.value
 
 
 def _quality(batch: np.ndarray, cfg: uep.BalancerConfig) -> dict:
@@ -149,7 +149,7 @@ def _zipf_batch(initial: float, ep_size: int, num_experts: int, seeds) -> np.nda
 
 def _trace_top_k(name: str) -> int:
     """top-8 for DeepSeek (its own); the model's own top-k for Qwen1.5-MoE (4) and Switch (1)."""
-    return 8 if name == "deepseek-r1" else workloads.TRACE_TOP_K[name]
+    return 8 if name == "deepseek-r1" else traces.TRACE_TOP_K[name]
 
 
 def _trace_rows(name: str, ep: int) -> list:
@@ -345,7 +345,7 @@ def _baseline_table(results: dict) -> None:
         res = _evaluate(
             matrices,
             series,
-            _config(workloads.TRACE_NUM_EXPERTS[name], ep),
+            _config(traces.TRACE_NUM_EXPERTS[name], ep),
             _SHORT_WINDOW.value,
             _SHORT_INTERVAL.value,
         )
@@ -541,7 +541,7 @@ def main(argv):
                 continue
             q = _quality(
                 np.stack([loads for _, loads in rows]),
-                _config(workloads.TRACE_NUM_EXPERTS[name], ep),
+                _config(traces.TRACE_NUM_EXPERTS[name], ep),
             )
             results["traces"][item] = q
             print(

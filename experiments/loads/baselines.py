@@ -17,7 +17,8 @@ Our own implementations, written from the published descriptions of each method 
   * :func:`eplb_plus` -- replication only, masters fixed, every spare slot used: each spare slot
     (taken on the currently least-loaded rank that still has one) goes to the currently heaviest
     expert by load per instance that the rank does not hold yet; tokens split evenly.
-  * :func:`ultraep` / :func:`ultraep_balanced` / :func:`ultraep_batch` -- ours, the FFI planner ``ultraep_jax.plan``.
+  * :func:`ultraep` / :func:`ultraep_balanced` / :func:`ultraep_batch` -- ours, the FFI planner
+    ``ultraep_jax.plan``.
 
 Every balancer returns a :class:`Balanced`: a physical layout ``[R, C]`` (the logical expert in
 each physical slot of each rank, ``-1`` when empty) and the tokens each instance processes

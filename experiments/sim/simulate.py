@@ -52,7 +52,7 @@ import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
-from experiments.loads import workloads
+from experiments.loads import traces, workloads
 
 # --------------------------------------------------------------------------------------------
 # Model shapes (published configs)
@@ -790,16 +790,16 @@ def trace_runs(trace: str, traces_dir: str | None = None) -> tuple[np.ndarray, .
     deepseek-r1: one run per file (12 serving runs x 58 MoE layers). switch-base-128: one run per
     (dataset, iteration) of ``expert_freq_switch128_datasets.csv`` (4 x 30 runs), encoder layers
     0-5 only (see ``SWITCH_ENCODER_LAYERS``). ``traces_dir`` is the folder holding the trace
-    folders (default `workloads.default_traces_dir`); FileNotFoundError when the trace is not
+    folders (default `traces.default_traces_dir`); FileNotFoundError when the trace is not
     there.
     """
-    base = workloads.default_traces_dir() if traces_dir is None else pathlib.Path(traces_dir)
+    base = traces.default_traces_dir() if traces_dir is None else pathlib.Path(traces_dir)
     root = base / trace
     if not root.is_dir():
         raise FileNotFoundError(f"trace folder not found: {root} (see --traces_dir)")
     if trace == "deepseek-r1":
-        return tuple(workloads.deepseek_trace_expert_counts(p) for p in sorted(root.glob("*.json")))
-    rows = workloads.harmoeny_trace_rows(root / "expert_freq_switch128_datasets.csv")
+        return tuple(traces.deepseek_trace_expert_counts(p) for p in sorted(root.glob("*.json")))
+    rows = traces.harmoeny_trace_rows(root / "expert_freq_switch128_datasets.csv")
     runs: dict = {}
     for meta, counts in rows:
         if meta["layer"] < SWITCH_ENCODER_LAYERS:
@@ -831,7 +831,7 @@ def trace_layer_counts(
     """Counts of one trace (run, layer) for a ``top_k`` router (``topk_counts`` when the traced
     model routed to fewer experts than ``top_k``)."""
     counts = trace_runs(trace, traces_dir)[run][layer]
-    if workloads.TRACE_TOP_K[trace] >= top_k:
+    if traces.TRACE_TOP_K[trace] >= top_k:
         return counts
     return topk_counts(counts, top_k, TOPK_DRAWS, seed=run * 1000 + layer)
 
@@ -877,7 +877,7 @@ def workload_streams(
     (seeded). ``zipfX``: UltraEP-style rank-level Zipf at initial imbalance X; ``ezipfX``:
     expert-level Zipf with exponent X; both drawn cyclically from a pool of ``zipf_pool`` seeded
     matrices (each seed has its own hot ranks, so the history says nothing about the present).
-    ``traces_dir``: the folder holding the trace folders (default: `workloads.default_traces_dir`).
+    ``traces_dir``: the folder holding the trace folders (default: `traces.default_traces_dir`).
     """
     tokens, k, E = params.tokens_per_rank, model.top_k, model.num_experts
     total = microbatches + history
@@ -979,7 +979,7 @@ def simulate_cell(
     Rows are keyed by baseline name; balancers that move weights get a second row
     ``"<name> (direct)"`` (the first uses relay with ``params.relay_fanout``). ``history`` load
     matrices per stream are handed to the balancers (for eplb_periodic) but never costed.
-    ``traces_dir``: where the ``trace`` workload reads (default `workloads.default_traces_dir`).
+    ``traces_dir``: where the ``trace`` workload reads (default `traces.default_traces_dir`).
     """
     cluster = CLUSTERS[scenario.cluster]
     ep = scenario.ep_size(model)
@@ -1354,7 +1354,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed for trace splits.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write every cell to this JSON file.")
 _TRACES = flags.DEFINE_string(
     "traces_dir",
-    str(workloads.default_traces_dir()),
+    str(traces.default_traces_dir()),
     "Folder holding the real expert-load traces (one folder per trace) for the trace workload.",
 )
 
