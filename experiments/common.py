@@ -85,6 +85,7 @@ def define_field_flags(cls, helps: Mapping[str, str], **defaults) -> Callable[[]
     as keyword arguments of ``cls``."""
     from absl import flags
 
+    flags.disclaim_key_flags()  # the flags belong to the caller's module (its --helpshort)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted((set(helps) - fields.keys()) | (set(defaults) - set(helps)))
     if unknown:

@@ -183,9 +183,7 @@ def test_deepseek_loader_drops_exactly_the_dense_layers():
 
 @pytest.mark.usefixtures("needs_traces")
 def test_harmoeny_rows():
-    qwen = traces.harmoeny_trace_rows(
-        TRACES / "qwen1.5-moe/expert_freq_qwen_policy_datasets.csv"
-    )
+    qwen = traces.harmoeny_trace_rows(TRACES / "qwen1.5-moe/expert_freq_qwen_policy_datasets.csv")
     assert len(qwen) == 960
     meta, counts = qwen[0]
     assert meta == {"row": 0, "dataset": "bookcorpus", "iteration": 0, "layer": 0}

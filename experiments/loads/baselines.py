@@ -388,6 +388,7 @@ def eplb_plus(loads, slots_per_rank: int) -> Balanced:
 # ultraep (ours)
 # --------------------------------------------------------------------------------------------
 
+
 def ultraep_balanced(batch, cfg) -> list[Balanced]:
     """ultraep's plans for a batch ``[N, R, E]`` (one ``jit(vmap(uep.plan))`` call) as ``N``
     :class:`Balanced`, layout ``[R, E/R + S]``: the masters, then the spare slots."""

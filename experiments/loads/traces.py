@@ -66,6 +66,7 @@ def _resolve_traces_dir(traces_dir) -> Path:
         )
     return path
 
+
 def deepseek_trace_expert_counts(path) -> np.ndarray:
     """Per-layer routed-expert counts of one DeepSeek-V3/R1 trace file.
 
@@ -153,8 +154,6 @@ def harmoeny_trace_rows(csv_path) -> list[tuple[dict, np.ndarray]]:
             }
             rows.append((meta, values.astype(np.int64)))
     return rows
-
-
 
 
 def trace_items(name: str, traces_dir=None) -> Iterator[tuple[str, np.ndarray]]:
