@@ -112,8 +112,9 @@ def define_balancer_flags(**defaults) -> Callable[[], dict]:
 
 
 def write_json(path: str | None, results) -> None:
-    """Writes ``results`` to ``path`` as indented JSON; nothing when ``path`` is None (the
-    ``--json_out`` flags' default)."""
+    """Writes ``results`` to ``path`` as indented JSON, creating its folder; nothing when ``path``
+    is None (the ``--json_out`` flags' default)."""
     if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
