@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 #: Help of the balancer flags (``define_balancer_flags``), keyed by BalancerConfig field.
-BALANCER_FLAGS = {
+_BALANCER_HELP = {
     "slots_per_rank": "Spare slots per rank.",
     "min_tokens_per_replica": "Least tokens per replica.",
     "balance_eps": "Balance tolerance above the mean.",
@@ -108,7 +108,7 @@ def define_balancer_flags(**defaults) -> Callable[[], dict]:
     `define_field_flags`; defaults: BalancerConfig's unless ``defaults`` names others)."""
     import ultraep_jax as uep
 
-    return define_field_flags(uep.BalancerConfig, BALANCER_FLAGS, **defaults)
+    return define_field_flags(uep.BalancerConfig, _BALANCER_HELP, **defaults)
 
 
 def write_json(path: str | None, results) -> None:

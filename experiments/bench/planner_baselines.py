@@ -38,14 +38,16 @@ def trace_series(labels: list) -> list:
     return [[i for _, i in sorted(v)] for v in series.values()]
 
 
-def _summary(imb, replicas, moved, seconds) -> dict:
-    imb = np.asarray(imb, dtype=np.float64)
+def _summary(results: list, moved, seconds) -> dict:
+    """Final max/mean (mean, p95, worst) and replicas of ``results`` (Balanced), placements
+    ``moved`` per re-plan (None: no re-plans) and the mean planning time of ``seconds``."""
+    imb = np.asarray([r.imbalance for r in results], dtype=np.float64)
     return {
         "n": int(imb.size),
         "final_mean": float(imb.mean()),
         "final_p95": float(np.percentile(imb, 95)),
         "final_worst": float(imb.max()),
-        "replicas_mean": float(np.mean(replicas)),
+        "replicas_mean": float(np.mean([r.num_replicas for r in results])),
         "moved_per_replan": float(np.mean(moved)) if moved is not None and len(moved) else None,
         "replans": len(moved) if moved is not None else None,
         "plan_us": float(np.mean(seconds)) * 1e6,
@@ -74,36 +76,31 @@ def _relayout_moves(results: list, series: list, num_ranks: int, num_experts: in
     return moved
 
 
-def _summary_of(results: list, moved, seconds) -> dict:
-    return _summary(
-        [r.imbalance for r in results], [r.num_replicas for r in results], moved, seconds
-    )
-
-
 def evaluate(matrices: np.ndarray, series: list, cfg: uep.BalancerConfig, window, interval):
     """All baselines on ``matrices [N, R, E]``; ``series`` orders them in time for eplb_periodic
     and for counting eplb_exact's per-step layout changes. Returns {baseline: summary dict}."""
     S = cfg.slots_per_rank
     out = {}
     results, seconds = _each(matrices, baselines.none)
-    out["none"] = _summary_of(results, None, seconds)
+    out["none"] = _summary(results, None, seconds)
     results, seconds = _each(matrices, lambda x: baselines.eplb_exact(x, S))
     moved = _relayout_moves(results, series, cfg.ep_size, cfg.num_experts)
-    out["eplb_exact"] = _summary_of(results, moved, seconds)
+    out["eplb_exact"] = _summary(results, moved, seconds)
     results, seconds = _each(matrices, lambda x: baselines.eplb_plus(x, S))
-    out["eplb_plus"] = _summary_of(results, None, seconds)
+    out["eplb_plus"] = _summary(results, None, seconds)
     periodic = [baselines.eplb_periodic(matrices[idx], S, window, interval) for idx in series]
-    out["eplb_periodic"] = _summary_of(
+    out["eplb_periodic"] = _summary(
         [r for p in periodic for r in p.steps],
         [m for p in periodic for m in p.new_placements],
         [s for p in periodic for s in p.plan_seconds],
     )
     results, batch_seconds = baselines.ultraep_batch(matrices, cfg, repeats=3)
-    out["ultraep"] = _summary_of(results, None, [batch_seconds / len(matrices)])
+    out["ultraep"] = _summary(results, None, [batch_seconds / len(matrices)])
     return out
 
 
 def print_rows(workload: str, rows: dict) -> None:
+    """One table line per baseline of ``rows`` (from :func:`evaluate`), in :data:`ORDER`."""
     for name in ORDER:
         q = rows[name]
         moved = "-" if q["moved_per_replan"] is None else f"{q['moved_per_replan']:.1f}"
