@@ -1,16 +1,29 @@
-"""Helpers every experiment shares: simulated CPU devices and the batched planner.
+"""Helpers every experiment shares: simulated CPU devices, the batched planner and its timing,
+flags made from a dataclass's fields, and the ``--json_out`` file.
 
 ``force_cpu_devices`` must run before JAX initialises a backend; it is the only place the
-experiments touch ``XLA_FLAGS``.
+experiments touch ``XLA_FLAGS``. JAX, absl and ultraep_jax are imported inside the functions, so
+importing this module initialises nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import os
+import statistics
 import time
+from collections.abc import Callable, Mapping
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+#: Help of the balancer flags (``define_balancer_flags``), keyed by BalancerConfig field.
+_BALANCER_HELP = {
+    "slots_per_rank": "Spare slots per rank.",
+    "min_tokens_per_replica": "Least tokens per replica.",
+    "balance_eps": "Balance tolerance above the mean.",
+}
 
 
 def force_cpu_devices(count: int, *, cpu_only: bool = False) -> None:
@@ -29,7 +42,7 @@ def force_cpu_devices(count: int, *, cpu_only: bool = False) -> None:
 @functools.cache
 def batched_planner(cfg):
     """``jax.jit(jax.vmap(uep.plan))`` for one ``BalancerConfig``: plans ``[N, R, E]`` int32
-    loads in one call. Cached per config."""
+    loads in one call, on the device the loads are on. Cached per config."""
     import jax
 
     import ultraep_jax as uep
@@ -37,18 +50,71 @@ def batched_planner(cfg):
     return jax.jit(jax.vmap(lambda loads: uep.plan(loads, cfg)))
 
 
-def time_batched_plan(loads, cfg, repeats: int = 5) -> float:
-    """Median seconds of one ``batched_planner(cfg)`` call on ``loads`` [N, R, E] (after a
-    warm-up call that compiles), over ``repeats`` calls."""
+def median_seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
+    """Median seconds per call of ``fn()`` over ``repeats`` samples, each ``inner`` back-to-back
+    calls blocked on once (so the host's dispatch overlaps the device's work), after one warm-up
+    call that compiles."""
+    import jax
+
+    if repeats < 1 or inner < 1:
+        raise ValueError(f"repeats and inner must be >= 1, got {repeats} and {inner}")
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready([fn() for _ in range(inner)])
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times)
+
+
+def time_batched_plan(loads, cfg, repeats: int = 5, device=None) -> float:
+    """Median seconds of one ``batched_planner(cfg)`` call on ``loads`` [N, R, E], placed on
+    ``device`` (default: JAX's default device), over ``repeats`` calls after a warm-up."""
     import jax
     import numpy as np
 
     fn = batched_planner(cfg)
-    data = jax.device_put(np.asarray(loads, dtype=np.int32))
-    jax.block_until_ready(fn(data))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(data))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    data = jax.device_put(np.asarray(loads, dtype=np.int32), device)
+    return median_seconds(lambda: fn(data), repeats)
+
+
+def define_field_flags(cls, helps: Mapping[str, str], **defaults) -> Callable[[], dict]:
+    """Defines one absl flag per entry of ``helps`` (field name -> help) of the dataclass
+    ``cls``, defaulting to the field's default unless ``defaults`` names another; the default's
+    type (bool, int, float, str) picks the flag's. Returns a function that reads the parsed flags
+    as keyword arguments of ``cls``."""
+    from absl import flags
+
+    flags.disclaim_key_flags()  # the flags belong to the caller's module (its --helpshort)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted((set(helps) - fields.keys()) | (set(defaults) - set(helps)))
+    if unknown:
+        raise ValueError(f"no flag for {cls.__name__} field(s) {unknown}")
+    define = {
+        bool: flags.DEFINE_bool,
+        int: flags.DEFINE_integer,
+        float: flags.DEFINE_float,
+        str: flags.DEFINE_string,
+    }
+    holders = []
+    for name, help_text in helps.items():
+        default = defaults.get(name, fields[name].default)
+        holders.append(define[type(default)](name, default, help_text))
+    return lambda: {holder.name: holder.value for holder in holders}
+
+
+def define_balancer_flags(**defaults) -> Callable[[], dict]:
+    """``--slots_per_rank``, ``--min_tokens_per_replica`` and ``--balance_eps`` (see
+    `define_field_flags`; defaults: BalancerConfig's unless ``defaults`` names others)."""
+    import ultraep_jax as uep
+
+    return define_field_flags(uep.BalancerConfig, _BALANCER_HELP, **defaults)
+
+
+def write_json(path: str | None, results) -> None:
+    """Writes ``results`` to ``path`` as indented JSON, creating its folder; nothing when ``path``
+    is None (the ``--json_out`` flags' default)."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)

@@ -1,4 +1,5 @@
-"""Tests for experiments/baselines.py and workloads.drifting_stream (fast; hand-computed cases)."""
+"""Tests for experiments/loads/baselines.py and workloads.drifting_stream (fast; hand-computed
+cases)."""
 
 import numpy as np
 import pytest

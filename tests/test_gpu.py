@@ -115,7 +115,7 @@ def test_cuda_planner_hook_equals_cpu_planner(with_capacity):
     outputs first, so an unwritten entry shows."""
     if not _native.has_cuda_handler():
         pytest.skip("the CUDA planner handler was not built into this install (no nvcc?)")
-    from experiments.bench.gpu_check import cuda_bench
+    from experiments.bench.gpu_planner import cuda_bench
 
     for kwargs, (n, R, E, tokens, exponent) in PLANNER_CASES.values():
         cfg = uep.BalancerConfig(**kwargs)

@@ -1,5 +1,5 @@
-"""Tests for experiments/workloads.py (pure NumPy; run with `python -m pytest` from the repo
-root), and for where the real expert-load traces are read from."""
+"""Tests for experiments/loads/workloads.py and traces.py (pure NumPy; run with `python -m pytest`
+from the repo root), and for where the real expert-load traces are read from."""
 
 import itertools
 import json
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.loads import workloads
+from experiments.loads import traces, workloads
 
 R, E, T, K = 64, 256, 8192, 8  # UltraEP reference setup
-TRACES = workloads.default_traces_dir()
+TRACES = traces.default_traces_dir()
 CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -52,7 +52,8 @@ def test_master_rank_loads_and_imbalance():
 
 @pytest.mark.parametrize("target", [1.5, 2.0, 3.0])
 def test_rank_zipf_hits_target(target):
-    loads, exponent = workloads.rank_zipf_loads_with_exponent(R, E, T, K, target, seed=0)
+    loads = workloads.rank_zipf_loads(R, E, T, K, target, seed=0)
+    exponent = workloads.rank_zipf_exponent(R, T, K, target, seed=0)
     _check_matrix(loads, R, E, T * K)
     assert exponent > 0
     assert workloads.initial_imbalance(loads) == pytest.approx(target, rel=0.005)
@@ -156,14 +157,14 @@ def _write_deepseek(path, first_rows):
 
 def test_deepseek_loader_synthetic(tmp_path):
     good = _write_deepseek(tmp_path / "ok.json", 0.0)
-    out = workloads.deepseek_trace_expert_counts(tmp_path / "ok.json")
+    out = traces.deepseek_trace_expert_counts(tmp_path / "ok.json")
     assert out.shape == (58, 256)
     np.testing.assert_array_equal(out, good[3:])
     bad_rows = np.zeros((3, 256))
     bad_rows[1, 7] = 1.0
     _write_deepseek(tmp_path / "bad.json", bad_rows)
     with pytest.raises(ValueError, match="not constant"):
-        workloads.deepseek_trace_expert_counts(tmp_path / "bad.json")
+        traces.deepseek_trace_expert_counts(tmp_path / "bad.json")
 
 
 @pytest.mark.usefixtures("needs_traces")
@@ -175,21 +176,19 @@ def test_deepseek_loader_drops_exactly_the_dense_layers():
         assert raw.shape == (61, 256)
         constant = np.all(raw == raw[:, :1], axis=1)
         np.testing.assert_array_equal(np.flatnonzero(constant), [0, 1, 2])
-        out = workloads.deepseek_trace_expert_counts(path)
+        out = traces.deepseek_trace_expert_counts(path)
         assert out.shape == (58, 256)
         np.testing.assert_array_equal(out, raw[3:])
 
 
 @pytest.mark.usefixtures("needs_traces")
 def test_harmoeny_rows():
-    qwen = workloads.harmoeny_trace_rows(
-        TRACES / "qwen1.5-moe/expert_freq_qwen_policy_datasets.csv"
-    )
+    qwen = traces.harmoeny_trace_rows(TRACES / "qwen1.5-moe/expert_freq_qwen_policy_datasets.csv")
     assert len(qwen) == 960
     meta, counts = qwen[0]
     assert meta == {"row": 0, "dataset": "bookcorpus", "iteration": 0, "layer": 0}
     assert counts.shape == (60,) and counts.dtype == np.int64
-    skew = workloads.harmoeny_trace_rows(TRACES / "switch-base-128/expert_freq_switch128_skew.csv")
+    skew = traces.harmoeny_trace_rows(TRACES / "switch-base-128/expert_freq_switch128_skew.csv")
     assert {m["router_skew"] for m, _ in skew} == {0.0, 0.5, 0.9}
     assert all(c.shape == (128,) for _, c in skew)
 
@@ -200,7 +199,7 @@ def test_harmoeny_rows():
     [("deepseek-r1", 64, 8), ("qwen1.5-moe", 12, 4), ("switch-base-128", 8, 1)],
 )
 def test_trace_workloads(name, ep_size, top_k):
-    num_experts = workloads.TRACE_NUM_EXPERTS[name]
+    num_experts = traces.TRACE_NUM_EXPERTS[name]
     items = list(itertools.islice(workloads.trace_workloads(name, ep_size, 512, top_k, 0), 3))
     assert len(items) == 3
     assert len({label for label, _ in items}) == 3
@@ -238,7 +237,7 @@ def test_the_repository_keeps_the_traces():
     readme = (vendored / "README.md").read_text()  # the attribution travels with the data
     assert "sacs-epfl/HarMoEny" in readme and "GeneratedRandomly/SGLang-reproduce" in readme
     assert len(sorted((vendored / "deepseek-r1").glob("*.json"))) == 12
-    for name in workloads.TRACE_NAMES:
+    for name in traces.TRACE_NAMES:
         assert any((vendored / name).iterdir()), name
     shared = CHECKOUT.parent / "shared" / "traces"
     if shared.is_dir():  # the workspace's copy and the repository's hold the same data
@@ -251,10 +250,10 @@ def test_the_repository_keeps_the_traces():
 def test_traces_dir_prefers_the_shared_folder(tmp_path):
     checkout = tmp_path / "repo"
     (checkout / "traces").mkdir(parents=True)
-    assert workloads.traces_dir_for(checkout) == checkout / "traces"
+    assert traces.traces_dir_for(checkout) == checkout / "traces"
     (tmp_path / "shared" / "traces").mkdir(parents=True)
-    assert workloads.traces_dir_for(checkout) == tmp_path / "shared" / "traces"
-    assert workloads.default_traces_dir().is_dir()
+    assert traces.traces_dir_for(checkout) == tmp_path / "shared" / "traces"
+    assert traces.default_traces_dir().is_dir()
 
 
 @pytest.mark.parametrize("value, fails", [("", False), ("0", False), ("1", True)])

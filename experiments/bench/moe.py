@@ -17,45 +17,51 @@ interconnect.
 
 from __future__ import annotations
 
-import os
+from experiments import common
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+common.force_cpu_devices(8, cpu_only=True)  # before JAX starts a backend
 
-import json  # noqa: E402
-import math  # noqa: E402
-import time  # noqa: E402
+import math
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import ultraep_jax as uep  # noqa: E402
+import ultraep_jax as uep
 
 _D = flags.DEFINE_integer("d_model", 64, "Token width D.")
 _F = flags.DEFINE_integer("d_ff", 128, "Expert hidden width F.")
 _E = flags.DEFINE_integer("num_experts", 16, "Experts E (divisible by the 8 EP ranks).")
 _K = flags.DEFINE_integer("top_k", 2, "Experts per token.")
-_S = flags.DEFINE_integer("slots_per_rank", 2, "Spare slots per rank.")
+_BALANCER = common.define_balancer_flags(min_tokens_per_replica=16)
 _TOKENS = flags.DEFINE_integer("tokens_per_device", 256, "Tokens on each device.")
 _SEQ = flags.DEFINE_integer("seq_len", 64, "Sequence length (must divide tokens_per_device).")
-_HOT = flags.DEFINE_integer("hot_experts", 2, "Experts the skewed router favours.")
+_HOT = flags.DEFINE_integer("hot_experts", 2, "Experts the skewed router favours (at most 8).")
 _SKEW = flags.DEFINE_float("skew", 2.0, "Router bias strength toward the hot experts.")
 _CF = flags.DEFINE_float(
     "capacity_factor", 1.05, "Receive buffer of the capped layers, as a multiple of top_k * tokens."
 )
-_MIN_TOKENS = flags.DEFINE_integer("min_tokens_per_replica", 16, "Least tokens per replica.")
-_EPS = flags.DEFINE_float("balance_eps", 0.01, "Balance tolerance above the mean.")
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds (medians are reported).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the inputs and parameters.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
+
+flags.register_validator("num_experts", lambda e: e > 0 and e % 8 == 0, "must be a multiple of 8")
+flags.register_validator("hot_experts", lambda n: 0 <= n <= 8, "must lie in [0, 8] (one a rank)")
+flags.register_multi_flags_validator(
+    ["seq_len", "tokens_per_device"],
+    lambda v: v["seq_len"] > 0 and v["tokens_per_device"] % v["seq_len"] == 0,
+    "--seq_len must divide --tokens_per_device",
+)
+
+
+def _layer_shape() -> dict:
+    """The flags' layer shape, as ``uep.MoE`` keyword arguments."""
+    return {"d_model": _D.value, "d_ff": _F.value, "num_experts": _E.value, "top_k": _K.value}
 
 
 def _skewed_inputs(mesh, rng):
@@ -63,8 +69,6 @@ def _skewed_inputs(mesh, rng):
     tokens to --hot_experts experts on different ranks (x shares a direction u their columns align
     with)."""
     D, E = _D.value, _E.value
-    if _TOKENS.value % _SEQ.value:
-        raise ValueError(f"--seq_len={_SEQ.value} must divide --tokens_per_device={_TOKENS.value}")
     batch = mesh.size * _TOKENS.value // _SEQ.value
     u = rng.normal(size=D)
     u /= np.linalg.norm(u)
@@ -79,10 +83,7 @@ def _skewed_inputs(mesh, rng):
 def _build(mesh, balancer, router, capacity_factor):
     """The layer with the skewed router written in."""
     layer = uep.MoE(
-        d_model=_D.value,
-        d_ff=_F.value,
-        num_experts=_E.value,
-        top_k=_K.value,
+        **_layer_shape(),
         mesh=mesh,
         balancer=balancer,
         capacity_factor=capacity_factor,
@@ -200,19 +201,14 @@ RATIOS = {
 
 
 def main(argv):
+    """Builds, compiles and times the four layers, prints the tables; ``--json_out`` also."""
     del argv
     # Auto axes: the layer splits the work with shard_map itself (and, at the time of writing,
     # differentiating w.r.t. an x placed on an Explicit mesh fails in the layer).
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))
     rng = np.random.default_rng(_SEED.value)
     x, router = _skewed_inputs(mesh, rng)
-    balancer = uep.BalancerConfig(
-        num_experts=_E.value,
-        ep_size=8,
-        slots_per_rank=_S.value,
-        min_tokens_per_replica=_MIN_TOKENS.value,
-        balance_eps=_EPS.value,
-    )
+    balancer = uep.BalancerConfig(num_experts=_E.value, ep_size=8, **_BALANCER())
     layers = {
         "plain_dropless": _build(mesh, None, router, None),
         "plain_capped": _build(mesh, None, router, _CF.value),
@@ -227,17 +223,12 @@ def main(argv):
         "config": {
             "device": str(jax.devices()[0].device_kind),
             "devices": jax.device_count(),
-            "d_model": _D.value,
-            "d_ff": _F.value,
-            "num_experts": _E.value,
-            "top_k": _K.value,
-            "slots_per_rank": _S.value,
+            **_layer_shape(),
+            **_BALANCER(),
             "tokens_per_device": _TOKENS.value,
             "capacity_factor": _CF.value,
             "hot_experts": _HOT.value,
             "skew": _SKEW.value,
-            "min_tokens_per_replica": _MIN_TOKENS.value,
-            "balance_eps": _EPS.value,
             "repeats": _REPEATS.value,
         },
         "runs": runs,
@@ -246,9 +237,7 @@ def main(argv):
         },
     }
     _print_report(res)
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(res, f, indent=2)
+    common.write_json(_JSON.value, res)
 
 
 if __name__ == "__main__":

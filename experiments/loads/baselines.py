@@ -17,7 +17,8 @@ Our own implementations, written from the published descriptions of each method 
   * :func:`eplb_plus` -- replication only, masters fixed, every spare slot used: each spare slot
     (taken on the currently least-loaded rank that still has one) goes to the currently heaviest
     expert by load per instance that the rank does not hold yet; tokens split evenly.
-  * :func:`ultraep` / :func:`ultraep_batch` -- ours, the FFI planner ``ultraep_jax.plan``.
+  * :func:`ultraep` / :func:`ultraep_balanced` / :func:`ultraep_batch` -- ours, the FFI planner
+    ``ultraep_jax.plan``.
 
 Every balancer returns a :class:`Balanced`: a physical layout ``[R, C]`` (the logical expert in
 each physical slot of each rank, ``-1`` when empty) and the tokens each instance processes
@@ -42,6 +43,8 @@ import time
 
 import numpy as np
 
+from experiments import common
+
 __all__ = [
     "Balanced",
     "Periodic",
@@ -59,6 +62,7 @@ __all__ = [
     "none",
     "split_evenly",
     "ultraep",
+    "ultraep_balanced",
     "ultraep_batch",
 ]
 
@@ -384,60 +388,37 @@ def eplb_plus(loads, slots_per_rank: int) -> Balanced:
 # ultraep (ours)
 # --------------------------------------------------------------------------------------------
 
-_ULTRAEP_FNS: dict = {}
 
-
-def _ultraep_fn(cfg):
-    """Cached ``jax.jit(jax.vmap(uep.plan))`` for one config."""
-    if cfg not in _ULTRAEP_FNS:
-        import jax
-
-        import ultraep_jax as uep
-
-        _ULTRAEP_FNS[cfg] = jax.jit(jax.vmap(lambda x: uep.plan(x, cfg)))
-    return _ULTRAEP_FNS[cfg]
-
-
-def ultraep_batch(batch, cfg, *, repeats: int = 1) -> tuple[list, float]:
-    """Plan a batch ``[N, R, E]`` with ``jax.jit(jax.vmap(uep.plan))``.
-
-    Args:
-      batch: int ``[N, R, E]``; cfg: ``ultraep_jax.BalancerConfig`` for ``[R, E]``;
-      repeats: timed calls (the median is returned).
-
-    Returns:
-      ``(results, seconds)``: ``N`` :class:`Balanced` (layout ``[R, E/R + S]``: masters then
-      spare slots), and the median wall time of one already-compiled batched call
-      (device-resident input, ``block_until_ready``), so ``seconds / N`` per matrix.
-    """
-    import jax
-
+def ultraep_balanced(batch, cfg) -> list[Balanced]:
+    """ultraep's plans for a batch ``[N, R, E]`` (one ``jit(vmap(uep.plan))`` call) as ``N``
+    :class:`Balanced`, layout ``[R, E/R + S]``: the masters, then the spare slots."""
     batch = np.asarray(batch, dtype=np.int32)
-    fn = _ultraep_fn(cfg)
-    device_batch = jax.device_put(batch)
-    plans = jax.block_until_ready(fn(device_batch))  # compile + warm up
-    times = []
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(device_batch))
-        times.append(time.perf_counter() - start)
-    seconds = float(np.median(times))
+    plans = common.batched_planner(cfg)(batch)
     num, num_ranks, num_experts = batch.shape
     masters = master_layout(num_ranks, num_experts)
     slot_expert = np.asarray(plans.slot_expert)
     slot_quota = np.asarray(plans.slot_quota, dtype=np.int64)
     master_quota = np.asarray(plans.master_quota, dtype=np.int64).reshape(num, num_ranks, -1)
-    results = [
+    return [
         Balanced(
             np.concatenate([masters, slot_expert[i]], axis=1),
             np.concatenate([master_quota[i], slot_quota[i]], axis=1),
         )
         for i in range(num)
     ]
-    return results, seconds
+
+
+def ultraep_batch(batch, cfg, *, repeats: int = 1) -> tuple[list, float]:
+    """:func:`ultraep_balanced` of a batch ``[N, R, E]``, and its planning time.
+
+    Returns:
+      ``(results, seconds)``: ``N`` :class:`Balanced`, and the median wall time of one
+      already-compiled batched call over ``max(1, repeats)`` calls
+      (`experiments.common.time_batched_plan`), so ``seconds / N`` per matrix.
+    """
+    return ultraep_balanced(batch, cfg), common.time_batched_plan(batch, cfg, max(1, repeats))
 
 
 def ultraep(loads, cfg) -> Balanced:
     """ultraep's plan for one ``loads [R, E]`` as a :class:`Balanced`."""
-    results, _ = ultraep_batch(np.asarray(loads)[None], cfg)
-    return results[0]
+    return ultraep_balanced(np.asarray(loads)[None], cfg)[0]

@@ -9,15 +9,13 @@ generated matrix sums to exactly that.
 
 Generated workloads:
   * :func:`rank_zipf_loads` -- UltraEP-style rank-level Zipf, with the exponent solved so the
-    initial (master-only) max/mean rank load hits a target such as 1.5 / 2.0 / 3.0.
+    initial (master-only) max/mean rank load hits a target such as 1.5 / 2.0 / 3.0
+    (:func:`rank_zipf_exponent` says which exponent).
   * :func:`expert_zipf_loads` -- Zipf over experts with a given exponent.
   * :func:`drifting_stream` -- a non-stationary stream ``[steps, R, E]``: expert popularity
     drifts (a random walk on the logits) and occasionally jumps (a random re-ranking).
 
-Measured workloads (real routing counts of public models; the data is in the repository's
-``traces/`` folder, whose README names the sources; see :func:`default_traces_dir`):
-  * :func:`deepseek_trace_expert_counts` -- DeepSeek-V3/R1 serving runs (SGLang), 256 experts.
-  * :func:`harmoeny_trace_rows` -- Qwen1.5-MoE-A2.7B (60 experts) and Switch-Base-128 (HarMoEny).
+Measured workloads (the trace files are read by `experiments.loads.traces`):
   * :func:`loads_from_expert_counts` -- turns a per-expert count vector into ``loads[R, E]``.
   * :func:`trace_workloads` -- iterates every (file, layer) / CSV row of a trace as ``loads``.
 
@@ -29,41 +27,22 @@ None of this imports JAX; all randomness goes through ``numpy.random.Generator``
 
 from __future__ import annotations
 
-import csv
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 
+from experiments.loads import traces
+
 __all__ = [
-    "DEEPSEEK_DENSE_LAYERS",
-    "TRACE_NAMES",
-    "TRACE_NUM_EXPERTS",
-    "TRACE_TOP_K",
-    "deepseek_trace_expert_counts",
-    "default_traces_dir",
     "drifting_stream",
     "expert_zipf_loads",
-    "harmoeny_trace_rows",
     "initial_imbalance",
     "loads_from_expert_counts",
     "master_rank_loads",
+    "rank_zipf_exponent",
     "rank_zipf_loads",
-    "rank_zipf_loads_with_exponent",
     "trace_workloads",
-    "traces_dir_for",
 ]
-
-#: Trace names accepted by :func:`trace_workloads` (folder names under the traces directory).
-TRACE_NAMES = ("deepseek-r1", "qwen1.5-moe", "switch-base-128")
-#: Logical (routed) experts of each traced model.
-TRACE_NUM_EXPERTS = {"deepseek-r1": 256, "qwen1.5-moe": 60, "switch-base-128": 128}
-#: The traced model's own top-k (for reference; callers pick ``top_k`` when scaling a trace).
-TRACE_TOP_K = {"deepseek-r1": 8, "qwen1.5-moe": 4, "switch-base-128": 1}
-#: DeepSeek-V3/R1 has 61 layers, the first 3 dense (no routed experts; the JSON holds a constant).
-DEEPSEEK_DENSE_LAYERS = 3
-_DEEPSEEK_NUM_LAYERS = 61
 
 #: Default Dirichlet concentration for splitting a rank's share among its masters.
 DEFAULT_DIRICHLET_ALPHA = 1.0
@@ -88,6 +67,17 @@ def _check_layout(ep_size, num_experts) -> tuple[int, int]:
     if num_experts % ep_size != 0:
         raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
     return ep_size, num_experts
+
+
+def _pairs_per_rank(ep_size: int, tokens_per_rank, top_k) -> int:
+    """Checked ``tokens_per_rank * top_k``, the pairs each of ``ep_size`` source ranks sends
+    (their total must fit int32 loads)."""
+    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
+    top_k = _check_positive_int("top_k", top_k)
+    n_pairs = tokens_per_rank * top_k
+    if ep_size * n_pairs > np.iinfo(np.int32).max:
+        raise ValueError("ep_size * tokens_per_rank * top_k overflows int32 loads")
+    return n_pairs
 
 
 def master_rank_loads(loads) -> np.ndarray:
@@ -136,50 +126,40 @@ def _zipf_weights(n: int, exponent: float) -> np.ndarray:
     return w / w.sum()
 
 
-def rank_zipf_loads_with_exponent(
-    ep_size: int,
-    num_experts: int,
-    tokens_per_rank: int,
-    top_k: int,
-    target_imbalance: float,
-    seed: int,
-    *,
-    dirichlet_alpha: float = DEFAULT_DIRICHLET_ALPHA,
-    rtol: float = 1e-4,
-) -> tuple[np.ndarray, float]:
-    """Like :func:`rank_zipf_loads`, and also returns the Zipf exponent the bisection found.
+#: Relative tolerance of the rank-Zipf bisection on the realised imbalance.
+_ZIPF_RTOL = 1e-4
 
-    Returns:
-      ``(loads, exponent)``: int32 ``[R, E]`` and the float exponent ``s``.
-    """
-    ep_size, num_experts = _check_layout(ep_size, num_experts)
-    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
-    top_k = _check_positive_int("top_k", top_k)
+
+def _rank_zipf_args(ep_size: int, tokens_per_rank, top_k, target_imbalance) -> tuple[int, float]:
+    """Checked ``(pairs per source rank, target imbalance)`` of a rank-Zipf workload."""
+    n_pairs = _pairs_per_rank(ep_size, tokens_per_rank, top_k)
     target = float(target_imbalance)
     if not (1.0 <= target < ep_size):
         raise ValueError(
             f"target_imbalance must lie in [1, ep_size={ep_size}), got {target_imbalance}"
         )
-    if not dirichlet_alpha > 0:
-        raise ValueError(f"dirichlet_alpha must be positive, got {dirichlet_alpha}")
+    return n_pairs, target
 
-    R, E = ep_size, num_experts
-    e_m = E // R
-    n_pairs = tokens_per_rank * top_k  # pairs per source rank
-    if R * n_pairs > np.iinfo(np.int32).max:
-        raise ValueError("R * tokens_per_rank * top_k overflows int32 loads")
 
-    ss_perm, ss_dir, ss_unif, ss_split = np.random.SeedSequence(seed).spawn(4)
-    # order[i] = rank at popularity position i (position 0 is the hottest).
-    order = np.random.default_rng(ss_perm).permutation(R)
-    within = np.random.default_rng(ss_dir).dirichlet(np.full(e_m, float(dirichlet_alpha)), size=R)
+def _rank_zipf_seeds(seed) -> list:
+    """The rank-Zipf seed streams: permutation, Dirichlet split, uniforms, expert split."""
+    return np.random.SeedSequence(seed).spawn(4)
 
+
+def _rank_level_counts(R: int, n_pairs: int, target: float, uniforms_seed) -> tuple:
+    """The rank-level draw of :func:`rank_zipf_loads` (its steps 1, 3 and 4).
+
+    Returns:
+      ``(counts, s)``: int64 ``[R_src, R_pos]``, the pairs from each source rank to each
+      popularity position, and the Zipf exponent ``s >= 0`` whose realised master-only imbalance
+      is nearest ``target``.
+    """
     # Common random numbers: source rank r's pairs are n_pairs sorted uniforms. The number of
     # them inside popularity position i's CDF interval is a multinomial draw of the rank-level
     # counts, and because the intervals are laid out hottest first, the hottest rank's count is
     # non-decreasing in the exponent for fixed uniforms, so bisection on the *realised*
     # imbalance is well behaved. Offsetting row r by r lets one searchsorted serve all rows.
-    unif = np.random.default_rng(ss_unif).random((R, n_pairs))
+    unif = np.random.default_rng(uniforms_seed).random((R, n_pairs))
     unif.sort(axis=1)
     unif += np.arange(R, dtype=np.float64)[:, None]
     flat = unif.ravel()
@@ -209,7 +189,7 @@ def rank_zipf_loads_with_exponent(
         if abs(f_hi - target) < abs(best_f - target):
             best_s, best_f, best_counts = hi, f_hi, c_hi
         for _ in range(200):
-            if abs(best_f - target) <= rtol * target or hi - lo <= 1e-12 * max(hi, 1.0):
+            if abs(best_f - target) <= _ZIPF_RTOL * target or hi - lo <= 1e-12 * max(hi, 1.0):
                 break
             mid = 0.5 * (lo + hi)
             f_mid, c_mid = realised(mid)
@@ -221,15 +201,17 @@ def rank_zipf_loads_with_exponent(
                 hi = mid
     # else: even uniform rank popularity overshoots the target (sampling noise / Dirichlet-free
     # rank level); exponent 0 is the closest this model gets.
+    return best_counts, best_s
 
-    # Place popularity positions on their ranks, then split each (source, destination rank)
-    # count among the destination's masters: multinomial(count, within[d]). Composed with the
-    # rank-level multinomial this is exactly a multinomial over experts with p_e = share * split.
-    to_rank = np.empty((R, R), dtype=np.int64)
-    to_rank[:, order] = best_counts
-    per_expert = np.random.default_rng(ss_split).multinomial(to_rank, within)  # [R, R, e_m]
-    loads = per_expert.reshape(R, E).astype(np.int32)
-    return loads, float(best_s)
+
+def rank_zipf_exponent(
+    ep_size: int, tokens_per_rank: int, top_k: int, target_imbalance: float, seed: int
+) -> float:
+    """The Zipf exponent ``s`` that :func:`rank_zipf_loads` finds for these arguments (its
+    ``num_experts`` and ``dirichlet_alpha`` do not change it)."""
+    ep_size = _check_positive_int("ep_size", ep_size)
+    n_pairs, target = _rank_zipf_args(ep_size, tokens_per_rank, top_k, target_imbalance)
+    return _rank_level_counts(ep_size, n_pairs, target, _rank_zipf_seeds(seed)[2])[1]
 
 
 def rank_zipf_loads(
@@ -285,25 +267,27 @@ def rank_zipf_loads(
     Returns:
       int32 ``[R, E]``; every row sums to ``tokens_per_rank * top_k``.
     """
-    loads, _ = rank_zipf_loads_with_exponent(
-        ep_size,
-        num_experts,
-        tokens_per_rank,
-        top_k,
-        target_imbalance,
-        seed,
-        dirichlet_alpha=dirichlet_alpha,
-    )
-    return loads
+    ep_size, num_experts = _check_layout(ep_size, num_experts)
+    n_pairs, target = _rank_zipf_args(ep_size, tokens_per_rank, top_k, target_imbalance)
+    if not dirichlet_alpha > 0:
+        raise ValueError(f"dirichlet_alpha must be positive, got {dirichlet_alpha}")
+    R, E = ep_size, num_experts
+    ss_perm, ss_dir, ss_unif, ss_split = _rank_zipf_seeds(seed)
+    # order[i] = rank at popularity position i (position 0 is the hottest).
+    order = np.random.default_rng(ss_perm).permutation(R)
+    within = np.random.default_rng(ss_dir).dirichlet(np.full(E // R, float(dirichlet_alpha)), R)
+    counts, _ = _rank_level_counts(R, n_pairs, target, ss_unif)
+    # Place popularity positions on their ranks, then split each (source, destination rank)
+    # count among the destination's masters: multinomial(count, within[d]). Composed with the
+    # rank-level multinomial this is exactly a multinomial over experts with p_e = share * split.
+    to_rank = np.empty((R, R), dtype=np.int64)
+    to_rank[:, order] = counts
+    per_expert = np.random.default_rng(ss_split).multinomial(to_rank, within)  # [R, R, e_m]
+    return per_expert.reshape(R, E).astype(np.int32)
 
 
 def expert_zipf_loads(
-    ep_size: int,
-    num_experts: int,
-    tokens_per_rank: int,
-    top_k: int,
-    exponent: float,
-    seed: int,
+    ep_size: int, num_experts: int, tokens_per_rank: int, top_k: int, exponent: float, seed: int
 ) -> np.ndarray:
     """Expert-level Zipf workload.
 
@@ -323,13 +307,9 @@ def expert_zipf_loads(
       int32 ``[R, E]``; every row sums to ``tokens_per_rank * top_k``.
     """
     ep_size, num_experts = _check_layout(ep_size, num_experts)
-    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
-    top_k = _check_positive_int("top_k", top_k)
+    n_pairs = _pairs_per_rank(ep_size, tokens_per_rank, top_k)
     if not float(exponent) >= 0.0:
         raise ValueError(f"exponent must be >= 0, got {exponent}")
-    n_pairs = tokens_per_rank * top_k
-    if ep_size * n_pairs > np.iinfo(np.int32).max:
-        raise ValueError("R * tokens_per_rank * top_k overflows int32 loads")
     ss_perm, ss_draw = np.random.SeedSequence(seed).spawn(2)
     order = np.random.default_rng(ss_perm).permutation(num_experts)
     p = np.empty(num_experts, dtype=np.float64)
@@ -376,8 +356,7 @@ def drifting_stream(
       int32 ``[T, R, E]``; every ``[R, E]`` row of every step sums to ``tokens_per_rank * top_k``.
     """
     ep_size, num_experts = _check_layout(ep_size, num_experts)
-    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
-    top_k = _check_positive_int("top_k", top_k)
+    n_pairs = _pairs_per_rank(ep_size, tokens_per_rank, top_k)
     steps = _check_positive_int("steps", steps)
     if not float(exponent) >= 0.0:
         raise ValueError(f"exponent must be >= 0, got {exponent}")
@@ -387,14 +366,9 @@ def drifting_stream(
         raise ValueError(f"reversion must lie in [0, 1], got {reversion}")
     if not float(jump_every) >= 1.0:
         raise ValueError(f"jump_every must be >= 1, got {jump_every}")
-    n_pairs = tokens_per_rank * top_k
-    if ep_size * n_pairs > np.iinfo(np.int32).max:
-        raise ValueError("R * tokens_per_rank * top_k overflows int32 loads")
 
-    ss_perm, ss_walk, ss_jump, ss_draw = np.random.SeedSequence(seed).spawn(4)
-    walk_rng = np.random.default_rng(ss_walk)
-    jump_rng = np.random.default_rng(ss_jump)
-    draw_rng = np.random.default_rng(ss_draw)
+    ss_perm, *rest = np.random.SeedSequence(seed).spawn(4)
+    walk_rng, jump_rng, draw_rng = (np.random.default_rng(ss) for ss in rest)
     base = np.empty(num_experts, dtype=np.float64)
     base[np.random.default_rng(ss_perm).permutation(num_experts)] = -float(exponent) * np.log(
         np.arange(1, num_experts + 1, dtype=np.float64)
@@ -416,121 +390,8 @@ def drifting_stream(
 
 
 # --------------------------------------------------------------------------------------------
-# Measured traces
+# Load matrices from measured traces (the files: experiments.loads.traces)
 # --------------------------------------------------------------------------------------------
-
-
-def traces_dir_for(checkout: Path) -> Path:
-    """The trace folder a repository ``checkout`` reads: ``<checkout>/../shared/traces`` when it
-    exists (a workspace's shared copy), else the copy kept in the repository,
-    ``<checkout>/traces``."""
-    checkout = Path(checkout)
-    shared = checkout.parent / "shared" / "traces"
-    return shared if shared.is_dir() else checkout / "traces"
-
-
-def default_traces_dir() -> Path:
-    """The trace folder of this checkout (see :func:`traces_dir_for`)."""
-    return traces_dir_for(Path(__file__).resolve().parents[2])
-
-
-def _resolve_traces_dir(traces_dir) -> Path:
-    path = default_traces_dir() if traces_dir is None else Path(traces_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"trace folder not found: {path} (pass traces_dir=... pointing at a folder that holds "
-            f"{', '.join(TRACE_NAMES)})"
-        )
-    return path
-
-
-def deepseek_trace_expert_counts(path) -> np.ndarray:
-    """Per-layer routed-expert counts of one DeepSeek-V3/R1 trace file.
-
-    The file (SGLang-reproduce, ``attachment_ep_statistics/``) is JSON ``{"logical_count":
-    [61][256]}``: tokens routed to each of the 256 routed experts (each top-8 choice counts once),
-    summed over a whole serving run. Its first 3 layers are dense and hold a constant row; they
-    are checked to be constant (ValueError otherwise) and dropped.
-
-    Args:
-      path: a ``*.json`` file of the ``deepseek-r1`` trace folder.
-
-    Returns:
-      int64 ``[58, 256]``: row ``i`` is model layer ``i + 3``.
-    """
-    path = Path(path)
-    with path.open() as f:
-        data = json.load(f)
-    if "logical_count" not in data:
-        raise ValueError(f"{path}: no 'logical_count' key")
-    counts = np.asarray(data["logical_count"], dtype=np.float64)
-    if counts.ndim != 2 or counts.shape[0] != _DEEPSEEK_NUM_LAYERS:
-        raise ValueError(
-            f"{path}: logical_count has shape {counts.shape}, expected "
-            f"({_DEEPSEEK_NUM_LAYERS}, num_experts)"
-        )
-    dense = counts[:DEEPSEEK_DENSE_LAYERS]
-    if not np.all(dense == dense[:, :1]):
-        raise ValueError(f"{path}: the first {DEEPSEEK_DENSE_LAYERS} layers are not constant rows")
-    moe = counts[DEEPSEEK_DENSE_LAYERS:]
-    if np.any(np.all(moe == moe[:, :1], axis=1)):
-        raise ValueError(f"{path}: a routed (MoE) layer holds a constant row")
-    if np.any(moe < 0) or not np.all(moe == np.round(moe)):
-        raise ValueError(f"{path}: counts must be non-negative integers")
-    return moe.astype(np.int64)
-
-
-def harmoeny_trace_rows(csv_path) -> list[tuple[dict, np.ndarray]]:
-    """Rows of a HarMoEny expert-frequency CSV (Qwen1.5-MoE-A2.7B or Switch-Base-128).
-
-    Header: an unnamed row-index column, then either ``dataset`` (bookcorpus / wikitext / wmt19 /
-    random) or ``router_skew`` (0.0 / 0.5 / 0.9), then ``iteration``, ``layer_idx`` and one column
-    per expert named ``0 .. E-1`` (60 for Qwen1.5-MoE, 128 for Switch-Base-128). Each row counts
-    the tokens routed to each expert (each top-k choice once) in one (iteration, layer).
-
-    Args:
-      csv_path: one of the ``expert_freq_*.csv`` files.
-
-    Returns:
-      list, in file order, of ``(meta, counts)``: ``meta`` is a dict with ``"row"`` (int, the
-      index column), ``"dataset"`` (str) or ``"router_skew"`` (float), ``"iteration"`` (int),
-      ``"layer"`` (int); ``counts`` is int64 ``[E]``.
-    """
-    csv_path = Path(csv_path)
-    with csv_path.open(newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader)
-        if (
-            len(header) < 5
-            or header[2:4] != ["iteration", "layer_idx"]
-            or header[1]
-            not in (
-                "dataset",
-                "router_skew",
-            )
-        ):
-            raise ValueError(f"{csv_path}: unexpected header {header[:5]}")
-        expert_cols = header[4:]
-        if expert_cols != [str(i) for i in range(len(expert_cols))]:
-            raise ValueError(f"{csv_path}: expert columns are not 0..E-1")
-        key = header[1]
-        rows = []
-        for line_no, row in enumerate(reader, start=2):
-            if not row:
-                continue
-            if len(row) != len(header):
-                raise ValueError(f"{csv_path}:{line_no}: {len(row)} fields, expected {len(header)}")
-            values = np.asarray([float(x) for x in row[4:]], dtype=np.float64)
-            if np.any(values < 0) or not np.all(values == np.round(values)):
-                raise ValueError(f"{csv_path}:{line_no}: counts must be non-negative integers")
-            meta = {
-                "row": int(row[0]),
-                key: float(row[1]) if key == "router_skew" else row[1],
-                "iteration": int(row[2]),
-                "layer": int(row[3]),
-            }
-            rows.append((meta, values.astype(np.int64)))
-    return rows
 
 
 def _scale_counts(counts: np.ndarray, total: int) -> np.ndarray:
@@ -547,11 +408,7 @@ def _scale_counts(counts: np.ndarray, total: int) -> np.ndarray:
 
 
 def loads_from_expert_counts(
-    counts,
-    ep_size: int,
-    tokens_per_rank: int,
-    top_k: int,
-    seed: int,
+    counts, ep_size: int, tokens_per_rank: int, top_k: int, seed: int
 ) -> np.ndarray:
     """Turn one per-expert count vector (a trace layer) into a load matrix.
 
@@ -584,18 +441,13 @@ def loads_from_expert_counts(
     ep_size = _check_positive_int("ep_size", ep_size)
     if num_experts == 0 or num_experts % ep_size != 0:
         raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
-    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
-    top_k = _check_positive_int("top_k", top_k)
+    n_pairs = _pairs_per_rank(ep_size, tokens_per_rank, top_k)
     if np.any(counts < 0) or not np.all(np.isfinite(counts)):
         raise ValueError("counts must be finite and non-negative")
     if counts.sum() <= 0:
         raise ValueError("counts are all zero")
-    n_pairs = tokens_per_rank * top_k
-    total = ep_size * n_pairs
-    if total > np.iinfo(np.int32).max:
-        raise ValueError("ep_size * tokens_per_rank * top_k overflows int32 loads")
 
-    remaining = _scale_counts(counts, total)
+    remaining = _scale_counts(counts, ep_size * n_pairs)
     rng = np.random.default_rng(np.random.SeedSequence(seed))
     loads = np.empty((ep_size, num_experts), dtype=np.int64)
     for r in range(ep_size - 1):
@@ -605,40 +457,8 @@ def loads_from_expert_counts(
     return loads.astype(np.int32)
 
 
-def _trace_items(name: str, root: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(label, counts[E]) for every layer / row of one trace, in a fixed order."""
-    folder = root / name
-    if not folder.is_dir():
-        raise FileNotFoundError(f"trace folder not found: {folder}")
-    if name == "deepseek-r1":
-        files = sorted(folder.glob("*.json"))
-        if not files:
-            raise FileNotFoundError(f"no *.json files in {folder}")
-        for path in files:
-            per_layer = deepseek_trace_expert_counts(path)
-            for i, counts in enumerate(per_layer):
-                yield f"{name}/{path.stem}/layer{i + DEEPSEEK_DENSE_LAYERS:02d}", counts
-    else:
-        files = sorted(folder.glob("*.csv"))
-        if not files:
-            raise FileNotFoundError(f"no *.csv files in {folder}")
-        for path in files:
-            for meta, counts in harmoeny_trace_rows(path):
-                group = meta["dataset"] if "dataset" in meta else f"skew{meta['router_skew']:g}"
-                label = (
-                    f"{name}/{path.stem}/{group}/iter{meta['iteration']:02d}"
-                    f"/layer{meta['layer']:02d}"
-                )
-                yield label, counts
-
-
 def trace_workloads(
-    name: str,
-    ep_size: int,
-    tokens_per_rank: int,
-    top_k: int,
-    seed: int,
-    traces_dir=None,
+    name: str, ep_size: int, tokens_per_rank: int, top_k: int, seed: int, traces_dir=None
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Every layer of a measured trace as a load matrix.
 
@@ -652,34 +472,28 @@ def trace_workloads(
     ``qwen1.5-moe/expert_freq_qwen_policy_skew/skew0.9/iter07/layer11``.
 
     Args:
-      name: one of :data:`TRACE_NAMES`.
+      name: one of `experiments.loads.traces.TRACE_NAMES`.
       ep_size: ``R``; must divide the model's expert count (checked before the first item).
       tokens_per_rank, top_k: each matrix holds ``R * tokens_per_rank * top_k`` pairs (the
-        model's own top-k is in :data:`TRACE_TOP_K`; any value works).
+        model's own top-k is in `experiments.loads.traces.TRACE_TOP_K`; any value works).
       seed: integer seed.
-      traces_dir: folder holding the trace folders; default :func:`default_traces_dir`.
-        FileNotFoundError if missing.
+      traces_dir: the folder holding the trace folders (see `experiments.loads.traces`).
     """
-    if name not in TRACE_NAMES:
-        raise ValueError(f"unknown trace {name!r}; expected one of {', '.join(TRACE_NAMES)}")
+    if name not in traces.TRACE_NAMES:
+        raise ValueError(f"unknown trace {name!r}; expected one of {', '.join(traces.TRACE_NAMES)}")
     ep_size = _check_positive_int("ep_size", ep_size)
-    num_experts = TRACE_NUM_EXPERTS[name]
+    num_experts = traces.TRACE_NUM_EXPERTS[name]
     if num_experts % ep_size != 0:
         raise ValueError(f"{name} has {num_experts} experts, not divisible by ep_size={ep_size}")
-    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
-    top_k = _check_positive_int("top_k", top_k)
-    root = _resolve_traces_dir(traces_dir)
-    if not (root / name).is_dir():
-        raise FileNotFoundError(f"trace folder not found: {root / name}")
+    _pairs_per_rank(ep_size, tokens_per_rank, top_k)
+    items = traces.trace_items(name, traces_dir)  # raises here when the files are missing
 
     def generate() -> Iterator[tuple[str, np.ndarray]]:
-        for index, (label, counts) in enumerate(_trace_items(name, root)):
+        for index, (label, counts) in enumerate(items):
             if counts.shape[0] != num_experts:
                 raise ValueError(f"{label}: {counts.shape[0]} experts, expected {num_experts}")
             item_seed = int(np.random.SeedSequence([int(seed), index]).generate_state(1)[0])
-            yield (
-                label,
-                loads_from_expert_counts(counts, ep_size, tokens_per_rank, top_k, item_seed),
-            )
+            loads = loads_from_expert_counts(counts, ep_size, tokens_per_rank, top_k, item_seed)
+            yield label, loads
 
     return generate()

@@ -1,8 +1,10 @@
-"""``python -m experiments.sim``: the at-scale simulator (see ``experiments/sim/simulate.py``)."""
+"""``python -m experiments.sim``: the at-scale simulator (see `experiments.sim`)."""
 
-from absl import app
+from absl import app, flags
 
-from experiments.sim.simulate import main
+from experiments.sim import main
+
+flags.adopt_module_key_flags(main)  # --help lists the simulator's flags
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main.main)

@@ -1,0 +1,189 @@
+"""The measured expert-load traces: where they are and how their files read (NumPy, host only).
+
+Real routing counts of public models; the data is in the repository's ``traces/`` folder, whose
+README names the sources (see :func:`default_traces_dir`):
+  * ``deepseek-r1`` -- DeepSeek-V3/R1 serving runs (SGLang), 256 experts:
+    :func:`deepseek_trace_expert_counts`.
+  * ``qwen1.5-moe`` (60 experts) and ``switch-base-128`` (128 experts) -- HarMoEny's
+    expert-frequency CSVs: :func:`harmoeny_trace_rows`.
+
+The traces count tokens per expert only; `experiments.loads.workloads` turns them into load
+matrices ``[R, E]`` (``loads_from_expert_counts``, ``trace_workloads``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "DEEPSEEK_DENSE_LAYERS",
+    "TRACE_NAMES",
+    "TRACE_NUM_EXPERTS",
+    "TRACE_TOP_K",
+    "deepseek_trace_expert_counts",
+    "default_traces_dir",
+    "harmoeny_trace_rows",
+    "trace_items",
+    "traces_dir_for",
+]
+
+#: Trace names (folder names under the traces directory).
+TRACE_NAMES = ("deepseek-r1", "qwen1.5-moe", "switch-base-128")
+#: Logical (routed) experts of each traced model.
+TRACE_NUM_EXPERTS = {"deepseek-r1": 256, "qwen1.5-moe": 60, "switch-base-128": 128}
+#: The traced model's own top-k (for reference; callers pick ``top_k`` when scaling a trace).
+TRACE_TOP_K = {"deepseek-r1": 8, "qwen1.5-moe": 4, "switch-base-128": 1}
+#: DeepSeek-V3/R1 has 61 layers, the first 3 dense (no routed experts; the JSON holds a constant).
+DEEPSEEK_DENSE_LAYERS = 3
+_DEEPSEEK_NUM_LAYERS = 61
+
+
+def traces_dir_for(checkout: Path) -> Path:
+    """The trace folder a repository ``checkout`` reads: ``<checkout>/../shared/traces`` when it
+    exists (a workspace's shared copy), else the copy kept in the repository,
+    ``<checkout>/traces``."""
+    checkout = Path(checkout)
+    shared = checkout.parent / "shared" / "traces"
+    return shared if shared.is_dir() else checkout / "traces"
+
+
+def default_traces_dir() -> Path:
+    """The trace folder of this checkout (see :func:`traces_dir_for`)."""
+    return traces_dir_for(Path(__file__).resolve().parents[2])
+
+
+def _resolve_traces_dir(traces_dir) -> Path:
+    path = default_traces_dir() if traces_dir is None else Path(traces_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"trace folder not found: {path} (pass traces_dir=... pointing at a folder that holds "
+            f"{', '.join(TRACE_NAMES)})"
+        )
+    return path
+
+
+def deepseek_trace_expert_counts(path) -> np.ndarray:
+    """Per-layer routed-expert counts of one DeepSeek-V3/R1 trace file.
+
+    The file (SGLang-reproduce, ``attachment_ep_statistics/``) is JSON ``{"logical_count":
+    [61][256]}``: tokens routed to each of the 256 routed experts (each top-8 choice counts once),
+    summed over a whole serving run. Its first 3 layers are dense and hold a constant row; they
+    are checked to be constant (ValueError otherwise) and dropped.
+
+    Args:
+      path: a ``*.json`` file of the ``deepseek-r1`` trace folder.
+
+    Returns:
+      int64 ``[58, 256]``: row ``i`` is model layer ``i + 3``.
+    """
+    path = Path(path)
+    with path.open() as f:
+        data = json.load(f)
+    if "logical_count" not in data:
+        raise ValueError(f"{path}: no 'logical_count' key")
+    counts = np.asarray(data["logical_count"], dtype=np.float64)
+    if counts.ndim != 2 or counts.shape[0] != _DEEPSEEK_NUM_LAYERS:
+        raise ValueError(
+            f"{path}: logical_count has shape {counts.shape}, expected "
+            f"({_DEEPSEEK_NUM_LAYERS}, num_experts)"
+        )
+    dense = counts[:DEEPSEEK_DENSE_LAYERS]
+    if not np.all(dense == dense[:, :1]):
+        raise ValueError(f"{path}: the first {DEEPSEEK_DENSE_LAYERS} layers are not constant rows")
+    moe = counts[DEEPSEEK_DENSE_LAYERS:]
+    if np.any(np.all(moe == moe[:, :1], axis=1)):
+        raise ValueError(f"{path}: a routed (MoE) layer holds a constant row")
+    if np.any(moe < 0) or not np.all(moe == np.round(moe)):
+        raise ValueError(f"{path}: counts must be non-negative integers")
+    return moe.astype(np.int64)
+
+
+def harmoeny_trace_rows(csv_path) -> list[tuple[dict, np.ndarray]]:
+    """Rows of a HarMoEny expert-frequency CSV (Qwen1.5-MoE-A2.7B or Switch-Base-128).
+
+    Header: an unnamed row-index column, then either ``dataset`` (bookcorpus / wikitext / wmt19 /
+    random) or ``router_skew`` (0.0 / 0.5 / 0.9), then ``iteration``, ``layer_idx`` and one column
+    per expert named ``0 .. E-1`` (60 for Qwen1.5-MoE, 128 for Switch-Base-128). Each row counts
+    the tokens routed to each expert (each top-k choice once) in one (iteration, layer).
+
+    Args:
+      csv_path: one of the ``expert_freq_*.csv`` files.
+
+    Returns:
+      list, in file order, of ``(meta, counts)``: ``meta`` is a dict with ``"row"`` (int, the
+      index column), ``"dataset"`` (str) or ``"router_skew"`` (float), ``"iteration"`` (int),
+      ``"layer"`` (int); ``counts`` is int64 ``[E]``.
+    """
+    csv_path = Path(csv_path)
+    with csv_path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        if (
+            len(header) < 5
+            or header[2:4] != ["iteration", "layer_idx"]
+            or header[1]
+            not in (
+                "dataset",
+                "router_skew",
+            )
+        ):
+            raise ValueError(f"{csv_path}: unexpected header {header[:5]}")
+        expert_cols = header[4:]
+        if expert_cols != [str(i) for i in range(len(expert_cols))]:
+            raise ValueError(f"{csv_path}: expert columns are not 0..E-1")
+        key = header[1]
+        rows = []
+        for line_no, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise ValueError(f"{csv_path}:{line_no}: {len(row)} fields, expected {len(header)}")
+            values = np.asarray([float(x) for x in row[4:]], dtype=np.float64)
+            if np.any(values < 0) or not np.all(values == np.round(values)):
+                raise ValueError(f"{csv_path}:{line_no}: counts must be non-negative integers")
+            meta = {
+                "row": int(row[0]),
+                key: float(row[1]) if key == "router_skew" else row[1],
+                "iteration": int(row[2]),
+                "layer": int(row[3]),
+            }
+            rows.append((meta, values.astype(np.int64)))
+    return rows
+
+
+def trace_items(name: str, traces_dir=None) -> Iterator[tuple[str, np.ndarray]]:
+    """``(label, counts)`` for every layer / row of the trace ``name``, in a fixed order: int64
+    ``[E]`` tokens per expert, labelled by trace, file and layer (see
+    `experiments.loads.workloads.trace_workloads`).
+
+    ``traces_dir``: the folder holding the trace folders (default :func:`default_traces_dir`).
+    FileNotFoundError, before the first item, when it, the trace's folder or its files are missing.
+    """
+    folder = _resolve_traces_dir(traces_dir) / name
+    if not folder.is_dir():
+        raise FileNotFoundError(f"trace folder not found: {folder}")
+    pattern = "*.json" if name == "deepseek-r1" else "*.csv"
+    files = sorted(folder.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"no {pattern} files in {folder}")
+    return _items(name, files)
+
+
+def _items(name: str, files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
+    """The items of :func:`trace_items`, read lazily from ``files``."""
+    for path in files:
+        if name == "deepseek-r1":
+            for i, counts in enumerate(deepseek_trace_expert_counts(path)):
+                yield f"{name}/{path.stem}/layer{i + DEEPSEEK_DENSE_LAYERS:02d}", counts
+            continue
+        for meta, counts in harmoeny_trace_rows(path):
+            group = meta["dataset"] if "dataset" in meta else f"skew{meta['router_skew']:g}"
+            label = (
+                f"{name}/{path.stem}/{group}/iter{meta['iteration']:02d}/layer{meta['layer']:02d}"
+            )
+            yield label, counts

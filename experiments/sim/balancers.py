@@ -1,0 +1,189 @@
+"""The balancers the simulator compares, and what the cost model charges for each result.
+
+A balancer (``BalancerFn``) takes a batch of load streams ``int32 [n, M, R, E]`` (M consecutive
+microbatches of one layer in one DP group, oldest first), a ``BalancerConfig`` and the streams'
+histories ``int32 [n, H, R, E]`` (earlier matrices of the same layer, for balancers that plan from
+the past), and returns per stream and microbatch a :class:`Costed`: the balancer's
+`experiments.loads.baselines.Balanced` layout and quotas, the weight copies it sends and the
+planner time on the critical path. The balancers themselves are those of
+`experiments.loads.baselines`:
+
+  * ``none`` -- masters only: nothing moves, no planner.
+  * ``eplb_exact`` / ``eplb_plus`` -- plan on the exact load of every layer and microbatch, so
+    their CPU-measured wall time per call is on the critical path, and every instance off its
+    expert's home rank is a weight copy (and a gradient return) in that layer.
+  * ``eplb_periodic`` -- plans on the ``H`` history matrices (``window = interval = H``,
+    ``lag=1``; with ``H = 0`` on the previous microbatch) and keeps that layout for the current
+    microbatches; planning is off the critical path and its re-layout is amortised over the
+    re-plan interval, so nothing moves per microbatch.
+  * ``ultraep`` -- ``uep.plan`` on the exact load of every layer and microbatch, with the
+    CPU-measured per-plan time on the critical path; its replicas are the copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+import ultraep_jax as uep
+from experiments import common
+from experiments.loads import baselines
+from experiments.loads.baselines import Balanced
+
+#: The balancers in table order.
+BASELINE_ORDER = ("none", "eplb_periodic", "eplb_exact", "eplb_plus", "ultraep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costed:
+    """A balancer's result on one load matrix, with what the cost model charges for it.
+
+    Attributes:
+      balanced: the layout ``[R, C]`` and the tokens of each instance ``[R, C]``.
+      copies: int64 ``[E]``, weight copies of each expert sent for this matrix (replicas or moved
+        experts; the home rank ``e // (E / R)`` is taken as the source).
+      copies_in: int64 ``[R]``, copies each rank receives.
+      plan_seconds: planner time on the critical path of this layer (0: none, or off the path).
+    """
+
+    balanced: Balanced
+    copies: np.ndarray
+    copies_in: np.ndarray
+    plan_seconds: float = 0.0
+
+    @property
+    def rank_load(self) -> np.ndarray:
+        """int64 ``[R]``: rows each rank processes after balancing."""
+        return self.balanced.rank_load
+
+
+#: (streams int32 [n, M, R, E], config, history int32 [n, H, R, E]) -> [n][M] Costed.
+BalancerFn = Callable[[np.ndarray, uep.BalancerConfig, np.ndarray], Sequence[Sequence[Costed]]]
+
+
+def off_home_copies(layout, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Weight copies implied by a physical ``layout`` [R, C] (expert per slot, -1 = empty).
+
+    Every expert keeps a home rank ``e // (E / R)`` (where its optimizer state lives); each
+    instance the layout puts on another rank receives the weights from home and returns its
+    gradient. Returns ``(copies [E], copies_in [R])``.
+    """
+    layout = np.asarray(layout)
+    ep = layout.shape[0]
+    rank = np.arange(ep)[:, None]
+    off = (layout >= 0) & (layout // (num_experts // ep) != rank)
+    copies = np.bincount(layout[off].astype(np.int64), minlength=num_experts)
+    return copies.astype(np.int64), off.sum(axis=1).astype(np.int64)
+
+
+def costed(balanced: Balanced, num_experts: int, plan_seconds: float = 0.0) -> Costed:
+    """``balanced`` with its off-home instances as this matrix's copies (``off_home_copies``)."""
+    copies, copies_in = off_home_copies(balanced.layout, num_experts)
+    return Costed(balanced, copies, copies_in, float(plan_seconds))
+
+
+def resident(balanced: Balanced, num_experts: int) -> Costed:
+    """``balanced`` with a layout already in place: nothing is copied, no planner."""
+    ranks = balanced.layout.shape[0]
+    return Costed(balanced, np.zeros(num_experts, np.int64), np.zeros(ranks, np.int64))
+
+
+def _each_matrix(streams: np.ndarray, balance, timed: bool) -> list[list[Costed]]:
+    """``balance(loads [R, E]) -> Balanced`` on every matrix of ``streams`` [n, M, R, E], its
+    wall time on the critical path when ``timed``."""
+    num_experts = streams.shape[-1]
+    out = []
+    for stream in streams:
+        row = []
+        for loads in stream:
+            start = time.perf_counter()
+            balanced = balance(loads)
+            seconds = time.perf_counter() - start if timed else 0.0
+            row.append(costed(balanced, num_experts, seconds))
+        out.append(row)
+    return out
+
+
+def none_balancer(streams, cfg=None, history=None) -> list[list[Costed]]:
+    """Masters only: rank loads as routed, nothing moves, no planner."""
+    del cfg, history
+    return _each_matrix(np.asarray(streams), baselines.none, timed=False)
+
+
+def eplb_exact_balancer(streams, cfg, history=None) -> list[list[Costed]]:
+    """EPLB re-laid out on every matrix (``baselines.eplb_exact``), timed per call."""
+    del history
+    slots = cfg.slots_per_rank
+    return _each_matrix(streams, lambda loads: baselines.eplb_exact(loads, slots), timed=True)
+
+
+def eplb_plus_balancer(streams, cfg, history=None) -> list[list[Costed]]:
+    """Replication only, masters fixed (``baselines.eplb_plus``), timed per call."""
+    del history
+    slots = cfg.slots_per_rank
+    return _each_matrix(streams, lambda loads: baselines.eplb_plus(loads, slots), timed=True)
+
+
+def eplb_periodic_balancer(streams, cfg, history=None) -> list[list[Costed]]:
+    """EPLB planned on each stream's history and kept for its microbatches
+    (``baselines.eplb_periodic`` with ``window = interval = max(H, 1)``, ``lag=1``)."""
+    if history is None:
+        history = np.zeros((streams.shape[0], 0) + streams.shape[2:], dtype=streams.dtype)
+    h = history.shape[1]
+    rows = []
+    for stream, past in zip(streams, history, strict=True):
+        window = max(h, 1)
+        result = baselines.eplb_periodic(
+            np.concatenate([past, stream]), cfg.slots_per_rank, window, window, lag=1
+        )
+        rows.append([resident(b, cfg.num_experts) for b in result.steps[h:]])
+    return rows
+
+
+_PLAN_SECONDS: dict = {}
+
+
+def measure_plan_seconds(sample: np.ndarray, cfg: uep.BalancerConfig, batch: int = 256) -> float:
+    """CPU-measured planner time per plan: `experiments.common.time_batched_plan` over ``batch``
+    matrices (``sample`` [N, R, E] tiled), median of 5, divided by ``batch``. Cached per config
+    (the first sample seen is timed)."""
+    if cfg not in _PLAN_SECONDS:
+        tiled = np.resize(sample, (batch,) + sample.shape[1:])
+        _PLAN_SECONDS[cfg] = common.time_batched_plan(tiled, cfg, repeats=5) / batch
+    return _PLAN_SECONDS[cfg]
+
+
+def make_ultraep_balancer(timing_batch: int = 256) -> BalancerFn:
+    """Our planner: ``uep.plan`` on the exact load of every layer and microbatch
+    (``baselines.ultraep_balanced``), with the CPU-measured per-plan time on the critical path."""
+
+    def run(streams: np.ndarray, cfg: uep.BalancerConfig, history=None) -> list[list[Costed]]:
+        del history
+        n, m = streams.shape[:2]
+        flat = streams.reshape((n * m,) + streams.shape[2:]).astype(np.int32)
+        seconds = measure_plan_seconds(flat, cfg, batch=timing_batch)
+        results = [
+            costed(b, cfg.num_experts, seconds) for b in baselines.ultraep_balanced(flat, cfg)
+        ]
+        return [results[i * m : (i + 1) * m] for i in range(n)]
+
+    return run
+
+
+def make_balancers(names: Sequence[str], timing_batch: int) -> dict[str, BalancerFn]:
+    """The balancers ``names`` (from :data:`BASELINE_ORDER`) in table order, ``none`` always
+    first (the speedups are over it); ``timing_batch``: matrices per timed planner call."""
+    unknown = sorted(set(names) - set(BASELINE_ORDER))
+    if unknown:
+        raise ValueError(f"unknown baselines {unknown}; expected some of {BASELINE_ORDER}")
+    every = {
+        "none": none_balancer,
+        "eplb_periodic": eplb_periodic_balancer,
+        "eplb_exact": eplb_exact_balancer,
+        "eplb_plus": eplb_plus_balancer,
+        "ultraep": make_ultraep_balancer(timing_batch),
+    }
+    return {name: every[name] for name in BASELINE_ORDER if name == "none" or name in names}

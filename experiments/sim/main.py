@@ -1,0 +1,151 @@
+"""``python -m experiments.sim``: the flags, and the run that prints the simulator's tables."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+
+import jax
+from absl import flags
+
+from experiments import common
+from experiments.loads import traces
+from experiments.sim import balancers, cell, report
+from experiments.sim.cost import CostParams
+from experiments.sim.shapes import MODELS, SCENARIOS
+from experiments.sim.streams import Sampling
+
+_MODELS = flags.DEFINE_list("models", list(MODELS), f"Model shapes: {', '.join(MODELS)}.")
+_SCENARIOS = flags.DEFINE_list("scenarios", list(SCENARIOS), f"Layouts: {', '.join(SCENARIOS)}.")
+_WORKLOADS = flags.DEFINE_list(
+    "workloads",
+    ["trace", "zipf1.5", "zipf2.0", "zipf3.0"],
+    "trace (the model's real trace), zipfX (rank-level Zipf at initial X), ezipfX (expert Zipf).",
+)
+_BASELINES = flags.DEFINE_list(
+    "baselines", list(balancers.BASELINE_ORDER), "Baselines to report (none is always in)."
+)
+_SAMPLING = common.define_field_flags(
+    Sampling,
+    {
+        "layers_sampled": "MoE layers sampled per model.",
+        "microbatches": "Microbatches per step.",
+        "dp_groups": "DP groups sampled where DP > 1.",
+        "zipf_pool": "Distinct generated matrices per Zipf setting.",
+        "history": "Earlier load matrices per layer that eplb_periodic plans on (0: previous one).",
+        "seed": "Seed for trace splits.",
+    },
+)
+_COST = common.define_field_flags(
+    CostParams,
+    {
+        "tokens_per_rank": "Tokens per rank per microbatch.",
+        "seq_len": "Sequence length (attention core FLOPs).",
+        "gemm_efficiency": "Fraction of BF16 dense peak.",
+        "link_efficiency": "Fraction of nominal link bandwidth.",
+        "relay_fanout": "Relay tree fan-out cap.",
+    },
+)
+_BALANCER = common.define_balancer_flags()
+_TIMING_BATCH = flags.DEFINE_integer("timing_batch", 256, "Matrices per timed planner call.")
+_JSON = flags.DEFINE_string("json_out", None, "Also write every cell to this JSON file.")
+_TRACES = flags.DEFINE_string(
+    "traces_dir",
+    str(traces.default_traces_dir()),
+    "Folder holding the real expert-load traces (one folder per trace) for the trace workload.",
+)
+
+
+def _workload_ok(name: str) -> bool:
+    """Whether ``name`` is ``trace``, ``zipfX`` or ``ezipfX`` with a number X."""
+    if name == "trace":
+        return True
+    try:
+        float(name.removeprefix("e").removeprefix("zipf"))
+    except ValueError:
+        return False
+    return name.startswith(("zipf", "ezipf"))
+
+
+flags.register_validator(
+    "models", lambda v: set(v) <= set(MODELS), f"each must be one of {', '.join(MODELS)}"
+)
+flags.register_validator(
+    "scenarios", lambda v: set(v) <= set(SCENARIOS), f"each must be one of {', '.join(SCENARIOS)}"
+)
+flags.register_validator(
+    "workloads", lambda v: all(map(_workload_ok, v)), "each must be trace, zipfX or ezipfX"
+)
+# One-line errors for sizes and efficiencies the simulation cannot use.
+for _name in ("layers_sampled", "microbatches", "dp_groups", "zipf_pool", "timing_batch"):
+    flags.register_validator(_name, lambda v: v >= 1, "must be >= 1")
+for _name in ("tokens_per_rank", "seq_len", "relay_fanout"):
+    flags.register_validator(_name, lambda v: v >= 1, "must be >= 1")
+flags.register_validator("history", lambda v: v >= 0, "must be >= 0")
+for _name in ("gemm_efficiency", "link_efficiency"):
+    flags.register_validator(_name, lambda v: 0 < v <= 1, "must lie in (0, 1]")
+flags.register_validator(
+    "baselines",
+    lambda v: set(v) <= set(balancers.BASELINE_ORDER),
+    f"each must be one of {', '.join(balancers.BASELINE_ORDER)}",
+)
+
+
+def _check_traces(traces_dir: str, models, workload_names) -> None:
+    """Ends with one line ``error: ...`` when the trace workload needs a trace not in
+    ``traces_dir``."""
+    if "trace" not in workload_names:
+        return
+    needed = sorted({MODELS[m].trace for m in models})
+    missing = [t for t in needed if not (pathlib.Path(traces_dir) / t).is_dir()]
+    if missing:
+        print(
+            f"error: --traces_dir={traces_dir} has no {' or '.join(missing)} folder (the trace "
+            f"workload needs it; leave out --workloads=trace to run without)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
+def _print_tables(cells: list[dict]) -> None:
+    """The regime, per-cell and headline tables, and the verdict."""
+    names = list(dict.fromkeys(n for c in cells for n in c["rows"]))
+    print("Ideal per-layer time, ms per microbatch (forward + backward), and one replica copy:")
+    print("\n".join(report.regime_table(cells)))
+    print("\nThroughput as % of the force-balanced ideal, per cell:")
+    print("\n".join(report.detail_table(cells, names)))
+    print(
+        "\nHeadline (mean over layouts and workloads; peak rows = max over them, x mean = "
+        "multiple of T*k):"
+    )
+    print("\n".join(report.headline_table(cells, names)))
+    print()
+    print("\n".join(report.verdict(cells)))
+
+
+def main(argv):
+    """Prints the assumptions and the tables of every (model, layout, workload) cell."""
+    del argv
+    start = time.perf_counter()
+    _check_traces(_TRACES.value, _MODELS.value, _WORKLOADS.value)
+    params = CostParams(**_COST())
+    sampling = Sampling(**_SAMPLING())
+    cfg_kwargs = _BALANCER()
+    chosen = balancers.make_balancers(_BASELINES.value, _TIMING_BATCH.value)
+    print("\n".join(report.assumptions(params, cfg_kwargs, sampling)))
+    print(f"Baselines: {', '.join(chosen)} (experiments.loads.baselines)")
+    print(f"Planner timed on: {jax.devices()[0].device_kind} (CPU), not a GPU\n")
+    cells = cell.run_all(
+        _MODELS.value,
+        _SCENARIOS.value,
+        _WORKLOADS.value,
+        chosen,
+        cfg_kwargs,
+        params,
+        sampling,
+        _TRACES.value,
+    )
+    _print_tables(cells)
+    print(f"\n(simulated in {time.perf_counter() - start:.0f} s)")
+    common.write_json(_JSON.value, cells)

@@ -1,0 +1,107 @@
+"""What the simulator simulates: model shapes, GPU clusters and parallel layouts.
+
+The figures, with the config files and datasheets they come from, are in ``shapes.toml`` next to
+this file; :data:`MODELS`, :data:`CLUSTERS` and :data:`SCENARIOS` hold them by name, in file order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tomllib
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A MoE transformer's shape, as far as the step-time model needs it.
+
+    Attributes:
+      name: short key.
+      source: where the figures come from.
+      hidden: model width D.
+      expert_ffn: routed expert FFN width F (SwiGLU: w_gate, w_up [D, F], w_down [F, D]).
+      num_experts: routed experts E.
+      top_k: experts per token.
+      moe_layers: layers with routed experts.
+      dense_layers: leading dense-FFN layers.
+      dense_ffn: FFN width of those dense layers.
+      shared_experts, shared_ffn: always-on shared experts per MoE layer and their width.
+      vocab: vocabulary (LM head).
+      attention: ("gqa", heads, kv_heads, head_dim) or
+        ("mla", heads, q_lora_rank, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim).
+      trace: the real expert-load trace used for this shape (same number of experts).
+    """
+
+    name: str
+    source: str
+    hidden: int
+    expert_ffn: int
+    num_experts: int
+    top_k: int
+    moe_layers: int
+    dense_layers: int
+    dense_ffn: int
+    shared_experts: int
+    shared_ffn: int
+    vocab: int
+    attention: tuple
+    trace: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Per-GPU hardware figures (nominal; efficiencies are applied by the cost model).
+
+    Attributes:
+      name: short key.
+      gpu: GPU model.
+      peak_bf16_tflops: dense BF16 tensor-core peak per GPU.
+      nvlink_gbps: NVLink bandwidth per GPU per direction, GB/s.
+      nvlink_domain: GPUs that share one NVLink domain.
+      ib_gbps: scale-out (InfiniBand) bandwidth per GPU per direction, GB/s.
+      sources: where the figures come from.
+    """
+
+    name: str
+    gpu: str
+    peak_bf16_tflops: float
+    nvlink_gbps: float
+    nvlink_domain: int
+    ib_gbps: float
+    sources: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """A parallel layout: ``ep`` ranks per EP group (0: one expert per rank, ep = E), DP groups
+    fill ``total_gpus``."""
+
+    name: str
+    cluster: str
+    ep: int
+    total_gpus: int
+    note: str
+
+    def ep_size(self, model: ModelShape) -> int:
+        """EP size for ``model`` (``ep == 0`` means one expert per rank)."""
+        return model.num_experts if self.ep == 0 else self.ep
+
+    def dp_size(self, model: ModelShape) -> int:
+        """DP groups: ``total_gpus // ep_size``."""
+        return max(1, self.total_gpus // self.ep_size(model))
+
+
+def _read(path: pathlib.Path) -> tuple[dict, dict, dict]:
+    """``(models, clusters, scenarios)`` of a shapes file, each ``{name: shape}`` in file order."""
+    with path.open("rb") as f:
+        tables = tomllib.load(f)
+    models = {
+        name: ModelShape(name=name, **{**row, "attention": tuple(row["attention"])})
+        for name, row in tables["models"].items()
+    }
+    clusters = {name: Cluster(name=name, **row) for name, row in tables["clusters"].items()}
+    scenarios = {name: Scenario(name=name, **row) for name, row in tables["scenarios"].items()}
+    return models, clusters, scenarios
+
+
+MODELS, CLUSTERS, SCENARIOS = _read(pathlib.Path(__file__).with_name("shapes.toml"))

@@ -1,0 +1,192 @@
+"""Load streams per (DP group, sampled layer): the real traces and generated Zipf workloads.
+
+A stream holds the load matrices ``[R, E]`` of one model layer in one DP group over consecutive
+microbatches; its history holds earlier matrices of the same layer (for balancers that plan from
+the past, never costed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from experiments.loads import traces, workloads
+from experiments.sim.cost import CostParams
+from experiments.sim.shapes import ModelShape
+
+#: Switch-Base-128 layers 6-11 are decoder layers with 512 tokens per row, mostly all on one
+#: expert; only the encoder layers 0-5 (524288 tokens per row) are used.
+SWITCH_ENCODER_LAYERS = 6
+#: Tokens drawn to turn a top-1 trace row into top-k expert shares.
+TOPK_DRAWS = 16384
+
+
+@functools.cache
+def trace_runs(trace: str, traces_dir: str | None = None) -> tuple[np.ndarray, ...]:
+    """A trace as runs of per-layer counts, each ``[layers, E]``.
+
+    deepseek-r1: one run per file (12 serving runs x 58 MoE layers). switch-base-128: one run per
+    (dataset, iteration) of ``expert_freq_switch128_datasets.csv`` (4 x 30 runs), encoder layers
+    0-5 only (see ``SWITCH_ENCODER_LAYERS``). ``traces_dir`` is the folder holding the trace
+    folders (default `traces.default_traces_dir`); FileNotFoundError when the trace is not
+    there.
+    """
+    base = traces.default_traces_dir() if traces_dir is None else pathlib.Path(traces_dir)
+    root = base / trace
+    if not root.is_dir():
+        raise FileNotFoundError(f"trace folder not found: {root} (see --traces_dir)")
+    if trace == "deepseek-r1":
+        return tuple(traces.deepseek_trace_expert_counts(p) for p in sorted(root.glob("*.json")))
+    rows = traces.harmoeny_trace_rows(root / "expert_freq_switch128_datasets.csv")
+    runs: dict = {}
+    for meta, counts in rows:
+        if meta["layer"] < SWITCH_ENCODER_LAYERS:
+            runs.setdefault((meta["dataset"], meta["iteration"]), {})[meta["layer"]] = counts
+    return tuple(
+        np.stack([layers[k] for k in sorted(layers)]) for _, layers in sorted(runs.items())
+    )
+
+
+def topk_counts(counts, top_k: int, draws: int, seed: int) -> np.ndarray:
+    """Expert pair counts of ``draws`` tokens that each pick ``top_k`` distinct experts.
+
+    Each token draws its experts without replacement with probabilities proportional to
+    ``counts`` (Gumbel top-k), so no expert exceeds ``1 / top_k`` of the pairs, as in a real
+    top-k router; a top-1 trace scaled naively to top-k could put more than one token's worth of
+    choices on one expert. Returns int64 ``[E]`` summing to ``draws * top_k``.
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    log_p = np.log(np.maximum(counts / counts.sum(), 1e-300))
+    gumbel = np.random.default_rng(seed).gumbel(size=(draws, counts.size))
+    picks = np.argpartition(-(log_p + gumbel), top_k - 1, axis=1)[:, :top_k]
+    return np.bincount(picks.ravel(), minlength=counts.size).astype(np.int64)
+
+
+@functools.cache
+def trace_layer_counts(
+    trace: str, run: int, layer: int, top_k: int, traces_dir: str | None = None
+) -> np.ndarray:
+    """Counts of one trace (run, layer) for a ``top_k`` router (``topk_counts`` when the traced
+    model routed to fewer experts than ``top_k``)."""
+    counts = trace_runs(trace, traces_dir)[run][layer]
+    if traces.TRACE_TOP_K[trace] >= top_k:
+        return counts
+    return topk_counts(counts, top_k, TOPK_DRAWS, seed=run * 1000 + layer)
+
+
+@functools.cache
+def _zipf_pool(kind: str, value: float, ep: int, experts: int, tokens: int, top_k: int, size: int):
+    """int32 ``[size, R, E]``: the generated matrices of one Zipf setting (seeds ``0..size-1``)."""
+    if kind == "zipf":
+        make = workloads.rank_zipf_loads
+    else:
+        make = workloads.expert_zipf_loads
+    return np.stack([make(ep, experts, tokens, top_k, value, seed) for seed in range(size)])
+
+
+def layer_samples(num_layers: int, count: int) -> list[int]:
+    """``count`` evenly spaced indices out of ``num_layers`` layers (all if count >= num_layers)."""
+    count = min(count, num_layers)
+    return sorted({round(i * (num_layers - 1) / max(count - 1, 1)) for i in range(count)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How much of each cell the simulator samples (each field is also a flag of ``python -m
+    experiments.sim``).
+
+    Attributes:
+      layers_sampled: MoE layers sampled evenly per model (time is scaled to all layers).
+      microbatches: microbatches per step.
+      dp_groups: DP groups sampled where DP > 1 (the step waits for the slowest).
+      zipf_pool: distinct generated matrices per Zipf setting.
+      history: earlier load matrices per stream handed to the balancers (eplb_periodic plans on
+        them; 0: it plans on the previous microbatch), never costed.
+      seed: seed of the trace splits.
+    """
+
+    layers_sampled: int = 12
+    microbatches: int = 4
+    dp_groups: int = 8
+    zipf_pool: int = 6
+    history: int = 4
+    seed: int = 0
+
+
+def workload_streams(
+    workload: str,
+    model: ModelShape,
+    ep: int,
+    groups: int,
+    layers: Sequence[int],
+    params: CostParams,
+    sampling: Sampling,
+    traces_dir: str | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Load streams and their histories, group-major over (DP group, sampled layer).
+
+    Returns ``(streams, past)``: int32 ``[groups * len(layers), M, R, E]`` and
+    ``[groups * len(layers), H, R, E]`` (``M = sampling.microbatches``, ``H = sampling.history``).
+    Position ``q`` (``q = m`` for microbatch ``m``, ``q = M + h`` for history matrix ``h``) of
+    group ``g``:
+
+    ``trace``: reads trace run ``g * M + q`` (cyclic; switch-base-128 runs are the iterations of
+    one dataset in order, so a group's history is other iterations of the same data; deepseek-r1
+    runs are other serving runs) at the trace layer proportional to the model layer; counts are
+    scaled to ``T * k`` per source rank and split over source ranks at random (seeded).
+    ``zipfX``: UltraEP-style rank-level Zipf at initial imbalance X; ``ezipfX``: expert-level Zipf
+    with exponent X; both drawn cyclically from a pool of ``sampling.zipf_pool`` seeded matrices
+    (each seed has its own hot ranks, so the history says nothing about the present).
+    ``traces_dir``: the folder holding the trace folders (default:
+    `experiments.loads.traces.default_traces_dir`).
+    """
+    shape = (groups * len(layers), sampling.microbatches + sampling.history, ep, model.num_experts)
+    if workload == "trace":
+        out = _trace_matrices(shape, model, layers, params, sampling, traces_dir)
+    else:
+        out = _zipf_matrices(shape, workload, model, params, sampling)
+    return out[:, : sampling.microbatches], out[:, sampling.microbatches :]
+
+
+def _trace_matrices(shape, model, layers, params, sampling, traces_dir) -> np.ndarray:
+    """int32 ``shape`` [groups * layers, M + H, R, E] of the ``trace`` workload (see
+    `workload_streams`)."""
+    out = np.empty(shape, dtype=np.int32)
+    runs = trace_runs(model.trace, traces_dir)
+    ep, k, tokens = shape[2], model.top_k, params.tokens_per_rank
+    for i, q in np.ndindex(shape[:2]):
+        g, li = divmod(i, len(layers))
+        run = (g * sampling.microbatches + q) % len(runs)
+        trace_layer = layers[li] * runs[run].shape[0] // model.moe_layers
+        counts = trace_layer_counts(model.trace, run, trace_layer, k, traces_dir)
+        seed = np.random.SeedSequence([sampling.seed, g, layers[li], q]).generate_state(1)[0]
+        out[i, q] = workloads.loads_from_expert_counts(counts, ep, tokens, k, int(seed))
+    return out
+
+
+def _zipf_matrices(shape, workload: str, model, params, sampling) -> np.ndarray:
+    """int32 ``shape`` [streams, M + H, R, E] of a ``zipfX`` / ``ezipfX`` workload (see
+    `workload_streams`)."""
+    kind = "ezipf" if workload.startswith("ezipf") else "zipf"
+    value = float(workload[len(kind) :])
+    ep, experts = shape[2:]
+    pool = _zipf_pool(
+        kind, value, ep, experts, params.tokens_per_rank, model.top_k, sampling.zipf_pool
+    )
+    out = np.empty(shape, dtype=np.int32)
+    for i, q in np.ndindex(shape[:2]):
+        out[i, q] = pool[(i * sampling.microbatches + q) % len(pool)]
+    return out
+
+
+def workload_label(workload: str, model: ModelShape) -> str:
+    """Human label naming the trace or the generator."""
+    if workload == "trace":
+        return f"trace:{model.trace}"
+    if workload.startswith("ezipf"):
+        return f"expert-zipf s={workload[5:]}"
+    return f"rank-zipf {workload[4:]}"
