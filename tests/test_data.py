@@ -1,4 +1,4 @@
-"""The byte-level corpus (experiments/data.py) and the metrics plot/summary (experiments/plot.py).
+"""The byte-level corpus (experiments/train/data.py) and the metrics plot and summary (plot.py).
 
 Expected values are computed here independently: file lists with os.listdir/sysconfig, batches as
 plain Python slices of the corpus bytes, summary statistics with NumPy over the synthetic records.
