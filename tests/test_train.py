@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments.train import trainer
+from experiments.train import stop, trainer
 from experiments.train.config import BALANCED_CAPACITY_FACTOR, TrainConfig, parse_capacity_factor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -172,20 +172,20 @@ def test_finished_workdir_is_left_alone(tmp_path, capsys):
 
 
 def test_stop_request_handler():
-    stop = trainer.StopRequest()
+    request = stop.StopRequest()
     previous = signal.getsignal(signal.SIGINT)
-    stop.install()
+    request.install()
     try:
-        assert signal.getsignal(signal.SIGINT) is stop
-        assert signal.getsignal(signal.SIGTERM) is stop
-        assert stop.signum is None and not stop.agreed()
-        stop(signal.SIGTERM)
-        assert stop.signum == signal.SIGTERM and stop.agreed()
+        assert signal.getsignal(signal.SIGINT) is request
+        assert signal.getsignal(signal.SIGTERM) is request
+        assert request.signum is None and not request.agreed()
+        request(signal.SIGTERM)
+        assert request.signum == signal.SIGTERM and request.agreed()
         # A second signal is not caught any more: it ends the process at once.
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
-        stop.restore()
+        request.restore()
     assert signal.getsignal(signal.SIGINT) is previous
 
 

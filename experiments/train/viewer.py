@@ -41,6 +41,7 @@ import sys
 from absl import app, flags
 
 from experiments.train import plot
+from experiments.train.workdir import METRICS_FILE, PROFILE_FILE
 
 __all__ = ["build_html", "main", "read_loads", "write_viewer"]
 
@@ -186,14 +187,14 @@ def write_viewer(workdir, out=None) -> pathlib.Path:
       ValueError: a file is malformed.
     """
     workdir = pathlib.Path(workdir)
-    metrics_path = workdir / "metrics.jsonl"
+    metrics_path = workdir / METRICS_FILE
     if not metrics_path.is_file():
         raise FileNotFoundError(
-            f"no metrics.jsonl in {workdir} (write one with: python -m experiments.train "
+            f"no {METRICS_FILE} in {workdir} (write one with: python -m experiments.train "
             f"--workdir={workdir} [--profile_loads])"
         )
     metrics_records = plot.read_metrics(metrics_path)
-    loads_path = workdir / "loads.jsonl"
+    loads_path = workdir / PROFILE_FILE
     load_records = read_loads(loads_path) if loads_path.is_file() else []
     out = pathlib.Path(out) if out else workdir / "viewer.html"
     out.parent.mkdir(parents=True, exist_ok=True)
