@@ -38,32 +38,23 @@ from experiments.train.workdir import (
     workdir_contents,
     write_json,
 )
-from models.moe_lm import ModelConfig, MoELM, next_token_loss
+from models.moe_lm import MoELM, next_token_loss
 
 __all__ = ["RunError", "build_model", "place_on_mesh", "run"]
 
 
 def build_model(cfg: TrainConfig, mesh) -> MoELM:
     """The model of ``cfg`` with every parameter on ``mesh`` (experts split over "expert")."""
-    model_cfg = ModelConfig(
-        d_model=cfg.d_model,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        d_ff=cfg.d_ff,
-        num_experts=cfg.num_experts,
-        top_k=cfg.top_k,
-        max_seq_len=cfg.seq_len,
-    )
     balancer = None
     if cfg.balance == "ultraep":
         balancer = uep.BalancerConfig(
-            num_experts=cfg.num_experts,
+            num_experts=cfg.model.num_experts,
             ep_size=mesh.shape["expert"],
             slots_per_rank=cfg.slots_per_rank,
             min_tokens_per_replica=cfg.min_tokens_per_replica,
             balance_eps=cfg.balance_eps,
         )
-    model = MoELM(model_cfg, mesh, balancer, cfg.capacity_factor, rngs=nnx.Rngs(cfg.seed))
+    model = MoELM(cfg.model, mesh, balancer, cfg.capacity_factor, rngs=nnx.Rngs(cfg.seed))
     place_on_mesh(model, mesh)
     return model
 
