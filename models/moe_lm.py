@@ -16,6 +16,15 @@ from jax.sharding import Mesh
 import ultraep_jax as uep
 
 
+def check_positive_ints(config, names, prefix: str) -> None:
+    """Raises ValueError, one line ``<prefix><name> must be a positive int, got <value>``, for the
+    first of ``names`` whose value on ``config`` is not an int >= 1 (a bool is not one here)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{prefix}{name} must be a positive int, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape of the model.
@@ -38,13 +47,10 @@ class ModelConfig:
     d_ff: int = 128
     num_experts: int = 16
     top_k: int = 2
-    max_seq_len: int = 256
+    max_seq_len: int = 128
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelConfig.{field.name} must be a positive int, got {value!r}")
+        check_positive_ints(self, [f.name for f in dataclasses.fields(self)], "ModelConfig.")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"ModelConfig: d_model={self.d_model} is not divisible by "

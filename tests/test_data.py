@@ -1,4 +1,4 @@
-"""The byte-level corpus (experiments/data.py) and the metrics plot/summary (experiments/plot.py).
+"""The byte-level corpus (experiments/train/data.py) and the metrics plot and summary (plot.py).
 
 Expected values are computed here independently: file lists with os.listdir/sysconfig, batches as
 plain Python slices of the corpus bytes, summary statistics with NumPy over the synthetic records.
@@ -213,6 +213,7 @@ def _synthetic_metrics(path: pathlib.Path) -> list[dict]:
             "balance": "ultraep",
             "dropped": [t, 2 * t],
             "tokens_per_s": 1000.0 * (t + 1),
+            "step_time": 0.25 * (t + 1),
         }
         if step in (10, 30):
             record["eval_loss"] = 6.0 - 0.5 * t
@@ -254,6 +255,8 @@ def test_summarize_reports_the_numbers(tmp_path):
     assert f"dropped tokens: {total_dropped}" in text
     mean_tps = np.mean([r["tokens_per_s"] for r in records])
     assert f"{mean_tps:.1f}" in text
+    mean_ms = 1e3 * np.mean([r["step_time"] for r in records])  # 625.00
+    assert f"step time: mean {mean_ms:.2f} ms" in text
     assert len(text.splitlines()) >= 6 and not math.isnan(mean_tps)
 
 

@@ -3,6 +3,7 @@ uninterrupted run, bad flags and unusable inputs end in one line, the saved conf
 resuming, Ctrl-C saves everything, summary.json is written, and 2 processes x 4 devices match
 1 x 8."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -14,9 +15,11 @@ import sys
 
 import numpy as np
 import pytest
+from absl import flags
 
-from experiments.train import trainer
+from experiments.train import dataclass_flags, stop, trainer
 from experiments.train.config import BALANCED_CAPACITY_FACTOR, TrainConfig, parse_capacity_factor
+from models.moe_lm import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -45,8 +48,12 @@ def _records(workdir) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+def _config(workdir, **overrides) -> TrainConfig:
+    return TrainConfig.from_flat({"workdir": str(workdir), **SMALL, **overrides})
+
+
 def _run(tmp_path, name, **overrides) -> list[dict]:
-    cfg = TrainConfig(workdir=str(tmp_path / name), **{**SMALL, **overrides})
+    cfg = _config(tmp_path / name, **overrides)
     trainer.run(cfg)
     return _records(cfg.workdir)
 
@@ -145,8 +152,96 @@ def test_saved_config_blocks_only_state_changes():
     )
     blocking, changed = same_state.compare_saved(saved)
     assert blocking == [] and changed == ["--learning_rate=0.003 -> 0.001"]
-    blocking, _ = TrainConfig(workdir="a", d_model=32, num_heads=2).compare_saved(saved)
+    other = TrainConfig(workdir="a", model=ModelConfig(d_model=32, num_heads=2))
+    blocking, _ = other.compare_saved(saved)
     assert blocking == ["--d_model=64 (given: 32)", "--num_heads=4 (given: 2)"]
+    # The sequence length is the data's: with the same learned positions it may change.
+    shorter = TrainConfig(workdir="a", seq_len=64)
+    assert shorter.compare_saved(saved) == ([], ["--seq_len=128 -> 64"])
+
+
+def test_config_json_is_flat_and_reads_back():
+    model = ModelConfig(d_model=32, max_seq_len=64)
+    cfg = TrainConfig(workdir="w", balance="none", seq_len=64, model=model)
+    saved = cfg.to_json()
+    model_names = [f.name for f in dataclasses.fields(ModelConfig)]
+    own_names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "model"]
+    assert sorted(saved) == sorted(model_names + own_names)
+    assert saved["d_model"] == 32 and saved["max_seq_len"] == 64 and saved["num_layers"] == 2
+    assert saved["capacity_factor"] is None and saved["workdir"] == "w"
+    assert TrainConfig.from_flat(json.loads(json.dumps(saved))) == cfg
+    with pytest.raises(ValueError, match="unknown configuration field.*d_modle"):
+        TrainConfig.from_flat({"d_modle": 32})
+
+
+def test_config_json_from_before_max_seq_len_was_a_flag():
+    # Such a file has no vocab_size and max_seq_len: its model's positions covered seq_len.
+    old = {**TrainConfig(workdir="a").to_json(), "seq_len": 32}
+    del old["vocab_size"], old["max_seq_len"]
+    blocking, _ = TrainConfig(workdir="a", seq_len=32).compare_saved(old)
+    assert blocking == ["--max_seq_len=32 (given: 128)"]
+    fits = TrainConfig(workdir="a", seq_len=32, model=ModelConfig(max_seq_len=32))
+    assert fits.compare_saved(old) == ([], [])
+
+
+def test_seq_len_fits_the_model_and_model_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"--seq_len=256 exceeds --max_seq_len=128"):
+        TrainConfig(seq_len=256)
+    assert TrainConfig(seq_len=256, model=ModelConfig(max_seq_len=256)).seq_len == 256
+    with pytest.raises(ValueError, match="--batch_size must be a positive int, got 0"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ValueError, match="ModelConfig.d_ff must be a positive int, got True"):
+        TrainConfig.from_flat({"d_ff": True})
+    with pytest.raises(ValueError, match="top_k=3 exceeds num_experts=2"):
+        TrainConfig.from_flat({"num_experts": 2, "top_k": 3})
+
+
+_PARSERS = {"capacity_factor": parse_capacity_factor}
+
+
+def _fresh_flags(*args: str) -> flags.FlagValues:
+    values = flags.FlagValues()
+    dataclass_flags.define_flags(TrainConfig, _PARSERS, flag_values=values)
+    values(["prog", *args])
+    return values
+
+
+def test_one_flag_per_field_with_its_default_type_and_help():
+    values = _fresh_flags()
+    for cls in (TrainConfig, ModelConfig):
+        for field in dataclasses.fields(cls):
+            if field.name == "model":
+                assert "model" not in values
+                continue
+            flag = values[field.name]
+            default = cls().to_json()[field.name] if cls is TrainConfig else field.default
+            if field.name == "capacity_factor":
+                assert flag.value == "auto" and flag.flag_type() == "string"
+            else:
+                assert flag.value == default, field.name
+            assert flag.help and flag.help[0].isupper(), field.name
+    types = {name: values[name].flag_type() for name in ("d_model", "balance_eps", "data")}
+    assert types == {"d_model": "int", "balance_eps": "float", "data": "string"}
+    assert values["profile_loads"].flag_type() == "bool"
+    assert values["num_heads"].help == "Attention heads; must divide d_model."
+    assert values["data"].help == (
+        "Text files: a path, folder or glob (default: the Python standard library's source files)."
+    )
+    with pytest.raises(flags.IllegalFlagValueError):
+        _fresh_flags("--d_model=wide")
+
+
+def test_only_flags_given_override_the_base_model():
+    values = _fresh_flags(
+        "--d_model=32", "--capacity_factor=none", "--steps=5", "--noprofile_loads"
+    )
+    given = dataclass_flags.given_values(TrainConfig, _PARSERS, flag_values=values)
+    assert given == {"d_model": 32, "capacity_factor": None, "steps": 5, "profile_loads": False}
+    base = ModelConfig(d_model=64, num_layers=3, num_heads=2, max_seq_len=256)  # a "preset"
+    cfg = TrainConfig.from_flat(given, base)
+    assert cfg.model == ModelConfig(d_model=32, num_layers=3, num_heads=2, max_seq_len=256)
+    assert cfg.steps == 5 and cfg.capacity_factor is None and cfg.balance == "ultraep"
+    assert TrainConfig.from_flat({}, base) == TrainConfig(model=base)
 
 
 def test_finished_workdir_is_left_alone(tmp_path, capsys):
@@ -154,15 +249,14 @@ def test_finished_workdir_is_left_alone(tmp_path, capsys):
     metrics = tmp_path / "done" / "metrics.jsonl"
     before = metrics.read_text()
     capsys.readouterr()
-    cfg = TrainConfig(workdir=str(tmp_path / "done"), **{**SMALL, "steps": 2})
-    result = trainer.run(cfg)
+    result = trainer.run(_config(tmp_path / "done", steps=2))
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "raise --steps" in out[0] and "step 2" in out[0], out
     assert result["finished"] and result["step"] == 2 and result["stopped_by"] is None
     assert metrics.read_text() == before
     # Resuming with a different model shape: a RunError naming the flag, before anything runs.
     with pytest.raises(trainer.RunError, match=r"--d_model=32 \(given: 16\)"):
-        trainer.run(TrainConfig(workdir=str(tmp_path / "done"), **{**SMALL, "d_model": 16}))
+        trainer.run(_config(tmp_path / "done", d_model=16))
     # Without config.json (an older workdir), restoring the checkpoint itself says it.
     (tmp_path / "done" / "config.json").unlink()
     with pytest.raises(trainer.RunError, match="does not fit this model") as err:
@@ -172,20 +266,20 @@ def test_finished_workdir_is_left_alone(tmp_path, capsys):
 
 
 def test_stop_request_handler():
-    stop = trainer.StopRequest()
+    request = stop.StopRequest()
     previous = signal.getsignal(signal.SIGINT)
-    stop.install()
+    request.install()
     try:
-        assert signal.getsignal(signal.SIGINT) is stop
-        assert signal.getsignal(signal.SIGTERM) is stop
-        assert stop.signum is None and not stop.agreed()
-        stop(signal.SIGTERM)
-        assert stop.signum == signal.SIGTERM and stop.agreed()
+        assert signal.getsignal(signal.SIGINT) is request
+        assert signal.getsignal(signal.SIGTERM) is request
+        assert request.signum is None and not request.agreed()
+        request(signal.SIGTERM)
+        assert request.signum == signal.SIGTERM and request.agreed()
         # A second signal is not caught any more: it ends the process at once.
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
-        stop.restore()
+        request.restore()
     assert signal.getsignal(signal.SIGINT) is previous
 
 
@@ -209,6 +303,8 @@ def _python(args, env_extra=None, timeout=600, merge_stderr=False):
         ("--num_experts=12", "not divisible"),
         ("--data=/nonexistent/corpus", "/nonexistent/corpus"),
         ("--capacity_factor=lots", "--capacity_factor"),
+        ("--seq_len=512", "--max_seq_len=128"),
+        ("--d_model=0", "d_model must be a positive int"),
     ],
 )
 def test_bad_flags_end_with_one_line(tmp_path, flag, message):

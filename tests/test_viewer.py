@@ -1,4 +1,4 @@
-"""The load viewer (experiments/viewer.py): page content, the CLI, and the page in real Chromium.
+"""The load viewer (experiments/train/viewer.py): the page, the CLI, and the page in real Chromium.
 
 The browser tests run Debian's ``chromium`` headless with ``--dump-dom`` (the DOM after the page's
 scripts ran) and ``--enable-logging=stderr`` (console messages and uncaught errors appear on stderr
@@ -135,8 +135,11 @@ def test_page_is_self_contained():
     assert "<link" not in page.lower()
     assert not re.search(r"<script[^>]*\bsrc\s*=", page, re.IGNORECASE)
     assert set(_URL.findall(page)) <= _NAMESPACES
-    # The data is embedded.
+    # The data is embedded, and the page's stylesheet and script are inlined whole.
     assert '<script id="viewer-data" type="application/json">' in page
+    static = REPO / "experiments" / "train" / "static"
+    assert f"<style>\n{(static / 'viewer.css').read_text()}</style>" in page
+    assert f"<script>\n{(static / 'viewer.js').read_text()}</script>" in page
 
 
 def test_embedded_data_is_strict_json_and_script_safe():

@@ -1,8 +1,11 @@
 """``python -m experiments.train``: the training run (see ``experiments/train/main.py``)."""
 
-from absl import app
+from absl import app, flags
 
-from experiments.train.main import main
+from experiments.train import main
+
+# --helpshort lists the flags of the module run as a program: this one.
+flags.adopt_module_key_flags(main)
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main.main)

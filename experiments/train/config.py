@@ -1,9 +1,19 @@
-"""Configuration of a training run: a frozen dataclass, validated on construction."""
+"""Configuration of a training run: a frozen dataclass, validated on construction.
+
+`TrainConfig` holds the run's own settings and, in ``model``, the model's shape (a
+`models.moe_lm.ModelConfig`). Outside Python both are flat: every field, the model's included, is
+one flag of the same name (``--d_model`` sets ``model.d_model``), and ``config.json`` holds the
+same flat names (`TrainConfig.to_json`, `TrainConfig.from_flat`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+
+from experiments.train.dataclass_flags import flag_text
+from models.moe_lm import ModelConfig, check_positive_ints
 
 #: ``capacity_factor`` default: resolved on construction by `auto_capacity_factor`.
 AUTO = "auto"
@@ -11,11 +21,25 @@ AUTO = "auto"
 #: balanced load (within ``balance_eps``) plus rounding, so nothing is dropped in practice.
 BALANCED_CAPACITY_FACTOR = 1.05
 
-#: Fields that fix the shape or the meaning of the model and optimizer state: a workdir's
-#: checkpoints can only be resumed with the same values.
-STATE_FIELDS = ("d_model", "num_layers", "num_heads", "d_ff", "num_experts", "top_k", "seq_len")
+#: The model's fields (flat names in flags and ``config.json``).
+MODEL_FIELDS = tuple(field.name for field in dataclasses.fields(ModelConfig))
+#: Fields that fix the shape of the model and optimizer state: a workdir's checkpoints can only
+#: be resumed with the same values.
+STATE_FIELDS = MODEL_FIELDS
 #: Fields that only say how long to train and how often to report: free to change on resume.
 SCHEDULE_FIELDS = ("steps", "checkpoint_every", "eval_every", "print_every")
+# TrainConfig's fields that must be ints >= 1.
+_POSITIVE = (
+    "steps",
+    "max_corpus_bytes",
+    "eval_batches",
+    "batch_size",
+    "seq_len",
+    "min_tokens_per_replica",
+    "checkpoint_every",
+    "eval_every",
+    "print_every",
+)
 
 
 def auto_capacity_factor(balance: str) -> float | None:
@@ -45,70 +69,71 @@ def parse_capacity_factor(text: str) -> float | str | None:
 class TrainConfig:
     """Everything a training run needs; `experiments.train` builds it from flags.
 
-    ``capacity_factor`` is the MoE receive buffer per rank as a multiple of the pairs it routes.
-    It may be given as ``"auto"`` (the default), which construction replaces with
-    `auto_capacity_factor` of ``balance``: 1.05 when balanced, None (dropless) without. After
-    construction it is always a float or None.
+    After construction ``capacity_factor`` is a float or None: ``"auto"`` (the default) is
+    replaced by `auto_capacity_factor` of ``balance``.
+
+    Attributes:
+      workdir: output folder (created if needed); rerun with it to continue.
+      balance: expert load balancing: none or ultraep.
+      steps: training steps (total, across resumes).
+      data: text files: a path, folder or glob (default: the Python standard library's source
+        files).
+      max_corpus_bytes: corpus size cap.
+      eval_fraction: held-out tail of the corpus.
+      eval_batches: batches per evaluation.
+      batch_size: global batch (sequences).
+      seq_len: sequence length (bytes); at most ``max_seq_len``.
+      model: the model's shape; each of its fields is a flag of its own.
+      slots_per_rank: replica slots per rank.
+      min_tokens_per_replica: least tokens a replica carries.
+      balance_eps: balance tolerance over the mean.
+      capacity_factor: receive buffer per rank as a multiple of the pairs it routes; pairs beyond
+        it are dropped. auto: 1.05 with --balance=ultraep (room for the balanced load), dropless
+        with none; none: dropless (worst-case buffers); or a number.
+      learning_rate: AdamW learning rate.
+      seed: initialisation seed.
+      ep_size: devices on the expert axis (0: all); the rest is data.
+      checkpoint_every: checkpoint interval (steps).
+      eval_every: eval interval (steps).
+      print_every: progress line interval (steps).
+      profile_loads: record per-step, per-layer expert and rank loads before/after balancing to
+        <workdir>/loads.jsonl.
     """
 
-    workdir: str
-    balance: str = "ultraep"  # "none" or "ultraep"
+    workdir: str = "runs/default"
+    balance: str = "ultraep"
     steps: int = 200
-    data: str | None = None  # None: the Python standard library's source files
+    data: str | None = None
     max_corpus_bytes: int = 16 << 20
     eval_fraction: float = 0.02
     eval_batches: int = 4
     batch_size: int = 16
     seq_len: int = 128
-    d_model: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    d_ff: int = 128
-    num_experts: int = 16
-    top_k: int = 2
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     slots_per_rank: int = 2
     min_tokens_per_replica: int = 8
     balance_eps: float = 0.01
-    capacity_factor: float | str | None = AUTO  # None: dropless; "auto": see the class doc
+    capacity_factor: float | str | None = AUTO
     learning_rate: float = 3e-3
     seed: int = 0
-    ep_size: int = 0  # 0: every device on the EP axis
+    ep_size: int = 0
     checkpoint_every: int = 50
     eval_every: int = 50
     print_every: int = 10
-    profile_loads: bool = False  # per-step, per-layer loads to <workdir>/loads.jsonl
+    profile_loads: bool = False
 
     def __post_init__(self):
         if self.balance not in ("none", "ultraep"):
             raise ValueError(f"unknown --balance={self.balance!r}; expected none or ultraep")
-        positive = (
-            "steps",
-            "max_corpus_bytes",
-            "eval_batches",
-            "batch_size",
-            "seq_len",
-            "d_model",
-            "num_layers",
-            "num_heads",
-            "d_ff",
-            "num_experts",
-            "top_k",
-            "min_tokens_per_replica",
-            "checkpoint_every",
-            "eval_every",
-            "print_every",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, _POSITIVE, "--")
         if self.slots_per_rank < 0 or self.ep_size < 0:
             raise ValueError("--slots_per_rank and --ep_size must be >= 0")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"--top_k={self.top_k} exceeds --num_experts={self.num_experts}")
-        if self.d_model % self.num_heads:
+        if not isinstance(self.model, ModelConfig):
+            raise TypeError(f"model must be a ModelConfig, got {type(self.model).__name__}")
+        if self.seq_len > self.model.max_seq_len:
             raise ValueError(
-                f"--d_model={self.d_model} is not divisible by --num_heads={self.num_heads}"
+                f"--seq_len={self.seq_len} exceeds --max_seq_len={self.model.max_seq_len}, the "
+                f"positions the model learns; raise --max_seq_len"
             )
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction}")
@@ -126,15 +151,31 @@ class TrainConfig:
         if not self.workdir:
             raise ValueError("--workdir must be set")
 
+    @classmethod
+    def from_flat(cls, values: Mapping[str, object], model: ModelConfig | None = None):
+        """The configuration of flat ``values`` (the names of the flags and of ``config.json``):
+        TrainConfig's own fields, and model fields that replace those of ``model`` (default:
+        ``ModelConfig()``); every field not in ``values`` keeps its default.
+
+        Raises:
+          ValueError: a name is no field, or a value is invalid (one line).
+        """
+        own = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        unknown = sorted(set(values) - own - set(MODEL_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown configuration field(s): {', '.join(unknown)}")
+        model_values = {k: v for k, v in values.items() if k in MODEL_FIELDS}
+        model = dataclasses.replace(model or ModelConfig(), **model_values)
+        return cls(model=model, **{k: v for k, v in values.items() if k in own})
+
     def check_devices(self, num_devices: int) -> tuple[int, int]:
         """(data, ep) mesh shape for ``num_devices``; raises ValueError when they do not fit."""
         ep = self.ep_size or num_devices
+        num_experts = self.model.num_experts
         if num_devices % ep:
             raise ValueError(f"--ep_size={ep} does not divide the {num_devices} devices")
-        if self.num_experts % ep:
-            raise ValueError(
-                f"--num_experts={self.num_experts} is not divisible by the EP size {ep}"
-            )
+        if num_experts % ep:
+            raise ValueError(f"--num_experts={num_experts} is not divisible by the EP size {ep}")
         if self.batch_size % num_devices:
             raise ValueError(
                 f"--batch_size={self.batch_size} is not divisible by the {num_devices} devices"
@@ -142,8 +183,15 @@ class TrainConfig:
         return num_devices // ep, ep
 
     def to_json(self) -> dict:
-        """The configuration as a JSON-ready dict (what ``<workdir>/config.json`` holds)."""
-        return dataclasses.asdict(self)
+        """The configuration by flat name, model fields in place of ``model`` (what
+        ``<workdir>/config.json`` holds; `from_flat` reads it back)."""
+        out = {}
+        for field in dataclasses.fields(self):
+            if field.name == "model":
+                out.update(dataclasses.asdict(self.model))
+            else:
+                out[field.name] = getattr(self, field.name)
+        return out
 
     def compare_saved(self, saved: dict) -> tuple[list[str], list[str]]:
         """How this configuration differs from ``saved`` (a `to_json` of an earlier run).
@@ -152,25 +200,21 @@ class TrainConfig:
           ``(blocking, changed)``: ``"--name=<saved> (given: <this>)"`` for every `STATE_FIELDS`
           value that differs (the earlier run's checkpoints do not fit this configuration), and
           ``"--name=<saved> -> <this>"`` for every other differing field except `SCHEDULE_FIELDS`
-          and ``workdir`` (allowed, but the run no longer follows one configuration).
+          and ``workdir`` (allowed, but the run no longer follows one configuration). A name
+          missing from ``saved`` is not compared.
         """
+        if "max_seq_len" not in saved and "seq_len" in saved:
+            # Written before max_seq_len was a field: the positions then covered seq_len.
+            saved = {**saved, "max_seq_len": saved["seq_len"]}
         blocking, changed = [], []
-        for field in dataclasses.fields(self):
-            name = field.name
+        for name, new in self.to_json().items():
             if name in SCHEDULE_FIELDS or name == "workdir" or name not in saved:
                 continue
-            old, new = saved[name], getattr(self, name)
+            old = saved[name]
             if old == new:
                 continue
             if name in STATE_FIELDS:
-                blocking.append(f"--{name}={_flag_text(old)} (given: {_flag_text(new)})")
+                blocking.append(f"--{name}={flag_text(old)} (given: {flag_text(new)})")
             else:
-                changed.append(f"--{name}={_flag_text(old)} -> {_flag_text(new)}")
+                changed.append(f"--{name}={flag_text(old)} -> {flag_text(new)}")
         return blocking, changed
-
-
-def _flag_text(value) -> str:
-    """A configuration value as it is written on the command line."""
-    if value is None:
-        return "none"
-    return str(value)

@@ -3,7 +3,8 @@
 ``metrics.jsonl`` holds one JSON object per logged step with at least ``step`` and ``loss``, and
 optionally ``eval_loss``, per-layer lists ``imbalance_before`` / ``imbalance_after`` (max/mean
 rank load before and after balancing), ``balance`` (the mode), ``dropped`` (tokens dropped: a
-number or a per-layer list) and tokens per second (any key of :data:`TOKENS_PER_S_KEYS`).
+number or a per-layer list), ``tokens_per_s`` and ``step_time`` (seconds), as the trainer writes
+them.
 
 * :func:`read_metrics` -- the records, one per step, in step order.
 * :func:`plot_metrics` -- one PNG: loss (and eval loss) on top, per-layer imbalance below.
@@ -21,12 +22,7 @@ import pathlib
 
 import numpy as np
 
-__all__ = ["STEP_TIME_KEYS", "TOKENS_PER_S_KEYS", "plot_metrics", "read_metrics", "summarize"]
-
-#: Keys read as throughput (the first one present in a record is used).
-TOKENS_PER_S_KEYS = ("tokens_per_s", "tokens_per_sec", "tokens/s", "tok_per_s")
-#: Keys read as the step time in seconds (the first one present in a record is used).
-STEP_TIME_KEYS = ("step_time_s", "step_time", "step_s")
+__all__ = ["plot_metrics", "read_metrics", "read_step_records", "summarize"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,13 +63,6 @@ def read_metrics(metrics_path) -> list[dict]:
     if not records:
         raise ValueError(f"{metrics_path}: no metrics records")
     return records
-
-
-def _first_key(record: dict, keys) -> float | None:
-    for key in keys:
-        if record.get(key) is not None:
-            return float(record[key])
-    return None
 
 
 def _per_layer(records: list[dict], key: str) -> np.ndarray:
@@ -253,10 +242,10 @@ def summarize(metrics_path) -> str:
     dropped = _total_dropped(records)
     if dropped is not None:
         lines.append(f"dropped tokens: {dropped} in total over logged steps")
-    throughput = [v for v in (_first_key(r, TOKENS_PER_S_KEYS) for r in records) if v is not None]
+    throughput = [float(r["tokens_per_s"]) for r in records if r.get("tokens_per_s") is not None]
     if throughput:
         lines.append(f"tokens/s: mean {np.mean(throughput):.1f} over {len(throughput)} steps")
-    step_times = [v for v in (_first_key(r, STEP_TIME_KEYS) for r in records) if v is not None]
+    step_times = [float(r["step_time"]) for r in records if r.get("step_time") is not None]
     if step_times:
         lines.append(f"step time: mean {1e3 * np.mean(step_times):.2f} ms")
     return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""Stopping a run cleanly: SIGINT / SIGTERM become a request to stop after the current step, and
+the loop runs off the main thread so that the request is answered at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import jax
+import numpy as np
+
+
+class StopRequest:
+    """Turns SIGINT / SIGTERM into a request to stop after the current step.
+
+    The first signal sets `signum` (the loop then saves a checkpoint, the metrics, the plot and
+    the summary, and ends) and puts both signals back to their default action, so a second one
+    ends the process at once, whatever it is doing.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __call__(self, signum, frame=None):
+        del frame
+        self.signum = signum
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        name = signal.Signals(signum).name
+        # os.write, not print: a handler may run in the middle of another print.
+        os.write(
+            2,
+            f"\n{name}: stopping after this step to save a checkpoint, the metrics and the plot "
+            f"(press Ctrl-C again to quit at once without saving)\n".encode(),
+        )
+
+    def install(self):
+        """Installs the handler (only the main thread can; elsewhere this does nothing)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self)
+
+    def restore(self):
+        """Puts back the handlers that `install` replaced."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def agreed(self) -> bool:
+        """Whether to stop now: on several processes, when any of them got a signal (they all
+        must stop at the same step, or the others would wait for it in the next step)."""
+        local = self.signum is not None
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        return bool(np.max(multihost_utils.process_allgather(np.int32(local))))
+
+
+def in_worker_thread(fn):
+    """Calls ``fn`` in another thread while the main thread waits, and returns its result (or
+    raises its exception).
+
+    Python runs signal handlers in the main thread between bytecodes only: a main thread busy in
+    a long XLA call (compiling a step can take a minute) would answer Ctrl-C only when the call
+    returns. Waiting here instead, it answers at once (the message, and a second Ctrl-C ends the
+    process). Off the main thread (no handlers there), ``fn`` simply runs here.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 (re-raised in the caller's thread)
+            outcome["error"] = err
+
+    worker = threading.Thread(target=target, name="train-loop", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
