@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <string>
 
-#include "handler_shapes.h"
+#include "plan_call.h"
 #include "planner.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -33,14 +33,12 @@ constexpr int kThreads = 256;  // threads per block (one block per plan)
 
 // All threads sum the expert totals (coalesced: neighbouring threads read neighbouring experts of
 // a row), then thread 0 runs the sequential rest of the core.
-__global__ void __launch_bounds__(kThreads)
-    plan_kernel(ultraep::PlanDims d, ultraep::PlanOptions o, int64_t count, int64_t ws_elems,
-                const int32_t* loads, int32_t* slot_expert, int32_t* slot_quota,
-                int32_t* master_quota, int32_t* rank_load, int64_t* workspace) {
+__global__ void __launch_bounds__(kThreads) plan_kernel(ultraep::PlanCall c) {
   const int64_t i = blockIdx.x;
-  if (i >= count) return;
-  const int32_t* plan_loads = loads + i * d.R * d.E;
-  int64_t* ws = workspace + i * ws_elems;
+  if (i >= c.count) return;
+  const ultraep::PlanDims& d = c.dims;
+  const int32_t* plan_loads = c.loads_of(i);
+  int64_t* ws = c.workspace_of(i);
   int64_t* load_e = ultraep::detail::Workspace(ws, d).load_e;
   int32_t sign = 0;
   for (int64_t e = threadIdx.x; e < d.E; e += blockDim.x) {
@@ -54,71 +52,42 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int negative = __syncthreads_or(sign < 0);
   if (threadIdx.x != 0) return;
-  ultraep::PlanOut out{slot_expert + i * d.R * d.S, slot_quota + i * d.R * d.S,
-                       master_quota + i * d.E, rank_load + i * d.R};
-  ultraep::plan_from_totals(d, o, negative != 0, out, ws);
+  ultraep::plan_from_totals(d, c.options, negative != 0, c.out_of(i), ws);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launching: one block of kThreads threads per plan. Returns the launch error.
-cudaError_t launch_plans(cudaStream_t stream, const ultraep::PlanDims& d,
-                         const ultraep::PlanOptions& o, int64_t count, int64_t ws_elems,
-                         const int32_t* loads, int32_t* slot_expert, int32_t* slot_quota,
-                         int32_t* master_quota, int32_t* rank_load, int64_t* workspace) {
-  plan_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
-      d, o, count, ws_elems, loads, slot_expert, slot_quota, master_quota, rank_load, workspace);
+// Launching: one block of kThreads threads per plan (c.count >= 1). Returns the launch error.
+cudaError_t launch_plans(cudaStream_t stream, const ultraep::PlanCall& c) {
+  plan_kernel<<<static_cast<unsigned>(c.count), kThreads, 0, stream>>>(c);
   return cudaGetLastError();
 }
 
-ffi::Error PlanCuda(cudaStream_t stream, ffi::AnyBuffer loads, int64_t slots_per_rank,
-                    int64_t min_tokens_per_replica, int64_t master_keep_tokens,
-                    double balance_eps, int64_t capacity,
-                    ffi::Result<ffi::AnyBuffer> slot_expert,
-                    ffi::Result<ffi::AnyBuffer> slot_quota,
-                    ffi::Result<ffi::AnyBuffer> master_quota,
-                    ffi::Result<ffi::AnyBuffer> rank_load, ffi::Result<ffi::AnyBuffer> workspace) {
-  if (loads.element_type() != ffi::S32)
-    return ffi::Error::InvalidArgument("ultraep_plan: loads must be int32");
-  ultraep::PlanBatch b;
-  ffi::Error shapes = ultraep::plan_batch(loads, slots_per_rank, *slot_expert, *slot_quota,
-                                          *master_quota, *rank_load, *workspace, &b);
-  if (shapes.failure()) return shapes;
-  ffi::Error opt =
-      ultraep::check_options(min_tokens_per_replica, master_keep_tokens, balance_eps, capacity);
-  if (opt.failure()) return opt;
-  if (b.count == 0) return ffi::Error::Success();
-  const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity};
-  cudaError_t err = launch_plans(
-      stream, b.dims, o, b.count, b.workspace, loads.typed_data<int32_t>(),
-      slot_expert->typed_data<int32_t>(), slot_quota->typed_data<int32_t>(),
-      master_quota->typed_data<int32_t>(), rank_load->typed_data<int32_t>(),
-      reinterpret_cast<int64_t*>(workspace->untyped_data()));
-  if (err != cudaSuccess)
+// Enqueues a checked call's plans on XLA's stream.
+ffi::Error LaunchAll(cudaStream_t stream, const ultraep::PlanCall& c) {
+  if (c.count == 0) return ffi::Error::Success();
+  if (cudaError_t err = launch_plans(stream, c); err != cudaSuccess)
     return ffi::Error::Internal(std::string("ultraep_plan: kernel launch failed: ") +
                                 cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
+// The handler: XLA's stream, then the call's operand, attributes and results (BindPlanCall),
+// which go to the shared checks.
+constexpr auto kPlanCuda = [](cudaStream_t stream, auto... call) {
+  const auto launch = [stream](const ultraep::PlanCall& c) { return LaunchAll(stream, c); };
+  return ultraep::HandlePlanCall(launch, call...);
+};
+
 }  // namespace
 
 // The library hides everything else; the handler is what the Python side loads by name.
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* UltraepPlanCuda(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* UltraepPlanCuda(
+    XLA_FFI_CallFrame*);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UltraepPlanCuda, PlanCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("slots_per_rank")
-                                  .Attr<int64_t>("min_tokens_per_replica")
-                                  .Attr<int64_t>("master_keep_tokens")
-                                  .Attr<double>("balance_eps")
-                                  .Attr<int64_t>("capacity")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    UltraepPlanCuda, kPlanCuda,
+    ultraep::BindPlanCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 // Benchmark and test hook (no XLA): plans `count` >= 1 matrices loads_host [count, R, E] on the
 // current device with the handler's kernel and options (capacity 0: unbounded), `iters` timed
@@ -131,18 +100,18 @@ extern "C" __attribute__((visibility("default"))) int ultraep_plan_cuda_bench(
     double balance_eps, int64_t capacity, int64_t count, const int32_t* loads_host, int iters,
     float* times_ms, int32_t* slot_expert, int32_t* slot_quota, int32_t* master_quota,
     int32_t* rank_load) {
-  if (R < 1 || E < 1 || E % R != 0 || S < 0 || count < 1 || iters < 0 ||
-      ultraep::check_options(min_tokens_per_replica, master_keep_tokens, balance_eps, capacity)
-          .failure())
-    return static_cast<int>(cudaErrorInvalidValue);
   const ultraep::PlanDims d{R, E, S};
   const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity};
+  if (R < 1 || E < 1 || E % R != 0 || S < 0 || count < 1 || iters < 0 ||
+      ultraep::check_options(o).failure())
+    return static_cast<int>(cudaErrorInvalidValue);
   const int64_t ws = ultraep::workspace_elems(d);
   int32_t *dl = nullptr, *dse = nullptr, *dsq = nullptr, *dmq = nullptr, *drl = nullptr;
   int64_t* dws = nullptr;
   cudaEvent_t ev0 = nullptr, ev1 = nullptr;
   cudaStream_t stream = nullptr;
   cudaError_t err = cudaSuccess;
+  ultraep::PlanCall c{};
 #define UEP_TRY(x)                     \
   do {                                 \
     err = (x);                         \
@@ -163,11 +132,12 @@ extern "C" __attribute__((visibility("default"))) int ultraep_plan_cuda_bench(
   UEP_TRY(cudaMemset(drl, 0x5a, sizeof(int32_t) * count * R));
   UEP_TRY(cudaEventCreate(&ev0));
   UEP_TRY(cudaEventCreate(&ev1));
-  UEP_TRY(launch_plans(stream, d, o, count, ws, dl, dse, dsq, dmq, drl, dws));
+  c = ultraep::PlanCall{d, o, count, ws, dl, dse, dsq, dmq, drl, dws};
+  UEP_TRY(launch_plans(stream, c));
   UEP_TRY(cudaStreamSynchronize(stream));
   for (int k = 0; k < iters; ++k) {
     UEP_TRY(cudaEventRecord(ev0, stream));
-    UEP_TRY(launch_plans(stream, d, o, count, ws, dl, dse, dsq, dmq, drl, dws));
+    UEP_TRY(launch_plans(stream, c));
     UEP_TRY(cudaEventRecord(ev1, stream));
     UEP_TRY(cudaEventSynchronize(ev1));
     UEP_TRY(cudaEventElapsedTime(&times_ms[k], ev0, ev1));

@@ -102,17 +102,17 @@ struct DescendingKey {
 };
 
 struct Workspace {
-  int64_t* load_e;        // [E]
-  int64_t* exported;      // [E]
-  int64_t* L;             // [R]: master-only rank loads
-  int64_t* slack;         // [R]
-  int64_t* free_slots;    // [R]
-  int64_t* rank_order;    // [R]: ranks by L descending
-  int64_t* active;        // [R]: ranks that can take a replica
-  int64_t* taken;         // [R]: replicas created on each rank so far (slot cursor)
-  int64_t* rep_expert;    // [R * S]
-  int64_t* rep_target;    // [R * S]
-  int64_t* rep_quota;     // [R * S]
+  int64_t* load_e;      // [E]
+  int64_t* exported;    // [E]
+  int64_t* L;           // [R]: master-only rank loads
+  int64_t* slack;       // [R]
+  int64_t* free_slots;  // [R]
+  int64_t* rank_order;  // [R]: ranks by L descending
+  int64_t* active;      // [R]: ranks that can take a replica
+  int64_t* taken;       // [R]: replicas created on each rank so far (slot cursor)
+  int64_t* rep_expert;  // [R * S]
+  int64_t* rep_target;  // [R * S]
+  int64_t* rep_quota;   // [R * S]
 
   UEP_HD Workspace(int64_t* base, const PlanDims& d) {
     load_e = base;
@@ -232,8 +232,7 @@ UEP_HD inline bool attempt(const PlanDims& d, const PlanOptions& o, Workspace& w
 // try(tau) of PLANNER.md: the attempts in their order until one succeeds (its replicas stay in ws).
 // `any_floor`: the probe may give up the floor F (exact mode, the capacity window).
 UEP_HD inline bool try_threshold(const PlanDims& d, const PlanOptions& o, Workspace& ws,
-                                 int64_t tau, int64_t lmax, bool any_floor,
-                                 int64_t* num_replicas) {
+                                 int64_t tau, int64_t lmax, bool any_floor, int64_t* num_replicas) {
   const int64_t F = o.min_tokens_per_replica;
   const int floors = (any_floor && F > 1) ? 2 : 1;
   for (int i = 0; i < floors; ++i) {
@@ -362,12 +361,11 @@ UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, 
   // The largest integer threshold within (1 + eps) of the mean, but never below the mean's ceiling.
   const int64_t mean_ceil = (total + d.R - 1) / d.R;
   const int64_t tau0 = max64(
-      mean_ceil, detail::clamp_floor(static_cast<double>(total) * (1.0 + o.eps) /
-                                         static_cast<double>(d.R),
-                                     lmax));
-  const int64_t delta = max64(
-      1, detail::clamp_ceil(static_cast<double>(total) * o.eps / static_cast<double>(d.R) / 2.0,
-                            lmax));
+      mean_ceil, detail::clamp_floor(
+                     static_cast<double>(total) * (1.0 + o.eps) / static_cast<double>(d.R), lmax));
+  const int64_t delta =
+      max64(1, detail::clamp_ceil(
+                   static_cast<double>(total) * o.eps / static_cast<double>(d.R) / 2.0, lmax));
   int64_t tau = lmax;
   int64_t nrep = 0;
   bool have = false;  // ws holds the winner's replicas
@@ -422,7 +420,8 @@ UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, 
     out.slot_quota[i] = 0;
   }
   for (int64_t r = 0; r < d.R; ++r) ws.taken[r] = 0;
-  for (int64_t e = 0; e < d.E; ++e) out.master_quota[e] = static_cast<int32_t>(ws.load_e[e] - ws.exported[e]);
+  for (int64_t e = 0; e < d.E; ++e)
+    out.master_quota[e] = static_cast<int32_t>(ws.load_e[e] - ws.exported[e]);
   for (int64_t r = 0; r < d.R; ++r) {
     int64_t l = 0;
     for (int64_t j = 0; j < em; ++j) l += ws.load_e[r * em + j] - ws.exported[r * em + j];

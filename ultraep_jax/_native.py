@@ -15,18 +15,31 @@ _CPU_LIB = "libultraep_ffi_cpu.so"
 _CUDA_LIB = "libultraep_ffi_cuda.so"
 
 
-def _find(name: str) -> pathlib.Path | None:
-    # Beside the package's modules; or, when a source checkout shadows the installed package (tests
-    # run from the repository root) or an editable install keeps them apart, where pip put it.
+@functools.cache
+def _library_dir() -> pathlib.Path | None:
+    """The folder of one build of the native libraries, or None.
+
+    Beside the package's modules; or, when a source checkout shadows the installed package (tests
+    run from the repository root) or an editable install keeps them apart, where pip put them. Both
+    libraries come from this one folder, so the CPU and CUDA handlers are always of the same build.
+    """
     import ultraep_jax
 
-    candidates = [pathlib.Path(folder) / name for folder in ultraep_jax.__path__]
+    folders = [pathlib.Path(folder) for folder in ultraep_jax.__path__]
     try:
         dist = importlib.metadata.distribution("ultraep_jax")
-        candidates.append(pathlib.Path(dist.locate_file(f"ultraep_jax/{name}")))
+        folders.append(pathlib.Path(dist.locate_file("ultraep_jax")))
     except importlib.metadata.PackageNotFoundError:
         pass
-    return next((path for path in candidates if path.exists()), None)
+    return next((folder for folder in folders if (folder / _CPU_LIB).exists()), None)
+
+
+def _find(name: str) -> pathlib.Path | None:
+    """The native library `name` of that build, or None where it was not built."""
+    folder = _library_dir()
+    if folder is None or not (folder / name).exists():
+        return None
+    return folder / name
 
 
 @functools.cache
