@@ -137,7 +137,10 @@ class MoE(nnx.Module):
         if not self.router.uses_bias:
             raise ValueError(f"MoE: the router {self.router!r} has no bias to update")
         rate = self.router.bias_rate
-        self.router_bias[...] = update_bias(self.router_bias[...], stats.expert_load, rate)
+        # Stats of a call on x typed by the user's mesh (Explicit axes, as from `jax.make_mesh`)
+        # carry that mesh; the bias lives on the layer's Auto-axes copy: put the load there.
+        load = jax.device_put(stats.expert_load, NamedSharding(self.mesh, P()))
+        self.router_bias[...] = update_bias(self.router_bias[...], load, rate)
 
 
 # Jitted so that the layer called outside `jax.jit` compiles once per shape; inlined in a step.

@@ -1,0 +1,724 @@
+"""Routers (`ultraep_jax.routing`), the layer with each router, and `uep.routed_experts` called
+directly, against a dense one-device reference written here.
+
+The reference never calls the library's routing code: routing decisions are made in NumPy
+float64 (softmax top-k is top-k of the logits; DeepSeek-V3 sigmoid routing picks on sigmoid
+scores plus the bias, within the ``top_groups`` groups whose two best biased scores sum highest),
+and the differentiable parts (weights, losses, experts) are plain jnp on those fixed choices.
+Inputs are drawn with a clear margin at every decision (k-th vs (k+1)-th key, last kept vs first
+dropped group), so that the library's float32 and the reference's float64 pick the same experts.
+
+Everything runs on the 8 simulated CPU devices forced by conftest.py; shapes are kept small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ultraep_jax as uep
+from ultraep_jax.routing import SigmoidTopK, SoftmaxTopK, update_bias
+
+D, F, FS = 8, 8, 8  # model width, expert hidden width, shared expert hidden width
+E = 8
+HIGHEST = jax.lax.Precision.HIGHEST
+RTOL, ATOL = 1e-4, 1e-5
+EXPERT_NAMES = ("w_gate", "w_up", "w_down")
+SHARED_NAMES = ("shared_gate", "shared_up", "shared_down")
+
+
+def assert_close(got, want, what, rtol=RTOL, atol=ATOL):
+    """Comparison with the absolute tolerance scaled to the reference's magnitude."""
+    want = np.asarray(want, np.float64)
+    scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), want, rtol=rtol, atol=atol * scale, err_msg=what
+    )
+
+
+# -- the reference router ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A router as the reference sees it; `library` builds the library's router from it."""
+
+    kind: str  # "softmax" or "sigmoid"
+    top_k: int
+    renormalize: bool = True
+    num_groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
+
+    def library(self, bias_rate: float = 1e-3):
+        if self.kind == "softmax":
+            return SoftmaxTopK(self.top_k, renormalize=self.renormalize)
+        return SigmoidTopK(
+            self.top_k, self.num_groups, self.top_groups, scale=self.scale, bias_rate=bias_rate
+        )
+
+    @property
+    def id(self) -> str:
+        if self.kind == "softmax":
+            return f"softmax-k{self.top_k}-{'renorm' if self.renormalize else 'raw'}"
+        return f"sigmoid-k{self.top_k}-g{self.top_groups}of{self.num_groups}-s{self.scale}"
+
+
+def _sigmoid64(z):
+    return 1.0 / (1.0 + np.exp(-np.asarray(z, np.float64)))
+
+
+def ref_select(logits, spec: Spec, bias=None):
+    """(experts int [T, k] best first, margin): the reference's choice from float64 logits, and
+    the smallest gap at any decision it made (k-th vs (k+1)-th key, groups kept vs dropped)."""
+    logits = np.asarray(logits, np.float64)
+    T, n = logits.shape
+    k = spec.top_k
+    margin = math.inf
+    if spec.kind == "softmax":
+        key = logits  # softmax is monotone
+    else:
+        key = _sigmoid64(logits) + (0.0 if bias is None else np.asarray(bias, np.float64))
+        G, TG = spec.num_groups, spec.top_groups
+        if TG < G:
+            grouped = key.reshape(T, G, n // G)
+            best = -np.sort(-grouped, axis=-1)[..., :2]
+            group_score = best.sum(-1)  # sum of the (up to) two best biased scores
+            keep = np.argsort(-group_score, axis=-1, kind="stable")[:, :TG]
+            allowed = np.zeros((T, G), bool)
+            allowed[np.arange(T)[:, None], keep] = True
+            key = np.where(np.repeat(allowed, n // G, axis=1), key, -np.inf)
+            srt = -np.sort(-group_score, axis=-1)
+            margin = min(margin, float(np.min(srt[:, TG - 1] - srt[:, TG])))
+    experts = np.argsort(-key, axis=-1, kind="stable")[:, :k]
+    srt = -np.sort(-key, axis=-1)
+    if k < n and np.all(np.isfinite(srt[:, k])):
+        margin = min(margin, float(np.min(srt[:, k - 1] - srt[:, k])))
+    elif k < n:
+        finite = np.isfinite(srt[:, k])
+        if finite.any():
+            margin = min(margin, float(np.min((srt[:, k - 1] - srt[:, k])[finite])))
+    return experts, margin
+
+
+def ref_probs(logits, spec: Spec):
+    """[T, E] the normalised scores the aux loss averages: softmax, or sigmoid / row sum."""
+    if spec.kind == "softmax":
+        ex = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        return ex / jnp.sum(ex, axis=-1, keepdims=True)
+    s = 1.0 / (1.0 + jnp.exp(-logits))
+    return s / jnp.sum(s, axis=-1, keepdims=True)
+
+
+def ref_weights(logits, experts, spec: Spec):
+    """[T, k] the weights of the fixed choices ``experts``: chosen softmax probabilities
+    (renormalised or not), or chosen unbiased sigmoid scores normalised to 1, times ``scale``."""
+    if spec.kind == "softmax":
+        w = jnp.take_along_axis(ref_probs(logits, spec), experts, axis=-1)
+        return w / jnp.sum(w, axis=-1, keepdims=True) if spec.renormalize else w
+    s = jnp.take_along_axis(1.0 / (1.0 + jnp.exp(-logits)), experts, axis=-1)
+    return spec.scale * s / jnp.sum(s, axis=-1, keepdims=True)
+
+
+def ref_losses(logits, experts, spec: Spec):
+    """(aux, z): ``E/(K T) sum_e count_e mean_t p_te`` and ``mean_t logsumexp(logits_t)^2``."""
+    T, n = logits.shape
+    k = experts.shape[-1]
+    count = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+    aux = n / (k * T) * jnp.sum(count * jnp.mean(ref_probs(logits, spec), axis=0))
+    m = jnp.max(logits, axis=-1)
+    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
+    return aux, jnp.mean(lse**2)
+
+
+def logit(p):
+    """float64 log(p / (1 - p)): the logit whose sigmoid is p."""
+    p = np.asarray(p, np.float64)
+    return np.log(p / (1.0 - p))
+
+
+# -- 1. router math ------------------------------------------------------------------------
+
+
+def _route(spec, logits, bias=None):
+    r = spec.library()(
+        jnp.asarray(logits, jnp.float32), None if bias is None else jnp.asarray(bias)
+    )
+    return r, np.asarray(r.experts), np.asarray(r.weights)
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+def test_softmax_topk_hand_example(renormalize):
+    """Two tokens, two experts, top-1, logits [log 3, 0]: probabilities [3/4, 1/4]; both pick
+    expert 0; counts [2, 0], mean probabilities [3/4, 1/4]: aux = 2/(1*2) * 2 * 3/4 = 3/2;
+    logsumexp = log 4 for both tokens: z = (log 4)^2."""
+    spec = Spec("softmax", 1, renormalize=renormalize)
+    r, experts, weights = _route(spec, [[math.log(3), 0.0], [math.log(3), 0.0]])
+    assert r.experts.dtype == jnp.int32 and r.weights.dtype == jnp.float32
+    np.testing.assert_array_equal(experts, [[0], [0]])
+    np.testing.assert_allclose(weights, [[1.0], [1.0]] if renormalize else [[0.75], [0.75]], 1e-6)
+    np.testing.assert_allclose(float(r.aux_loss), 1.5, rtol=1e-6)
+    np.testing.assert_allclose(float(r.z_loss), math.log(4) ** 2, rtol=1e-6)
+
+
+def test_losses_are_one_and_log_e_squared_at_zero_logits():
+    """All-zero logits: every router's normalised scores are uniform, so aux = E/(K T) * (K T) *
+    1/E = 1 whatever the choice; z = log(E)^2."""
+    logits = np.zeros((3, 4))
+    for spec in (Spec("softmax", 2), Spec("softmax", 2, renormalize=False), Spec("sigmoid", 2)):
+        r, _, _ = _route(spec, logits)
+        np.testing.assert_allclose(float(r.aux_loss), 1.0, rtol=1e-6, err_msg=spec.id)
+        np.testing.assert_allclose(float(r.z_loss), math.log(4) ** 2, rtol=1e-6, err_msg=spec.id)
+
+
+def test_sigmoid_hand_example_losses():
+    """Two tokens, scores [3/4, 1/2] (logits [log 3, 0]), top-1: both pick expert 0; per-token
+    normalised scores [0.6, 0.4]: aux = 2/2 * 2 * 0.6 = 1.2; weight = scale * 1; z = (log 4)^2."""
+    spec = Spec("sigmoid", 1, scale=2.5)
+    r, experts, weights = _route(spec, [[math.log(3), 0.0], [math.log(3), 0.0]])
+    np.testing.assert_array_equal(experts, [[0], [0]])
+    np.testing.assert_allclose(weights, [[2.5], [2.5]], rtol=1e-6)
+    np.testing.assert_allclose(float(r.aux_loss), 1.2, rtol=1e-6)
+    np.testing.assert_allclose(float(r.z_loss), math.log(4) ** 2, rtol=1e-6)
+
+
+# Sigmoid cases by their scores (logit = log(s / (1 - s))): scores, bias, spec, the experts to
+# pick (written by hand), and what would be picked without the bias / the group limit.
+SCORES_C = [0.95, 0.05, 0.60, 0.55, 0.90, 0.20, 0.30, 0.30]
+SIGMOID_HAND = {
+    # no groups, no bias: the two best scores
+    "plain": ([0.9, 0.2, 0.7, 0.4], None, Spec("sigmoid", 2), [0, 2]),
+    # bias +0.8 on expert 1 lifts 0.2 to 1.0 > 0.9: expert 1 first, weights from 0.2 and 0.9
+    "bias": ([0.9, 0.2, 0.7, 0.4], [0, 0.8, 0, 0], Spec("sigmoid", 2, scale=2.0), [1, 0]),
+    # groups of 2, best 2 groups: sums 1.00, 1.15, 1.10, 0.60 keep groups 1 and 2 -> experts 4, 2
+    # (without the limit: 0 and 4; ranking groups by their best score would keep 0 and 2)
+    "groups2": (SCORES_C, None, Spec("sigmoid", 2, num_groups=4, top_groups=2), [4, 2]),
+    # groups of 4, best group: top-two sums 1.70 vs 1.55 keep group 0 -> experts 0, 1 (summing a
+    # whole group would keep group 1: 1.9 vs 2.8)
+    "groups4": (
+        [0.9, 0.8, 0.1, 0.1, 0.85, 0.7, 0.65, 0.6],
+        None,
+        Spec("sigmoid", 2, num_groups=2, top_groups=1),
+        [0, 1],
+    ),
+    # the bias moves the group choice: biased group 3 = 0.8 + 0.75 = 1.55 beats group 2 (1.10),
+    # so groups 3 and 1 are kept and experts 6, 7 are picked; their weights are their unbiased
+    # scores 0.3, 0.3 normalised: 0.5 each (times scale 3)
+    "bias_groups": (
+        SCORES_C,
+        [0, 0, 0, 0, 0, 0, 0.5, 0.45],
+        Spec("sigmoid", 2, num_groups=4, top_groups=2, scale=3.0),
+        [6, 7],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SIGMOID_HAND))
+def test_sigmoid_topk_hand_examples(name):
+    scores, bias, spec, want = SIGMOID_HAND[name]
+    logits = logit([scores])
+    ref, margin = ref_select(logits, spec, None if bias is None else np.asarray(bias))
+    np.testing.assert_array_equal(ref, [want], err_msg="the reference disagrees with the hand")
+    assert margin > 1e-3
+    bias_arr = None if bias is None else np.asarray(bias, np.float32)
+    _, experts, weights = _route(spec, logits, bias_arr)
+    np.testing.assert_array_equal(experts, [want])
+    chosen = np.asarray(scores, np.float64)[want]
+    np.testing.assert_allclose(weights, [spec.scale * chosen / chosen.sum()], rtol=1e-6)
+    np.testing.assert_allclose(weights.sum(), spec.scale, rtol=1e-6)
+    if name == "bias_groups":
+        np.testing.assert_allclose(weights, [[1.5, 1.5]], rtol=1e-6)
+    if bias is not None:
+        # the same scores without the bias pick differently
+        _, unbiased, _ = _route(spec, logits)
+        assert not np.array_equal(unbiased, experts)
+
+
+RANDOM_SPECS = [
+    Spec("softmax", 2, renormalize=True),
+    Spec("softmax", 3, renormalize=False),
+    Spec("sigmoid", 2, scale=1.0),
+    Spec("sigmoid", 3, num_groups=4, top_groups=2, scale=2.5),
+]
+
+
+def _random_logits(spec, seed, T=6):
+    """[T, E] logits and a bias (sigmoid only) with a clear margin at every decision, the bias
+    changing at least one choice."""
+    rng = np.random.default_rng(seed)
+    for _ in range(500):
+        logits = rng.normal(size=(T, E)).astype(np.float32)
+        bias = None
+        if spec.kind == "sigmoid":
+            bias = (0.3 * rng.normal(size=E)).astype(np.float32)
+        experts, margin = ref_select(logits, spec, bias)
+        if margin < 1e-3:
+            continue
+        if bias is not None and np.array_equal(experts, ref_select(logits, spec)[0]):
+            continue
+        return logits, bias, experts
+    raise AssertionError("could not draw logits with a clear routing margin")
+
+
+@pytest.mark.parametrize(
+    "seed, spec", list(enumerate(RANDOM_SPECS)), ids=[s.id for s in RANDOM_SPECS]
+)
+def test_router_values_and_gradients_match_reference(seed, spec):
+    """Random logits: experts, weights, aux and z losses equal the reference, and so do the
+    gradients w.r.t. the logits of the weights (against a random cotangent) and of each loss."""
+    logits, bias, want_experts = _random_logits(spec, seed)
+    router = spec.library()
+    bias_j = None if bias is None else jnp.asarray(bias)
+    r = router(jnp.asarray(logits), bias_j)
+    np.testing.assert_array_equal(np.asarray(r.experts), want_experts)
+    idx = jnp.asarray(want_experts)
+    ref_aux, ref_z = ref_losses(jnp.asarray(logits), idx, spec)
+    assert_close(r.weights, ref_weights(jnp.asarray(logits), idx, spec), "weights", 1e-5, 1e-6)
+    assert_close(r.aux_loss, ref_aux, "aux_loss", 1e-5, 1e-6)
+    assert_close(r.z_loss, ref_z, "z_loss", 1e-5, 1e-6)
+    cot = jnp.asarray(np.random.default_rng(1).normal(size=want_experts.shape), jnp.float32)
+    lib_fns = {
+        "weights": lambda l: jnp.sum(router(l, bias_j).weights * cot),
+        "aux": lambda l: router(l, bias_j).aux_loss,
+        "z": lambda l: router(l, bias_j).z_loss,
+    }
+    ref_fns = {
+        "weights": lambda l: jnp.sum(ref_weights(l, idx, spec) * cot),
+        "aux": lambda l: ref_losses(l, idx, spec)[0],
+        "z": lambda l: ref_losses(l, idx, spec)[1],
+    }
+    for what, lib_fn in lib_fns.items():
+        got = jax.grad(lib_fn)(jnp.asarray(logits))
+        want = jax.grad(ref_fns[what])(jnp.asarray(logits))
+        assert np.abs(np.asarray(want)).max() > 0, what
+        assert_close(got, want, f"d {what} / d logits", 1e-4, 1e-6)
+    if bias is not None:
+        # the bias is a selection device only: no gradient flows into it
+        g_bias = jax.grad(lambda b: jnp.sum(router(jnp.asarray(logits), b).weights * cot))(bias_j)
+        np.testing.assert_array_equal(np.asarray(g_bias), 0)
+
+
+def test_update_bias_hand_example():
+    """Loads [10, 2, 4, 0] have mean 4: the overloaded expert 0 goes down by the rate, the
+    underloaded 1 and 3 go up, expert 2 (exactly at the mean) stays."""
+    bias = jnp.asarray([0.0, 0.5, -0.5, 0.0], jnp.float32)
+    new = update_bias(bias, jnp.asarray([10, 2, 4, 0], jnp.int32), 0.1)
+    assert new.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(new), [-0.1, 0.6, -0.5, 0.1], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(update_bias(bias, jnp.ones(4, jnp.int32), 0.1)), bias)
+
+
+# -- the layer ------------------------------------------------------------------------------
+
+
+def make_mesh(kind: str):
+    if kind == "ep8":
+        return jax.make_mesh((8,), ("expert",))
+    if kind == "dp2ep4":
+        return jax.make_mesh((2, 4), ("data", "expert"))
+    raise ValueError(kind)
+
+
+def balancer_for(mesh) -> uep.BalancerConfig:
+    return uep.BalancerConfig(
+        num_experts=E, ep_size=mesh.shape["expert"], slots_per_rank=1, min_tokens_per_replica=1
+    )
+
+
+def param_names(shared: bool) -> tuple[str, ...]:
+    return ("router_kernel", *EXPERT_NAMES, *(SHARED_NAMES if shared else ()))
+
+
+def draw_layer_inputs(rng, spec: Spec, batch, seq, skew=True, bias_scale=0.0):
+    """x [batch, seq, D], parameter values (with the shared expert's) and a bias (zeros unless
+    ``bias_scale``): experts 0 and 1 are hot when ``skew`` (a shared direction of x that their
+    router columns align with). Every decision has a clear margin and a nonzero bias changes at
+    least one token's choice."""
+    for _ in range(200):
+        u = rng.normal(size=D)
+        u /= np.linalg.norm(u)
+        x = rng.normal(size=(batch, seq, D))
+        router = 0.7 * rng.normal(size=(D, E))
+        if skew:
+            x += 2.0 * u
+            router[:, [0, 1]] += 3.0 * u[:, None]
+        params = {
+            "router_kernel": router,
+            "w_gate": rng.normal(size=(E, D, F)) / math.sqrt(D),
+            "w_up": rng.normal(size=(E, D, F)) / math.sqrt(D),
+            "w_down": rng.normal(size=(E, F, D)) / math.sqrt(F),
+            "shared_gate": rng.normal(size=(D, FS)) / math.sqrt(D),
+            "shared_up": rng.normal(size=(D, FS)) / math.sqrt(D),
+            "shared_down": rng.normal(size=(FS, D)) / math.sqrt(FS),
+        }
+        x = x.astype(np.float32)
+        params = {k: v.astype(np.float32) for k, v in params.items()}
+        bias = (bias_scale * rng.normal(size=E)).astype(np.float32)
+        logits = x.reshape(-1, D).astype(np.float64) @ params["router_kernel"].astype(np.float64)
+        experts, margin = ref_select(logits, spec, bias)
+        threshold = 1e-3 if spec.kind == "softmax" else 1e-4
+        if margin < threshold:
+            continue
+        if bias_scale and np.array_equal(experts, ref_select(logits, spec)[0]):
+            continue
+        return x, params, bias, experts
+    raise AssertionError("could not draw inputs with a clear routing margin")
+
+
+def dense_experts(xt, params, experts, weights, shared: bool):
+    """[T, D]: every expert on every token, the chosen ones weighted and summed; plus the shared
+    expert."""
+    gate = jnp.einsum("td,edf->tef", xt, params["w_gate"], precision=HIGHEST)
+    up = jnp.einsum("td,edf->tef", xt, params["w_up"], precision=HIGHEST)
+    out = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, params["w_down"], precision=HIGHEST)
+    chosen = jnp.take_along_axis(out, experts[:, :, None], axis=1)  # [T, k, D]
+    y = jnp.sum(chosen * weights[:, :, None], axis=1)
+    if shared:
+        g = jnp.dot(xt, params["shared_gate"], precision=HIGHEST)
+        h = jax.nn.silu(g) * jnp.dot(xt, params["shared_up"], precision=HIGHEST)
+        y = y + jnp.dot(h, params["shared_down"], precision=HIGHEST)
+    return y
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "shared"))
+def reference_layer(x, params, experts, cotangent, spec: Spec, shared: bool):
+    """(y, aux, z) and the gradients of sum(y * cotangent) w.r.t. x and the parameters, for the
+    reference's fixed choice ``experts`` [T, k]."""
+
+    def loss(x, params):
+        xt = x.reshape(-1, D)
+        logits = jnp.dot(xt, params["router_kernel"], precision=HIGHEST)
+        weights = ref_weights(logits, experts, spec)
+        y = dense_experts(xt, params, experts, weights, shared).reshape(x.shape)
+        return jnp.sum(y * cotangent), (y, *ref_losses(logits, experts, spec))
+
+    (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
+    return aux, grads
+
+
+def set_value(var, value) -> None:
+    """Writes a value into an nnx variable, keeping its dtype and sharding."""
+    old = var[...]
+    var[...] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
+
+
+def build_layer(mesh, spec, balanced, shared, params, bias=None, bias_rate=1e-3, dtype=None):
+    kwargs = {} if dtype is None else {"param_dtype": dtype}
+    layer = uep.MoE(
+        d_model=D,
+        d_ff=F,
+        num_experts=E,
+        top_k=spec.top_k,
+        mesh=mesh,
+        balancer=balancer_for(mesh) if balanced else None,
+        capacity_factor=None,
+        router=spec.library(bias_rate),
+        shared_d_ff=FS if shared else 0,
+        rngs=nnx.Rngs(0),
+        **kwargs,
+    )
+    for name in param_names(shared):
+        set_value(getattr(layer, name), params[name])
+    if bias is not None:
+        set_value(layer.router_bias, bias)
+    return layer
+
+
+def place_batch(mesh, x):
+    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(tuple(mesh.axis_names))))
+
+
+def layer_value_and_grads(layer, x, cotangent, names):
+    """Jitted y, stats, d/dx and d/d(each parameter) of sum(y * cotangent), as NumPy."""
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    @jax.jit
+    def step(params, rest, x):
+        def loss(params, x):
+            y, stats = nnx.merge(graphdef, params, rest)(x)
+            return jnp.sum(y * cotangent), (y, stats)
+
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+
+    (_, (y, stats)), (gp, gx) = step(params, rest, x)
+    grad_layer = nnx.merge(graphdef, gp, rest)
+    grads = {name: np.asarray(getattr(grad_layer, name)[...]) for name in names}
+    return np.asarray(y), jax.tree.map(np.asarray, stats), np.asarray(gx), grads
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCase:
+    spec: Spec
+    mesh: str
+    balanced: bool
+    shared: bool
+    bias_scale: float
+    seed: int
+
+    @property
+    def id(self) -> str:
+        bal = "balanced" if self.balanced else "plain"
+        return f"{self.spec.id}-{self.mesh}-{bal}{'-shared' if self.shared else ''}"
+
+
+GROUPED = Spec("sigmoid", 2, num_groups=4, top_groups=2, scale=2.5)
+# Each router, balanced and not (for softmax, across its two weightings: how the weights are made
+# and how the experts run do not interact), with and without the shared expert, on both meshes.
+LAYER_CASES = [
+    LayerCase(Spec("softmax", 2), "ep8", balanced=True, shared=False, bias_scale=0, seed=0),
+    LayerCase(
+        Spec("softmax", 2, False), "dp2ep4", balanced=False, shared=True, bias_scale=0, seed=1
+    ),
+    LayerCase(GROUPED, "dp2ep4", balanced=True, shared=True, bias_scale=0.3, seed=4),
+    LayerCase(GROUPED, "ep8", balanced=False, shared=False, bias_scale=0.3, seed=5),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: c.id)
+def test_layer_equals_dense_reference(case):
+    """uep.MoE with each router (the sigmoid one with groups and a nonzero bias), with and
+    without shared experts, balanced and not, dropless: output, gradients w.r.t. x and every
+    parameter, the routed loads and the router losses equal the dense reference."""
+    rng = np.random.default_rng(case.seed)
+    mesh = make_mesh(case.mesh)
+    x, params, bias, experts = draw_layer_inputs(rng, case.spec, 8, 4, bias_scale=case.bias_scale)
+    cotangent = rng.normal(size=x.shape).astype(np.float32)
+    (ref_y, ref_aux, ref_z), (ref_gx, ref_gp) = reference_layer(
+        jnp.asarray(x),
+        {k: jnp.asarray(v) for k, v in params.items()},
+        jnp.asarray(experts),
+        jnp.asarray(cotangent),
+        case.spec,
+        case.shared,
+    )
+    uses_bias = case.spec.kind == "sigmoid"
+    layer = build_layer(
+        mesh, case.spec, case.balanced, case.shared, params, bias if uses_bias else None
+    )
+    names = param_names(case.shared)
+    y, stats, gx, gp = layer_value_and_grads(
+        layer, place_batch(mesh, x), jnp.asarray(cotangent), names
+    )
+    np.testing.assert_array_equal(stats.expert_load, np.bincount(experts.ravel(), minlength=E))
+    assert int(stats.dropped) == 0
+    if case.balanced:
+        assert int(stats.replicas) > 0, "the inputs were not skewed enough to replicate"
+    else:
+        assert int(stats.replicas) == 0
+    assert_close(stats.aux_loss, ref_aux, "aux_loss")
+    assert_close(stats.z_loss, ref_z, "z_loss")
+    assert y.shape == x.shape and y.dtype == np.float32
+    assert_close(y, ref_y, "y")
+    assert_close(gx, ref_gx, "d/dx")
+    for name in names:
+        assert gp[name].shape == params[name].shape, name
+        assert np.abs(ref_gp[name]).max() > 0, name
+        assert_close(gp[name], ref_gp[name], f"d/d{name}")
+    if uses_bias:
+        # the bias is state, not a parameter: the layer's bias is untouched by the call
+        np.testing.assert_array_equal(np.asarray(layer.router_bias[...]), bias)
+
+
+# -- routed_experts called directly ---------------------------------------------------------
+
+
+def hand_routing(batch, seq, k):
+    """A fixed pattern: every token's first choice is expert 0 (hot), the others walk the
+    experts by token index (so some tokens pick expert 0 twice); arbitrary positive weights."""
+    t = np.arange(batch * seq).reshape(batch, seq)
+    experts = np.stack([np.zeros_like(t)] + [(3 * t + j - 1) % E for j in range(1, k)], -1)
+    weights = np.random.default_rng(7).uniform(0.2, 1.5, size=experts.shape)
+    return experts.astype(np.int32), weights.astype(np.float32)
+
+
+@jax.jit
+def reference_routed(x, weights, params, experts):
+    """[B, L, D]: the dense experts of the fixed routing ``experts``, ``weights`` [B, L, k]."""
+    k = experts.shape[-1]
+    y = dense_experts(
+        x.reshape(-1, D), params, experts.reshape(-1, k), weights.reshape(-1, k), False
+    )
+    return y.reshape(x.shape)
+
+
+def test_routed_experts_with_hand_routing_equals_reference():
+    """`uep.routed_experts` outside any layer, balanced, with a hand-made routing (NumPy expert
+    ids, some tokens choosing one expert twice): the eager call's output equals the dense
+    reference and its loads are the bincount of the ids. (Its gradients are those of the layer
+    tests, which run it under the routers' weights.)"""
+    mesh = make_mesh("dp2ep4")
+    rng = np.random.default_rng(11)
+    batch, seq, k = 8, 4, 2
+    x = rng.normal(size=(batch, seq, D)).astype(np.float32)
+    experts, weights = hand_routing(batch, seq, k)
+    assert (experts[..., 0] == experts[..., 1]).any(), "the pattern has no repeated choice"
+    params = {
+        "w_gate": rng.normal(size=(E, D, F)).astype(np.float32) / math.sqrt(D),
+        "w_up": rng.normal(size=(E, D, F)).astype(np.float32) / math.sqrt(D),
+        "w_down": rng.normal(size=(E, F, D)).astype(np.float32) / math.sqrt(F),
+    }
+    ep = uep.ExpertParallel(mesh, E, balancer_for(mesh), capacity_factor=None)
+    wparams = tuple(jnp.asarray(params[n]) for n in EXPERT_NAMES)
+    ref_y = reference_routed(jnp.asarray(x), jnp.asarray(weights), params, jnp.asarray(experts))
+
+    y, stats = uep.routed_experts(jnp.asarray(x), experts, jnp.asarray(weights), wparams, ep)
+    np.testing.assert_array_equal(
+        np.asarray(stats.expert_load), np.bincount(experts.ravel(), minlength=E)
+    )
+    assert int(stats.replicas) > 0 and int(stats.dropped) == 0
+    assert float(stats.aux_loss) == 0 and float(stats.z_loss) == 0
+    assert_close(y, ref_y, "routed_experts y (eager)")
+
+
+def _routed_args(batch=8, seq=4, k=2):
+    mesh = make_mesh("ep8")
+    ep = uep.ExpertParallel(mesh, E, None, capacity_factor=None)
+    x = jnp.ones((batch, seq, D), jnp.float32)
+    experts, weights = hand_routing(batch, seq, k)
+    params = (
+        jnp.zeros((E, D, F)),
+        jnp.zeros((E, D, F)),
+        jnp.zeros((E, F, D)),
+    )
+    return x, experts, jnp.asarray(weights), params, ep
+
+
+@pytest.mark.parametrize("bad", [E, -1])
+def test_routed_experts_rejects_concrete_experts_out_of_range(bad):
+    x, experts, weights, params, ep = _routed_args()
+    experts = experts.copy()
+    experts[3, 1, 1] = bad
+    with pytest.raises(ValueError, match=rf"experts must be in \[0, {E}\)"):
+        uep.routed_experts(x, experts, weights, params, ep)
+
+
+def test_routed_experts_rejects_mismatched_shapes():
+    x, experts, weights, params, ep = _routed_args()
+    both = r"experts .* and weights .* must both be \[batch, seq, top_k\]"
+    with pytest.raises(ValueError, match=both):
+        uep.routed_experts(x, experts, weights[..., :1], params, ep)
+    with pytest.raises(ValueError, match=both):
+        uep.routed_experts(x, experts[:, :2], weights[:, :2], params, ep)
+    with pytest.raises(ValueError, match=both):
+        uep.routed_experts(x, experts.reshape(-1, 2), weights.reshape(-1, 2), params, ep)
+    with pytest.raises(ValueError, match=r"x must be \[batch, seq, d_model\]"):
+        uep.routed_experts(x.reshape(-1, D), experts, weights, params, ep)
+    bad_params = (params[0], params[1], jnp.zeros((E, F + 1, D)))
+    with pytest.raises(ValueError, match="expert weights must be"):
+        uep.routed_experts(x, experts, weights, bad_params, ep)
+    with pytest.raises(ValueError, match=r"expert weights must be .*E=8"):
+        uep.routed_experts(x, experts, weights, tuple(p[:4] for p in params), ep)
+
+
+# -- the router bias -------------------------------------------------------------------------
+
+
+def test_update_router_bias_moves_toward_balance():
+    """From a call's stats, the bias goes down by the rate for experts above the mean load and up
+    for those below; the next call routes by the new bias (a large rate changes choices). Eager
+    and in a jitted step, with x placed on the user's `jax.make_mesh` mesh (Explicit axes)."""
+    mesh = make_mesh("ep8")
+    rng = np.random.default_rng(21)
+    spec, rate = GROUPED, 0.2
+    x, params, bias, experts = draw_layer_inputs(rng, spec, 8, 4, bias_scale=0.3)
+    logits = x.reshape(-1, D).astype(np.float64) @ params["router_kernel"].astype(np.float64)
+    load = np.bincount(experts.ravel(), minlength=E)
+    assert (load != load.mean()).all(), "an expert sits at the mean load: pick another seed"
+    want_bias = (bias + rate * np.sign(load.mean() - load)).astype(np.float32)
+    experts2, margin2 = ref_select(logits, spec, want_bias)
+    assert margin2 > 1e-4, "the updated bias leaves a near tie: pick another seed"
+    load2 = np.bincount(experts2.ravel(), minlength=E)
+    assert not np.array_equal(load2, load), "the bias step changes nothing: pick another seed"
+
+    layer = build_layer(mesh, spec, False, False, params, bias, bias_rate=rate)
+    xs = place_batch(mesh, x)
+    _, stats = layer(xs)
+    np.testing.assert_array_equal(np.asarray(stats.expert_load), load)
+    layer.update_router_bias(stats)
+    new = np.asarray(layer.router_bias[...])
+    np.testing.assert_array_less(new[load > load.mean()], bias[load > load.mean()])
+    np.testing.assert_array_less(bias[load < load.mean()], new[load < load.mean()])
+    np.testing.assert_allclose(new, want_bias, rtol=1e-6, atol=1e-7)
+
+    # a jitted step (call, then update) routes by the updated bias and moves it again
+    graphdef, state = nnx.split(layer)
+
+    @jax.jit
+    def step(state, x):
+        model = nnx.merge(graphdef, state)
+        _, stats = model(x)
+        model.update_router_bias(stats)
+        return nnx.split(model)[1], stats.expert_load
+
+    state, got_load2 = step(state, xs)
+    np.testing.assert_array_equal(np.asarray(got_load2), load2)
+    nnx.update(layer, state)
+    want_bias2 = want_bias + rate * np.sign(load2.mean() - load2)
+    np.testing.assert_allclose(np.asarray(layer.router_bias[...]), want_bias2, rtol=1e-6, atol=1e-6)
+
+
+def test_update_router_bias_on_softmax_layer_raises():
+    layer = uep.MoE(D, F, E, 2, make_mesh("ep8"), rngs=nnx.Rngs(0))
+    assert not hasattr(layer, "router_bias")
+    stats = uep.MoEStats(
+        *(jnp.zeros((E,), jnp.int32),) * 3, *(jnp.int32(0),) * 3, *(jnp.float32(0),) * 4
+    )
+    with pytest.raises(ValueError, match="no bias"):
+        layer.update_router_bias(stats)
+
+
+# -- bfloat16 --------------------------------------------------------------------------------
+
+
+def test_bf16_layer_close_to_float32_reference_with_float32_routing():
+    """bf16 parameters and input under jit: the output is close to the float32 reference of the
+    same (upcast) weights, and the routed loads are those of float32 logits of the upcast values,
+    on an input where logits rounded to bfloat16 would route differently."""
+    mesh = make_mesh("ep8")
+    spec = Spec("softmax", 2)
+    rng = np.random.default_rng(31)
+    bf16 = jnp.bfloat16
+    for _ in range(200):
+        x, params, _, _ = draw_layer_inputs(rng, spec, 8, 4)
+        x = np.asarray(jnp.asarray(x, bf16).astype(jnp.float32))
+        params = {
+            k: np.asarray(jnp.asarray(v, bf16).astype(jnp.float32)) for k, v in params.items()
+        }
+        logits = x.reshape(-1, D).astype(np.float64) @ params["router_kernel"].astype(np.float64)
+        experts, margin = ref_select(logits, spec)
+        rounded = np.asarray(jnp.asarray(logits, bf16).astype(jnp.float32), np.float64)
+        experts_bf16, _ = ref_select(rounded, spec)
+        load = np.bincount(experts.ravel(), minlength=E)
+        if margin > 1e-3 and not np.array_equal(
+            load, np.bincount(experts_bf16.ravel(), minlength=E)
+        ):
+            break
+    else:
+        raise AssertionError("no input separates float32 from bfloat16 routing")
+
+    layer = build_layer(mesh, spec, True, True, params, dtype=bf16)
+    assert layer.w_gate[...].dtype == bf16 and layer.router_kernel[...].dtype == bf16
+    graphdef, state, rest = nnx.split(layer, nnx.Param, ...)
+    fwd = jax.jit(lambda s, r, x: nnx.merge(graphdef, s, r)(x))
+    y, stats = fwd(state, rest, place_batch(mesh, jnp.asarray(x, bf16)))
+    assert y.dtype == bf16 and y.shape == x.shape
+    assert int(stats.replicas) > 0 and int(stats.dropped) == 0
+    np.testing.assert_array_equal(np.asarray(stats.expert_load), load)
+    (ref_y, _, _), _ = reference_layer(
+        jnp.asarray(x),
+        {k: jnp.asarray(v) for k, v in params.items()},
+        jnp.asarray(experts),
+        jnp.zeros(x.shape, jnp.float32),
+        spec,
+        True,
+    )
+    assert_close(np.asarray(y.astype(jnp.float32)), ref_y, "bf16 y", rtol=5e-2, atol=5e-2)
