@@ -38,6 +38,19 @@ class ModelConfig:
       num_experts: experts per MoE layer.
       top_k: experts per token.
       max_seq_len: longest sequence the learned positions cover.
+      router: "softmax" (`uep.SoftmaxTopK`) or "sigmoid" (`uep.SigmoidTopK`, DeepSeek-V3).
+      renormalize: softmax router only: the top-k weights renormalised to sum 1.
+      num_groups: sigmoid router only: the experts split into this many equal groups.
+      top_groups: sigmoid router only: a token chooses within its best ``top_groups`` groups.
+      routed_scale: sigmoid router only: the routed weights' scale.
+      bias_rate: sigmoid router only: the per-step move of the aux-loss-free bias.
+      shared_d_ff: hidden width of a shared expert beside the routed ones (0: none).
+      aux_loss_coef: weight of the router's load-balancing loss in `next_token_loss` (0: off).
+      z_loss_coef: weight of the router's z-loss in `next_token_loss` (0: off).
+      scan_layers: build the blocks stacked and run them with `nnx.scan` (compile time flat in
+        depth) rather than unrolled.
+      remat: recompute each block's activations in the backward pass (`nnx.remat`).
+      param_dtype: "float32" or "bfloat16" (activations follow; router math stays float32).
     """
 
     vocab_size: int = 256
@@ -48,9 +61,40 @@ class ModelConfig:
     num_experts: int = 16
     top_k: int = 2
     max_seq_len: int = 128
+    router: str = "softmax"
+    renormalize: bool = True
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scale: float = 1.0
+    bias_rate: float = 1e-3
+    shared_d_ff: int = 0
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    scan_layers: bool = True
+    remat: bool = False
+    param_dtype: str = "float32"
+
+    _POSITIVE = (
+        "vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "num_experts", "top_k",
+        "max_seq_len", "num_groups", "top_groups",
+    )
 
     def __post_init__(self):
-        check_positive_ints(self, [f.name for f in dataclasses.fields(self)], "ModelConfig.")
+        check_positive_ints(self, self._POSITIVE, "ModelConfig.")
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"ModelConfig.router must be softmax or sigmoid, got {self.router!r}")
+        if self.param_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"ModelConfig.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}"
+            )
+        if isinstance(self.shared_d_ff, bool) or not isinstance(self.shared_d_ff, int) or (
+            self.shared_d_ff < 0
+        ):
+            raise ValueError(f"ModelConfig.shared_d_ff must be an int >= 0, got {self.shared_d_ff!r}")
+        for name in ("routed_scale", "bias_rate", "aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        self.make_router()  # its own checks (groups dividing the experts, ...)
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"ModelConfig: d_model={self.d_model} is not divisible by "
@@ -61,14 +105,33 @@ class ModelConfig:
                 f"ModelConfig: top_k={self.top_k} exceeds num_experts={self.num_experts}"
             )
 
+    def make_router(self):
+        """The `uep` router this configuration names."""
+        if self.router == "softmax":
+            return uep.SoftmaxTopK(self.top_k, renormalize=self.renormalize)
+        if self.num_experts % self.num_groups:
+            raise ValueError(
+                f"ModelConfig: num_experts={self.num_experts} does not split into "
+                f"num_groups={self.num_groups}"
+            )
+        return uep.SigmoidTopK(
+            self.top_k, self.num_groups, self.top_groups, self.routed_scale, self.bias_rate
+        )
+
+    @property
+    def dtype(self):
+        """The parameters' and activations' dtype."""
+        return jnp.dtype(self.param_dtype)
+
 
 class CausalSelfAttention(nnx.Module):
     """Dense multi-head causal self-attention: [B, T, D] -> [B, T, D]."""
 
-    def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, num_heads: int, dtype, *, rngs: nnx.Rngs):
         self.num_heads = num_heads
-        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(d_model, d_model, use_bias=False, rngs=rngs)
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.qkv = nnx.Linear(d_model, 3 * d_model, **kw)
+        self.out = nnx.Linear(d_model, d_model, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         B, T, D = x.shape
@@ -84,9 +147,10 @@ class Block(nnx.Module):
     """Pre-norm transformer block: attention, then the balanced MoE feed-forward layer."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, balancer, capacity_factor, *, rngs: nnx.Rngs):
-        self.attn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.num_heads, rngs=rngs)
-        self.moe_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        dtype = cfg.dtype
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.num_heads, dtype, rngs=rngs)
+        self.moe_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.moe = uep.MoE(
             d_model=cfg.d_model,
             d_ff=cfg.d_ff,
@@ -95,6 +159,9 @@ class Block(nnx.Module):
             mesh=mesh,
             balancer=balancer,
             capacity_factor=capacity_factor,
+            router=cfg.make_router(),
+            shared_d_ff=cfg.shared_d_ff,
+            param_dtype=dtype,
             rngs=rngs,
         )
 
@@ -105,7 +172,11 @@ class Block(nnx.Module):
 
 
 class MoELM(nnx.Module):
-    """Decoder-only MoE language model: tokens [B, T] -> (logits [B, T, V], stats per layer).
+    """Decoder-only MoE language model: tokens [B, T] -> (logits [B, T, V], stats).
+
+    The blocks are stacked and scanned (``cfg.scan_layers``; their parameters carry a leading
+    layer axis) or a list run in order. Either way the stats are one `uep.MoEStats` whose fields
+    have a leading layer axis [num_layers, ...].
 
     Args:
       cfg: the model's shape.
@@ -120,33 +191,73 @@ class MoELM(nnx.Module):
         self, cfg: ModelConfig, mesh: Mesh, balancer=None, capacity_factor=None, *, rngs: nnx.Rngs
     ):
         self.cfg = cfg
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+        dtype = cfg.dtype
+        self.embed = nnx.Embed(
+            cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
         self.pos = nnx.Param(
-            jax.random.normal(rngs.params(), (cfg.max_seq_len, cfg.d_model)) * 0.02
+            (jax.random.normal(rngs.params(), (cfg.max_seq_len, cfg.d_model)) * 0.02).astype(dtype)
         )
-        self.blocks = nnx.List(
-            [Block(cfg, mesh, balancer, capacity_factor, rngs=rngs) for _ in range(cfg.num_layers)]
-        )
-        self.norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
-        self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, list[uep.MoEStats]]:
+        def block(rngs):
+            return Block(cfg, mesh, balancer, capacity_factor, rngs=rngs)
+
+        if cfg.scan_layers:
+            make = nnx.split_rngs(splits=cfg.num_layers)(nnx.vmap(block, in_axes=0, out_axes=0))
+            self.blocks = make(rngs)
+        else:
+            self.blocks = nnx.List([block(rngs) for _ in range(cfg.num_layers)])
+        self.norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(
+            cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, uep.MoEStats]:
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(
                 f"MoELM: sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
         x = self.embed(tokens) + self.pos[...][:T]
-        stats = []
-        for block in self.blocks:
-            x, layer_stats = block(x)
-            stats.append(layer_stats)
+
+        def run_block(block, x):
+            return block(x)
+
+        if self.cfg.remat:
+            run_block = nnx.remat(run_block)
+        if self.cfg.scan_layers:
+            scan = nnx.scan(run_block, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
+            x, stats = scan(self.blocks, x)
+        else:
+            per_layer = []
+            for block in self.blocks:
+                x, layer_stats = run_block(block, x)
+                per_layer.append(layer_stats)
+            stats = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         return self.head(self.norm(x)), stats
 
+    def update_router_biases(self, stats: uep.MoEStats) -> None:
+        """Moves every layer's `uep.SigmoidTopK` bias from its exact loads (``stats`` from a
+        call of the model); nothing for a softmax router. Call once per training step."""
+        if self.cfg.router != "sigmoid":
+            return
+        if self.cfg.scan_layers:
+            self.blocks.moe.update_router_bias(stats)  # stacked: [L, E] biases and loads
+        else:
+            for i, block in enumerate(self.blocks):
+                block.moe.update_router_bias(jax.tree.map(lambda a, i=i: a[i], stats))
 
-def next_token_loss(model: MoELM, batch: jax.Array) -> tuple[jax.Array, list[uep.MoEStats]]:
-    """Mean next-token cross-entropy of ``batch`` int32 [B, T + 1], and the MoE stats."""
+
+def next_token_loss(model: MoELM, batch: jax.Array) -> tuple[jax.Array, uep.MoEStats]:
+    """Mean next-token cross-entropy of ``batch`` int32 [B, T + 1], plus the router losses the
+    config weighs in, and the MoE stats (leading layer axis)."""
     logits, stats = model(batch[:, :-1])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)[..., 0]
-    return jnp.mean(nll), stats
+    cfg = model.cfg
+    loss = jnp.mean(nll)
+    if cfg.aux_loss_coef:
+        loss = loss + cfg.aux_loss_coef * jnp.sum(stats.aux_loss)
+    if cfg.z_loss_coef:
+        loss = loss + cfg.z_loss_coef * jnp.sum(stats.z_loss)
+    return loss, stats

@@ -3,6 +3,7 @@
     python -m experiments.train                       # 8 simulated CPU devices, stdlib text
     python -m experiments.train --balance=none --workdir=runs/none
     python -m experiments.train --data='books/*.txt' --steps=2000
+    python -m experiments.train --preset=deepseek_v3 --steps=100 --workdir=runs/deepseek
     # two processes x 4 CPU devices on one machine:
     python -m experiments.train --num_processes=2 --process_id=0 --cpu_devices=4 \\
         --coordinator_address=127.0.0.1:12345 &
@@ -41,11 +42,18 @@ from absl import app, flags, logging
 from experiments.common import force_cpu_devices
 from experiments.train import dataclass_flags
 from experiments.train.config import TrainConfig, parse_capacity_factor
-from models.moe_lm import ModelConfig
+from models.presets import PRESETS, preset
 
 # Fields whose flag is text that a parser turns into the value (auto, none or a number).
 _PARSERS = {"capacity_factor": parse_capacity_factor}
 dataclass_flags.define_flags(TrainConfig, _PARSERS)
+flags.DEFINE_enum(
+    "preset",
+    "tiny",
+    sorted(PRESETS),
+    "Model preset (models/presets.py): its ModelConfig and spare slots per rank are the defaults "
+    "that the model flags and --slots_per_rank given on the command line override.",
+)
 flags.DEFINE_integer(
     "cpu_devices", 8, "Simulated CPU devices per process when there is no accelerator."
 )
@@ -56,10 +64,13 @@ flags.DEFINE_integer("process_id", 0, "This process's index (multi-process).")
 FLAGS = flags.FLAGS
 
 
-def config_from_flags(model: ModelConfig | None = None) -> TrainConfig:
-    """The run's configuration: the flags given on the command line over the defaults, and the
-    model flags given over ``model`` (default ``ModelConfig()``). ValueError names a bad flag."""
-    return TrainConfig.from_flat(dataclass_flags.given_values(TrainConfig, _PARSERS), model)
+def config_from_flags() -> TrainConfig:
+    """The run's configuration: the flags given on the command line over the defaults, and over
+    the ``--preset``'s model and spare slots. ValueError names a bad flag."""
+    chosen = preset(FLAGS.preset)
+    given = dataclass_flags.given_values(TrainConfig, _PARSERS)
+    given.setdefault("slots_per_rank", chosen.slots_per_rank)
+    return TrainConfig.from_flat(given, chosen.model)
 
 
 def _start_jax():

@@ -12,32 +12,33 @@ import ultraep_jax as uep
 from experiments.train.config import TrainConfig
 
 
-def layer_record(stats: list[uep.MoEStats]) -> dict:
+def layer_record(stats: uep.MoEStats) -> dict:
     """The per-layer figures of one step's ``metrics.jsonl`` record: max/mean rank load before
-    and after balancing, dropped pairs and replicas."""
+    and after balancing, dropped pairs and replicas (``stats`` with a leading layer axis)."""
     stats = jax.device_get(stats)
     return {
-        "imbalance_before": [round(float(s.imbalance_before), 5) for s in stats],
-        "imbalance_after": [round(float(s.imbalance_after), 5) for s in stats],
-        "dropped": [int(s.dropped) for s in stats],
-        "replicas": [int(s.replicas) for s in stats],
+        "imbalance_before": [round(float(v), 5) for v in stats.imbalance_before],
+        "imbalance_after": [round(float(v), 5) for v in stats.imbalance_after],
+        "dropped": [int(v) for v in stats.dropped],
+        "replicas": [int(v) for v in stats.replicas],
     }
 
 
-def load_profile(step: int, stats: list[uep.MoEStats]) -> dict:
-    """Per-layer loads of one step for `<workdir>/loads.jsonl` (the load profiler)."""
+def load_profile(step: int, stats: uep.MoEStats) -> dict:
+    """Per-layer loads of one step for `<workdir>/loads.jsonl` (the load profiler; ``stats``
+    with a leading layer axis)."""
     stats = jax.device_get(stats)
     return {
         "step": step,
         "layers": [
             {
-                "expert_load": np.asarray(s.expert_load).tolist(),
-                "rank_load_before": np.asarray(s.rank_load_before).tolist(),
-                "rank_load_after": np.asarray(s.rank_load_after).tolist(),
-                "replicas": int(s.replicas),
-                "dropped": int(s.dropped),
+                "expert_load": np.asarray(stats.expert_load[i]).tolist(),
+                "rank_load_before": np.asarray(stats.rank_load_before[i]).tolist(),
+                "rank_load_after": np.asarray(stats.rank_load_after[i]).tolist(),
+                "replicas": int(stats.replicas[i]),
+                "dropped": int(stats.dropped[i]),
             }
-            for s in stats
+            for i in range(len(stats.replicas))
         ],
     }
 

@@ -75,6 +75,7 @@ def place_on_mesh(obj, mesh):
 def _train_step(model, optimizer, batch):
     (loss, stats), grads = nnx.value_and_grad(next_token_loss, has_aux=True)(model, batch)
     optimizer.update(model, grads)
+    model.update_router_biases(stats)  # DeepSeek-V3's bias step from this step's exact loads
     return loss, stats
 
 
