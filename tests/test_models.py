@@ -1,0 +1,131 @@
+"""The model (`models/moe_lm.py`): scanned blocks equal the same blocks unrolled (values and
+gradients), remat changes nothing, every preset builds and runs one step, and the router bias
+moves from the loads of the step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ultraep_jax as uep
+from models.moe_lm import ModelConfig, MoELM, next_token_loss
+from models.presets import PRESETS, preset
+
+SMALL = ModelConfig(d_model=16, num_layers=3, num_heads=2, d_ff=16, num_experts=8, top_k=2,
+                    max_seq_len=16)
+
+
+def _mesh():
+    return jax.make_mesh((8,), ("expert",))
+
+
+def _balancer(cfg, slots=2):
+    return uep.BalancerConfig(cfg.num_experts, 8, slots_per_rank=slots, min_tokens_per_replica=1)
+
+
+def _batch(seed=0, batch=8, seq=16):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, 256, (batch, seq + 1)), jnp.int32)
+
+
+def _loss_and_grads(model, batch):
+    """As the training step takes them: `nnx.jit` over `nnx.value_and_grad`."""
+
+    @nnx.jit
+    def fn(model, batch):
+        return nnx.value_and_grad(next_token_loss, has_aux=True)(model, batch)
+
+    (value, stats), grads = fn(model, batch)
+    return value, stats, grads
+
+
+def _unrolled_copy(scanned: MoELM, mesh, balancer) -> MoELM:
+    """The same model with its blocks as a list, holding the scanned model's parameters."""
+    cfg = dataclasses.replace(scanned.cfg, scan_layers=False)
+    unrolled = MoELM(cfg, mesh, balancer, None, rngs=nnx.Rngs(1))
+    stacked = nnx.state(scanned.blocks)
+    for i, block in enumerate(unrolled.blocks):
+        nnx.update(block, jax.tree.map(lambda a, i=i: a[i], stacked))
+    for name in ("embed", "norm", "head"):
+        nnx.update(getattr(unrolled, name), nnx.state(getattr(scanned, name)))
+    unrolled.pos[...] = scanned.pos[...]
+    return unrolled
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_scanned_blocks_equal_unrolled(router):
+    cfg = dataclasses.replace(SMALL, router=router, num_groups=2, top_groups=1, shared_d_ff=8)
+    mesh, balancer = _mesh(), _balancer(cfg)
+    scanned = MoELM(cfg, mesh, balancer, None, rngs=nnx.Rngs(0))
+    unrolled = _unrolled_copy(scanned, mesh, balancer)
+    batch = _batch()
+    loss_s, stats_s, grads_s = _loss_and_grads(scanned, batch)
+    loss_u, stats_u, grads_u = _loss_and_grads(unrolled, batch)
+    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5)
+    np.testing.assert_array_equal(stats_s.expert_load, stats_u.expert_load)
+    assert stats_s.expert_load.shape == (cfg.num_layers, cfg.num_experts)
+    assert int(jnp.sum(stats_s.replicas)) > 0  # balancing did something
+    for name in ("embed", "pos", "norm", "head"):
+        for a, b in zip(jax.tree.leaves(grads_s[name]), jax.tree.leaves(grads_u[name]), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    for i in range(cfg.num_layers):
+        per_layer = jax.tree.map(lambda a, i=i: a[i], grads_s["blocks"])
+        for a, b in zip(jax.tree.leaves(per_layer), jax.tree.leaves(grads_u["blocks"][i]),
+                        strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_remat_changes_nothing():
+    mesh, balancer = _mesh(), _balancer(SMALL)
+    plain = MoELM(SMALL, mesh, balancer, None, rngs=nnx.Rngs(0))
+    remat = MoELM(dataclasses.replace(SMALL, remat=True), mesh, balancer, None, rngs=nnx.Rngs(0))
+    loss_p, _, grads_p = _loss_and_grads(plain, _batch(1))
+    loss_r, _, grads_r = _loss_and_grads(remat, _batch(1))
+    np.testing.assert_allclose(loss_p, loss_r, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_r), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_stacked_expert_weights_keep_the_layer_axis_whole():
+    model = MoELM(SMALL, _mesh(), None, None, rngs=nnx.Rngs(0))
+    w = model.blocks.moe.w_gate[...]
+    assert w.shape == (SMALL.num_layers, SMALL.num_experts, SMALL.d_model, SMALL.d_ff)
+    assert tuple(w.sharding.spec)[:2] == (None, "expert")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_build_and_step(name):
+    cfg = dataclasses.replace(preset(name).model, num_layers=1, max_seq_len=16)
+    model = MoELM(cfg, _mesh(), _balancer(cfg, preset(name).slots_per_rank), None,
+                  rngs=nnx.Rngs(0))
+    loss, stats, _ = _loss_and_grads(model, _batch(2))
+    assert np.isfinite(float(loss)) and int(jnp.sum(stats.dropped)) == 0
+    np.testing.assert_array_equal(
+        np.asarray(stats.expert_load).sum(-1), 8 * 16 * cfg.top_k * np.ones(1)
+    )
+
+
+def test_router_bias_steps_from_the_loads():
+    cfg = dataclasses.replace(SMALL, router="sigmoid", num_groups=2, top_groups=1, bias_rate=0.5)
+    model = MoELM(cfg, _mesh(), _balancer(cfg), None, rngs=nnx.Rngs(0))
+    _, stats = next_token_loss(model, _batch(3))
+    model.update_router_biases(stats)
+    load = np.asarray(stats.expert_load, np.float64)
+    want = 0.5 * np.sign(load.mean(-1, keepdims=True) - load)
+    np.testing.assert_allclose(np.asarray(model.blocks.moe.router_bias[...]), want)
+
+
+def test_bad_model_config_raises():
+    with pytest.raises(ValueError, match="router"):
+        ModelConfig(router="relu")
+    with pytest.raises(ValueError, match="num_groups"):
+        ModelConfig(router="sigmoid", num_experts=16, num_groups=3)
+    with pytest.raises(ValueError, match="param_dtype"):
+        ModelConfig(param_dtype="float16")
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("gpt5")
