@@ -75,8 +75,16 @@ class ModelConfig:
     param_dtype: str = "float32"
 
     _POSITIVE = (
-        "vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "num_experts", "top_k",
-        "max_seq_len", "num_groups", "top_groups",
+        "vocab_size",
+        "d_model",
+        "num_layers",
+        "num_heads",
+        "d_ff",
+        "num_experts",
+        "top_k",
+        "max_seq_len",
+        "num_groups",
+        "top_groups",
     )
 
     def __post_init__(self):
@@ -87,10 +95,14 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}"
             )
-        if isinstance(self.shared_d_ff, bool) or not isinstance(self.shared_d_ff, int) or (
-            self.shared_d_ff < 0
+        if (
+            isinstance(self.shared_d_ff, bool)
+            or not isinstance(self.shared_d_ff, int)
+            or (self.shared_d_ff < 0)
         ):
-            raise ValueError(f"ModelConfig.shared_d_ff must be an int >= 0, got {self.shared_d_ff!r}")
+            raise ValueError(
+                f"ModelConfig.shared_d_ff must be an int >= 0, got {self.shared_d_ff!r}"
+            )
         for name in ("routed_scale", "bias_rate", "aux_loss_coef", "z_loss_coef"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)!r}")

@@ -153,7 +153,7 @@ def test_invariants_random(R, E, S):
     batch = np.stack([_random_loads(rng, R, E, skew) for skew in (0.2, 0.5, 1.0, 5.0) * 3])
     ultra, _ = b.ultraep_batch(batch, cfg)
     masters = b.master_layout(R, E)
-    for loads, u in zip(batch, ultra):
+    for loads, u in zip(batch, ultra, strict=True):
         none = b.none(loads)
         np.testing.assert_array_equal(none.rank_load, workloads.master_rank_loads(loads))
         exact = b.eplb_exact(loads, S)
@@ -182,7 +182,7 @@ def test_periodic_window1_interval1_equals_exact():
     p = b.eplb_periodic(stream, 2, window=1, interval=1)
     assert p.replan_steps == list(range(12))
     prev = b.master_layout(4, 16)
-    for loads, got, moved in zip(stream, p.steps, p.new_placements):
+    for loads, got, moved in zip(stream, p.steps, p.new_placements, strict=True):
         want = b.eplb_exact(loads, 2)
         np.testing.assert_array_equal(got.layout, want.layout)
         np.testing.assert_array_equal(got.quota, want.quota)

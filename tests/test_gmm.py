@@ -62,7 +62,7 @@ def test_gradients_equal_ragged_dot(case):
 
     got = jax.jit(jax.grad(functools.partial(loss, _kernel), argnums=(0, 1)))(lhs, rhs)
     want = jax.grad(functools.partial(loss, _reference), argnums=(0, 1))(lhs, rhs)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
     total = int(np.sum(CASES[case][3]))
     assert not np.any(np.asarray(got[0][total:]))
@@ -82,7 +82,7 @@ def test_bf16_accumulates_in_float32():
     want = jax.grad(functools.partial(loss, _reference), argnums=(0, 1))(
         lhs.astype(jnp.float32), rhs.astype(jnp.float32)
     )
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.dtype == jnp.bfloat16
         scale = float(jnp.max(jnp.abs(w)))
         np.testing.assert_allclose(g.astype(jnp.float32), w, rtol=3e-2, atol=3e-2 * scale)

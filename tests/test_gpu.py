@@ -103,6 +103,7 @@ def test_cuda_planner_equals_cpu_planner(case):
         ("slot_expert", "slot_quota", "master_quota", "rank_load"),
         jax.tree.leaves(on_cpu),
         jax.tree.leaves(on_gpu),
+        strict=True,
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
@@ -125,7 +126,7 @@ def test_cuda_planner_hook_equals_cpu_planner(with_capacity):
             jax.device_put(loads, jax.devices("cpu")[0])
         )
         got, _ = cuda_bench(cfg, loads, 0, capacity=cap)
-        for a, b in zip(jax.tree.leaves(want), got):
+        for a, b in zip(jax.tree.leaves(want), got, strict=True):
             np.testing.assert_array_equal(np.asarray(a), b, err_msg=f"{kwargs} capacity={cap}")
 
 
@@ -174,7 +175,7 @@ def _check_against_ragged_dot(mm, dtype, sizes, tol):
     assert not np.any(np.asarray(out[total:], np.float32))
     got = jax.jit(jax.grad(lambda a, b: loss(mm, a, b), argnums=(0, 1)))(lhs, rhs)
     want = jax.jit(jax.grad(lambda a, b: loss(_ref, a, b), argnums=(0, 1)))(lhs, rhs)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         w = np.asarray(w, np.float32)
         scale = float(np.max(np.abs(w))) or 1.0
         np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=tol, atol=tol * scale)
@@ -270,7 +271,7 @@ def test_moe_layer_bf16_kernels_equal_ragged_dot(kernel):
     np.testing.assert_allclose(float(v), float(v_ref), rtol=2e-2)
     y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
     assert np.linalg.norm(y - y_ref) <= 2e-2 * np.linalg.norm(y_ref)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 3e-2 * np.linalg.norm(b) + 1e-6
 

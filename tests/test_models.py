@@ -16,8 +16,9 @@ import ultraep_jax as uep
 from models.moe_lm import ModelConfig, MoELM, next_token_loss
 from models.presets import PRESETS, preset
 
-SMALL = ModelConfig(d_model=16, num_layers=3, num_heads=2, d_ff=16, num_experts=8, top_k=2,
-                    max_seq_len=16)
+SMALL = ModelConfig(
+    d_model=16, num_layers=3, num_heads=2, d_ff=16, num_experts=8, top_k=2, max_seq_len=16
+)
 
 
 def _mesh():
@@ -71,12 +72,15 @@ def test_scanned_blocks_equal_unrolled(router):
     assert stats_s.expert_load.shape == (cfg.num_layers, cfg.num_experts)
     assert int(jnp.sum(stats_s.replicas)) > 0  # balancing did something
     for name in ("embed", "pos", "norm", "head"):
-        for a, b in zip(jax.tree.leaves(grads_s[name]), jax.tree.leaves(grads_u[name]), strict=True):
+        for a, b in zip(
+            jax.tree.leaves(grads_s[name]), jax.tree.leaves(grads_u[name]), strict=True
+        ):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     for i in range(cfg.num_layers):
         per_layer = jax.tree.map(lambda a, i=i: a[i], grads_s["blocks"])
-        for a, b in zip(jax.tree.leaves(per_layer), jax.tree.leaves(grads_u["blocks"][i]),
-                        strict=True):
+        for a, b in zip(
+            jax.tree.leaves(per_layer), jax.tree.leaves(grads_u["blocks"][i]), strict=True
+        ):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
@@ -101,8 +105,7 @@ def test_stacked_expert_weights_keep_the_layer_axis_whole():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_build_and_step(name):
     cfg = dataclasses.replace(preset(name).model, num_layers=1, max_seq_len=16)
-    model = MoELM(cfg, _mesh(), _balancer(cfg, preset(name).slots_per_rank), None,
-                  rngs=nnx.Rngs(0))
+    model = MoELM(cfg, _mesh(), _balancer(cfg, preset(name).slots_per_rank), None, rngs=nnx.Rngs(0))
     loss, stats, _ = _loss_and_grads(model, _batch(2))
     assert np.isfinite(float(loss)) and int(jnp.sum(stats.dropped)) == 0
     np.testing.assert_array_equal(

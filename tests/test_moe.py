@@ -403,7 +403,9 @@ def test_replicated_expert_gradient_reaches_master(case):
     for g in range(G):
         plan = uep.plan(res["loads"][g].astype(np.int32), res["balancer"])
         slot_expert, slot_quota = np.asarray(plan.slot_expert), np.asarray(plan.slot_quota)
-        replicated |= {int(e) for e, q in zip(slot_expert.ravel(), slot_quota.ravel()) if q > 0}
+        replicated |= {
+            int(e) for e, q in zip(slot_expert.ravel(), slot_quota.ravel(), strict=True) if q > 0
+        }
     assert replicated, "no replica carries tokens"
     _, _, ref_gp = res["ref"]
     gp = res["balanced"][3]

@@ -217,7 +217,7 @@ def test_batched_plans_are_pytrees_of_per_matrix_reference_plans():
         want = reference_plan(loads, 2, 64, CFG.balance_eps, 1, capacity=700)
         one = jax.tree_util.tree_unflatten(treedef, [np.asarray(leaf)[i] for leaf in leaves])
         assert isinstance(one, uep.Plan)
-        for name, leaf in zip(names, jax.tree_util.tree_leaves(one)):
+        for name, leaf in zip(names, jax.tree_util.tree_leaves(one), strict=True):
             np.testing.assert_array_equal(leaf, want[name], err_msg=f"{name} of matrix {i}")
         assert int(one.num_replicas) == int((want["slot_expert"] >= 0).sum())
     # the matrices differ, so the per-matrix plans must too

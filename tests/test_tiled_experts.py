@@ -38,7 +38,7 @@ def _reference(x, wg, wu, wd, starts, sizes):
     """float64 NumPy, one row at a time: row r of group g -> silu(r wg) * (r wu) wd; else 0."""
     x, wg, wu, wd = (np.asarray(a, np.float64) for a in (x, wg, wu, wd))
     out = np.zeros_like(x)
-    for g, (a, n) in enumerate(zip(starts, sizes)):
+    for g, (a, n) in enumerate(zip(starts, sizes, strict=True)):
         for r in range(a, a + n):
             gate, up = x[r] @ wg[g], x[r] @ wu[g]
             out[r] = (gate / (1 + np.exp(-gate)) * up) @ wd[g]
@@ -61,7 +61,7 @@ def test_gradients_equal_autodiff_of_dense_reference(case):
     x, wg, wu, wd = _inputs(C, len(sizes), seed=1)
     cot = np.random.default_rng(2).normal(size=(C, D)).astype(np.float32)
     group = np.full(C, -1)
-    for g, (a, n) in enumerate(zip(starts, sizes)):
+    for g, (a, n) in enumerate(zip(starts, sizes, strict=True)):
         group[a : a + n] = g
 
     def dense(x, wg, wu, wd):
@@ -83,7 +83,7 @@ def test_gradients_equal_autodiff_of_dense_reference(case):
         jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
         for f in (tiled, dense)
     ]
-    for name, got, want in zip(("x", "w_gate", "w_up", "w_down"), *grads):
+    for name, got, want in zip(("x", "w_gate", "w_up", "w_down"), *grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
@@ -94,11 +94,13 @@ def test_work_items_visit_each_overlapping_tile_once():
     )
     want = [
         (t, g)
-        for g, (a, n) in enumerate(zip(starts, sizes))
+        for g, (a, n) in enumerate(zip(starts, sizes, strict=True))
         for t in range(80 // tile + 1)
         if n and t * tile < a + n and (t + 1) * tile > a
     ]
-    got = list(zip(np.asarray(item_tile)[: int(count)], np.asarray(item_group)[: int(count)]))
+    got = list(
+        zip(np.asarray(item_tile)[: int(count)], np.asarray(item_group)[: int(count)], strict=True)
+    )
     assert got == want
 
 
@@ -133,12 +135,12 @@ def test_local_experts_masters_then_slots(kernel):
 
     spec = P("expert")
     run = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 8, out_specs=spec))
-    place = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
-    out = np.asarray(run(*map(place, (x, sizes, *masters, *slots))))
+    placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, sizes, *masters, *slots)]
+    out = np.asarray(run(*placed))
     for d in range(8):
         w = [
             np.concatenate([m[d * em : (d + 1) * em], s[d * S : (d + 1) * S]])
-            for m, s in zip(masters, slots)
+            for m, s in zip(masters, slots, strict=True)
         ]
         n = sizes[d]
         starts = np.concatenate([[0], np.cumsum(n)[:-1]])

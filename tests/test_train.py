@@ -78,7 +78,7 @@ def test_loss_decreases_and_outputs_are_written(tmp_path):
     png = (tmp_path / "run" / "metrics.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     for r in records:  # balancing keeps its promise wherever there was something to balance
-        for before, after in zip(r["imbalance_before"], r["imbalance_after"]):
+        for before, after in zip(r["imbalance_before"], r["imbalance_after"], strict=True):
             assert after <= before + 1e-6
     summary = _summary(tmp_path / "run")
     assert summary["step"] == 12 and summary["finished"] and summary["stopped_by"] is None

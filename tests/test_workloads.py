@@ -207,7 +207,7 @@ def test_trace_workloads(name, ep_size, top_k):
         assert label.startswith(name + "/") and "layer" in label
         _check_matrix(loads, ep_size, num_experts, 512 * top_k)
     again = list(itertools.islice(workloads.trace_workloads(name, ep_size, 512, top_k, 0), 3))
-    for (la, a), (lb, b) in zip(items, again):
+    for (la, a), (lb, b) in zip(items, again, strict=True):
         assert la == lb
         np.testing.assert_array_equal(a, b)
 

@@ -126,7 +126,7 @@ def local_experts(
         return swiglu_experts(rows, *masters, group_sizes, kernel)
 
     def one_loop():
-        weights = [jnp.concatenate([m, r], axis=0) for m, r in zip(masters, replicas)]
+        weights = [jnp.concatenate([m, r], axis=0) for m, r in zip(masters, replicas, strict=True)]
         return _tiled(rows, *weights, group_sizes, None)
 
     def two_calls(matmul_kernel):

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from ultraep_jax._ops import check_positive_int
 from ultraep_jax.config import BalancerConfig
-from ultraep_jax.moe import ExpertParallel, MoEStats, place, routed_experts, with_auto_axes
 from ultraep_jax.experts import dense_swiglu
+from ultraep_jax.moe import ExpertParallel, MoEStats, place, routed_experts, with_auto_axes
 from ultraep_jax.routing import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
 
 

@@ -292,7 +292,7 @@ def place(a, sharding):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _moe_call(ep: ExpertParallel, capacity: int, *args):
     specs = _in_specs(ep)
-    args = [place(a, NamedSharding(ep.mesh, s)) for a, s in zip(args, specs)]
+    args = [place(a, NamedSharding(ep.mesh, s)) for a, s in zip(args, specs, strict=True)]
     shard = functools.partial(_moe_shard, ep=ep, capacity=capacity)
     out_specs = (specs[0], P(ep.expert_axis))
     y, stats = jax.shard_map(shard, mesh=ep.mesh, in_specs=specs, out_specs=out_specs)(*args)

@@ -135,10 +135,13 @@ class SigmoidTopK:
             grouped = choice_TE.reshape(T, self.num_groups, -1)
             best = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0]
             _, keep_groups = jax.lax.top_k(jnp.sum(best, axis=-1), self.top_groups)
-            allowed = jnp.zeros((T, self.num_groups), bool).at[
-                jnp.arange(T)[:, None], keep_groups
-            ].set(True)
-            choice_TE = jnp.where(jnp.repeat(allowed, E // self.num_groups, axis=1), choice_TE, -jnp.inf)
+            allowed = (
+                jnp.zeros((T, self.num_groups), bool)
+                .at[jnp.arange(T)[:, None], keep_groups]
+                .set(True)
+            )
+            allowed_TE = jnp.repeat(allowed, E // self.num_groups, axis=1)
+            choice_TE = jnp.where(allowed_TE, choice_TE, -jnp.inf)
         _, experts_TK = jax.lax.top_k(choice_TE, self.top_k)
         chosen_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
         weights_TK = self.scale * chosen_TK / jnp.sum(chosen_TK, axis=-1, keepdims=True)

@@ -119,4 +119,4 @@ def fetch_replica_experts(
     S = slot_expert_RS.shape[1]
     sizes = [int(np.prod(w.shape[1:])) for w in masters]
     parts = jnp.split(received_SP, np.cumsum(sizes)[:-1].tolist(), axis=1)
-    return tuple(p.reshape((S,) + w.shape[1:]) for p, w in zip(parts, masters))
+    return tuple(p.reshape((S,) + w.shape[1:]) for p, w in zip(parts, masters, strict=True))

@@ -15,19 +15,18 @@ from experiments import common
 
 common.force_cpu_devices(8, cpu_only=True)
 
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import dataclasses
+import statistics
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
 
-import ultraep_jax as uep  # noqa: E402
-from models.moe_lm import MoELM, next_token_loss  # noqa: E402
-from models.presets import PRESETS, preset  # noqa: E402
+import ultraep_jax as uep
+from models.moe_lm import MoELM, next_token_loss
+from models.presets import PRESETS, preset
 
 _LAYERS = flags.DEFINE_list("layers", ["2", "8"], "Depths to compile.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Compilations per configuration (median).")

@@ -96,7 +96,8 @@ def summarize_run(records: list[dict], cfg: TrainConfig, workdir: pathlib.Path) 
 def progress_line(r: dict) -> str:
     """The line printed for one step's ``metrics.jsonl`` record ``r``."""
     layers = " ".join(
-        f"{b:.2f}->{a:.2f}" for b, a in zip(r["imbalance_before"], r["imbalance_after"])
+        f"{b:.2f}->{a:.2f}"
+        for b, a in zip(r["imbalance_before"], r["imbalance_after"], strict=True)
     )
     line = (
         f"step {r['step']:5d}  loss {r['loss']:.4f}  {r['tokens_per_s']:8.0f} tok/s  "
