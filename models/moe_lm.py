@@ -38,7 +38,8 @@ class ModelConfig:
       num_experts: experts per MoE layer.
       top_k: experts per token.
       max_seq_len: longest sequence the learned positions cover.
-      router: "softmax" (`uep.SoftmaxTopK`) or "sigmoid" (`uep.SigmoidTopK`, DeepSeek-V3).
+      router: which router, "softmax" (`uep.SoftmaxTopK`) or "sigmoid" (`uep.SigmoidTopK`,
+        DeepSeek-V3).
       renormalize: softmax router only: the top-k weights renormalised to sum 1.
       num_groups: sigmoid router only: the experts split into this many equal groups.
       top_groups: sigmoid router only: a token chooses within its best ``top_groups`` groups.
@@ -50,7 +51,8 @@ class ModelConfig:
       scan_layers: build the blocks stacked and run them with `nnx.scan` (compile time flat in
         depth) rather than unrolled.
       remat: recompute each block's activations in the backward pass (`nnx.remat`).
-      param_dtype: "float32" or "bfloat16" (activations follow; router math stays float32).
+      param_dtype: the parameters' dtype, "float32" or "bfloat16" (activations follow; router
+        math stays float32).
     """
 
     vocab_size: int = 256

@@ -10,33 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ultraep_jax.exchange import Exchange
 
-def ragged_exchange(
-    operand,
-    output,
-    input_offsets,
-    send_sizes,
-    output_offsets,
-    recv_sizes,
-    *,
-    axis_name: str,
-    max_chunk: int,
-):
-    """Same contract as `jax.lax.ragged_all_to_all` over ``axis_name``.
 
-    Args:
-      operand: [N, ...] rows to send; the rows for peer j are
-        ``operand[input_offsets[j] : input_offsets[j] + send_sizes[j]]``.
-      output: [M, ...] the buffer that received rows are written into.
-      input_offsets, send_sizes: int32 [R].
-      output_offsets: int32 [R], where peer j writes what it receives from this rank.
-      recv_sizes: int32 [R], rows this rank receives from each peer.
-      axis_name: the mesh axis to exchange over.
-      max_chunk: a static bound on every send size.
-
-    Returns:
-      ``output`` with the received rows written in.
-    """
+def ragged_exchange(operand, output, exchange: Exchange, *, axis_name: str):
+    """Same contract as `jax.lax.ragged_all_to_all` over ``axis_name``, with the sizes and
+    offsets of ``exchange``: ``operand`` [send_rows, ...] in, ``output`` [recv_rows, ...] with the
+    received rows written in, out. Moves ``R * exchange.max_chunk`` rows per rank."""
+    input_offsets, send_sizes, _, recv_sizes = exchange.ragged_all_to_all_args()
+    max_chunk = exchange.max_chunk
     step = jnp.arange(max_chunk, dtype=jnp.int32)
     rows = input_offsets[:, None] + step[None, :]  # [R, chunk]
     sending = step[None, :] < send_sizes[:, None]
@@ -44,7 +26,8 @@ def ragged_exchange(
     chunks = operand[jnp.clip(rows, 0, operand.shape[0] - 1)]  # [R, chunk, ...]
     chunks = jnp.where(sending.reshape(sending.shape + trailing), chunks, 0)
     received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [R(source), chunk, ...]
-    offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # chosen by sources
+    # Where each source's rows go here: the exchange knows every rank's offsets, no need to ask.
+    offsets = exchange.dst_start_RR[:, exchange.rank]
     dest = offsets[:, None] + step[None, :]
     dest = jnp.where(
         step[None, :] < recv_sizes[:, None], dest, output.shape[0]

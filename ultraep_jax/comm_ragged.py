@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import jax
 
+from ultraep_jax.exchange import Exchange
 
-def ragged_exchange(
-    operand,
-    output,
-    input_offsets,
-    send_sizes,
-    output_offsets,
-    recv_sizes,
-    *,
-    axis_name: str,
-    max_chunk: int,
-):
-    """`jax.lax.ragged_all_to_all` over ``axis_name`` (``max_chunk`` is unused here)."""
-    del max_chunk
+
+def ragged_exchange(operand, output, exchange: Exchange, *, axis_name: str):
+    """`jax.lax.ragged_all_to_all` over ``axis_name`` with the sizes and offsets of
+    ``exchange``."""
     return jax.lax.ragged_all_to_all(
-        operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name
+        operand, output, *exchange.ragged_all_to_all_args(), axis_name=axis_name
     )

@@ -19,7 +19,7 @@ import numpy as np
 
 from ultraep_jax import reroute
 from ultraep_jax._ops import exclusive_cumsum
-from ultraep_jax.comm import Exchange
+from ultraep_jax.exchange import Exchange
 from ultraep_jax.planner import Plan
 
 
@@ -30,7 +30,7 @@ class Dispatch:
 
     Attributes:
       send_order_N: int32 [N], pair indices sorted by (destination rank, local group).
-      exchange: the token all-to-all (`comm.Exchange`; ``.reversed()`` brings results back).
+      exchange: the token all-to-all (`exchange.Exchange`; ``.reversed()`` brings results back).
       group_row_C: int32 [C], for each receive-buffer row its row once grouped by local group;
         C (out of range) for unused rows.
       group_sizes_G: int32 [G], rows received for each local group (masters, then slots).

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax import comm
+from ultraep_jax.exchange import Exchange
 
 
 def slot_owners(slot_expert_RS: jax.Array, experts_per_rank: int) -> jax.Array:
@@ -48,7 +49,7 @@ def _fetch_ragged(weights_MP: jax.Array, slot_expert_RS: jax.Array, axis_name: s
     local_RS = jnp.clip(slot_expert_RS, 0, None) % em
     operand = weights_MP[jnp.take_along_axis(local_RS, order_RS, axis=1).reshape(-1)]  # [R*S, P]
     owns = owner_RS[None, :, :] == ranks_R[:, None, None]  # [R(src), R(dst), S]
-    exchange = comm.Exchange(
+    exchange = Exchange(
         sizes_RR=jnp.sum(owns, axis=-1, dtype=jnp.int32),
         src_start_RR=jnp.broadcast_to(ranks_R[None, :] * S, (R, R)),
         dst_start_RR=jnp.sum(
