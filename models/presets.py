@@ -1,6 +1,7 @@
 """Model presets: small configurations shaped like well-known MoE models, sized to train on 8
 simulated CPU devices (EP8). Only the MoE shape follows the original (experts, top-k, router,
-shared expert); widths and depth are scaled down."""
+shared expert); widths and depth are scaled down. The two large-expert presets scan their blocks,
+as their full-size originals would."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ _MODELS: dict[str, ModelConfig] = {
     # Mixtral 8x7B: 8 experts, top-2, softmax then renormalised over the two, no shared expert.
     "mixtral": ModelConfig(d_model=64, d_ff=128, num_experts=8, top_k=2),
     # Qwen3-MoE (30B-A3B / 235B-A22B): 128 experts, top-8, renormalised, no shared expert.
-    "qwen3_moe": ModelConfig(d_model=64, d_ff=32, num_experts=128, top_k=8),
+    "qwen3_moe": ModelConfig(d_model=64, d_ff=32, num_experts=128, top_k=8, scan_layers=True),
     # DeepSeek-V3: 256 routed experts + 1 shared, top-8 over sigmoid scores with the
     # aux-loss-free bias, within the best 4 of 8 groups, routed weights scaled by 2.5.
     "deepseek_v3": ModelConfig(
@@ -43,6 +44,7 @@ _MODELS: dict[str, ModelConfig] = {
         top_groups=4,
         routed_scale=2.5,
         shared_d_ff=64,
+        scan_layers=True,
     ),
 }
 

@@ -17,7 +17,14 @@ from models.moe_lm import ModelConfig, MoELM, next_token_loss
 from models.presets import PRESETS, preset
 
 SMALL = ModelConfig(
-    d_model=16, num_layers=3, num_heads=2, d_ff=16, num_experts=8, top_k=2, max_seq_len=16
+    d_model=16,
+    num_layers=3,
+    num_heads=2,
+    d_ff=16,
+    num_experts=8,
+    top_k=2,
+    max_seq_len=16,
+    scan_layers=True,
 )
 
 

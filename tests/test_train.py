@@ -261,7 +261,7 @@ def test_finished_workdir_is_left_alone(tmp_path, capsys):
     (tmp_path / "done" / "config.json").unlink()
     with pytest.raises(trainer.RunError, match="does not fit this model") as err:
         _run(tmp_path, "done", steps=3, d_model=16)
-    assert "kernel is (1, 32, 32) there, (1, 16, 16) here" in str(err.value), err.value
+    assert "kernel is (32, 32) there, (16, 16) here" in str(err.value), err.value
     assert metrics.read_text() == before
 
 
