@@ -25,6 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ultraep_jax import comm, dispatch, reroute, transfer
+from ultraep_jax._ops import check_positive_int
 from ultraep_jax._vma import vary
 from ultraep_jax.config import BalancerConfig
 from ultraep_jax.experts import KERNELS, local_experts
@@ -148,9 +149,8 @@ class ExpertParallel:
             raise ValueError(
                 f"MoE: the mesh has no EP axis {self.expert_axis!r} (axes: {self.mesh.axis_names})"
             )
+        check_positive_int("MoE", "num_experts", self.num_experts)
         E, R = self.num_experts, self.ep_size
-        if isinstance(E, bool) or not isinstance(E, int) or E < 1:
-            raise ValueError(f"MoE: num_experts must be a positive int, got {E!r}")
         if E % R:
             raise ValueError(
                 f"MoE: num_experts={E} is not divisible by the EP size {R} "

@@ -158,13 +158,6 @@ def update_bias(bias_E: jax.Array, expert_load_E: jax.Array, rate: float) -> jax
     return bias_E + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
-def route(x: jax.Array, router_kernel: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """Softmax top-k routing with renormalised weights: (experts int32 [T, K], weights float32
-    [T, K]) of tokens ``x`` [T, D] under ``router_kernel`` [D, E]."""
-    r = SoftmaxTopK(top_k)(router_logits(x, router_kernel))
-    return r.experts, r.weights
-
-
 def router_logits(x_TD: jax.Array, router_kernel_DE: jax.Array) -> jax.Array:
     """float32 [T, E]: the router's logits, computed in float32."""
     return jnp.dot(x_TD.astype(jnp.float32), router_kernel_DE.astype(jnp.float32))
