@@ -294,9 +294,10 @@ def _moe_call(ep: ExpertParallel, capacity: int, *args):
     specs = _in_specs(ep)
     args = [place(a, NamedSharding(ep.mesh, s)) for a, s in zip(args, specs, strict=True)]
     shard = functools.partial(_moe_shard, ep=ep, capacity=capacity)
-    out_specs = (specs[0], P(ep.expert_axis))
-    y, stats = jax.shard_map(shard, mesh=ep.mesh, in_specs=specs, out_specs=out_specs)(*args)
-    return y, jax.tree.map(lambda a: a[0], stats)
+    # The stats are typed invariant over the whole mesh (`_moe_shard`), so they leave as they
+    # are: no collective moves them.
+    out_specs = (specs[0], P())
+    return jax.shard_map(shard, mesh=ep.mesh, in_specs=specs, out_specs=out_specs)(*args)
 
 
 def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, capacity):
@@ -304,7 +305,7 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
     D, K = x_BLD.shape[-1], experts_BLK.shape[-1]
     tokens_TD = x_BLD.reshape(-1, D)
     experts_N = experts_BLK.reshape(-1)
-    axis, all_axes = ep.expert_axis, (*ep.data_axes, ep.expert_axis)
+    axis = ep.expert_axis
     rank = jax.lax.axis_index(axis)
     # One rank: nothing to balance, and nothing crosses the network (XLA's ragged all-to-all
     # over one device is slow on GPU; the portable exchange is a copy).
@@ -313,14 +314,16 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
     masters = (w_gate, w_up, w_down)
 
     with jax.named_scope("plan"):
-        loads_RE = jax.lax.all_gather(expert_loads(experts_N, ep.num_experts), axis)
+        # Typed invariant over the EP axis (every rank of the group holds the same matrix), so
+        # that the plan and the stats derived from it are too.
+        loads_RE = jax.lax.all_gather(expert_loads(experts_N, ep.num_experts), axis, to="invarying")
         if balancer is None:
             plan = reroute.masters_only_plan(loads_RE)
         else:
             plan = make_plan(loads_RE, balancer, capacity=capacity)
-        # Identical across the EP group, but the FFI result carries no sharding type: mark it
-        # per-device (it differs between data groups).
-        plan = jax.tree.map(lambda a: vary(a, all_axes), plan)
+        # The FFI result carries no sharding type: it is identical across the EP group but
+        # differs between data groups, so mark it varying over those.
+        plan = jax.tree.map(lambda a: vary(a, ep.data_axes), plan)
     with jax.named_scope("dispatch"):
         route = dispatch.plan_dispatch(experts_N, loads_RE, plan, rank, capacity)
         sent_CD = comm.ragged_exchange(
@@ -346,6 +349,7 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
         y_TD = dispatch.combine(back_ND, route, weights_BLK.reshape(-1, K))
 
     stats = MoEStats.of_group(loads_RE, plan, route.dropped, capacity)
-    stats = jax.tree.map(lambda a: vary(a, all_axes), stats).over_groups(ep.data_axes)
-    # Stats are identical across the EP group: every rank returns its copy on a leading axis.
-    return y_TD.astype(x_BLD.dtype).reshape(x_BLD.shape), jax.tree.map(lambda a: a[None], stats)
+    # Invariant over the EP axis (a function of the gathered loads and the plan); summed or
+    # maxed over the data groups, then invariant over the whole mesh.
+    stats = jax.tree.map(lambda a: vary(a, ep.data_axes), stats).over_groups(ep.data_axes)
+    return y_TD.astype(x_BLD.dtype).reshape(x_BLD.shape), stats
