@@ -135,9 +135,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pin(core: int):
+    """A child's set-up: run on ``core`` only, under round-robin real-time scheduling where the
+    system allows it (other programs on the machine then barely disturb the clock; the kernel
+    still keeps a share of every second for them), else at normal priority."""
+
+    def setup():
+        os.sched_setaffinity(0, {core})
+        try:
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+        except (PermissionError, OSError):
+            pass
+
+    return setup
+
+
 def launch_pinned_ranks(num_ranks: int, module: str, argv: list[str]) -> int:
     """Runs ``python -m module *argv`` as ``num_ranks`` processes, process i pinned to core i with
-    one CPU device, joined by `jax.distributed` over 127.0.0.1 (each gets ``--num_processes``,
+    one CPU device (and real-time priority where allowed, see `_pin`), joined by
+    `jax.distributed` over 127.0.0.1 (each gets ``--num_processes``,
     ``--process_id`` and ``--coordinator_address``). Forwards SIGINT / SIGTERM to them, waits for
     all, and returns the first non-zero exit code (0 when all succeeded).
 
@@ -161,10 +177,7 @@ def launch_pinned_ranks(num_ranks: int, module: str, argv: list[str]) -> int:
     for i in range(num_ranks):
         cmd = [sys.executable, "-m", module, *argv, f"--num_processes={num_ranks}"]
         cmd += [f"--process_id={i}", f"--coordinator_address={address}"]
-        core = cores[i]
-        procs.append(
-            subprocess.Popen(cmd, env=env, preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}))
-        )
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_pin(cores[i])))
 
     def forward(signum, frame):
         del frame
@@ -194,10 +207,14 @@ def start_distributed(coordinator_address: str | None, num_processes: int, proce
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
 
 
+_CALIBRATION_ROWS = 32768
+
+
 def concurrency_calibration(rows: int, d_model: int, d_ff: int, repeats: int = 7) -> dict:
     """How far the wall clock is from the busiest rank's, across this run's processes.
 
-    Every process times the same local SwiGLU-shaped matmul work (``rows`` x D x F, forward),
+    Every process times the same local SwiGLU-shaped matmul work (``rows`` x D x F, forward; at
+    least 32768 rows),
     first process 0 alone while the others wait, then all at once. ``ratio`` (all at once / alone,
     medians of process 0) is 1.0 when the ranks truly run concurrently and the process count
     when they share one core. Must be called by every process.
@@ -208,6 +225,7 @@ def concurrency_calibration(rows: int, d_model: int, d_ff: int, repeats: int = 7
     from jax.experimental import multihost_utils
 
     device = jax.local_devices()[0]
+    rows = max(rows, _CALIBRATION_ROWS)  # long enough for the clock to see it
     rng = np.random.default_rng(0)
     x = jax.device_put(rng.normal(size=(rows, d_model)).astype(np.float32), device)
     w = jax.device_put(rng.normal(size=(d_model, d_ff)).astype(np.float32) * 0.05, device)
@@ -224,6 +242,7 @@ def concurrency_calibration(rows: int, d_model: int, d_ff: int, repeats: int = 7
     multihost_utils.sync_global_devices("calibration:done")
     return {
         "processes": jax.process_count(),
+        "realtime": os.sched_getscheduler(0) == os.SCHED_RR,
         "alone_ms": alone * 1e3,
         "together_ms": together * 1e3,
         "ratio": together / alone if jax.process_index() == 0 else float("nan"),
@@ -236,4 +255,5 @@ def calibration_line(cal: dict) -> str:
         f"calibration: {cal['processes']} pinned ranks with equal work take "
         f"{cal['together_ms']:.1f} ms, one rank alone {cal['alone_ms']:.1f} ms: "
         f"ratio {cal['ratio']:.2f} (1.00 = truly concurrent, {cal['processes']:.2f} = one core)"
+        + ("" if cal.get("realtime") else "; not at real-time priority: other load counts")
     )
