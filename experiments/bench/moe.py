@@ -236,7 +236,7 @@ RATIOS = {
     "overhead_dropless": (
         "balanced_dropless",
         "plain_dropless",
-        "the cost of balancing, same buffers, same work",
+        "same buffers and total work (pinned ranks: the busiest rank differs)",
     ),
     "capped_vs_plain_dropless": (
         "balanced_capped",
