@@ -27,7 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -241,4 +241,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run_main(main)
