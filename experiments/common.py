@@ -1,5 +1,6 @@
 """Helpers every experiment shares: simulated CPU devices, the batched planner and its timing,
-flags made from a dataclass's fields, and the ``--json_out`` file.
+flags made from a dataclass's fields, the ``--json_out`` file, and `run_main` (the programs'
+command-line conventions).
 
 ``force_cpu_devices`` must run before JAX initialises a backend; it is the only place the
 experiments touch ``XLA_FLAGS``. JAX, absl and ultraep_jax are imported inside the functions, so
@@ -13,6 +14,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping
 
@@ -118,6 +120,31 @@ def write_json(path: str | None, results) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing with the experiments' conventions: a flag that cannot be parsed ends
+    with one line ``error: ...`` (exit code 2, as for any other unusable flag), and ``--help``,
+    ``--helpshort`` or ``--helpfull`` print the help and exit 0 (absl exits 1)."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except SystemExit as stop:
+        # While parsing, only absl's help flags exit, with 1, after printing the help.
+        if stop.code == 1:
+            sys.exit(0)
+        raise
+
+
+def run_main(main: Callable[[list[str]], object]) -> None:
+    """``absl.app.run(main)`` with `parse_flags`."""
+    from absl import app
+
+    app.run(main, flags_parser=parse_flags)
 
 
 # --- Ranks as pinned processes -------------------------------------------------------------------

@@ -77,10 +77,11 @@ def pair_instances(
     """int32 [N]: the instance each of this rank's pairs goes to.
 
     The j-th pair (in pair order) routed to expert e goes to e's instance whose slice of this
-    rank's counts, laid out expert by expert in instance order, contains position j.
+    rank's counts, laid out expert by expert in instance order, contains position j. Pairs of
+    expert E (no expert: not in the counts) get I (no instance).
 
     Args:
-      experts_N: int32 [N], the expert of each pair.
+      experts_N: int32 [N], the expert of each pair, in [0, E].
       assign_I: int32 [I], this rank's row of `reroute.reroute_counts`.
       inst_expert_I: int32 [I], each instance's expert (-1 for an empty slot).
     """
@@ -92,7 +93,7 @@ def pair_instances(
     bounds = jnp.cumsum(assign_I[inst_order])  # inclusive ends in expert-major order
     pair_order = jnp.argsort(experts_N, stable=True)  # pairs expert-major
     slot = jnp.searchsorted(bounds, jnp.arange(N, dtype=jnp.int32), side="right")
-    inst_sorted = inst_order[jnp.clip(slot, 0, I - 1)]
+    inst_sorted = jnp.append(inst_order, I)[slot]  # I past the counted pairs (expert E, last)
     return jnp.zeros((N,), jnp.int32).at[pair_order].set(inst_sorted, unique_indices=True)
 
 
@@ -127,7 +128,8 @@ def plan_dispatch(
     """The `Dispatch` of this rank's pairs under ``plan``.
 
     Args:
-      experts_N: int32 [N], the expert of each of this rank's pairs.
+      experts_N: int32 [N], the expert of each of this rank's pairs; a pair whose id is outside
+        [0, E) (not in ``loads_RE``) is sent nowhere, sorted after every sent block.
       loads_RE: int32 [R, E], the all-gathered loads the plan was made from.
       plan: the plan (``slot_expert`` [R, S]; S may be 0).
       rank: int32 [], this rank's index on the EP axis.
@@ -154,9 +156,13 @@ def plan_dispatch(
         recv_rows=capacity,
         max_chunk=min(N, capacity),
     )
+    experts_N = jnp.where((experts_N >= 0) & (experts_N < E), experts_N, E)
     inst_N = pair_instances(experts_N, assign_RI[rank], reroute.instance_experts(plan))
+    # Instance I (none) is on rank R: after every rank's block, so never sent.
     order_N = send_order(
-        reroute.instance_ranks(E, R, S)[inst_N], reroute.instance_groups(E, R, S)[inst_N], G
+        jnp.append(reroute.instance_ranks(E, R, S), R)[inst_N],
+        jnp.append(reroute.instance_groups(E, R, S), 0)[inst_N],
+        G,
     )
     kept_in_RG = kept_RRG[:, rank, :]
     return Dispatch(

@@ -35,7 +35,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -310,6 +310,11 @@ def run(pinned: bool) -> dict:
     return res
 
 
+def _fail(err) -> None:
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv):
     """Starts the pinned rank processes (``--pinned_ranks``), or runs the benchmark in this
     process (one of them) and, on the first, prints the tables and writes ``--json_out``."""
@@ -317,7 +322,7 @@ def main(argv):
         try:
             code = common.launch_pinned_ranks(_PINNED.value, "experiments.bench.moe", sys.argv[1:])
         except ValueError as err:
-            sys.exit(f"error: {err}")
+            _fail(err)
         sys.exit(code)
     try:
         common.start_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
@@ -325,11 +330,11 @@ def main(argv):
             raise ValueError(f"--pinned_ranks={_PINNED.value} found {jax.device_count()} devices")
         res = run(pinned=bool(_PINNED.value))
     except ValueError as err:
-        sys.exit(f"error: {err}")
+        _fail(err)
     if jax.process_index() == 0:
         _print_report(res)
         common.write_json(_JSON.value, res)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run_main(main)

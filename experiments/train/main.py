@@ -29,9 +29,11 @@ may change (``--steps`` and the intervals silently, the rest, ``--seq_len`` up t
 
 Ctrl-C (SIGINT) or SIGTERM: the run finishes the current step, saves a checkpoint, the metrics,
 the plot and the summary, says where they are and exits with code 130 (SIGINT) or 143
-(SIGTERM); rerunning the same command continues from there. A second Ctrl-C quits at once.
+(SIGTERM); rerunning the same command continues from there. A second Ctrl-C quits at once; a
+second SIGTERM is ignored (`timeout` signals the process, then its whole process group).
 
-Problems with the flags, the data or the workdir end with one line ``error: ...`` (exit code 2).
+Problems with the flags (unparsable ones included), the data or the workdir end with one line
+``error: ...`` (exit code 2); ``--help`` and ``--helpshort`` exit 0.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ from __future__ import annotations
 import signal
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
-from experiments.common import force_cpu_devices, launch_pinned_ranks, start_distributed
+from experiments.common import force_cpu_devices, launch_pinned_ranks, run_main, start_distributed
 from experiments.train import dataclass_flags
 from experiments.train.config import TrainConfig, parse_capacity_factor
 from models.presets import PRESETS, preset
@@ -99,7 +101,7 @@ def main(argv):
     # Orbax logs every checkpoint step at INFO; keep the run's own output readable.
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.pinned_ranks and FLAGS.num_processes == 1:  # this process only starts the ranks
         try:
             sys.exit(launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.train", sys.argv[1:]))
@@ -133,4 +135,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)
