@@ -962,19 +962,37 @@ def planner_inputs(draw):
     return loads.astype(np.int32), S, F, K, eps
 
 
-def _replays(replicas, before, load_e, tau, R, S, f, K, strict) -> bool:
-    """Whether ``replicas`` (creation order) is what attempt(tau, f, strict) of PLANNER.md makes,
-    checked step by step against the rules rather than recomputed: each source rank (L > tau, in
-    rank order) gives until its excess is gone; each replica's expert is the source's master with
-    the most avail (ties -> smallest index); its target is a candidate (free slot, slack; strict:
-    not a last slot that the expert cannot fill, unless no other candidate) with the least slack
-    >= need, else the most slack (ties -> smallest rank); its quota is min(slack, avail, x + X)
-    and at least the adaptive floor min(f, x)."""
+def _giving_order(replicas, E_m) -> list[int]:
+    """The source ranks in the order they gave: each source's replicas are consecutive."""
+    order = []
+    for e, _, _ in replicas:
+        if not order or order[-1] != e // E_m:
+            order.append(e // E_m)
+    return order
+
+
+def _is_repair_order(order, before, tau) -> bool:
+    """Whether ``order`` is the plain order D (the overloaded ranks by load descending, ties by
+    index) or one that repair(tau, f, rule) reaches: at most 3 ranks moved to the front, the others
+    in D's order."""
+    D = sorted((u for u in range(len(before)) if before[u] > tau), key=lambda u: (-before[u], u))
+    if sorted(order) != sorted(D):
+        return False
+    return any(order[k:] == [u for u in D if u not in order[:k]] for k in range(4))
+
+
+def _replays(replicas, before, load_e, tau, R, S, f, K, rule, order) -> bool:
+    """Whether ``replicas`` (creation order) is what attempt(tau, f, rule, order) of PLANNER.md
+    makes, checked step by step against the rules rather than recomputed: each source rank (in
+    ``order``) gives until its excess is gone; each replica's expert is the source's master with
+    the most avail (ties -> smallest index); its target is a candidate (free slot, slack) with, for
+    rule "most", the most slack, else (strict: not a last slot that the expert cannot fill, unless
+    no other candidate) the least slack >= need, else the most slack (ties -> smallest rank); its
+    quota is min(slack, avail, x + X) and at least the adaptive floor min(f, x)."""
     E_m = len(load_e) // R
     slack = [max(tau - int(before[u]), 0) for u in range(R)]
     free = [S] * R
     exported = [0] * len(load_e)
-    order = sorted((u for u in range(R) if before[u] > tau), key=lambda u: (-before[u], u))
     X = sum(int(before[u]) - tau for u in order)
     i = 0
     for d in order:
@@ -991,12 +1009,12 @@ def _replays(replicas, before, load_e, tau, R, S, f, K, strict) -> bool:
                 return False
             need = min(x, a)
             cands = [u for u in range(R) if free[u] > 0 and slack[u] > 0]
-            if strict and any(not (free[u] == 1 and slack[u] > a) for u in cands):
+            if rule == "strict" and any(not (free[u] == 1 and slack[u] > a) for u in cands):
                 cands = [u for u in cands if not (free[u] == 1 and slack[u] > a)]
             if t not in cands:
                 return False
             fits = [u for u in cands if slack[u] >= need]
-            want = min(fits, key=lambda u: (slack[u], u)) if fits else None
+            want = min(fits, key=lambda u: (slack[u], u)) if fits and rule != "most" else None
             if want is None:
                 want = min(cands, key=lambda u: (-slack[u], u))
             if t != want or q != min(slack[t], a, x + X) or q < min(f, x):
@@ -1069,12 +1087,15 @@ def _check_properties(loads, S, F, K, eps):
         excess = {d: int(before[d]) - tau for d in range(R) if before[d] > tau}
         donors = {e // E_m for e, _, _ in replicas}
         assert donors == set(excess), (donors, excess)  # exactly the overloaded ranks give
+        # they give one after the other, in the plain order or one that a repair reaches
+        order = _giving_order(replicas, E_m)
+        assert len(order) == len(donors) and _is_repair_order(order, before, tau), order
         sent = {d: sum(q for e, _, q in replicas if e // E_m == d) for d in donors}
         got = {t: sum(q for _, u, q in replicas if u == t) for t in range(R)}
-        for d in donors:
+        for k, d in enumerate(order):
             # each gives at least its excess, and no more than the excess of itself and the ranks
-            # after it in rank order could use (the over-export cap x + X)
-            later = sum(x for u, x in excess.items() if (-before[u], u) > (-before[d], d))
+            # after it in the giving order could use (the over-export cap x + X)
+            later = sum(excess[u] for u in order[k + 1 :])
             assert excess[d] <= sent[d] <= excess[d] + later, (d, sent[d], excess[d], later)
         for t in range(R):
             if got[t]:  # receivers had slack, or made it by over-exporting, and stay <= tau
@@ -1083,13 +1104,13 @@ def _check_properties(loads, S, F, K, eps):
         # masters that exported keep at least K tokens
         for e in {e for e, _, _ in replicas}:
             assert plan["master_quota"][e] >= K
-        # The replicas replay, in creation order, as one of try(tau)'s attempts (floor f, loose or
-        # strict): see _replays.
-        modes = [(F, False), (F, True)]
-        if eps == 0.0 and F > 1:
-            modes += [(1, False), (1, True)]
+        # The replicas replay, in creation order, as one of try(tau)'s attempts (floor f, a target
+        # rule, the giving order): see _replays. The plain attempts give in the plain order with
+        # the rules loose and strict; the repairs also with the rule most.
+        floors = [F, 1] if eps == 0.0 and F > 1 else [F]
+        modes = [(f, rule) for f in floors for rule in ("loose", "strict", "most")]
         assert any(
-            _replays(replicas, before, load_e, tau, R, S, f, K, strict) for f, strict in modes
+            _replays(replicas, before, load_e, tau, R, S, f, K, rule, order) for f, rule in modes
         ), (replicas, tau, modes)
     else:
         # no replicas: nothing moved
