@@ -821,6 +821,29 @@ def test_search_capacity_probes_at_or_below_it_first():
         assert _search_cap(1000, 1000, 4, 1, 0.0, lambda t: t >= 600, cap)[1] == free
 
 
+def test_search_capacity_probes_below_the_first_threshold():
+    # T=1000, R=4, eps=0.1: tau0 = max(250, floor(1000.0 * 1.1 / 4.0 = 275.00000000000006)) = 275,
+    # delta = ceil(1000 * 0.1 / 4 / 2 = 12.5) = 13, M = 250. Capacity 260 < tau0: a = 260, and
+    # window(260, 260) probes 260 alone. When it fails, window(M, a - 1) = window(250, 259):
+    # fast 250, 263 > 259 (none more, p = 250), coarse c_j = 250 + (9 j) // 32: 250 (j = 1..3),
+    # 251 (j = 4..7), 252, ..., and a success at 253 (c_11 = 250 + 99 // 32 = 253; c_10 = 252)
+    # wins: refine r_i = 252 + i // 16 = 252 is skipped. (Before, only 260 was probed, and the
+    # plan was the one without a capacity.)
+    coarse = [250 + (9 * j) // 32 for j in range(1, 33)]
+    tau, probes, delta = _search_cap(1000, 1000, 4, 1, 0.1, lambda t: t in (253, 600), 260)
+    assert delta == 13 and coarse[9:11] == [252, 253]
+    assert probes == [260, 250] + coarse[:11] and tau == 253
+    # Nothing at or below the capacity succeeds: both windows, then the search without one.
+    tau, probes, _ = _search_cap(1000, 1000, 4, 1, 0.1, lambda t: t >= 600, 260)
+    _, free, _ = _search(1000, 1000, 4, 1, 0.1, lambda t: t >= 600)
+    assert probes == [260, 250] + coarse + free and tau == free[-1] == 600
+    # tau0 below the capacity 290: window(275, 290) (fast 275, 288; coarse 288 + (2 j) // 32),
+    # then window(M, tau0 - 1) = window(250, 274), whose second fast probe, 263, succeeds.
+    tau, probes, _ = _search_cap(1000, 1000, 4, 1, 0.1, lambda t: t == 263, 290)
+    assert probes == [275, 288] + [288 + (2 * j) // 32 for j in range(1, 33)] + [250, 263]
+    assert tau == 263
+
+
 def _search_cap(T, Lmax, R, S, eps, pred, capacity):
     probes = []
     tau, _, delta = search_tau(T, Lmax, R, S, eps, pred, probes, capacity=capacity)
