@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ultraep_jax as uep
-from experiments.bench.planner_exact import random_cases
 from experiments.loads import workloads
+from experiments.loads.exact import random_cases
 from tests.reference_planner import (
     check_plan_invariants,
     rank_loads_before,

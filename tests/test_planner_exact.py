@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from experiments.bench.planner_exact import exact_plan_exists, random_cases
+from experiments.loads.exact import exact_plan_exists, random_cases
 from tests.reference_planner import check_plan_invariants, reference_plan, reference_plan_info
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
