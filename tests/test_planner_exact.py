@@ -138,7 +138,7 @@ def test_capacity_is_complete_for_two_ranks_or_enough_slots():
 def test_exact_mode_reaches_the_mean_on_small_single_slot_cases():
     # 400 seeded cases with R in {3, 4}, S = 1: the plain attempts alone (the planner before the
     # repairs) missed M in 7 of them where a plan at M exists. Outside the complete cases this is
-    # not a promise (PLANNER.md measures about 1 in 80,000 such misses), but on this sample the
+    # not a promise (PLANNER.md measures 1 in 80,000 such misses), but on this sample the
     # repairs find every plan at M that exists.
     rng = np.random.default_rng(17)
     reached = 0

@@ -69,8 +69,8 @@ class BalancerConfig:
             at ``M = ceil(mean)`` whenever the planner's attempts find such a plan, with replicas
             below ``min_tokens_per_replica`` where needed. That is guaranteed whenever any plan at
             ``M`` exists if ``ep_size == 2`` or ``slots_per_rank >= num_experts - num_experts /
-            ep_size``; otherwise the attempts are a heuristic that misses ``M`` in about 1 in
-            60,000 small random cases where a plan at ``M`` exists (ffi/PLANNER.md, "What is
+            ep_size``; otherwise the attempts are a heuristic, which missed ``M`` in 1 in 60,000
+            to 80,000 small random cases where a plan at ``M`` exists (ffi/PLANNER.md, "What is
             guaranteed").
         master_keep_tokens: tokens an expert's master always keeps for itself.
     """

@@ -99,8 +99,8 @@ def plan(loads, config: BalancerConfig, capacity: int | None = None) -> Plan:
         a plan, and a ``capacity`` is met whenever it finds such a plan. Both are guaranteed
         whenever any plan reaches ``M`` (fits the capacity) if ``ep_size == 2`` or
         ``slots_per_rank >= num_experts - num_experts / ep_size``; otherwise the search is a
-        heuristic that rarely misses (about 1 in 80,000 small random cases where a plan at ``M``
-        exists; ffi/PLANNER.md, "What is guaranteed").
+        heuristic, which missed 1 in 60,000 to 80,000 small random cases where a plan at ``M``
+        exists (ffi/PLANNER.md, "What is guaranteed").
 
     Raises:
         ValueError / TypeError: wrong shape or dtype, or a bad ``capacity`` (before anything runs).
