@@ -5,12 +5,14 @@
 // description; tests/reference_planner.py implements it independently in NumPy.
 //
 // Memory: the caller provides a workspace of `workspace_elems(dims)` int64 values; the planner
-// allocates nothing. Work per threshold probe: O(E + replicas * (R + E / R)); sorting the ranks
-// once per plan: O(R log R).
+// allocates nothing. Work per attempt: O(E + R + replicas * (R + E / R)); a threshold probe makes
+// at most 4 plain attempts and 6 repairs of at most 4 attempts each (most probes succeed at the
+// first); sorting the ranks once per plan: O(R log R).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #ifdef __CUDACC__
 #define UEP_HD __host__ __device__
@@ -48,7 +50,15 @@ struct PlanOut {
 };
 
 UEP_HD inline int64_t workspace_elems(const PlanDims& d) {
-  return 2 * d.E + 6 * d.R + 3 * d.R * d.S;
+  return 2 * d.E + 7 * d.R + 3 * d.R * d.S;
+}
+
+// Exact mode: eps is +0.0 or -0.0, read from its bits, so that a subnormal eps is a tolerance also
+// where the CPU treats subnormals as zero (XLA's CPU threads do), as in PLANNER.md.
+UEP_HD inline bool is_exact_mode(double eps) {
+  uint64_t bits;
+  memcpy(&bits, &eps, sizeof bits);
+  return (bits << 1) == 0;
 }
 
 namespace detail {
@@ -108,6 +118,7 @@ struct Workspace {
   int64_t* slack;       // [R]
   int64_t* free_slots;  // [R]
   int64_t* rank_order;  // [R]: ranks by L descending
+  int64_t* order;       // [R]: the order the overloaded ranks give in (a repair's)
   int64_t* active;      // [R]: ranks that can take a replica
   int64_t* taken;       // [R]: replicas created on each rank so far (slot cursor)
   int64_t* rep_expert;  // [R * S]
@@ -121,7 +132,8 @@ struct Workspace {
     slack = L + d.R;
     free_slots = slack + d.R;
     rank_order = free_slots + d.R;
-    active = rank_order + d.R;
+    order = rank_order + d.R;
+    active = order + d.R;
     taken = active + d.R;
     rep_expert = taken + d.R;
     rep_target = rep_expert + d.R * d.S;
@@ -149,31 +161,41 @@ struct Choice {
   UEP_HD int64_t pick() const { return fit >= 0 ? fit : most; }
 };
 
+// The target rules of pick_target (PLANNER.md).
+enum Rule { kLoose, kStrict, kMost };
+
 // The target for a replica that should carry `need` tokens of an expert that can give `a`: among
-// ranks with a free slot and slack (ws.active[0, n_active)), the one with the least slack that
-// still takes all of `need` (best fit keeps large slacks for large excesses), else the one with
-// the most slack; ties -> smallest rank. With `strict`, a rank whose last free slot would strand
-// slack (free == 1, slack > a) is left out unless no other candidate exists. Returns the position
-// in ws.active, -1 if there is no candidate.
+// ranks with a free slot and slack (ws.active[0, n_active)), with kMost the one with the most
+// slack; else the one with the least slack that still takes all of `need` (best fit keeps large
+// slacks for large excesses), else the one with the most slack; ties -> smallest rank. With
+// kStrict, a rank whose last free slot would strand slack (free == 1, slack > a) is left out unless
+// no other candidate exists. Returns the position in ws.active, -1 if there is no candidate.
 UEP_HD inline int64_t pick_target(const Workspace& ws, int64_t n_active, int64_t need, int64_t a,
-                                  bool strict) {
+                                  Rule rule) {
+  const bool strict = rule == kStrict;
   Choice all, kept;  // every candidate; the strict rule's candidates
   for (int64_t k = 0; k < n_active; ++k) {
     const int64_t t = ws.active[k], s = ws.slack[t];
     all.see(k, t, s, need);
     if (strict && !(ws.free_slots[t] == 1 && s > a)) kept.see(k, t, s, need);
   }
+  if (rule == kMost) return all.most;
   return (strict && kept.most >= 0) ? kept.pick() : all.pick();
 }
 
-// attempt(tau, f, strict) of PLANNER.md: can every rank be brought to at most `tau` with replicas
-// of at least floor `f` (adaptive)? On success the replicas are in ws.rep_* [0, *num_replicas) and
-// ws.exported holds what each master gave away.
-UEP_HD inline bool attempt(const PlanDims& d, const PlanOptions& o, Workspace& ws, int64_t tau,
-                           int64_t lmax, int64_t f, bool strict, int64_t* num_replicas) {
+// How an attempt ended.
+enum Outcome { kSuccess, kFailed, kInfeasible };  // kInfeasible: no plan reaches the threshold
+
+// attempt(tau, f, rule, order) of PLANNER.md with the order in ws.order[0, n_order) (the
+// overloaded ranks). On success the replicas are in ws.rep_* [0, *num_replicas) and ws.exported
+// holds what each master gave away; on failure *failed is the source that failed. kInfeasible: a
+// floor-1 attempt found a source whose masters have nothing left, which no plan can relieve.
+UEP_HD inline Outcome attempt(const PlanDims& d, const PlanOptions& o, Workspace& ws, int64_t tau,
+                              int64_t lmax, int64_t f, Rule rule, int64_t n_order,
+                              int64_t* num_replicas, int64_t* failed) {
   *num_replicas = 0;
   for (int64_t e = 0; e < d.E; ++e) ws.exported[e] = 0;
-  if (tau >= lmax) return true;
+  if (tau >= lmax) return kSuccess;
   const int64_t em = d.E / d.R;
   const int64_t K = o.master_keep_tokens;
   int64_t n_active = 0;  // ranks that can still take a replica, in any order
@@ -185,12 +207,12 @@ UEP_HD inline bool attempt(const PlanDims& d, const PlanOptions& o, Workspace& w
   int64_t later = 0;  // X of PLANNER.md: the excess that the ranks after the current one must shed
   for (int64_t t = 0; t < d.R; ++t) later += max64(ws.L[t] - tau, 0);
   int64_t nrep = 0;
-  for (int64_t ri = 0; ri < d.R; ++ri) {
-    const int64_t src = ws.rank_order[ri];
+  for (int64_t ri = 0; ri < n_order; ++ri) {
+    const int64_t src = ws.order[ri];
     int64_t x = ws.L[src] - tau;
-    if (x <= 0) break;
     later -= x;
     const int64_t first = src * em;
+    *failed = src;
     while (x > 0) {
       const int64_t fl = min64(f, x);
       // The master with the most tokens left to give (ties -> smallest index): a large piece
@@ -203,15 +225,15 @@ UEP_HD inline bool attempt(const PlanDims& d, const PlanOptions& o, Workspace& w
           avail = a;
         }
       }
-      if (avail < fl) return false;
-      const int64_t k = pick_target(ws, n_active, min64(x, avail), avail, strict);
-      if (k < 0) return false;
+      if (avail < fl) return f == 1 ? kInfeasible : kFailed;
+      const int64_t k = pick_target(ws, n_active, min64(x, avail), avail, rule);
+      if (k < 0) return kFailed;
       const int64_t t = ws.active[k];
       // Fill the target as far as the expert allows, even past the source's need (but not past
       // what the later ranks could use): the source then takes later ranks' replicas in its
       // own, otherwise idle, slots.
       const int64_t q = min64(min64(ws.slack[t], avail), x + later);
-      if (q < fl) return false;
+      if (q < fl) return kFailed;
       ws.rep_expert[nrep] = e;
       ws.rep_target[nrep] = t;
       ws.rep_quota[nrep] = q;
@@ -226,19 +248,54 @@ UEP_HD inline bool attempt(const PlanDims& d, const PlanOptions& o, Workspace& w
     if (x < 0 && d.S > 0) ws.active[n_active++] = src;
   }
   *num_replicas = nrep;
-  return true;
+  return kSuccess;
 }
 
-// try(tau) of PLANNER.md: the attempts in their order until one succeeds (its replicas stay in ws).
-// `any_floor`: the probe may give up the floor F (exact mode, the capacity window).
+// try(tau) of PLANNER.md: the plain attempts, then the repairs, until one succeeds (its replicas
+// stay in ws). `any_floor`: the probe may give up the floor F (exact mode, the capacity window).
 UEP_HD inline bool try_threshold(const PlanDims& d, const PlanOptions& o, Workspace& ws,
                                  int64_t tau, int64_t lmax, bool any_floor, int64_t* num_replicas) {
   const int64_t F = o.min_tokens_per_replica;
   const int floors = (any_floor && F > 1) ? 2 : 1;
+  int64_t n_over = 0;  // the plain order D: the overloaded ranks in rank order
+  while (n_over < d.R && ws.L[ws.rank_order[n_over]] > tau) ++n_over;
+  const auto plain = [&]() {
+    for (int64_t i = 0; i < n_over; ++i) ws.order[i] = ws.rank_order[i];
+  };
+  int64_t failed_plain[2][2];  // [floor][loose, strict]: where the plain attempts failed
+  for (int i = 0; i < floors; ++i) {
+    for (int r = 0; r < 2; ++r) {
+      plain();
+      const Outcome out = attempt(d, o, ws, tau, lmax, i == 0 ? F : 1, r == 0 ? kLoose : kStrict,
+                                  n_over, num_replicas, &failed_plain[i][r]);
+      if (out == kSuccess) return true;
+      if (out == kInfeasible) return false;
+    }
+  }
+  // repair(tau, f, rule): the source that failed moves to the front, at most 3 times.
   for (int i = 0; i < floors; ++i) {
     const int64_t f = i == 0 ? F : 1;
-    if (attempt(d, o, ws, tau, lmax, f, false, num_replicas)) return true;
-    if (attempt(d, o, ws, tau, lmax, f, true, num_replicas)) return true;
+    for (int r = 0; r < 3; ++r) {
+      const Rule rule = r == 0 ? kLoose : (r == 1 ? kStrict : kMost);
+      plain();
+      int64_t failed = 0;
+      if (r < 2) {  // the plain attempt with this rule failed above
+        failed = failed_plain[i][r];
+      } else {
+        const Outcome out = attempt(d, o, ws, tau, lmax, f, rule, n_over, num_replicas, &failed);
+        if (out == kSuccess) return true;
+        if (out == kInfeasible) return false;
+      }
+      for (int b = 0; b < 3 && failed != ws.order[0]; ++b) {
+        int64_t p = 0;
+        while (ws.order[p] != failed) ++p;
+        for (; p > 0; --p) ws.order[p] = ws.order[p - 1];
+        ws.order[0] = failed;
+        const Outcome out = attempt(d, o, ws, tau, lmax, f, rule, n_over, num_replicas, &failed);
+        if (out == kSuccess) return true;
+        if (out == kInfeasible) return false;
+      }
+    }
   }
   return false;
 }
@@ -369,18 +426,21 @@ UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, 
   int64_t tau = lmax;
   int64_t nrep = 0;
   bool have = false;  // ws holds the winner's replicas
-  const bool exact = o.eps == 0.0;
+  const bool exact = is_exact_mode(o.eps);
   const int64_t cap = o.capacity;
+  bool won_any_floor = exact;  // the winning probe's floors
   if (total > 0 && d.S > 0 && d.R > 1) {
     detail::Search search{d, o, ws, lmax, &nrep, exact};
     bool found = false;
     if (cap > 0 && cap < lmax && cap >= mean_ceil) {  // thresholds within the capacity first
       search.any_floor = true;  // a plan that fits the buffer is worth a replica below F
-      const int64_t w = search.window(detail::min64(tau0, cap), cap, delta, &have);
+      const int64_t a = detail::min64(tau0, cap);
+      int64_t w = search.window(a, cap, delta, &have);
+      if (w < 0 && a > mean_ceil) w = search.window(mean_ceil, a - 1, delta, &have);  // below a
       search.any_floor = exact;
       if (w >= 0) {
         tau = w;
-        found = true;
+        found = won_any_floor = true;
       }
     }
     if (!found && tau0 < lmax) {
@@ -410,9 +470,8 @@ UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, 
       have = false;
     }
   }
-  // The winner's replicas again if a later failed probe overwrote them (the plain attempts come
-  // first, so a winner found outside the window gives the same replicas here).
-  if (!have) detail::try_threshold(d, o, ws, tau, lmax, exact || (cap > 0 && tau <= cap), &nrep);
+  // The winner's replicas again, with its probe's floors, if a later failed probe overwrote them.
+  if (!have) detail::try_threshold(d, o, ws, tau, lmax, won_any_floor, &nrep);
 
   // Write the plan: replicas take their target's slots in creation order.
   for (int64_t i = 0; i < d.R * d.S; ++i) {

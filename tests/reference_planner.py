@@ -13,8 +13,11 @@ Public API:
   master_keep_tokens=1, capacity=0) -> dict`` with int32 arrays ``slot_expert [R,S]`` (-1 empty),
   ``slot_quota [R,S]``, ``master_quota [E]``, ``rank_load [R]``.
 - ``reference_plan_info(...)``: same arguments; returns ``(plan, info)`` where ``info`` also
-  holds the chosen threshold ``tau``, ``tau0``, ``delta``, the replicas in creation order and the
-  probes that were evaluated (useful for debugging a mismatch with the C++ planner).
+  holds the chosen threshold ``tau``, ``tau0``, ``delta``, the replicas in creation order, the
+  probes that were evaluated and which attempt made the replicas (useful for debugging a mismatch
+  with the C++ planner).
+- ``attempt``, ``repair``, ``oracle`` (``try``) and ``search_tau``: the spec's pieces, for
+  hand-worked tests.
 - ``rank_loads_before(loads) -> [R]``: master-only rank loads ``L``.
 - ``check_plan_invariants(loads, plan, slots_per_rank)``: asserts the plan invariants (every
   expert's quotas sum to its load, no rank holds an expert twice, quotas >= 0, ``rank_load``
@@ -31,12 +34,19 @@ import numpy as np
 INT32_MAX = 2**31 - 1
 
 __all__ = [
+    "LOOSE",
+    "MOST",
+    "STRICT",
     "attempt",
+    "attempt_in_order",
     "check_plan_invariants",
     "compute_delta",
     "compute_tau0",
     "oracle",
+    "oracle_info",
+    "plain_order",
     "rank_loads_before",
+    "repair",
     "reference_plan",
     "reference_plan_info",
     "search_tau",
@@ -111,8 +121,12 @@ def compute_delta(T: int, R: int, eps: float, lmax: int | None = None) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# The oracle: attempt(tau, f, strict) and try(tau)
+# The oracle: attempt(tau, f, rule, order), repair(tau, f, rule) and try(tau)
 # --------------------------------------------------------------------------------------------
+
+
+LOOSE, STRICT, MOST = "loose", "strict", "most"  # the target rules of pick_target
+REPAIR_MOVES = 3  # repair(tau, f, rule): at most this many reordered attempts after the plain one
 
 
 def _rank_order(L: list[int]) -> list[int]:
@@ -120,43 +134,63 @@ def _rank_order(L: list[int]) -> list[int]:
     return sorted(range(len(L)), key=lambda d: (-L[d], d))
 
 
-def _pick_target(slack: list[int], free: list[int], need: int, a: int, strict: bool) -> int:
-    """Among ranks with a free slot and slack (with ``strict``: leaving out those with one free slot
-    and more slack than ``a``, unless that leaves none): the least slack >= need (best fit), else
-    the most slack; ties -> smallest rank. -1 if there is no candidate."""
+def plain_order(L: list[int], tau: int) -> list[int]:
+    """The plain order D: the overloaded ranks (L > tau) in rank order."""
+    return [d for d in _rank_order(L) if L[d] > tau]
+
+
+def _rule(rule) -> str:
+    """A target rule by name; a bool is the old ``strict`` flag (False: loose, True: strict)."""
+    if isinstance(rule, bool):
+        return STRICT if rule else LOOSE
+    if rule not in (LOOSE, STRICT, MOST):
+        raise ValueError(f"unknown target rule {rule!r}")
+    return rule
+
+
+def _pick_target(slack: list[int], free: list[int], need: int, a: int, rule: str) -> int:
+    """Among ranks with a free slot and slack: with ``most`` the most slack; else (with ``strict``
+    leaving out those with one free slot and more slack than ``a``, unless that leaves none) the
+    least slack >= need (best fit), else the most slack; ties -> smallest rank. -1 if there is no
+    candidate."""
     candidates = [t for t in range(len(slack)) if free[t] > 0 and slack[t] > 0]
-    if strict:
+    if not candidates:
+        return -1
+    most = min(candidates, key=lambda t: (-slack[t], t))
+    if rule == MOST:
+        return most
+    if rule == STRICT:
         kept = [t for t in candidates if not (free[t] == 1 and slack[t] > a)]
         if kept:
             candidates = kept
+            most = min(candidates, key=lambda t: (-slack[t], t))
     fits = [t for t in candidates if slack[t] >= need]
     if fits:
         return min(fits, key=lambda t: (slack[t], t))
-    if candidates:
-        return min(candidates, key=lambda t: (-slack[t], t))
-    return -1
+    return most
 
 
-def attempt(tau: int, load_e: list[int], L: list[int], S: int, f: int, K: int, strict: bool):
-    """``attempt(tau, f, strict)`` of PLANNER.md.
+def attempt_in_order(tau, load_e, L, S, f, K, rule, order):
+    """``attempt(tau, f, rule, order)`` of PLANNER.md.
 
-    Returns ``(success, replicas)`` with ``replicas`` a list of ``(expert, target, quota)`` in
-    creation order (empty on failure).
+    ``order`` lists the overloaded ranks (L > tau), each once. Returns ``(success, replicas,
+    failed)``: ``replicas`` a list of ``(expert, target, quota)`` in creation order (empty on
+    failure), ``failed`` the source rank the attempt failed at (None on success).
     """
+    rule = _rule(rule)
     R = len(L)
     E_m = len(load_e) // R
     Lmax = max(L) if L else 0
     if tau >= Lmax:
-        return True, []
+        return True, [], None
+    assert sorted(order) == sorted(plain_order(L, tau)), order  # each overloaded rank once
     slack = [max(tau - L[t], 0) for t in range(R)]
     free = [S] * R
     exported = [0] * len(load_e)
     replicas: list[tuple[int, int, int]] = []
     X = sum(max(L[d] - tau, 0) for d in range(R))
-    for d in _rank_order(L):
+    for d in order:
         x = L[d] - tau
-        if x <= 0:
-            break  # ranks are sorted: the rest are fine
         X -= x  # what the ranks after d must still shed
         masters = range(d * E_m, (d + 1) * E_m)
         while x > 0:
@@ -165,37 +199,84 @@ def attempt(tau: int, load_e: list[int], L: list[int], S: int, f: int, K: int, s
             e = min(masters, key=lambda m: (-(load_e[m] - K - exported[m]), m))
             avail = load_e[e] - K - exported[e]
             if avail < fl:
-                return False, []
-            t = _pick_target(slack, free, min(x, avail), avail, strict)
+                return False, [], d
+            t = _pick_target(slack, free, min(x, avail), avail, rule)
             if t == -1:
-                return False, []
+                return False, [], d
             # fill the target as far as the expert allows and the later ranks can use
             q = min(slack[t], avail, x + X)
             if q < fl:
-                return False, []
+                return False, [], d
             replicas.append((e, t, q))
             slack[t] -= q
             free[t] -= 1
             x -= q
             exported[e] += q
         slack[d] = -x  # over-export makes d a target for the ranks after it
-    return True, replicas
+    return True, replicas, None
+
+
+def attempt(tau: int, load_e: list[int], L: list[int], S: int, f: int, K: int, rule, order=None):
+    """``attempt(tau, f, rule, order)`` of PLANNER.md with ``rule`` a target rule's name or a bool
+    (the ``strict`` flag: False loose, True strict) and ``order`` the plain order D unless given.
+
+    Returns ``(success, replicas)`` with ``replicas`` a list of ``(expert, target, quota)`` in
+    creation order (empty on failure).
+    """
+    order = plain_order(L, tau) if order is None else order
+    ok, replicas, _ = attempt_in_order(tau, load_e, L, S, f, K, rule, order)
+    return ok, replicas
+
+
+def repair(tau, load_e, L, S, f, K, rule):
+    """``repair(tau, f, rule)`` of PLANNER.md: the plain attempt, then up to ``REPAIR_MOVES`` more,
+    each with the source that failed the previous one moved to the front of the order.
+
+    Returns ``(success, replicas, order)`` (the order of the successful attempt, or the last one).
+    """
+    order = plain_order(L, tau)
+    ok, replicas, d = attempt_in_order(tau, load_e, L, S, f, K, rule, order)
+    for _ in range(REPAIR_MOVES):
+        if ok or d == order[0]:
+            break
+        order = [d] + [u for u in order if u != d]
+        ok, replicas, d = attempt_in_order(tau, load_e, L, S, f, K, rule, order)
+    return ok, replicas, order
+
+
+def oracle_info(tau, load_e, L, S, F, K, exact=False):
+    """``try(tau)`` of PLANNER.md, with how it succeeded.
+
+    Returns ``(success, replicas, how)``: ``how`` is ``(pass, f, rule, order)`` of the successful
+    attempt (``pass`` "plain" or "repair"; None when ``tau >= Lmax`` or on failure).
+    """
+    if tau >= (max(L) if L else 0):
+        return True, [], None
+    floors = [F, 1] if exact and F > 1 else [F]
+    D = plain_order(L, tau)
+    for f in floors:
+        for rule in (LOOSE, STRICT):
+            ok, replicas, _ = attempt_in_order(tau, load_e, L, S, f, K, rule, D)
+            if ok:
+                return True, replicas, ("plain", f, rule, D)
+    for f in floors:
+        for rule in (LOOSE, STRICT, MOST):
+            ok, replicas, order = repair(tau, load_e, L, S, f, K, rule)
+            if ok:
+                return True, replicas, ("repair", f, rule, order)
+    return False, [], None
 
 
 def oracle(tau: int, load_e: list[int], L: list[int], S: int, F: int, K: int, exact: bool = False):
-    """``try(tau)`` of PLANNER.md: the attempts (F, loose), (F, strict), and, if the probe may give
-    up the floor (``exact``: exact mode or a capacity-window probe) and F > 1, also (1, loose),
-    (1, strict), until one succeeds.
+    """``try(tau)`` of PLANNER.md: the plain attempts (F, loose), (F, strict), and, if the probe may
+    give up the floor (``exact``: exact mode or a capacity-window probe) and F > 1, also
+    (1, loose), (1, strict); then the repairs for the same floors with the rules loose, strict and
+    most; until one succeeds.
 
     Returns ``(success, replicas)`` of the first successful attempt (``(False, [])`` if none).
     """
-    floors = [F, 1] if exact and F > 1 else [F]
-    for f in floors:
-        for strict in (False, True):
-            ok, replicas = attempt(tau, load_e, L, S, f, K, strict)
-            if ok:
-                return True, replicas
-    return False, []
+    ok, replicas, _ = oracle_info(tau, load_e, L, S, F, K, exact)
+    return ok, replicas
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,7 +357,11 @@ def search_tau(
     C = int(capacity)
     if 0 < C < Lmax and C >= mean_ceil:
         delta = compute_delta(T, R, eps, Lmax)
-        tau = _window(min(tau0, C), C, delta, prober(try_window or try_fn))
+        window_probe = prober(try_window or try_fn)
+        a = min(tau0, C)
+        tau = _window(a, C, delta, window_probe)
+        if tau is None and a > mean_ceil:  # then the thresholds below a, down to M
+            tau = _window(mean_ceil, a - 1, delta, window_probe)
         if tau is not None:
             return tau, tau0, delta
     if tau0 >= Lmax:
@@ -318,7 +403,9 @@ def reference_plan_info(
     short-circuited), ``tau0``, ``delta`` (None when the search short-circuited or ended before
     it needed one), ``replicas``
     (``(expert, target, quota)`` in creation order), ``probes`` (the evaluated thresholds, in
-    order), ``load_e`` and ``L`` (lists of Python ints), ``T``, ``Lmax``.
+    order), ``how`` (which attempt of the winning ``try`` made the replicas: ``(pass, f, rule,
+    order)`` as in ``oracle_info``; None without replicas), ``load_e`` and ``L`` (lists of Python
+    ints), ``T``, ``Lmax``.
     """
     arr = _as_loads(loads)
     R, E = arr.shape
@@ -351,18 +438,29 @@ def reference_plan_info(
     T = sum(L)
     Lmax = max(L) if L else 0
 
-    def try_fn(tau: int) -> bool:
-        return oracle(tau, load_e, L, S, F, K, exact)[0]
+    won = {"tau": None, "replicas": [], "how": None}  # the last successful probe: the winner
 
-    def try_window(tau: int) -> bool:  # the capacity window's probes may give up the floor
-        return oracle(tau, load_e, L, S, F, K, True)[0]
+    def probe_with(any_floor: bool):
+        def try_tau(tau: int) -> bool:
+            ok, replicas, how = oracle_info(tau, load_e, L, S, F, K, any_floor)
+            if ok:
+                won.update(tau=tau, replicas=replicas, how=how)
+            return ok
+
+        return try_tau
 
     probes: list[int] = []
-    tau, tau0, delta = search_tau(T, Lmax, R, S, eps, try_fn, probes, C, try_window)
-    # The winner's replicas: the window's attempts if the window found it (tau <= C), else the
-    # plain ones (a window probe that failed also fails with the plain, fewer, attempts).
-    ok, replicas = oracle(tau, load_e, L, S, F, K, exact or 0 < tau <= C)
-    assert ok, "the winning threshold must succeed"
+    # The capacity window's probes may give up the floor.
+    tau, tau0, delta = search_tau(
+        T, Lmax, R, S, eps, probe_with(exact), probes, C, probe_with(True)
+    )
+    # A success ends the search (a refine probe's, or else c_{j*}'s, which was the last success):
+    # the winner's replicas are those of the last successful probe's try; none at tau >= Lmax.
+    if tau < Lmax:
+        assert won["tau"] == tau, "the winning threshold must succeed"
+        replicas, how = won["replicas"], won["how"]
+    else:
+        replicas, how = [], None
 
     # Output: replicas placed in creation order; the n-th replica created on t takes slot n of t.
     slot_expert = np.full((R, S), -1, dtype=np.int64)
@@ -394,6 +492,7 @@ def reference_plan_info(
         "delta": delta,
         "replicas": replicas,
         "probes": probes,
+        "how": how,
         "load_e": load_e,
         "L": L,
         "T": T,

@@ -69,6 +69,30 @@ CFG = uep.BalancerConfig(num_experts=16, ep_size=8, slots_per_rank=2, min_tokens
         ),
         ({"num_experts": 8, "ep_size": 4, "slots_per_rank": 2**70}, ValueError, "slots_per_rank"),
         ({"num_experts": 8, "ep_size": 4, "master_keep_tokens": -1}, ValueError, "master_keep"),
+        # the documented bounds: a floor beyond any int32 load (it used to abort the process),
+        # and more slots than a rank can fill (an opaque TypeError at 2**61, out of memory at
+        # 2**40), NumPy integers included
+        (
+            {"num_experts": 8, "ep_size": 4, "min_tokens_per_replica": 2**62},
+            ValueError,
+            r"^BalancerConfig.min_tokens_per_replica must be <= 2147483647, "
+            r"got 4611686018427387904$",
+        ),
+        (
+            {"num_experts": 8, "ep_size": 4, "min_tokens_per_replica": np.int64(2**31)},
+            ValueError,
+            r"min_tokens_per_replica must be <= 2147483647, got 2147483648$",
+        ),
+        (
+            {"num_experts": 8, "ep_size": 4, "slots_per_rank": 2**61},
+            ValueError,
+            r"^BalancerConfig.slots_per_rank must be <= 4096, got 2305843009213693952$",
+        ),
+        (
+            {"num_experts": 8, "ep_size": 4, "slots_per_rank": np.uint64(2**40)},
+            ValueError,
+            r"slots_per_rank must be <= 4096, got 1099511627776$",
+        ),
     ],
 )
 def test_config_rejects_bad_values(kwargs, error, match):
@@ -110,12 +134,13 @@ def test_config_accepts_numpy_scalars_and_normalises_them(int_type, float_type):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def test_config_largest_int64_values_reach_the_planner():
-    # min_tokens_per_replica and master_keep_tokens at int64's maximum are legal and reach the
-    # custom call as they are (they used to fail with a bare OverflowError beyond int64).
+def test_config_largest_values_reach_the_planner():
+    # The largest legal min_tokens_per_replica (2**31 - 1: beyond any expert's int32 load) and
+    # master_keep_tokens (int64's maximum) reach the custom call as they are (beyond int64 they
+    # used to fail with a bare OverflowError); 4096 slots per rank too.
     big = 2**63 - 1
     loads = _skewed_loads(np.random.default_rng(4), 8, 16)
-    for F, K in ((big, 1), (64, big)):
+    for F, K in ((2**31 - 1, 1), (64, big)):
         cfg = uep.BalancerConfig(16, 8, min_tokens_per_replica=F, master_keep_tokens=K)
         got = _as_numpy(uep.plan(loads, cfg))
         want = reference_plan(loads, 2, F, cfg.balance_eps, K)
@@ -125,6 +150,11 @@ def test_config_largest_int64_values_reach_the_planner():
             np.testing.assert_array_equal(got["rank_load"], rank_loads_before(loads))
         else:  # only replicas that clear a rank's whole remaining excess (the adaptive floor)
             assert (got["rank_load"] <= rank_loads_before(loads).max()).all()
+    cfg = uep.BalancerConfig(16, 8, slots_per_rank=4096, min_tokens_per_replica=64)
+    got = _as_numpy(uep.plan(loads, cfg))
+    want = reference_plan(loads, 4096, 64, cfg.balance_eps, 1)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 @pytest.mark.parametrize(

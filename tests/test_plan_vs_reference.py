@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 
 import ultraep_jax as uep
 from experiments.loads import workloads
-from tests.reference_planner import check_plan_invariants, rank_loads_before, reference_plan
+from experiments.loads.exact import random_cases
+from tests.reference_planner import (
+    check_plan_invariants,
+    rank_loads_before,
+    reference_plan,
+    reference_plan_info,
+)
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
 
@@ -137,6 +143,60 @@ def test_huge_eps_means_no_replicas(eps):
     np.testing.assert_array_equal(np.asarray(got.rank_load), before)
     np.testing.assert_array_equal(np.asarray(got.master_quota), loads.sum(axis=0))
     _assert_same({n: getattr(got, n) for n in FIELDS}, reference_plan(loads, 2, 1024, eps), "eps")
+
+
+@pytest.mark.parametrize(
+    "S, F, eps, capacity",
+    [
+        (1, 1, 0.0, None),
+        (1, 3, 0.0, None),
+        (1, 1, 0.01, None),
+        (2, 1, 0.0, None),
+        (1, 1, 0.5, 40),  # tau0 >= 40: window(40, 40), then window(M, 39)
+        (1, 2, 0.05, 40),  # tau0 < 40: window(tau0, 40), then window(M, tau0 - 1)
+    ],
+)
+def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity):
+    # Small loads and few slots (experiments.bench.planner_exact's cases, R 3..4), where the plain
+    # attempts fail now and then and the repairs, or the capacity step's second window, decide.
+    # With a capacity the loads are scaled to a mean of about 36 and the masters keep 8 more
+    # tokens, so that the capacity often cannot be met and both windows run.
+    rng = np.random.default_rng(S * 10 + F)
+    repaired = below = 0
+    for R, load_e, K in random_cases(rng, 600, ranks=(3, 4), experts_per_rank=(2, 3)):
+        if capacity is not None and load_e.sum() > 0:
+            load_e = np.round(load_e * (36 * R / load_e.sum())).astype(np.int32)
+            K += 8
+        loads = np.zeros((R, len(load_e)), np.int32)
+        loads[0] = load_e
+        got = uep.plan(loads, uep.BalancerConfig(len(load_e), R, S, F, eps, K), capacity)
+        want, info = reference_plan_info(loads, S, F, eps, K, capacity=capacity or 0)
+        _assert_same({n: getattr(got, n) for n in FIELDS}, want, f"{load_e}, K {K}")
+        check_plan_invariants(loads, want, S)
+        repaired += info["how"] is not None and info["how"][0] == "repair"
+        if capacity is not None:
+            below += any(p < min(info["tau0"], capacity) for p in info["probes"])
+    if capacity is None:
+        assert repaired >= (4 if S == 1 else 0)  # the repairs made some of these plans
+    else:
+        assert below >= 5, below  # the second window ran
+
+
+@pytest.mark.parametrize("eps", [5e-324, 2.0**-1030, -0.0])
+def test_exact_mode_is_eps_zero_even_where_subnormals_flush(eps):
+    # XLA's CPU threads treat subnormal doubles as zero; exact mode is eps == 0 as an IEEE value
+    # (PLANNER.md), so a subnormal eps is a tolerance (keeping the floor) and -0.0 is exact mode.
+    # HOT8 loads (R=4, E=8, S=2, F=30): tau0 = 43 either way, but only exact mode gives up the
+    # floor at 43 ([43, 43, 43, 41]); with the floor the plan is at 50.
+    load_e = [100, 10, 10, 10, 10, 10, 10, 10]
+    loads = np.zeros((4, 8), np.int32)
+    loads[0] = load_e
+    cfg = uep.BalancerConfig(8, 4, 2, 30, eps)
+    got = uep.plan(loads, cfg)
+    want = reference_plan(loads, 2, 30, eps, 1)
+    _assert_same({n: getattr(got, n) for n in FIELDS}, want, f"eps {eps!r}")
+    exact = eps == 0.0
+    assert want["rank_load"].tolist() == ([43, 43, 43, 41] if exact else [50, 50, 50, 20])
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.01])

@@ -821,6 +821,29 @@ def test_search_capacity_probes_at_or_below_it_first():
         assert _search_cap(1000, 1000, 4, 1, 0.0, lambda t: t >= 600, cap)[1] == free
 
 
+def test_search_capacity_probes_below_the_first_threshold():
+    # T=1000, R=4, eps=0.1: tau0 = max(250, floor(1000.0 * 1.1 / 4.0 = 275.00000000000006)) = 275,
+    # delta = ceil(1000 * 0.1 / 4 / 2 = 12.5) = 13, M = 250. Capacity 260 < tau0: a = 260, and
+    # window(260, 260) probes 260 alone. When it fails, window(M, a - 1) = window(250, 259):
+    # fast 250, 263 > 259 (none more, p = 250), coarse c_j = 250 + (9 j) // 32: 250 (j = 1..3),
+    # 251 (j = 4..7), 252, ..., and a success at 253 (c_11 = 250 + 99 // 32 = 253; c_10 = 252)
+    # wins: refine r_i = 252 + i // 16 = 252 is skipped. (Before, only 260 was probed, and the
+    # plan was the one without a capacity.)
+    coarse = [250 + (9 * j) // 32 for j in range(1, 33)]
+    tau, probes, delta = _search_cap(1000, 1000, 4, 1, 0.1, lambda t: t in (253, 600), 260)
+    assert delta == 13 and coarse[9:11] == [252, 253]
+    assert probes == [260, 250] + coarse[:11] and tau == 253
+    # Nothing at or below the capacity succeeds: both windows, then the search without one.
+    tau, probes, _ = _search_cap(1000, 1000, 4, 1, 0.1, lambda t: t >= 600, 260)
+    _, free, _ = _search(1000, 1000, 4, 1, 0.1, lambda t: t >= 600)
+    assert probes == [260, 250] + coarse + free and tau == free[-1] == 600
+    # tau0 below the capacity 290: window(275, 290) (fast 275, 288; coarse 288 + (2 j) // 32),
+    # then window(M, tau0 - 1) = window(250, 274), whose second fast probe, 263, succeeds.
+    tau, probes, _ = _search_cap(1000, 1000, 4, 1, 0.1, lambda t: t == 263, 290)
+    assert probes == [275, 288] + [288 + (2 * j) // 32 for j in range(1, 33)] + [250, 263]
+    assert tau == 263
+
+
 def _search_cap(T, Lmax, R, S, eps, pred, capacity):
     probes = []
     tau, _, delta = search_tau(T, Lmax, R, S, eps, pred, probes, capacity=capacity)
@@ -962,19 +985,37 @@ def planner_inputs(draw):
     return loads.astype(np.int32), S, F, K, eps
 
 
-def _replays(replicas, before, load_e, tau, R, S, f, K, strict) -> bool:
-    """Whether ``replicas`` (creation order) is what attempt(tau, f, strict) of PLANNER.md makes,
-    checked step by step against the rules rather than recomputed: each source rank (L > tau, in
-    rank order) gives until its excess is gone; each replica's expert is the source's master with
-    the most avail (ties -> smallest index); its target is a candidate (free slot, slack; strict:
-    not a last slot that the expert cannot fill, unless no other candidate) with the least slack
-    >= need, else the most slack (ties -> smallest rank); its quota is min(slack, avail, x + X)
-    and at least the adaptive floor min(f, x)."""
+def _giving_order(replicas, E_m) -> list[int]:
+    """The source ranks in the order they gave: each source's replicas are consecutive."""
+    order = []
+    for e, _, _ in replicas:
+        if not order or order[-1] != e // E_m:
+            order.append(e // E_m)
+    return order
+
+
+def _is_repair_order(order, before, tau) -> bool:
+    """Whether ``order`` is the plain order D (the overloaded ranks by load descending, ties by
+    index) or one that repair(tau, f, rule) reaches: at most 3 ranks moved to the front, the others
+    in D's order."""
+    D = sorted((u for u in range(len(before)) if before[u] > tau), key=lambda u: (-before[u], u))
+    if sorted(order) != sorted(D):
+        return False
+    return any(order[k:] == [u for u in D if u not in order[:k]] for k in range(4))
+
+
+def _replays(replicas, before, load_e, tau, R, S, f, K, rule, order) -> bool:
+    """Whether ``replicas`` (creation order) is what attempt(tau, f, rule, order) of PLANNER.md
+    makes, checked step by step against the rules rather than recomputed: each source rank (in
+    ``order``) gives until its excess is gone; each replica's expert is the source's master with
+    the most avail (ties -> smallest index); its target is a candidate (free slot, slack) with, for
+    rule "most", the most slack, else (strict: not a last slot that the expert cannot fill, unless
+    no other candidate) the least slack >= need, else the most slack (ties -> smallest rank); its
+    quota is min(slack, avail, x + X) and at least the adaptive floor min(f, x)."""
     E_m = len(load_e) // R
     slack = [max(tau - int(before[u]), 0) for u in range(R)]
     free = [S] * R
     exported = [0] * len(load_e)
-    order = sorted((u for u in range(R) if before[u] > tau), key=lambda u: (-before[u], u))
     X = sum(int(before[u]) - tau for u in order)
     i = 0
     for d in order:
@@ -991,12 +1032,12 @@ def _replays(replicas, before, load_e, tau, R, S, f, K, strict) -> bool:
                 return False
             need = min(x, a)
             cands = [u for u in range(R) if free[u] > 0 and slack[u] > 0]
-            if strict and any(not (free[u] == 1 and slack[u] > a) for u in cands):
+            if rule == "strict" and any(not (free[u] == 1 and slack[u] > a) for u in cands):
                 cands = [u for u in cands if not (free[u] == 1 and slack[u] > a)]
             if t not in cands:
                 return False
             fits = [u for u in cands if slack[u] >= need]
-            want = min(fits, key=lambda u: (slack[u], u)) if fits else None
+            want = min(fits, key=lambda u: (slack[u], u)) if fits and rule != "most" else None
             if want is None:
                 want = min(cands, key=lambda u: (-slack[u], u))
             if t != want or q != min(slack[t], a, x + X) or q < min(f, x):
@@ -1069,12 +1110,15 @@ def _check_properties(loads, S, F, K, eps):
         excess = {d: int(before[d]) - tau for d in range(R) if before[d] > tau}
         donors = {e // E_m for e, _, _ in replicas}
         assert donors == set(excess), (donors, excess)  # exactly the overloaded ranks give
+        # they give one after the other, in the plain order or one that a repair reaches
+        order = _giving_order(replicas, E_m)
+        assert len(order) == len(donors) and _is_repair_order(order, before, tau), order
         sent = {d: sum(q for e, _, q in replicas if e // E_m == d) for d in donors}
         got = {t: sum(q for _, u, q in replicas if u == t) for t in range(R)}
-        for d in donors:
+        for k, d in enumerate(order):
             # each gives at least its excess, and no more than the excess of itself and the ranks
-            # after it in rank order could use (the over-export cap x + X)
-            later = sum(x for u, x in excess.items() if (-before[u], u) > (-before[d], d))
+            # after it in the giving order could use (the over-export cap x + X)
+            later = sum(excess[u] for u in order[k + 1 :])
             assert excess[d] <= sent[d] <= excess[d] + later, (d, sent[d], excess[d], later)
         for t in range(R):
             if got[t]:  # receivers had slack, or made it by over-exporting, and stay <= tau
@@ -1083,13 +1127,13 @@ def _check_properties(loads, S, F, K, eps):
         # masters that exported keep at least K tokens
         for e in {e for e, _, _ in replicas}:
             assert plan["master_quota"][e] >= K
-        # The replicas replay, in creation order, as one of try(tau)'s attempts (floor f, loose or
-        # strict): see _replays.
-        modes = [(F, False), (F, True)]
-        if eps == 0.0 and F > 1:
-            modes += [(1, False), (1, True)]
+        # The replicas replay, in creation order, as one of try(tau)'s attempts (floor f, a target
+        # rule, the giving order): see _replays. The plain attempts give in the plain order with
+        # the rules loose and strict; the repairs also with the rule most.
+        floors = [F, 1] if eps == 0.0 and F > 1 else [F]
+        modes = [(f, rule) for f in floors for rule in ("loose", "strict", "most")]
         assert any(
-            _replays(replicas, before, load_e, tau, R, S, f, K, strict) for f, strict in modes
+            _replays(replicas, before, load_e, tau, R, S, f, K, rule, order) for f, rule in modes
         ), (replicas, tau, modes)
     else:
         # no replicas: nothing moved

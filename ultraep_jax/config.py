@@ -10,10 +10,15 @@ import numpy as np
 
 # Every integer field reaches the native planner as an int64 FFI attribute.
 _INT64_MAX = 2**63 - 1
+# Loads are int32, so no expert ever has more tokens: a larger floor would mean the same.
+MAX_MIN_TOKENS_PER_REPLICA = 2**31 - 1
+# A rank fills at most num_experts - num_experts / ep_size slots (each foreign expert once); the
+# bound keeps the planner's [ep_size, slots_per_rank] outputs and workspace allocatable.
+MAX_SLOTS_PER_RANK = 4096
 
 
-def _as_int(name: str, value, minimum: int) -> int:
-    """``value`` as a Python int in [minimum, 2^63 - 1]; NumPy integer scalars are accepted."""
+def _as_int(name: str, value, minimum: int, maximum: int = _INT64_MAX) -> int:
+    """``value`` as a Python int in [minimum, maximum]; NumPy integer scalars are accepted."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"BalancerConfig.{name} must be an int, got {type(value).__name__} {value!r}"
@@ -23,6 +28,8 @@ def _as_int(name: str, value, minimum: int) -> int:
         raise ValueError(f"BalancerConfig.{name} must be >= {minimum}, got {value}")
     if value > _INT64_MAX:
         raise ValueError(f"BalancerConfig.{name} must fit in int64 (<= 2**63 - 1), got {value}")
+    if value > maximum:
+        raise ValueError(f"BalancerConfig.{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -48,16 +55,23 @@ class BalancerConfig:
     Attributes:
         num_experts: E, logical experts; expert ``e`` lives on rank ``e // (E // ep_size)``.
         ep_size: R, ranks on the expert-parallel mesh axis; must divide ``num_experts``.
-        slots_per_rank: S, spare slots per rank, each able to hold one replica expert's weights.
-            0 disables replication (the plan then keeps every token on its master).
+        slots_per_rank: S, spare slots per rank, each able to hold one replica expert's weights,
+            0 to 4096 (a rank fills at most ``num_experts - num_experts / ep_size`` of them). 0
+            disables replication (the plan then keeps every token on its master).
         min_tokens_per_replica: the least tokens a replica may carry (each replica costs a weight
-            transfer); a smaller replica is allowed only when it exactly clears a rank's remaining
-            excess, or in exact mode (``balance_eps == 0``) when the floor would stop the planner
-            from reaching the mean.
+            transfer), 1 to 2**31 - 1 (no expert has more tokens, loads being int32); a smaller
+            replica is allowed only when it exactly clears a rank's remaining excess, or in exact
+            mode (``balance_eps == 0``) when the floor would stop the planner from reaching the
+            mean.
         balance_eps: tolerance above the mean rank load: the planner aims for every rank at most
-            ``ceil(mean * (1 + balance_eps))`` and raises the threshold only when that is
-            infeasible. 0 is exact mode: every rank at ``ceil(mean)`` whenever the slots allow,
-            with replicas below ``min_tokens_per_replica`` where needed (ffi/PLANNER.md).
+            ``ceil(mean * (1 + balance_eps))`` and raises the threshold only when its attempts
+            fail there. 0 (exactly; a subnormal value is a tolerance) is exact mode: every rank
+            at ``M = ceil(mean)`` whenever the planner's attempts find such a plan, with replicas
+            below ``min_tokens_per_replica`` where needed. That is guaranteed whenever any plan at
+            ``M`` exists if ``ep_size == 2`` or ``slots_per_rank >= num_experts - num_experts /
+            ep_size``; otherwise the attempts are a heuristic, which missed ``M`` in 1 in 60,000
+            to 80,000 small random cases where a plan at ``M`` exists (ffi/PLANNER.md, "What is
+            guaranteed").
         master_keep_tokens: tokens an expert's master always keeps for itself.
     """
 
@@ -71,14 +85,15 @@ class BalancerConfig:
     def __post_init__(self):
         # Normalised in place (the dataclass is frozen), so equal configs hash equal whatever
         # scalar types they were built from.
-        for name, minimum in (
-            ("num_experts", 1),
-            ("ep_size", 1),
-            ("slots_per_rank", 0),
-            ("min_tokens_per_replica", 1),
-            ("master_keep_tokens", 0),
+        for name, minimum, maximum in (
+            ("num_experts", 1, _INT64_MAX),
+            ("ep_size", 1, _INT64_MAX),
+            ("slots_per_rank", 0, MAX_SLOTS_PER_RANK),
+            ("min_tokens_per_replica", 1, MAX_MIN_TOKENS_PER_REPLICA),
+            ("master_keep_tokens", 0, _INT64_MAX),
         ):
-            object.__setattr__(self, name, _as_int(name, getattr(self, name), minimum))
+            value = _as_int(name, getattr(self, name), minimum, maximum)
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "balance_eps", _as_float("balance_eps", self.balance_eps))
         if self.num_experts % self.ep_size:
             raise ValueError(
