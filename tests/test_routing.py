@@ -670,7 +670,10 @@ def test_update_router_bias_on_softmax_layer_raises():
     layer = uep.MoE(D, F, E, 2, make_mesh("ep8"), rngs=nnx.Rngs(0))
     assert not hasattr(layer, "router_bias")
     stats = uep.MoEStats(
-        *(jnp.zeros((E,), jnp.int32),) * 3, *(jnp.int32(0),) * 3, *(jnp.float32(0),) * 4
+        *(jnp.zeros((E,), jnp.int32),) * 3,
+        *(jnp.int32(0),) * 3,
+        *(jnp.float32(0),) * 4,
+        group_rows=jnp.zeros((8, E // 8), jnp.int32),
     )
     with pytest.raises(ValueError, match="no bias"):
         layer.update_router_bias(stats)

@@ -52,9 +52,13 @@ class MoEStats:
       imbalance_before, imbalance_after: float32 [], max / mean of the rank loads.
       aux_loss, z_loss: float32 [], the router's load-balancing and z losses (`routing.Routing`)
         when the stats come from `MoE`; 0 from `routed_experts`, which sees no router.
+      group_rows: int32 [R, G], rows each EP rank received for each of its local groups (E_m
+        masters, then S replica slots; G = E_m without a balancer): the group sizes its experts
+        ran on, all-gathered over the EP axis.
 
     With other mesh axes beside the EP axis, each of their indices is an independent EP group:
-    loads, ``dropped``, ``replicas`` and ``over_capacity`` are summed over the groups, and the
+    loads, ``dropped``, ``replicas``, ``over_capacity`` and ``group_rows`` are summed over the
+    groups (``group_rows[r, g]``: rows of local group g on EP rank r of every group), and the
     imbalances are the worst group's.
     """
 
@@ -68,6 +72,7 @@ class MoEStats:
     imbalance_after: jax.Array
     aux_loss: jax.Array
     z_loss: jax.Array
+    group_rows: jax.Array
 
     _SUMMED = (
         "expert_load",
@@ -76,11 +81,13 @@ class MoEStats:
         "dropped",
         "replicas",
         "over_capacity",
+        "group_rows",
     )
 
     @classmethod
-    def of_group(cls, loads_RE, plan, dropped, capacity: int) -> MoEStats:
-        """The stats of one EP group from its all-gathered loads [R, E], plan and drops."""
+    def of_group(cls, loads_RE, plan, dropped, capacity: int, group_rows_RG) -> MoEStats:
+        """The stats of one EP group from its all-gathered loads [R, E], plan, drops and rows
+        received per rank and local group [R, G]."""
         load_E = jnp.sum(loads_RE, axis=0)
         before_R = master_rank_load(load_E, loads_RE.shape[0])
         return cls(
@@ -94,6 +101,7 @@ class MoEStats:
             imbalance_after=imbalance(plan.rank_load),
             aux_loss=jnp.float32(0),
             z_loss=jnp.float32(0),
+            group_rows=group_rows_RG,
         )
 
     def over_groups(self, data_axes: tuple[str, ...]) -> MoEStats:
@@ -345,7 +353,8 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
         )
         y_TD = dispatch.combine(back_ND, route, weights_BLK.reshape(-1, K))
 
-    stats = MoEStats.of_group(loads_RE, plan, route.dropped, capacity)
+    group_rows_RG = jax.lax.all_gather(route.group_sizes_G, axis)
+    stats = MoEStats.of_group(loads_RE, plan, route.dropped, capacity, group_rows_RG)
     stats = jax.tree.map(lambda a: vary(a, all_axes), stats).over_groups(ep.data_axes)
     # Stats are identical across the EP group: every rank returns its copy on a leading axis.
     return y_TD.astype(x_BLD.dtype).reshape(x_BLD.shape), jax.tree.map(lambda a: a[None], stats)

@@ -112,50 +112,51 @@ def _pad_rows(tile: int) -> int:
     return tile_sizes(tile)[-1]
 
 
-def _forward(x, w_gate, w_up, w_down, group_start, group_size, tile):
+def _forward(x, parts, group_start, group_size, tile):
     C, D = x.shape
     pad = _pad_rows(tile)
     xp = jnp.pad(x, ((0, pad), (0, 0)))
-
-    def group(g, out):
-        wg, wu, wd = w_gate[g], w_up[g], w_down[g]
-
-        def tile_fn(offset, m, mask, out):
-            rows = jax.lax.dynamic_slice_in_dim(xp, offset, m, axis=0)
-            h = (jax.nn.silu(_dot(rows, wg, (1, 0))) * _dot(rows, wu, (1, 0))).astype(x.dtype)
-            y = _dot(h, wd, (1, 0)).astype(out.dtype)
-            if mask is not None:
-                y = jnp.where(mask, y, jax.lax.dynamic_slice_in_dim(out, offset, m, axis=0))
-            return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
-
-        return _over_tiles(g, group_start, group_size, tile, tile_fn, out)
-
     out = vary(jnp.zeros((C + pad, D), x.dtype), varying_axes(xp))
-    return jax.lax.fori_loop(0, w_gate.shape[0], group, out)[:C]
+    first = 0
+    for part in parts:
+
+        def group(j, out, part=part, first=first):
+            wg, wu, wd = (w[j] for w in part)
+
+            def tile_fn(offset, m, mask, out):
+                rows = jax.lax.dynamic_slice_in_dim(xp, offset, m, axis=0)
+                h = (jax.nn.silu(_dot(rows, wg, (1, 0))) * _dot(rows, wu, (1, 0))).astype(x.dtype)
+                y = _dot(h, wd, (1, 0)).astype(out.dtype)
+                if mask is not None:
+                    y = jnp.where(mask, y, jax.lax.dynamic_slice_in_dim(out, offset, m, axis=0))
+                return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
+
+            return _over_tiles(first + j, group_start, group_size, tile, tile_fn, out)
+
+        out = jax.lax.fori_loop(0, part[0].shape[0], group, out)
+        first += part[0].shape[0]
+    return out[:C]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _swiglu(x, w_gate, w_up, w_down, group_start, group_size, tile):
-    return _forward(x, w_gate, w_up, w_down, group_start, group_size, tile)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _swiglu(x, parts, group_start, group_size, tile):
+    return _forward(x, parts, group_start, group_size, tile)
 
 
-def _swiglu_fwd(x, w_gate, w_up, w_down, group_start, group_size, tile):
-    out = _forward(x, w_gate, w_up, w_down, group_start, group_size, tile)
-    return out, (x, w_gate, w_up, w_down, group_start, group_size)
+def _swiglu_fwd(x, parts, group_start, group_size, tile):
+    out = _forward(x, parts, group_start, group_size, tile)
+    return out, (x, parts, group_start, group_size)
 
 
-def _swiglu_bwd(tile, res, d_out):
-    x, w_gate, w_up, w_down, group_start, group_size = res
-    C, D = x.shape
-    pad = _pad_rows(tile)
-    xp = jnp.pad(x, ((0, pad), (0, 0)))
-    dp = jnp.pad(d_out, ((0, pad), (0, 0)))
+def _part_grads(xp, dp, part, first, group_start, group_size, tile, dx):
+    """dx [C + pad, D] with the rows of ``part``'s groups added, and the part's weight gradients
+    (float32, one [G_i, ...] per weight); ``first``: the part's first group overall."""
     axes = varying_axes(xp) | varying_axes(dp)
-    f32 = jnp.float32
+    f32, dtype = jnp.float32, xp.dtype
 
-    def group(g, carry):
-        dx, dwg, dwu, dwd = carry
-        wg, wu, wd = w_gate[g], w_up[g], w_down[g]
+    def group(j, carry):
+        dx, grads = carry
+        wg, wu, wd = (w[j] for w in part)
 
         def tile_fn(offset, m, mask, acc):
             dx, gg, gu, gd = acc
@@ -167,10 +168,10 @@ def _swiglu_bwd(tile, res, d_out):
             up = _dot(rows, wu, (1, 0))
             sig = jax.nn.sigmoid(gate)
             act = gate * sig
-            h = (act * up).astype(x.dtype)
+            h = (act * up).astype(dtype)
             dh = _dot(dy, wd, (1, 1))  # [m, F]
-            d_up = (dh * act).astype(x.dtype)
-            d_gate = (dh * up * sig * (1 + gate * (1 - sig))).astype(x.dtype)
+            d_up = (dh * act).astype(dtype)
+            d_gate = (dh * up * sig * (1 + gate * (1 - sig))).astype(dtype)
             d_rows = _dot(d_gate, wg, (1, 1)) + _dot(d_up, wu, (1, 1))
             old = jax.lax.dynamic_slice_in_dim(dx, offset, m, axis=0)
             dx = jax.lax.dynamic_update_slice_in_dim(dx, old + d_rows, offset, axis=0)
@@ -181,26 +182,62 @@ def _swiglu_bwd(tile, res, d_out):
                 gd + _dot(h, dy, (0, 0)),
             )
 
-        sums = tuple(vary(jnp.zeros(w.shape[1:], f32), axes) for w in (w_gate, w_up, w_down))
-        dx, gg, gu, gd = _over_tiles(g, group_start, group_size, tile, tile_fn, (dx, *sums))
-        return dx, dwg.at[g].set(gg), dwu.at[g].set(gu), dwd.at[g].set(gd)
+        sums = tuple(vary(jnp.zeros(w.shape[1:], f32), axes) for w in part)
+        dx, *sums = _over_tiles(first + j, group_start, group_size, tile, tile_fn, (dx, *sums))
+        return dx, tuple(g.at[j].set(s) for g, s in zip(grads, sums, strict=True))
 
-    init = tuple(
-        vary(jnp.zeros(shape, f32), axes)
-        for shape in ((C + pad, D), w_gate.shape, w_up.shape, w_down.shape)
-    )
-    dx, dwg, dwu, dwd = jax.lax.fori_loop(0, w_gate.shape[0], group, init)
-    return (
-        dx[:C].astype(x.dtype),
-        dwg.astype(w_gate.dtype),
-        dwu.astype(w_up.dtype),
-        dwd.astype(w_down.dtype),
-        None,
-        None,
-    )
+    zeros = tuple(vary(jnp.zeros(w.shape, f32), axes) for w in part)
+    return jax.lax.fori_loop(0, part[0].shape[0], group, (dx, zeros))
+
+
+def _swiglu_bwd(tile, res, d_out):
+    x, parts, group_start, group_size = res
+    C, D = x.shape
+    pad = _pad_rows(tile)
+    xp = jnp.pad(x, ((0, pad), (0, 0)))
+    dp = jnp.pad(d_out, ((0, pad), (0, 0)))
+    dx = vary(jnp.zeros((C + pad, D), jnp.float32), varying_axes(xp) | varying_axes(dp))
+    grads, first = [], 0
+    for part in parts:
+        dx, part_grads = _part_grads(xp, dp, part, first, group_start, group_size, tile, dx)
+        grads.append(tuple(g.astype(w.dtype) for g, w in zip(part_grads, part, strict=True)))
+        first += part[0].shape[0]
+    return dx[:C].astype(x.dtype), tuple(grads), None, None
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def tiled_swiglu_parts(
+    rows: jax.Array,
+    parts,
+    group_start: jax.Array,
+    group_size: jax.Array,
+    tile: int | None = None,
+) -> jax.Array:
+    """[C, D]: ``(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for the rows of each group g,
+    zeros for rows in no group, with the groups' weights in consecutive parts.
+
+    Args:
+      rows: [C, D].
+      parts: a sequence of weight stacks (w_gate, w_up [G_i, D, F], w_down [G_i, F, D]) whose
+        groups follow each other (a rank's masters, then its replica slots, without
+        concatenating them): group g of ``group_start`` is the first part's group g while g < G_0,
+        and so on.
+      group_start, group_size: int32 [sum G_i]: group g holds rows ``[start, start + size)``;
+        groups must not overlap and must lie inside ``[0, C)``.
+      tile: rows per full tile (static; at most C); default `default_tile(C)`.
+    """
+    tile = default_tile(rows.shape[0]) if tile is None else tile
+    tile = max(1, min(tile, rows.shape[0]))  # a full tile must fit in the buffer
+    # One varying type for every operand, so that the custom VJP's cotangents match its inputs;
+    # the cast's own transpose sums the weight gradients over the axes the weights do not vary on.
+    leaves = [rows, *jax.tree.leaves(parts)]
+    axes = frozenset().union(*(varying_axes(a) for a in leaves))
+    parts = tuple(tuple(vary(w, axes) for w in part) for part in parts)
+    start = vary(group_start.astype(jnp.int32), axes)
+    size = vary(group_size.astype(jnp.int32), axes)
+    return _swiglu(vary(rows, axes), parts, start, size, tile)
 
 
 def tiled_swiglu(
@@ -212,22 +249,5 @@ def tiled_swiglu(
     group_size: jax.Array,
     tile: int | None = None,
 ) -> jax.Array:
-    """[C, D]: ``(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for the rows of each group g,
-    zeros for rows in no group.
-
-    Args:
-      rows: [C, D].
-      w_gate, w_up: [G, D, F]; w_down: [G, F, D].
-      group_start, group_size: int32 [G]: group g holds rows ``[start, start + size)``; groups
-        must not overlap and must lie inside ``[0, C)``.
-      tile: rows per full tile (static; at most C); default `default_tile(C)`.
-    """
-    tile = default_tile(rows.shape[0]) if tile is None else tile
-    tile = max(1, min(tile, rows.shape[0]))  # a full tile must fit in the buffer
-    # One varying type for every operand, so that the custom VJP's cotangents match its inputs;
-    # the cast's own transpose sums the weight gradients over the axes the weights do not vary on.
-    axes = frozenset().union(*(varying_axes(a) for a in (rows, w_gate, w_up, w_down)))
-    args = [vary(a, axes) for a in (rows, w_gate, w_up, w_down)]
-    start = vary(group_start.astype(jnp.int32), axes)
-    size = vary(group_size.astype(jnp.int32), axes)
-    return _swiglu(*args, start, size, tile)
+    """`tiled_swiglu_parts` with one weight stack: w_gate, w_up [G, D, F]; w_down [G, F, D]."""
+    return tiled_swiglu_parts(rows, [(w_gate, w_up, w_down)], group_start, group_size, tile)
