@@ -278,7 +278,7 @@ def time_ranks(works: dict, ep: int, masters: int, top_k: int, mode: str, settin
 def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) -> dict:
     """Every policy on ``samples`` at one EP size and mode: per-policy figures summed over the
     matrices (each matrix is one layer: the busiest rank's time per layer, summed), and every
-    timed rank as a calibration point ``(policy, rows, groups, seconds)``."""
+    timed rank as a calibration point ``(policy, rows, groups, buffer rows, seconds)``."""
     from experiments.bench import replay_timing, replay_work
 
     E, k = num_experts_of(workload), top_k_of(workload)
@@ -328,7 +328,7 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
             for key, value in add.items():
                 sums[p][key] += value
             points += [
-                (p, int(rows), int(groups), t)
+                (p, int(rows), int(groups), w.capacity, t)
                 for rows, groups, t in zip(w.rows_R, w.groups_R, experts[p], strict=True)
             ]
         print(
@@ -428,20 +428,22 @@ def headline(cells: list[dict]) -> list[str]:
     return lines
 
 
-def fit_costs(points) -> dict:
-    """Least-squares ``seconds = fixed + per_row * rows + per_group * groups`` over timed ranks
-    ``(policy, rows, groups, seconds)``, with R^2 and the median and worst relative error."""
-    import numpy as np
-
-    a = np.array([[1.0, r, g] for _, r, g, _ in points])
+def fit_costs(points, capacity: int) -> dict:
+    """Least squares ``seconds = fixed[buffer] + per_row * rows + per_group * groups`` over timed
+    ranks ``(policy, rows, groups, buffer rows, seconds)``, one fixed term per buffer size (the
+    tiled kernel's buffer work), reported at the layer's ``capacity``; with R^2 and the median
+    and worst relative error."""
+    buffers = sorted({c for *_, c, _ in points})
+    a = np.array([[float(c == b) for b in buffers] + [r, g] for _, r, g, c, _ in points])
     t = np.array([s for *_, s in points])
     coef = np.linalg.lstsq(a, t, rcond=None)[0]
     pred = a @ coef
     rel = np.abs(pred - t) / t
     return {
-        "seconds_fixed": float(coef[0]),
-        "seconds_per_row": float(coef[1]),
-        "seconds_per_group": float(coef[2]),
+        "seconds_fixed": float(coef[buffers.index(capacity)]),
+        "seconds_per_row": float(coef[-2]),
+        "seconds_per_group": float(coef[-1]),
+        "buffer_rows": capacity,
         "r2": float(1 - np.sum((t - pred) ** 2) / np.sum((t - t.mean()) ** 2)),
         "median_rel_error": float(np.median(rel)),
         "max_rel_error": float(rel.max()),
@@ -490,9 +492,11 @@ def calibration(cells: list[dict], settings: Settings, clock_name: str) -> dict:
     shape = dataclasses.asdict(settings.shape)
     out = {"provenance": provenance(), "shape": shape, "clock": clock_name}
     for mode in ("train", "prefill"):
-        points = [pt for c in cells if c["mode"] == mode for pt in c["points"]]
+        mine = [c for c in cells if c["mode"] == mode]
+        points = [pt for c in mine for pt in c["points"]]
         if points:
-            out[mode] = {**fit_costs(points), "pairs_per_rank": settings.pairs[mode]}
+            fit = fit_costs(points, mine[0]["capacity"])
+            out[mode] = {**fit, "pairs_per_rank": settings.pairs[mode]}
     out["measured"] = [
         {
             "workload": c["workload"],
