@@ -34,11 +34,14 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
 
+import ultraep_jax as uep
 from experiments import common
-from experiments.loads import traces
+from experiments.bench import replay_timing, replay_work
+from experiments.loads import traces, workloads
 
 _SHAPES = {
     # Scaled so that the default replay runs on a 2-core CPU in minutes: rows per rank are
@@ -162,7 +165,7 @@ flags.register_validator(
 class Settings:
     """What every cell of one replay shares (from the flags)."""
 
-    shape: object  # replay_timing.Shape
+    shape: replay_timing.Shape
     pairs: dict  # mode -> pairs per rank
     slots: int
     floor: int | None
@@ -174,10 +177,8 @@ class Settings:
     bookkeeping_ranks: int
     seed: int
 
-    def balancer(self, ep: int, num_experts: int, mode: str):
+    def balancer(self, ep: int, num_experts: int, mode: str) -> uep.BalancerConfig:
         """ultraep's `BalancerConfig` at this EP size and mode (its floor scales with the pairs)."""
-        import ultraep_jax as uep
-
         floor = self.floor if self.floor is not None else max(1, self.pairs[mode] // 64)
         return uep.BalancerConfig(num_experts, ep, self.slots, floor, self.eps)
 
@@ -191,8 +192,6 @@ def samples_for(
     workload: str, ep: int, pairs: int, count: int, history: int, seed: int, traces_dir
 ):
     """The `replay_work.Sample` list of one workload at one EP size."""
-    from experiments.bench import replay_work
-
     if workload in traces.TRACE_NAMES:
         return replay_work.trace_samples(workload, ep, pairs, count, history, seed, traces_dir)
     top_k = _K.value
@@ -230,8 +229,6 @@ def time_ranks(works: dict, ep: int, masters: int, top_k: int, mode: str, settin
       spread of the ideal's identical ranks (slowest / fastest of each one's fastest round: the
       machine's noise that the ratios cancel).
     """
-    from experiments.bench import replay_timing
-
     shape = settings.shape
     order = ["ideal"] + [p for p in works if p != "ideal"]
     tasks = {
@@ -279,8 +276,6 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
     """Every policy on ``samples`` at one EP size and mode: per-policy figures summed over the
     matrices (each matrix is one layer: the busiest rank's time per layer, summed), and every
     timed rank as a calibration point ``(policy, rows, groups, buffer rows, seconds)``."""
-    from experiments.bench import replay_timing, replay_work
-
     E, k = num_experts_of(workload), top_k_of(workload)
     pairs = settings.pairs[mode]
     cfg = settings.balancer(ep, E, mode)
@@ -360,7 +355,7 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
         "capacity": capacity,
         "balancer": dataclasses.asdict(cfg),
         "initial_imbalance": float(
-            sum(replay_work.workloads.initial_imbalance(s.loads_RE) for s in samples) / n
+            sum(workloads.initial_imbalance(s.loads_RE) for s in samples) / n
         ),
         "rows": rows,
         "points": points,
@@ -453,8 +448,6 @@ def fit_costs(points, capacity: int) -> dict:
 
 def provenance() -> dict:
     """Machine, commit, command and date of this run."""
-    import jax
-
     root = pathlib.Path(__file__).resolve().parents[2]
 
     def git(*args) -> str:
@@ -535,12 +528,6 @@ def main(argv):
     if _CORE.value >= 0:
         os.sched_setaffinity(0, {_CORE.value})  # before JAX starts its threads
     keep_freed_memory()
-    import json
-
-    import jax
-
-    from experiments.bench import replay_timing
-
     preset = _SHAPES[_SHAPE.value]
     shape = replay_timing.Shape(
         d_model=_D.value or preset["d_model"],
@@ -605,7 +592,6 @@ def main(argv):
         common.write_json(_CALIBRATION.value, calibration(cells, settings, clock_name))
         print(f"calibration written to {_CALIBRATION.value}")
     common.write_json(_JSON.value, cells)
-    del json
 
 
 if __name__ == "__main__":

@@ -198,6 +198,7 @@ def dropless_capacity(max_rows: int, pairs_per_rank: int) -> int:
 
 
 _jit_plan = jax.jit(uep.plan, static_argnums=(1, 2))
+_jit_masters_only = jax.jit(reroute.masters_only_plan)
 _jit_counts = jax.jit(dispatch.group_counts, static_argnums=2)
 
 
@@ -209,7 +210,7 @@ def library_work(
     loads = np.asarray(loads_RE, np.int32)
     R, E = loads.shape
     if cfg is None:
-        plan = jax.jit(reroute.masters_only_plan)(loads)
+        plan = _jit_masters_only(loads)
     else:
         plan = _jit_plan(loads, cfg, capacity)
     counts = jax.device_get(_jit_counts(loads, plan, capacity))
@@ -255,7 +256,7 @@ def placement_work(
         home = e // (E // R)
         if moves_weights and home != dst:
             copies[home, dst] += 1
-    masters_only = jax.device_get(jax.jit(reroute.masters_only_plan)(loads.astype(np.int32)))
+    masters_only = jax.device_get(_jit_masters_only(loads.astype(np.int32)))
     return RankWork(
         policy=policy,
         group_rows_RG=np.asarray(quota, np.int64),
