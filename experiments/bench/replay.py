@@ -74,7 +74,7 @@ _EP = flags.DEFINE_list(
     "below it (Qwen1.5-MoE's 60 experts: 30 and 60).",
 )
 _MATRICES = flags.DEFINE_integer(
-    "matrices", 2, "Load matrices per workload (trace layers evenly spaced)."
+    "matrices", 2, "Load matrices per workload (trace layers drawn at random, seeded)."
 )
 _HISTORY = flags.DEFINE_integer(
     "history", 4, "Earlier matrices of the same layer eplb_periodic plans on."
@@ -121,7 +121,9 @@ _BOOK_RANKS = flags.DEFINE_integer(
     "bookkeeping_ranks", 4, "Ranks per policy whose bookkeeping is timed (those receiving most)."
 )
 _CORE = flags.DEFINE_integer("cpu_core", 0, "Pin the process to this CPU core (-1: no pinning).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the trace splits and the pairs' order.")
+_SEED = flags.DEFINE_integer(
+    "seed", 0, "Seed of the trace layers drawn, their splits and the pairs' order."
+)
 _TRACES = flags.DEFINE_string(
     "traces_dir", str(traces.default_traces_dir()), "Folder holding the traces."
 )

@@ -58,11 +58,11 @@ def _layer_key(label: str) -> str:
 def trace_samples(
     name: str, ep: int, pairs_per_rank: int, count: int, history: int, seed: int, traces_dir=None
 ) -> list[Sample]:
-    """``count`` layers of trace ``name``, evenly spaced over its items (Switch-Base-128: encoder
-    layers only, see `traces.SWITCH_ENCODER_LAYERS`), as ``[R, E]`` load matrices of
-    ``pairs_per_rank`` pairs per source rank at the traced model's own top-k, each with the
-    ``history`` items of the same layer before it (cyclic). Counts are split over source ranks at
-    random, seeded per item (`workloads.loads_from_expert_counts`)."""
+    """``count`` layers of trace ``name``, drawn at random (seeded) from its items
+    (Switch-Base-128: encoder layers only, see `traces.SWITCH_ENCODER_LAYERS`), as ``[R, E]``
+    load matrices of ``pairs_per_rank`` pairs per source rank at the traced model's own top-k,
+    each with the ``history`` items of the same layer before it (cyclic). Counts are split over
+    source ranks at random, seeded per item (`workloads.loads_from_expert_counts`)."""
     top_k = traces.TRACE_TOP_K[name]
     if pairs_per_rank % top_k:
         raise ValueError(f"pairs_per_rank={pairs_per_rank} is not a multiple of top_k={top_k}")
@@ -71,7 +71,8 @@ def trace_samples(
         for label, counts in traces.trace_items(name, traces_dir)
         if name != "switch-base-128" or int(label[-2:]) < traces.SWITCH_ENCODER_LAYERS
     ]
-    picks = sorted({round(i * (len(items) - 1) / max(count - 1, 1)) for i in range(count)})
+    rng = np.random.default_rng([seed, len(items)])
+    picks = sorted(rng.choice(len(items), size=min(count, len(items)), replace=False).tolist())
 
     def loads(index: int) -> np.ndarray:
         item_seed = int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
