@@ -73,9 +73,10 @@ def clock() -> Callable[[], float]:
 
 
 def _random(shape, dtype, seed: int) -> jax.Array:
-    """A normal array of ``shape`` scaled to keep SwiGLU outputs of order one."""
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[-1]), dtype)
+    """A normal array of ``shape`` scaled to keep SwiGLU outputs of order one (drawn on the
+    device: the real shapes' buffers are gigabytes)."""
+    draw = jax.jit(jax.random.normal, static_argnums=(1, 2))
+    return draw(jax.random.key(seed), tuple(shape), jnp.dtype(dtype)) / float(np.sqrt(shape[-1]))
 
 
 @functools.cache
