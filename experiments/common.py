@@ -1,5 +1,6 @@
 """Helpers every experiment shares: simulated CPU devices, the batched planner and its timing,
-flags made from a dataclass's fields, and the ``--json_out`` file.
+flags made from a dataclass's fields, the ``--json_out`` file, and `run_main` (the programs'
+command-line conventions).
 
 ``force_cpu_devices`` must run before JAX initialises a backend; it is the only place the
 experiments touch ``XLA_FLAGS``. JAX, absl and ultraep_jax are imported inside the functions, so
@@ -13,6 +14,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping
 
@@ -118,3 +120,167 @@ def write_json(path: str | None, results) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing with the experiments' conventions: a flag that cannot be parsed ends
+    with one line ``error: ...`` (exit code 2, as for any other unusable flag), and ``--help``,
+    ``--helpshort`` or ``--helpfull`` print the help and exit 0 (absl exits 1)."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except SystemExit as stop:
+        # While parsing, only absl's help flags exit, with 1, after printing the help.
+        if stop.code == 1:
+            sys.exit(0)
+        raise
+
+
+def run_main(main: Callable[[list[str]], object]) -> None:
+    """``absl.app.run(main)`` with `parse_flags`."""
+    from absl import app
+
+    app.run(main, flags_parser=parse_flags)
+
+
+# --- Ranks as pinned processes -------------------------------------------------------------------
+# Simulated devices of one process share its cores (XLA:CPU spreads one dot over all of them), so
+# their wall clock is the total work of every rank. One process per rank, each with one CPU
+# device and pinned to a core of its own, makes the wall clock the busiest rank's.
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pin(core: int):
+    """A child's set-up: run on ``core`` only, under round-robin real-time scheduling where the
+    system allows it (other programs on the machine then barely disturb the clock; the kernel
+    still keeps a share of every second for them), else at normal priority."""
+
+    def setup():
+        os.sched_setaffinity(0, {core})
+        try:
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+        except (PermissionError, OSError):
+            pass
+
+    return setup
+
+
+def launch_pinned_ranks(num_ranks: int, module: str, argv: list[str]) -> int:
+    """Runs ``python -m module *argv`` as ``num_ranks`` processes, process i pinned to core i with
+    one CPU device (and real-time priority where allowed, see `_pin`), joined by
+    `jax.distributed` over 127.0.0.1 (each gets ``--num_processes``,
+    ``--process_id`` and ``--coordinator_address``). Forwards SIGINT / SIGTERM to them, waits for
+    all, and returns the first non-zero exit code (0 when all succeeded).
+
+    Raises:
+      ValueError: fewer usable cores than ``num_ranks``.
+    """
+    import signal
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    if not 1 <= num_ranks <= len(cores):
+        raise ValueError(
+            f"--pinned_ranks={num_ranks} needs that many cores; this process may use "
+            f"{len(cores)} ({cores})"
+        )
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}=1")
+    env["JAX_PLATFORMS"] = "cpu"
+    procs = []
+    for i in range(num_ranks):
+        cmd = [sys.executable, "-m", module, *argv, f"--num_processes={num_ranks}"]
+        cmd += [f"--process_id={i}", f"--coordinator_address={address}"]
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_pin(cores[i])))
+
+    def forward(signum, frame):
+        del frame
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        codes = [p.wait() for p in procs]
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return next((c for c in codes if c), 0)
+
+
+def start_distributed(coordinator_address: str | None, num_processes: int, process_id: int):
+    """Joins ``num_processes`` JAX processes (gloo collectives between CPU devices); nothing for
+    one process. Call before JAX first touches a backend."""
+    import jax
+
+    if num_processes <= 1:
+        return
+    if not coordinator_address:
+        raise ValueError("--coordinator_address is required with --num_processes > 1")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+
+
+_CALIBRATION_ROWS = 32768
+
+
+def concurrency_calibration(rows: int, d_model: int, d_ff: int, repeats: int = 7) -> dict:
+    """How far the wall clock is from the busiest rank's, across this run's processes.
+
+    Every process times the same local SwiGLU-shaped matmul work (``rows`` x D x F, forward; at
+    least 32768 rows),
+    first process 0 alone while the others wait, then all at once. ``ratio`` (all at once / alone,
+    medians of process 0) is 1.0 when the ranks truly run concurrently and the process count
+    when they share one core. Must be called by every process.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    device = jax.local_devices()[0]
+    rows = max(rows, _CALIBRATION_ROWS)  # long enough for the clock to see it
+    rng = np.random.default_rng(0)
+    x = jax.device_put(rng.normal(size=(rows, d_model)).astype(np.float32), device)
+    w = jax.device_put(rng.normal(size=(d_model, d_ff)).astype(np.float32) * 0.05, device)
+    work = jax.jit(lambda x, w: (jax.nn.silu(x @ w) * (x @ w)) @ w.T + jnp.float32(0))
+    jax.block_until_ready(work(x, w))
+
+    def timed():
+        return median_seconds(lambda: work(x, w), repeats)
+
+    multihost_utils.sync_global_devices("calibration:alone")
+    alone = timed() if jax.process_index() == 0 else float("nan")
+    multihost_utils.sync_global_devices("calibration:together")
+    together = timed()
+    multihost_utils.sync_global_devices("calibration:done")
+    return {
+        "processes": jax.process_count(),
+        "realtime": os.sched_getscheduler(0) == os.SCHED_RR,
+        "alone_ms": alone * 1e3,
+        "together_ms": together * 1e3,
+        "ratio": together / alone if jax.process_index() == 0 else float("nan"),
+    }
+
+
+def calibration_line(cal: dict) -> str:
+    """One line that tells a reader whether the clock is the busiest rank's."""
+    return (
+        f"calibration: {cal['processes']} pinned ranks with equal work take "
+        f"{cal['together_ms']:.1f} ms, one rank alone {cal['alone_ms']:.1f} ms: "
+        f"ratio {cal['ratio']:.2f} (1.00 = truly concurrent, {cal['processes']:.2f} = one core)"
+        + ("" if cal.get("realtime") else "; not at real-time priority: other load counts")
+    )

@@ -7,9 +7,12 @@ layer; byte-level vocabulary by default; learned positions; untied output head.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -18,11 +21,17 @@ import ultraep_jax as uep
 
 def check_positive_ints(config, names, prefix: str) -> None:
     """Raises ValueError, one line ``<prefix><name> must be a positive int, got <value>``, for the
-    first of ``names`` whose value on ``config`` is not an int >= 1 (a bool is not one here)."""
+    first of ``names`` whose value on the frozen dataclass ``config`` is not an integer >= 1
+    (Python or NumPy; a bool is not one here); stores the others as Python ints."""
     for name in names:
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if (
+            isinstance(value, (bool, np.bool_))
+            or not isinstance(value, numbers.Integral)
+            or value < 1
+        ):
             raise ValueError(f"{prefix}{name} must be a positive int, got {value!r}")
+        object.__setattr__(config, name, int(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +115,9 @@ class ModelConfig:
                 f"ModelConfig.shared_d_ff must be an int >= 0, got {self.shared_d_ff!r}"
             )
         for name in ("routed_scale", "bias_rate", "aux_loss_coef", "z_loss_coef"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)!r}")
-        self.make_router()  # its own checks (groups dividing the experts, ...)
+            value = getattr(self, name)
+            if not (isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"ModelConfig.{name} must be finite and >= 0, got {value!r}")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"ModelConfig: d_model={self.d_model} is not divisible by "
@@ -118,16 +127,13 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig: top_k={self.top_k} exceeds num_experts={self.num_experts}"
             )
+        # The router's own checks (scale, groups dividing the experts, top_k within the groups).
+        self.make_router().check_experts(self.num_experts)
 
     def make_router(self):
         """The `uep` router this configuration names."""
         if self.router == "softmax":
             return uep.SoftmaxTopK(self.top_k, renormalize=self.renormalize)
-        if self.num_experts % self.num_groups:
-            raise ValueError(
-                f"ModelConfig: num_experts={self.num_experts} does not split into "
-                f"num_groups={self.num_groups}"
-            )
         return uep.SigmoidTopK(
             self.top_k, self.num_groups, self.top_groups, self.routed_scale, self.bias_rate
         )

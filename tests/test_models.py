@@ -139,3 +139,29 @@ def test_bad_model_config_raises():
         ModelConfig(param_dtype="float16")
     with pytest.raises(ValueError, match="unknown model preset"):
         preset("gpt5")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            dict(router="sigmoid", num_experts=16, num_groups=8, top_groups=1, top_k=3),
+            "top_k=3 exceeds the experts of 1 groups of 2",
+        ),
+        (dict(router="sigmoid", routed_scale=float("inf")), "routed_scale must be finite"),
+        (dict(bias_rate=float("nan")), "bias_rate must be finite and >= 0, got nan"),
+        (dict(top_k=np.float64(2.0)), "ModelConfig.top_k must be a positive int, got"),
+    ],
+    ids=["top_k_in_groups", "scale_inf", "rate_nan", "float_top_k"],
+)
+def test_model_config_refuses_at_construction(kwargs, match):
+    """What used to pass construction and fail at the first call (a top_k the chosen groups
+    cannot hold) or give NaN (an infinite scale), refused with one line naming the value."""
+    with pytest.raises(ValueError, match=match) as info:
+        ModelConfig(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_model_config_accepts_numpy_integers():
+    cfg = ModelConfig(top_k=np.int64(2), num_experts=np.int32(16), d_model=np.int64(64))
+    assert cfg == ModelConfig() and type(cfg.top_k) is int

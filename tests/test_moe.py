@@ -589,7 +589,7 @@ def test_cuda_lowering_uses_ragged_all_to_all_for_tokens_and_weights():
 # -- bad input ----------------------------------------------------------------------------
 
 
-def _layer(mesh=None, num_experts=8, top_k=2, balancer="default", capacity_factor=1.25):
+def _layer(mesh=None, num_experts=8, top_k=2, balancer="default", capacity_factor=1.25, **kw):
     mesh = make_mesh("ep8") if mesh is None else mesh
     if balancer == "default":
         balancer = balancer_config(mesh, num_experts, slots=1)
@@ -602,6 +602,7 @@ def _layer(mesh=None, num_experts=8, top_k=2, balancer="default", capacity_facto
         balancer=balancer,
         capacity_factor=capacity_factor,
         rngs=nnx.Rngs(0),
+        **kw,
     )
 
 
@@ -620,6 +621,75 @@ def _layer(mesh=None, num_experts=8, top_k=2, balancer="default", capacity_facto
 def test_bad_construction_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _layer(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            dict(capacity_factor=float("inf")),
+            "capacity_factor must be a finite number > 0, got inf",
+        ),
+        (
+            dict(capacity_factor=float("nan")),
+            "capacity_factor must be a finite number > 0, got nan",
+        ),
+        (dict(router=uep.SigmoidTopK(2, num_groups=3)), "8 experts do not split into num_groups=3"),
+        (
+            dict(top_k=3, router=uep.SigmoidTopK(3, num_groups=4, top_groups=1)),
+            "top_k=3 exceeds the experts of 1 groups of 2",
+        ),
+        (dict(top_k=np.int64(0)), "top_k must be a positive int, got np.int64"),
+    ],
+    ids=["cf_inf", "cf_nan", "groups", "top_k_in_groups", "np_top_k_0"],
+)
+def test_bad_configuration_raises_one_line_at_construction(kwargs, match):
+    """Values that used to pass construction and fail at the first call (or never), refused by
+    `MoE(...)` with one line naming the value."""
+    with pytest.raises(ValueError, match=re.escape(match)) as info:
+        _layer(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_numpy_scalars_are_accepted_as_python_numbers():
+    """NumPy integers and floats are accepted wherever Python ones are (as `BalancerConfig` does)
+    and stored as Python numbers, so configurations compare and hash alike."""
+    layer = _layer(num_experts=np.int64(8), top_k=np.int32(2), capacity_factor=np.float32(1.1))
+    assert type(layer.top_k) is int and layer.top_k == 2
+    assert type(layer.ep.num_experts) is int and layer.ep.num_experts == 8
+    assert type(layer.ep.capacity_factor) is float
+    assert layer.ep.capacity_factor == float(np.float32(1.1))
+    assert layer.capacity(32) == math.ceil(float(np.float32(1.1)) * 2 * 32)
+    mesh = make_mesh("ep8")
+    assert uep.ExpertParallel(mesh, np.int64(8), capacity_factor=np.float64(1.5)) == (
+        uep.ExpertParallel(mesh, 8, capacity_factor=1.5)
+    )
+
+
+@pytest.mark.parametrize(
+    "x, error, match",
+    [
+        (
+            jnp.zeros((0, 8, D)),
+            ValueError,
+            r"batch and seq must be >= 1, got x of shape \(0, 8, 8\)",
+        ),
+        (
+            jnp.zeros((8, 0, D)),
+            ValueError,
+            r"batch and seq must be >= 1, got x of shape \(8, 0, 8\)",
+        ),
+        (jnp.ones((8, 8, D), jnp.int32), TypeError, "x must have a real floating-point dtype"),
+        (jnp.ones((8, 8, D), jnp.complex64), TypeError, "x must have a real floating-point"),
+    ],
+    ids=["batch0", "seq0", "int", "complex"],
+)
+def test_bad_call_raises_one_line(x, error, match):
+    """An empty batch or sequence used to raise ZeroDivisionError; integer x gave truncated
+    integer outputs and complex x was accepted."""
+    with pytest.raises(error, match=match) as info:
+        _layer()(x)
+    assert "\n" not in str(info.value)
 
 
 def test_mesh_without_expert_axis_raises():

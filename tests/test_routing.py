@@ -601,6 +601,83 @@ def test_routed_experts_rejects_concrete_experts_out_of_range(bad):
         uep.routed_experts(x, experts, weights, params, ep)
 
 
+@jax.jit
+def reference_routed_grads(x, weights, params, experts, cotangent):
+    """y and the gradients of sum(y * cotangent) w.r.t. x, weights and params (a dict) of
+    `reference_routed`."""
+
+    def loss(x, weights, params):
+        y = reference_routed(x, weights, params, experts)
+        return jnp.sum(y * cotangent), y
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, weights, params)
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def routed_grads(x, weights, params, experts, ep, cotangent):
+    """`routed_experts` under `jit` (traced expert ids): (y, stats) and the gradients of
+    sum(y * cotangent) w.r.t. x, weights and params."""
+
+    def loss(x, weights, params):
+        y, stats = uep.routed_experts(x, experts, weights, params, ep)
+        return jnp.sum(y * cotangent), (y, stats)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, weights, params)
+
+
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "plain"])
+def test_routed_experts_under_jit_skips_experts_out_of_range(balanced):
+    """Under `jit` expert ids cannot be checked: a pair whose id is outside [0, E) (-1, E, a large
+    value, a large negative one) contributes nothing. Every output and gradient equals the dense
+    reference of the routing without those pairs (the other tokens on the same devices are
+    unaffected), the loads are the bincount of the valid ids, and the bad pairs are counted in
+    ``invalid`` only (not in ``dropped``)."""
+    mesh = make_mesh("dp2ep4")
+    rng = np.random.default_rng(12)
+    batch, seq, k = 8, 4, 2
+    x = rng.normal(size=(batch, seq, D)).astype(np.float32)
+    cotangent = rng.normal(size=x.shape).astype(np.float32)
+    params = {
+        "w_gate": rng.normal(size=(E, D, F)).astype(np.float32) / math.sqrt(D),
+        "w_up": rng.normal(size=(E, D, F)).astype(np.float32) / math.sqrt(D),
+        "w_down": rng.normal(size=(E, F, D)).astype(np.float32) / math.sqrt(F),
+    }
+    experts, weights = hand_routing(batch, seq, k)
+    bad = np.zeros(experts.shape, bool)
+    # batch rows 0, 3, 5 sit on devices with other, valid, tokens; row 5 token 2 has no expert
+    bad_ids = {
+        (0, 0, 0): -1,
+        (3, 1, 1): E,
+        (5, 2, 0): 2**31 - 1,
+        (5, 2, 1): -(2**31),
+        (6, 3, 1): E + 3,
+    }
+    for index, value in bad_ids.items():
+        experts[index], bad[index] = value, True
+    ep = uep.ExpertParallel(mesh, E, balancer_for(mesh) if balanced else None, capacity_factor=None)
+    wparams = tuple(jnp.asarray(params[n]) for n in EXPERT_NAMES)
+    (_, (y, stats)), (gx, gw, gp) = routed_grads(
+        jnp.asarray(x), jnp.asarray(weights), wparams, jnp.asarray(experts), ep, cotangent
+    )
+
+    valid_weights = np.where(bad, 0, weights).astype(np.float32)
+    valid_experts = np.where(bad, 0, experts)
+    (_, ref_y), (ref_gx, ref_gw, ref_gp) = reference_routed_grads(
+        jnp.asarray(x), jnp.asarray(valid_weights), params, jnp.asarray(valid_experts), cotangent
+    )
+    assert_close(y, ref_y, "y")
+    assert_close(gx, ref_gx, "d/dx")
+    assert_close(np.where(bad, 0, gw), np.where(bad, 0, ref_gw), "d/dweights of valid pairs")
+    np.testing.assert_array_equal(np.asarray(gw)[bad], 0)
+    for i, name in enumerate(EXPERT_NAMES):
+        assert_close(gp[i], ref_gp[name], f"d/d{name}")
+    np.testing.assert_array_equal(
+        np.asarray(stats.expert_load), np.bincount(experts[~bad], minlength=E)
+    )
+    assert int(stats.invalid) == bad.sum() and int(stats.dropped) == 0
+    assert int(stats.over_capacity) == 0 and (int(stats.replicas) > 0) == balanced
+
+
 def test_routed_experts_rejects_mismatched_shapes():
     x, experts, weights, params, ep = _routed_args()
     both = r"experts .* and weights .* must both be \[batch, seq, top_k\]"
@@ -617,6 +694,95 @@ def test_routed_experts_rejects_mismatched_shapes():
         uep.routed_experts(x, experts, weights, bad_params, ep)
     with pytest.raises(ValueError, match=r"expert weights must be .*E=8"):
         uep.routed_experts(x, experts, weights, tuple(p[:4] for p in params), ep)
+
+
+def _bad_routed_args(kind):
+    """`routed_experts` arguments with one thing wrong (``kind``)."""
+    x, experts, weights, params, ep = _routed_args()
+    if kind == "top_k0":
+        experts, weights = experts[..., :0], weights[..., :0]
+    elif kind == "batch0":
+        x, experts, weights = x[:0], experts[:0], weights[:0]
+    elif kind == "seq0":
+        x, experts, weights = x[:, :0], experts[:, :0], weights[:, :0]
+    elif kind == "params2":
+        params = params[:2]
+    elif kind == "params_array":
+        params = params[0]
+    elif kind == "experts_list":
+        experts = experts.tolist()
+    elif kind == "ep_none":
+        ep = None
+    elif kind == "x_int":
+        x = x.astype(jnp.int32)
+    elif kind == "x_complex":
+        x = x.astype(jnp.complex64)
+    elif kind == "experts_float":
+        experts = experts.astype(np.float32)
+    elif kind == "weights_int":
+        weights = weights.astype(jnp.int32)
+    elif kind == "w_down_int":
+        params = (*params[:2], params[2].astype(jnp.int32))
+    return x, experts, weights, params, ep
+
+
+@pytest.mark.parametrize(
+    "kind, error, match",
+    [
+        ("top_k0", ValueError, r"top_k must be >= 1, got x \(8, 4, 8\) and experts \(8, 4, 0\)"),
+        ("batch0", ValueError, r"batch, seq, d_model and top_k must be >= 1, got x \(0, 4, 8\)"),
+        ("seq0", ValueError, r"batch, seq, d_model and top_k must be >= 1, got x \(8, 0, 8\)"),
+        ("params2", ValueError, r"params must be \(w_gate, w_up, w_down\), got tuple of 2"),
+        ("params_array", ValueError, r"params must be \(w_gate, w_up, w_down\), got ArrayImpl"),
+        ("experts_list", TypeError, "experts must be an array, got list"),
+        ("ep_none", TypeError, "ep must be an ExpertParallel, got NoneType"),
+        ("x_int", TypeError, "x must have a real floating-point dtype, got int32"),
+        ("x_complex", TypeError, "x must have a real floating-point dtype, got complex64"),
+        ("experts_float", TypeError, "experts must have an integer dtype, got float32"),
+        ("weights_int", TypeError, "weights must have a real floating-point dtype, got int32"),
+        ("w_down_int", TypeError, "w_down must have a real floating-point dtype, got int32"),
+    ],
+)
+def test_routed_experts_rejects_bad_arguments_in_one_line(kind, error, match):
+    """Each used to crash (ZeroDivisionError, unpack or AttributeError) or be silently accepted
+    (integer x gave truncated integer outputs); now one line naming the value."""
+    with pytest.raises(error, match=match) as info:
+        uep.routed_experts(*_bad_routed_args(kind))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: SoftmaxTopK(2, "no"), TypeError, "renormalize must be a bool, got 'no'"),
+        (lambda: SoftmaxTopK(2, 1), TypeError, "renormalize must be a bool, got 1"),
+        (lambda: SigmoidTopK(2, scale=math.inf), ValueError, "scale must be a finite number > 0"),
+        (lambda: SigmoidTopK(2, scale=math.nan), ValueError, "scale must be a finite number > 0"),
+        (lambda: SigmoidTopK(2, bias_rate=math.inf), ValueError, "bias_rate must be a finite"),
+        (lambda: SigmoidTopK(2, scale="2"), ValueError, "scale must be a finite number > 0"),
+    ],
+    ids=["renorm_str", "renorm_int", "scale_inf", "scale_nan", "rate_inf", "scale_str"],
+)
+def test_router_rejects_bad_values(make, error, match):
+    """Silently accepted before: a truthy string renormalised, an infinite scale gave NaN."""
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_routers_accept_numpy_scalars_and_check_the_experts():
+    """NumPy scalars are stored as Python numbers (equal routers compare equal); a router checks
+    the experts it will choose among with one line."""
+    assert SoftmaxTopK(np.int64(2), np.bool_(False)) == SoftmaxTopK(2, False)
+    sig = SigmoidTopK(np.int32(2), np.int64(4), np.int64(2), np.float32(2.5), np.float64(0.01))
+    assert sig == SigmoidTopK(2, 4, 2, 2.5, 0.01)
+    assert type(sig.top_k) is int and type(sig.scale) is float
+    sig.check_experts(8)
+    with pytest.raises(ValueError, match="6 experts do not split into num_groups=4"):
+        sig.check_experts(6)
+    with pytest.raises(ValueError, match="top_k=3 exceeds the experts of 2 groups of 1"):
+        SigmoidTopK(3, 4, 2).check_experts(4)
+    with pytest.raises(ValueError, match="top_k=2 exceeds num_experts=1"):
+        SoftmaxTopK(2).check_experts(1)
 
 
 # -- the router bias -------------------------------------------------------------------------
@@ -669,12 +835,8 @@ def test_update_router_bias_moves_toward_balance():
 def test_update_router_bias_on_softmax_layer_raises():
     layer = uep.MoE(D, F, E, 2, make_mesh("ep8"), rngs=nnx.Rngs(0))
     assert not hasattr(layer, "router_bias")
-    stats = uep.MoEStats(
-        *(jnp.zeros((E,), jnp.int32),) * 3,
-        *(jnp.int32(0),) * 3,
-        *(jnp.float32(0),) * 4,
-        group_rows=jnp.zeros((8, E // 8), jnp.int32),
-    )
+    zeros = {f.name: jnp.int32(0) for f in dataclasses.fields(uep.MoEStats)}
+    stats = uep.MoEStats(**(zeros | {"expert_load": jnp.zeros((E,), jnp.int32)}))
     with pytest.raises(ValueError, match="no bias"):
         layer.update_router_bias(stats)
 

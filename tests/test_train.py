@@ -275,9 +275,12 @@ def test_stop_request_handler():
         assert request.signum is None and not request.agreed()
         request(signal.SIGTERM)
         assert request.signum == signal.SIGTERM and request.agreed()
-        # A second signal is not caught any more: it ends the process at once.
+        # A second Ctrl-C is not caught any more: it ends the process at once. A second SIGTERM
+        # (`timeout` sends one to the process, then one to its group) is absorbed.
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is request
+        request(signal.SIGTERM)
+        assert request.signum == signal.SIGTERM and request.agreed()
     finally:
         request.restore()
     assert signal.getsignal(signal.SIGINT) is previous
@@ -391,6 +394,67 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path, capsys):
     assert [r["step"] for r in _records(workdir)] == list(range(1, stopped + 3))
     assert _checkpoint_steps(workdir)[-2:] == [stopped, stopped + 2]
     assert _summary(workdir)["finished"]
+
+
+def test_sigterm_twice_still_saves(tmp_path):
+    """`timeout` signals the run and then its whole process group: the second SIGTERM, arriving
+    while the run saves, used to kill it (exit -15, nothing saved after the last checkpoint)."""
+    workdir = tmp_path / "run"
+    args = [f"--workdir={workdir}", *SMALL_FLAGS, "--steps=100000", "--print_every=1"]
+    args += ["--checkpoint_every=100000", "--eval_every=100000"]
+    proc = _python(args, merge_stderr=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step") and int(line.split()[1]) >= 2:
+            proc.send_signal(signal.SIGTERM)
+        if line.startswith("SIGTERM: stopping"):  # the first one is handled: send another
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    out = "".join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    stopped = _records(workdir)[-1]["step"]
+    assert _checkpoint_steps(workdir)[-1] == stopped >= 2
+    assert _summary(workdir)["stopped_by"] == "SIGTERM"
+    assert f"stopped by SIGTERM after step {stopped}" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset=nonexistent"], "flag --preset=nonexistent: value should be one of"),
+        (["--steps=abc"], "flag --steps=abc: invalid literal"),
+        (["--slots_per_rank=0"], "--slots_per_rank=0 leaves --balance=ultraep no spare slot"),
+    ],
+    ids=["preset", "steps", "slots0"],
+)
+def test_unparsable_flags_end_with_one_line_and_exit_2(tmp_path, args, message):
+    """absl's own parse errors printed two lines and exited 1; `--slots_per_rank=0` with
+    balancing silently kept the 1.05x buffer sized for balancing and dropped pairs."""
+    proc = _python([f"--workdir={tmp_path / 'run'}", *args])
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(f"error: {message}"), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "module, flag", [("experiments.train", "--helpshort"), ("experiments.bench.planner", "--help")]
+)
+def test_help_exits_0(module, flag):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [sys.executable, "-m", module, flag], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("--steps" if module == "experiments.train" else "--balance_eps") in proc.stdout
+
+
+def test_no_spare_slots_with_balancing_is_an_error():
+    with pytest.raises(ValueError, match="--slots_per_rank=0 leaves --balance=ultraep"):
+        TrainConfig(slots_per_rank=0)
+    assert TrainConfig(slots_per_rank=0, balance="none").capacity_factor is None
 
 
 def _free_port() -> int:

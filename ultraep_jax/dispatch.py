@@ -34,6 +34,8 @@ class Dispatch:
       group_row_C: int32 [C], for each receive-buffer row its row once grouped by local group;
         C (out of range) for unused rows.
       group_sizes_G: int32 [G], rows received for each local group (masters, then slots).
+      group_sizes_RG: int32 [R, G], the same for every rank of the EP group (identical on every
+        rank: a function of the gathered loads and the plan, so no collective is needed).
       dropped: int32 [], pairs of the whole EP group that did not fit in their receive buffer.
     """
 
@@ -41,6 +43,7 @@ class Dispatch:
     exchange: Exchange
     group_row_C: jax.Array
     group_sizes_G: jax.Array
+    group_sizes_RG: jax.Array
     dropped: jax.Array
 
 
@@ -77,10 +80,11 @@ def pair_instances(
     """int32 [N]: the instance each of this rank's pairs goes to.
 
     The j-th pair (in pair order) routed to expert e goes to e's instance whose slice of this
-    rank's counts, laid out expert by expert in instance order, contains position j.
+    rank's counts, laid out expert by expert in instance order, contains position j. Pairs of
+    expert E (no expert: not in the counts) get I (no instance).
 
     Args:
-      experts_N: int32 [N], the expert of each pair.
+      experts_N: int32 [N], the expert of each pair, in [0, E].
       assign_I: int32 [I], this rank's row of `reroute.reroute_counts`.
       inst_expert_I: int32 [I], each instance's expert (-1 for an empty slot).
     """
@@ -92,7 +96,7 @@ def pair_instances(
     bounds = jnp.cumsum(assign_I[inst_order])  # inclusive ends in expert-major order
     pair_order = jnp.argsort(experts_N, stable=True)  # pairs expert-major
     slot = jnp.searchsorted(bounds, jnp.arange(N, dtype=jnp.int32), side="right")
-    inst_sorted = inst_order[jnp.clip(slot, 0, I - 1)]
+    inst_sorted = jnp.append(inst_order, I)[slot]  # I past the counted pairs (expert E, last)
     return jnp.zeros((N,), jnp.int32).at[pair_order].set(inst_sorted, unique_indices=True)
 
 
@@ -161,7 +165,8 @@ def plan_dispatch(
     """The `Dispatch` of this rank's pairs under ``plan``.
 
     Args:
-      experts_N: int32 [N], the expert of each of this rank's pairs.
+      experts_N: int32 [N], the expert of each of this rank's pairs; a pair whose id is outside
+        [0, E) (not in ``loads_RE``) is sent nowhere, sorted after every sent block.
       loads_RE: int32 [R, E], the all-gathered loads the plan was made from.
       plan: the plan (``slot_expert`` [R, S]; S may be 0).
       rank: int32 [], this rank's index on the EP axis.
@@ -186,15 +191,20 @@ def plan_dispatch(
         recv_rows=capacity,
         max_chunk=min(N, capacity),
     )
+    experts_N = jnp.where((experts_N >= 0) & (experts_N < E), experts_N, E)
     inst_N = pair_instances(experts_N, counts.assign_RI[rank], reroute.instance_experts(plan))
+    # Instance I (none) is on rank R: after every rank's block, so never sent.
     order_N = send_order(
-        reroute.instance_ranks(E, R, S)[inst_N], reroute.instance_groups(E, R, S)[inst_N], G
+        jnp.append(reroute.instance_ranks(E, R, S), R)[inst_N],
+        jnp.append(reroute.instance_groups(E, R, S), 0)[inst_N],
+        G,
     )
     return Dispatch(
         send_order_N=order_N,
         exchange=exchange,
         group_row_C=group_major_positions(counts.kept_RRG[:, rank, :], capacity),
         group_sizes_G=counts.group_sizes_RG[rank],
+        group_sizes_RG=counts.group_sizes_RG,
         dropped=jnp.sum(counts.routed_RRG) - jnp.sum(counts.kept_RRG),
     )
 

@@ -67,8 +67,10 @@ class MoE(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        for name, value in (("d_model", d_model), ("d_ff", d_ff), ("top_k", top_k)):
+        d_model, d_ff, top_k = (
             check_positive_int("MoE", name, value)
+            for name, value in (("d_model", d_model), ("d_ff", d_ff), ("top_k", top_k))
+        )
         self.ep = ExpertParallel(
             mesh=mesh,
             num_experts=num_experts,
@@ -78,6 +80,7 @@ class MoE(nnx.Module):
             comm_backend=comm_backend,
             expert_kernel=expert_kernel,
         )
+        num_experts = self.ep.num_experts
         if top_k > num_experts:
             raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")
         router = SoftmaxTopK(top_k) if router is None else router
@@ -85,8 +88,8 @@ class MoE(nnx.Module):
             raise TypeError(f"MoE: router must be SoftmaxTopK or SigmoidTopK, got {router!r}")
         if router.top_k != top_k:
             raise ValueError(f"MoE: router.top_k={router.top_k} differs from top_k={top_k}")
-        if isinstance(shared_d_ff, bool) or not isinstance(shared_d_ff, int) or shared_d_ff < 0:
-            raise ValueError(f"MoE: shared_d_ff must be an int >= 0, got {shared_d_ff!r}")
+        router.check_experts(num_experts)
+        shared_d_ff = check_positive_int("MoE", "shared_d_ff", shared_d_ff, minimum=0)
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.router, self.shared_d_ff = router, shared_d_ff
 
@@ -124,6 +127,8 @@ class MoE(nnx.Module):
             raise ValueError(
                 f"MoE: x must be [batch, seq, d_model={self.d_model}], got shape {tuple(x.shape)}"
             )
+        if 0 in x.shape:
+            raise ValueError(f"MoE: batch and seq must be >= 1, got x of shape {tuple(x.shape)}")
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         bias = self.router_bias[...] if self.router.uses_bias else None
         shared = None

@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ultraep_jax import comm, dispatch, reroute, transfer
-from ultraep_jax._ops import check_positive_int
+from ultraep_jax._ops import check_finite, check_positive_int
 from ultraep_jax._vma import vary
 from ultraep_jax.config import BalancerConfig
 from ultraep_jax.experts import KERNELS, local_experts
@@ -40,12 +40,15 @@ class MoEStats:
     """What balancing did in one call of the layer.
 
     Attributes:
-      expert_load: int32 [E], (token, choice) pairs routed to each expert.
+      expert_load: int32 [E], (token, choice) pairs routed to each expert (ids in [0, E)).
       rank_load_before: int32 [R], pairs routed to each EP rank's master experts.
       rank_load_after: int32 [R], pairs each EP rank is planned to process after balancing
         (equal to ``rank_load_before`` without a balancer; pairs dropped for capacity included).
       dropped: int32 [], pairs that did not fit in their destination's receive buffer; they
         contribute nothing to the output.
+      invalid: int32 [], pairs whose expert id is outside [0, E) (possible only under `jit`,
+        where `routed_experts` cannot check traced ids): they are sent nowhere, contribute
+        nothing to the output, and are counted in no other stat.
       replicas: int32 [], replica instances used.
       over_capacity: int32 [], EP groups whose plan could not keep every rank within the receive
         buffer (their excess pairs are dropped and counted in ``dropped``).
@@ -66,6 +69,7 @@ class MoEStats:
     rank_load_before: jax.Array
     rank_load_after: jax.Array
     dropped: jax.Array
+    invalid: jax.Array
     replicas: jax.Array
     over_capacity: jax.Array
     imbalance_before: jax.Array
@@ -79,15 +83,16 @@ class MoEStats:
         "rank_load_before",
         "rank_load_after",
         "dropped",
+        "invalid",
         "replicas",
         "over_capacity",
         "group_rows",
     )
 
     @classmethod
-    def of_group(cls, loads_RE, plan, dropped, capacity: int, group_rows_RG) -> MoEStats:
-        """The stats of one EP group from its all-gathered loads [R, E], plan, drops and rows
-        received per rank and local group [R, G]."""
+    def of_group(cls, loads_RE, plan, dropped, invalid, capacity: int, group_rows_RG) -> MoEStats:
+        """The stats of one EP group from its all-gathered loads [R, E], plan, drops, pairs of
+        no expert and rows received per rank and local group [R, G]."""
         load_E = jnp.sum(loads_RE, axis=0)
         before_R = master_rank_load(load_E, loads_RE.shape[0])
         return cls(
@@ -95,6 +100,7 @@ class MoEStats:
             rank_load_before=before_R,
             rank_load_after=plan.rank_load,
             dropped=dropped,
+            invalid=invalid,
             replicas=plan.num_replicas,
             over_capacity=(jnp.max(plan.rank_load) > capacity).astype(jnp.int32),
             imbalance_before=imbalance(before_R),
@@ -128,11 +134,12 @@ class ExpertParallel:
       mesh: the device mesh; it must have ``expert_axis``. Tokens are split over every mesh
         axis; the indices of the other axes are independent EP groups (data parallelism). Stored
         with every axis in Auto mode (`shard_map` does the splitting).
-      num_experts: E; divisible by the EP size.
+      num_experts: E; divisible by the EP size (an int; NumPy integers accepted).
       balancer: a `BalancerConfig` for this E and EP size, or None for plain expert parallelism.
       capacity_factor: receive-buffer rows per rank as a multiple of the pairs a rank routes
-        (``top_k * tokens per device``); pairs beyond it are dropped and counted. None sizes the
-        buffer for the worst case (every pair to one rank) so that nothing is ever dropped.
+        (``top_k * tokens per device``; a finite number > 0, NumPy scalars accepted); pairs
+        beyond it are dropped and counted. None sizes the buffer for the worst case (every pair
+        to one rank) so that nothing is ever dropped.
       expert_axis: the name of the EP mesh axis.
       comm_backend: "auto" (fixed-size collectives on CPU, `ragged_all_to_all` elsewhere),
         "portable" or "ragged"; see `comm.ragged_exchange`. With EP size 1 nothing is exchanged.
@@ -157,7 +164,9 @@ class ExpertParallel:
             raise ValueError(
                 f"MoE: the mesh has no EP axis {self.expert_axis!r} (axes: {self.mesh.axis_names})"
             )
-        check_positive_int("MoE", "num_experts", self.num_experts)
+        object.__setattr__(
+            self, "num_experts", check_positive_int("MoE", "num_experts", self.num_experts)
+        )
         E, R = self.num_experts, self.ep_size
         if E % R:
             raise ValueError(
@@ -174,11 +183,9 @@ class ExpertParallel:
                 f"MoE: balancer is for {b.num_experts} experts on {b.ep_size} ranks, "
                 f"but the layer has {E} experts on {R} ranks"
             )
-        cf = self.capacity_factor
-        if cf is not None and not (
-            isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf > 0
-        ):
-            raise ValueError(f"MoE: capacity_factor must be > 0 or None, got {cf!r}")
+        if self.capacity_factor is not None:
+            cf = check_finite("MoE", "capacity_factor", self.capacity_factor, positive=True)
+            object.__setattr__(self, "capacity_factor", cf)
         if self.comm_backend not in comm.BACKENDS:
             raise ValueError(
                 f"MoE: comm_backend must be one of {comm.BACKENDS}, got {self.comm_backend!r}"
@@ -228,7 +235,10 @@ def routed_experts(
 
     Args:
       x: [B, L, D] tokens (B divisible by the mesh's device count).
-      experts: int [B, L, k], each token's experts, in [0, E).
+      experts: int [B, L, k], each token's experts, in [0, E). Concrete ids (an eager call)
+        are checked; traced ids (under `jit`) cannot be without a trip to the host, so there a
+        pair whose id is outside [0, E) is skipped: it contributes nothing to y (nor gradients),
+        is in no expert's load, and is counted in ``MoEStats.invalid``.
       weights: [B, L, k], each choice's weight (float32 recommended; any router's output).
       params: (w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]).
       ep: where and how the experts run.
@@ -237,6 +247,31 @@ def routed_experts(
       y [B, L, D] in x's dtype, ``sum_j weights[..., j] * expert_{experts[..., j]}(x)``, and the
       call's `MoEStats`. Differentiable in x, weights and params.
     """
+    _check_inputs(x, experts, weights, params, ep)
+    w_gate, w_up, w_down = params
+    capacity = ep.capacity(x.shape[0] // ep.mesh.size * x.shape[1], experts.shape[-1])
+    args = (x, experts.astype(jnp.int32), weights, w_gate, w_up, w_down)
+    return with_auto_axes(functools.partial(_moe_call, ep, capacity), ep, *args)
+
+
+def _check_inputs(x, experts, weights, params, ep) -> None:
+    """Raises (one line naming the value) unless `routed_experts` can run on these arguments."""
+    if not isinstance(ep, ExpertParallel):
+        raise TypeError(f"MoE: ep must be an ExpertParallel, got {type(ep).__name__}")
+    if not isinstance(params, (tuple, list)) or len(params) != 3:
+        raise ValueError(
+            f"MoE: params must be (w_gate, w_up, w_down), got {type(params).__name__}"
+            + (f" of {len(params)}" if isinstance(params, (tuple, list)) else "")
+        )
+    named = {"x": x, "experts": experts, "weights": weights}
+    named.update(zip(("w_gate", "w_up", "w_down"), params, strict=True))
+    for name, a in named.items():
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"MoE: {name} must be an array, got {type(a).__name__}")
+        want = jnp.integer if name == "experts" else jnp.floating
+        if not jnp.issubdtype(a.dtype, want):
+            kind = "an integer" if want is jnp.integer else "a real floating-point"
+            raise TypeError(f"MoE: {name} must have {kind} dtype, got {a.dtype}")
     w_gate, w_up, w_down = params
     if x.ndim != 3:
         raise ValueError(f"MoE: x must be [batch, seq, d_model], got shape {tuple(x.shape)}")
@@ -244,6 +279,11 @@ def routed_experts(
         raise ValueError(
             f"MoE: experts {tuple(experts.shape)} and weights {tuple(weights.shape)} must both "
             f"be [batch, seq, top_k] for x {tuple(x.shape)}"
+        )
+    if 0 in x.shape or experts.shape[-1] == 0:
+        raise ValueError(
+            f"MoE: batch, seq, d_model and top_k must be >= 1, got x {tuple(x.shape)} and "
+            f"experts {tuple(experts.shape)}"
         )
     E, D = ep.num_experts, x.shape[-1]
     F = w_gate.shape[-1]
@@ -263,9 +303,6 @@ def routed_experts(
             raise ValueError(
                 f"MoE: experts must be in [0, {ep.num_experts}), got {e.min()}..{e.max()}"
             )
-    capacity = ep.capacity(x.shape[0] // ep.mesh.size * x.shape[1], experts.shape[-1])
-    args = (x, experts.astype(jnp.int32), weights, w_gate, w_up, w_down)
-    return with_auto_axes(functools.partial(_moe_call, ep, capacity), ep, *args)
 
 
 def with_auto_axes(fn, ep: ExpertParallel, x, *args):
@@ -302,9 +339,10 @@ def _moe_call(ep: ExpertParallel, capacity: int, *args):
     specs = _in_specs(ep)
     args = [place(a, NamedSharding(ep.mesh, s)) for a, s in zip(args, specs, strict=True)]
     shard = functools.partial(_moe_shard, ep=ep, capacity=capacity)
-    out_specs = (specs[0], P(ep.expert_axis))
-    y, stats = jax.shard_map(shard, mesh=ep.mesh, in_specs=specs, out_specs=out_specs)(*args)
-    return y, jax.tree.map(lambda a: a[0], stats)
+    # The stats are typed invariant over the whole mesh (`_moe_shard`), so they leave as they
+    # are: no collective moves them.
+    out_specs = (specs[0], P())
+    return jax.shard_map(shard, mesh=ep.mesh, in_specs=specs, out_specs=out_specs)(*args)
 
 
 def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, capacity):
@@ -312,7 +350,7 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
     D, K = x_BLD.shape[-1], experts_BLK.shape[-1]
     tokens_TD = x_BLD.reshape(-1, D)
     experts_N = experts_BLK.reshape(-1)
-    axis, all_axes = ep.expert_axis, (*ep.data_axes, ep.expert_axis)
+    axis = ep.expert_axis
     rank = jax.lax.axis_index(axis)
     # One rank: nothing to balance, and nothing crosses the network (XLA's ragged all-to-all
     # over one device is slow on GPU; the portable exchange is a copy).
@@ -321,14 +359,16 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
     masters = (w_gate, w_up, w_down)
 
     with jax.named_scope("plan"):
-        loads_RE = jax.lax.all_gather(expert_loads(experts_N, ep.num_experts), axis)
+        # Typed invariant over the EP axis (every rank of the group holds the same matrix), so
+        # that the plan and the stats derived from it are too.
+        loads_RE = jax.lax.all_gather(expert_loads(experts_N, ep.num_experts), axis, to="invarying")
         if balancer is None:
             plan = reroute.masters_only_plan(loads_RE)
         else:
             plan = make_plan(loads_RE, balancer, capacity=capacity)
-        # Identical across the EP group, but the FFI result carries no sharding type: mark it
-        # per-device (it differs between data groups).
-        plan = jax.tree.map(lambda a: vary(a, all_axes), plan)
+        # The FFI result carries no sharding type: it is identical across the EP group but
+        # differs between data groups, so mark it varying over those.
+        plan = jax.tree.map(lambda a: vary(a, ep.data_axes), plan)
     with jax.named_scope("dispatch"):
         route = dispatch.plan_dispatch(experts_N, loads_RE, plan, rank, capacity)
         sent_CD = comm.ragged_exchange(
@@ -353,8 +393,12 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
         )
         y_TD = dispatch.combine(back_ND, route, weights_BLK.reshape(-1, K))
 
-    group_rows_RG = jax.lax.all_gather(route.group_sizes_G, axis)
-    stats = MoEStats.of_group(loads_RE, plan, route.dropped, capacity, group_rows_RG)
-    stats = jax.tree.map(lambda a: vary(a, all_axes), stats).over_groups(ep.data_axes)
-    # Stats are identical across the EP group: every rank returns its copy on a leading axis.
-    return y_TD.astype(x_BLD.dtype).reshape(x_BLD.shape), jax.tree.map(lambda a: a[None], stats)
+    # Pairs of ids outside [0, E) are in no load (`expert_loads`) and sent nowhere (`dispatch`).
+    invalid = loads_RE.shape[0] * experts_N.shape[0] - jnp.sum(loads_RE)
+    stats = MoEStats.of_group(
+        loads_RE, plan, route.dropped, invalid, capacity, route.group_sizes_RG
+    )
+    # Invariant over the EP axis (a function of the gathered loads and the plan); summed or
+    # maxed over the data groups, then invariant over the whole mesh.
+    stats = jax.tree.map(lambda a: vary(a, ep.data_axes), stats).over_groups(ep.data_axes)
+    return y_TD.astype(x_BLD.dtype).reshape(x_BLD.shape), stats

@@ -19,8 +19,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ultraep_jax._ops import check_positive_int
+from ultraep_jax._ops import check_finite, check_positive_int
 
 
 @jax.tree_util.register_dataclass
@@ -58,21 +59,30 @@ class SoftmaxTopK:
     """Softmax top-k routing.
 
     Attributes:
-      top_k: K, experts per token.
+      top_k: K, experts per token (an int >= 1; NumPy integers accepted).
       renormalize: weights are the chosen probabilities divided by their sum (True) or the
-        probabilities themselves (False).
+        probabilities themselves (False); a bool.
     """
 
     top_k: int
     renormalize: bool = True
 
     def __post_init__(self):
-        check_positive_int("SoftmaxTopK", "top_k", self.top_k)
+        object.__setattr__(self, "top_k", check_positive_int("SoftmaxTopK", "top_k", self.top_k))
+        if not isinstance(self.renormalize, (bool, np.bool_)):
+            raise TypeError(f"SoftmaxTopK: renormalize must be a bool, got {self.renormalize!r}")
+        object.__setattr__(self, "renormalize", bool(self.renormalize))
 
     uses_bias = False
 
+    def check_experts(self, num_experts: int) -> None:
+        """Raises ValueError (one line) unless this router can choose among ``num_experts``."""
+        if self.top_k > num_experts:
+            raise ValueError(f"SoftmaxTopK: top_k={self.top_k} exceeds num_experts={num_experts}")
+
     def __call__(self, logits_TE: jax.Array, bias_E: jax.Array | None = None) -> Routing:
         del bias_E
+        self.check_experts(logits_TE.shape[-1])
         logits_TE = logits_TE.astype(jnp.float32)
         probs_TE = jax.nn.softmax(logits_TE, axis=-1)
         weights_TK, experts_TK = jax.lax.top_k(probs_TE, self.top_k)
@@ -91,8 +101,11 @@ class SigmoidTopK:
       num_groups: the experts split into this many equal groups (1: no group limit).
       top_groups: a token may only choose experts in its best ``top_groups`` groups, a group's
         worth being the sum of its two best biased scores (its best one with one expert per group).
-      scale: the weights are multiplied by this (DeepSeek-V3's routed scaling factor).
+      scale: the weights are multiplied by this (DeepSeek-V3's routed scaling factor), finite > 0.
       bias_rate: how far `update_bias` moves each expert's bias per step (0: a fixed bias).
+
+    Integers may be NumPy integers and the floats any real scalars; they are stored as Python
+    ``int`` / ``float``.
     """
 
     top_k: int
@@ -105,19 +118,26 @@ class SigmoidTopK:
 
     def __post_init__(self):
         for name in ("top_k", "num_groups", "top_groups"):
-            check_positive_int("SigmoidTopK", name, getattr(self, name))
+            object.__setattr__(
+                self, name, check_positive_int("SigmoidTopK", name, getattr(self, name))
+            )
         if self.top_groups > self.num_groups:
             raise ValueError(
                 f"SigmoidTopK: top_groups={self.top_groups} exceeds num_groups={self.num_groups}"
             )
-        if not self.scale > 0 or not self.bias_rate >= 0:
-            raise ValueError(
-                f"SigmoidTopK: scale must be > 0 and bias_rate >= 0, got {self.scale}, "
-                f"{self.bias_rate}"
-            )
+        object.__setattr__(
+            self, "scale", check_finite("SigmoidTopK", "scale", self.scale, positive=True)
+        )
+        object.__setattr__(
+            self,
+            "bias_rate",
+            check_finite("SigmoidTopK", "bias_rate", self.bias_rate, positive=False),
+        )
 
-    def __call__(self, logits_TE: jax.Array, bias_E: jax.Array | None = None) -> Routing:
-        T, E = logits_TE.shape
+    def check_experts(self, num_experts: int) -> None:
+        """Raises ValueError (one line) unless this router can choose among ``num_experts``: the
+        groups must split them evenly and the best groups must hold ``top_k`` experts."""
+        E = num_experts
         if E % self.num_groups:
             raise ValueError(
                 f"SigmoidTopK: {E} experts do not split into num_groups={self.num_groups}"
@@ -127,6 +147,10 @@ class SigmoidTopK:
                 f"SigmoidTopK: top_k={self.top_k} exceeds the experts of {self.top_groups} "
                 f"groups of {E // self.num_groups}"
             )
+
+    def __call__(self, logits_TE: jax.Array, bias_E: jax.Array | None = None) -> Routing:
+        T, E = logits_TE.shape
+        self.check_experts(E)
         logits_TE = logits_TE.astype(jnp.float32)
         scores_TE = jax.nn.sigmoid(logits_TE)
         bias_E = jnp.zeros((E,), jnp.float32) if bias_E is None else bias_E.astype(jnp.float32)
@@ -164,5 +188,9 @@ def router_logits(x_TD: jax.Array, router_kernel_DE: jax.Array) -> jax.Array:
 
 
 def expert_loads(experts: jax.Array, num_experts: int) -> jax.Array:
-    """int32 [E]: (token, choice) pairs routed to each expert, from ``experts`` [T, K]."""
-    return jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
+    """int32 [E]: (token, choice) pairs routed to each expert, from ``experts`` [T, K]; ids
+    outside [0, E) count for no expert."""
+    e = experts.reshape(-1)
+    # Out of range -> E, which the scatter drops (a negative index would wrap around).
+    e = jnp.where((e >= 0) & (e < num_experts), e, num_experts)
+    return jnp.zeros((num_experts,), jnp.int32).at[e].add(1, mode="drop")

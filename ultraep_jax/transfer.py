@@ -5,8 +5,9 @@ replica's weight gradient back and adds it into the master's gradient: no custom
 Nothing here waits on the masters' own matmuls, so XLA is free to overlap the transfer with them.
 
 Two implementations behind `fetch_replica_experts`: a dense one (a row selection and a
-reduce-scatter of ``R * S`` rows, cheaper on XLA:CPU than an all-to-all) and
-a ragged one (`jax.lax.ragged_all_to_all`, which moves only the filled slots; GPU/TPU).
+reduce-scatter of ``R * k`` rows for the k leading slot columns in use, cheaper on XLA:CPU than an
+all-to-all, and nothing when no replica is planned) and a ragged one
+(`jax.lax.ragged_all_to_all`, which moves only the filled slots; GPU/TPU).
 
 Shapes follow the package's axis legend (`ultraep_jax`); P is the weights of one expert, flattened.
 """
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax import comm
+from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.exchange import Exchange
 
 
@@ -66,17 +68,49 @@ def _fetch_ragged(weights_MP: jax.Array, slot_expert_RS: jax.Array, axis_name: s
     return received[jnp.sum(key_S[None, :] < key_S[:, None], axis=1)]
 
 
-def _fetch_dense(weights_MP: jax.Array, slot_expert_RS: jax.Array, axis_name: str) -> jax.Array:
-    """[S, P] by a dense exchange: every rank sends each peer one row per slot of that peer (its
-    master's weights if it owns the slot's expert, else zeros) and each slot sums what it got."""
-    em = weights_MP.shape[0]
+def active_slots(slot_expert_RS: jax.Array) -> jax.Array:
+    """int32 []: how many leading slot columns hold a replica on some rank (0 when none does);
+    every slot from there on is empty on every rank."""
+    S = slot_expert_RS.shape[1]
+    used_S = jnp.any(slot_expert_RS >= 0, axis=0)
+    return jnp.max(jnp.where(used_S, jnp.arange(1, S + 1, dtype=jnp.int32), 0))
+
+
+def _fetch_dense(masters_MP: tuple, slot_expert_RS: jax.Array, axis_name: str) -> jax.Array:
+    """[S, P] by a dense exchange of the leading slot columns in use: every rank sends each peer
+    one row per such slot of that peer (its master's weights if it owns the slot's expert, else
+    zeros) and each slot sums what it got; no exchange at all when no slot is in use.
+
+    ``masters_MP``: this rank's master tensors, each flattened to [E_m, P_i] (P = sum of P_i).
+    """
+    em = masters_MP[0].shape[0]
+    R, S = slot_expert_RS.shape
     me = jax.lax.axis_index(axis_name)
-    mine = (slot_owners(slot_expert_RS, em) == me).reshape(-1)  # [R * S]
-    local = (jnp.clip(slot_expert_RS, 0, None) % em).reshape(-1)
-    send = jnp.where(mine[:, None], weights_MP[local], 0)  # [R(dst) * S, P]
-    # Only the owner's row of each slot is non-zero, so summing over senders delivers it: a
-    # reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster than all-to-all).
-    return jax.lax.psum_scatter(send, axis_name, scatter_dimension=0, tiled=True)
+    P_ = sum(w.shape[1] for w in masters_MP)
+    dtype = masters_MP[0].dtype
+    # Every branch of the switch must have one type: varying over all that any input varies over.
+    axes = {axis_name}.union(*(varying_axes(a) for a in (*masters_MP, slot_expert_RS)))
+
+    def first(k):
+        def fetch():
+            slots = slot_expert_RS[:, :k]
+            mine = (slot_owners(slots, em) == me).reshape(-1, 1).astype(dtype)  # [R * k, 1]
+            local = (jnp.clip(slots, 0, None) % em).reshape(-1)
+            # One fused gather per tensor, scaled to zero where another rank owns the slot.
+            send = jnp.concatenate([w[local] * mine for w in masters_MP], axis=1)
+            # Only the owner's row of each slot is non-zero, so summing over senders delivers
+            # it: a reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster
+            # than an all-to-all).
+            got = jax.lax.psum_scatter(send, axis_name, scatter_dimension=0, tiled=True)
+            return vary(jnp.pad(got, ((0, S - k), (0, 0))), axes)
+
+        return fetch
+
+    # The plan is identical across the EP group, so every rank takes the same branch: the bytes
+    # moved follow the slots in use (none without replicas), not the slots configured.
+    branches = [lambda: vary(jnp.zeros((S, P_), dtype), axes)]
+    branches += [first(k) for k in range(1, S + 1)]
+    return jax.lax.switch(active_slots(slot_expert_RS), branches)
 
 
 def fetch_replica_experts(
@@ -99,13 +133,13 @@ def fetch_replica_experts(
       One [S, ...] array per input, in the same order (zeros for empty slots).
     """
     em = masters[0].shape[0]
-    flat_MP = jnp.concatenate([w.reshape(em, -1) for w in masters], axis=1)
+    flat = tuple(w.reshape(em, -1) for w in masters)
 
     def dense():
-        return _fetch_dense(flat_MP, slot_expert_RS, axis_name)
+        return _fetch_dense(flat, slot_expert_RS, axis_name)
 
     def ragged():
-        return _fetch_ragged(flat_MP, slot_expert_RS, axis_name)
+        return _fetch_ragged(jnp.concatenate(flat, axis=1), slot_expert_RS, axis_name)
 
     if backend == "portable":
         received_SP = dense()

@@ -21,7 +21,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 import ultraep_jax as uep
@@ -80,4 +80,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run_main(main)

@@ -48,7 +48,7 @@ if "--dry_run" in sys.argv or "--dry_run=true" in sys.argv:
 import traceback
 
 import jax
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 from experiments.bench import gpu_gmm, gpu_moe, gpu_planner
@@ -187,4 +187,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run_main(main)

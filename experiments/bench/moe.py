@@ -1,33 +1,41 @@
-"""MoE layer benchmark: the cost of balancing and its memory win, on 8 simulated CPU devices.
+"""MoE layer benchmark: the cost of balancing and its win, on CPU devices.
 
-        python -m experiments.bench.moe                      # a few minutes on 2 cores
-        python -m experiments.bench.moe --d_model=256 --d_ff=512 --num_experts=32 --top_k=4 \
-            --tokens_per_device=1024 --json_out=moe.json
+        python -m experiments.bench.moe                      # 8 simulated devices, one process
+        python -m experiments.bench.moe --pinned_ranks=2     # EP=2 as two pinned processes
+        python -m experiments.bench.moe --pinned_ranks=2 --d_model=128 --d_ff=512 \
+            --num_experts=8 --tokens_per_device=2048 --mode=prefill --json_out=moe.json
 
-On mesh (8,) "expert" with a skewed router (a few hot experts take most tokens), four layers:
+On mesh (R,) "expert" with a skewed router (a few hot experts take most tokens), four layers:
 plain EP and balanced, each with dropless worst-case receive buffers (R x the pairs a rank routes)
-and with buffers of ``--capacity_factor`` x those pairs. For each: compile time, forward+backward
-step time (the gradient w.r.t. x and every parameter; the four compiled steps run interleaved,
-``--repeats`` rounds, medians, so that a busy machine slows them alike), buffer rows, dropped
-pairs, per-rank load before and after balancing, and the ratios between them.
+and with buffers of ``--capacity_factor`` x those pairs. For each: compile time, step time
+(``--mode=train``: forward+backward, the gradient w.r.t. x and every parameter; ``prefill``:
+forward only; the four compiled steps run interleaved, ``--repeats`` rounds, medians, so that a
+busy machine slows them alike), buffer rows, dropped pairs, per-rank load before and after
+balancing, and the ratios between them.
 
-Simulated CPU devices share the host's cores, so step times measure total work, not a real
-interconnect.
+Two ways to run the ranks. By default 8 simulated devices in one process share the host's cores,
+so step times measure the total work of all ranks, not the busiest one. ``--pinned_ranks=N``
+starts N processes (one command), one CPU device each, each pinned to a core of its own and
+joined by gloo collectives: there the wall clock is the busiest rank's, as on real hardware, and
+a calibration line (the ranks with equal work at once / one rank alone) says how close it is.
+The hot experts sit on ranks 0, 1, ... (one each) with simulated devices, and all on rank 0 with
+pinned ranks (two ranks with one hot expert each would be balanced already).
 """
 
 from __future__ import annotations
 
 from experiments import common
 
-common.force_cpu_devices(8, cpu_only=True)  # before JAX starts a backend
+common.force_cpu_devices(8, cpu_only=True)  # before JAX starts a backend (pinned ranks: 1 each)
 
 import math
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -36,22 +44,34 @@ import ultraep_jax as uep
 
 _D = flags.DEFINE_integer("d_model", 64, "Token width D.")
 _F = flags.DEFINE_integer("d_ff", 128, "Expert hidden width F.")
-_E = flags.DEFINE_integer("num_experts", 16, "Experts E (divisible by the 8 EP ranks).")
+_E = flags.DEFINE_integer("num_experts", 16, "Experts E (divisible by the EP size).")
 _K = flags.DEFINE_integer("top_k", 2, "Experts per token.")
 _BALANCER = common.define_balancer_flags(min_tokens_per_replica=16)
 _TOKENS = flags.DEFINE_integer("tokens_per_device", 256, "Tokens on each device.")
 _SEQ = flags.DEFINE_integer("seq_len", 64, "Sequence length (must divide tokens_per_device).")
-_HOT = flags.DEFINE_integer("hot_experts", 2, "Experts the skewed router favours (at most 8).")
+_HOT = flags.DEFINE_integer("hot_experts", 2, "Experts the skewed router favours.")
 _SKEW = flags.DEFINE_float("skew", 2.0, "Router bias strength toward the hot experts.")
 _CF = flags.DEFINE_float(
     "capacity_factor", 1.05, "Receive buffer of the capped layers, as a multiple of top_k * tokens."
 )
+_MODE = flags.DEFINE_enum(
+    "mode", "train", ["train", "prefill"], "train: forward+backward; prefill: forward only."
+)
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds (medians are reported).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the inputs and parameters.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
+_PINNED = flags.DEFINE_integer(
+    "pinned_ranks",
+    0,
+    "EP ranks as this many processes, each pinned to its own core with one CPU device (the wall "
+    "clock is then the busiest rank's); 0: 8 simulated devices in this process.",
+)
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Set by --pinned_ranks.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Set by --pinned_ranks.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "Set by --pinned_ranks.")
 
-flags.register_validator("num_experts", lambda e: e > 0 and e % 8 == 0, "must be a multiple of 8")
-flags.register_validator("hot_experts", lambda n: 0 <= n <= 8, "must lie in [0, 8] (one a rank)")
+flags.register_validator("num_experts", lambda e: e > 0, "must be > 0")
+flags.register_validator("hot_experts", lambda n: n >= 0, "must be >= 0")
 flags.register_multi_flags_validator(
     ["seq_len", "tokens_per_device"],
     lambda v: v["seq_len"] > 0 and v["tokens_per_device"] % v["seq_len"] == 0,
@@ -64,19 +84,30 @@ def _layer_shape() -> dict:
     return {"d_model": _D.value, "d_ff": _F.value, "num_experts": _E.value, "top_k": _K.value}
 
 
-def _skewed_inputs(mesh, rng):
+def hot_experts(num_experts: int, ep_size: int, count: int, one_rank: bool) -> np.ndarray:
+    """The experts the skewed router favours: the first ``count`` of rank 0 (``one_rank``), or
+    the first expert of each of ranks 0..count-1."""
+    em = num_experts // ep_size
+    if one_rank:
+        return np.arange(count)
+    return np.arange(count) * em
+
+
+def _skewed_inputs(mesh, rng, one_rank: bool):
     """x [batch, seq, D] (batch split over the mesh) and a router kernel [D, E] that sends most
-    tokens to --hot_experts experts on different ranks (x shares a direction u their columns align
-    with)."""
+    tokens to the hot experts (x shares a direction u their columns align with)."""
     D, E = _D.value, _E.value
     batch = mesh.size * _TOKENS.value // _SEQ.value
     u = rng.normal(size=D)
     u /= np.linalg.norm(u)
     x = rng.normal(size=(batch, _SEQ.value, D)) + 2.0 * u
     router = rng.normal(size=(D, E)) * (2.0 / math.sqrt(D))  # logits of std ~2
-    hot = np.arange(_HOT.value) * (E // mesh.size)  # the first expert of the first ranks
+    hot = hot_experts(E, mesh.size, _HOT.value, one_rank)
     router[:, hot] += _SKEW.value * u[:, None]
-    x = jax.device_put(x.astype(np.float32), NamedSharding(mesh, P(tuple(mesh.axis_names))))
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    x = x.astype(np.float32)
+    # Every process makes the same x and places the rows of its own devices.
+    x = jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
     return x, router.astype(np.float32)
 
 
@@ -90,29 +121,42 @@ def _build(mesh, balancer, router, capacity_factor):
         rngs=nnx.Rngs(_SEED.value),
     )
     old = layer.router_kernel[...]
-    layer.router_kernel[...] = jax.device_put(jnp.asarray(router), old.sharding)
+    layer.router_kernel[...] = jax.make_array_from_callback(
+        router.shape, old.sharding, lambda index: router[index]
+    )
     return layer
 
 
-def _train_step(layer):
-    """(jitted step(params, rest, x) -> ((loss, stats), grads), params, rest)."""
+def _step(layer, mode: str):
+    """(jitted step(params, rest, x), params, rest): forward+backward (``train``: the loss, the
+    stats and the gradient w.r.t. the parameters and x) or forward only (``prefill``: y and the
+    stats)."""
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def loss(params, rest, x):
         y, stats = nnx.merge(graphdef, params, rest)(x)
         return jnp.mean(jnp.square(y)), stats
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))
-    return step, params, rest
+    def forward(params, rest, x):
+        y, stats = nnx.merge(graphdef, params, rest)(x)
+        return y, stats
+
+    if mode == "train":
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True)), params, rest
+    return jax.jit(forward), params, rest
 
 
-def _compile(layer, x) -> dict:
-    """The layer's compiled training step, its compile time and the stats of one step."""
-    step, params, rest = _train_step(layer)
+def _stats_of(out, mode: str):
+    return out[0][1] if mode == "train" else out[1]
+
+
+def _compile(layer, x, mode: str) -> dict:
+    """The layer's compiled step, its compile time and the stats of one step."""
+    step, params, rest = _step(layer, mode)
     start = time.perf_counter()
     compiled = step.lower(params, rest, x).compile()
     compile_s = time.perf_counter() - start
-    (_, stats), _ = jax.block_until_ready(compiled(params, rest, x))  # warm-up
+    stats = _stats_of(jax.block_until_ready(compiled(params, rest, x)), mode)  # warm-up
     return {
         "run": lambda: compiled(params, rest, x),
         "compile_s": compile_s,
@@ -151,13 +195,20 @@ NAMES = {
 def _print_report(res: dict) -> None:
     """The readable tables."""
     cfg, runs = res["config"], res["runs"]
+    ranks = (
+        f"{cfg['ep_size']} pinned processes x 1 {cfg['device']}"
+        if cfg["pinned_ranks"]
+        else f"{cfg['devices']} simulated {cfg['device']} devices in one process"
+    )
     print(
-        f"MoE layer on {cfg['devices']} x {cfg['device']}, mesh (8,) 'expert': D={cfg['d_model']} "
+        f"MoE layer, {cfg['mode']}, EP={cfg['ep_size']} on {ranks}: D={cfg['d_model']} "
         f"F={cfg['d_ff']} E={cfg['num_experts']} top-{cfg['top_k']} S={cfg['slots_per_rank']} "
         f"tokens/device={cfg['tokens_per_device']}, capped = capacity factor "
         f"{cfg['capacity_factor']}, skewed router ({cfg['hot_experts']} hot experts, bias "
         f"{cfg['skew']}), {cfg['repeats']} interleaved rounds"
     )
+    if "calibration" in res:
+        print(common.calibration_line(res["calibration"]))
     print(
         f"\n{'':>20} {'buffer rows':>11} {'dropped':>8} {'compile s':>10} {'step ms':>9} "
         f"{'(min)':>8}"
@@ -185,7 +236,7 @@ RATIOS = {
     "overhead_dropless": (
         "balanced_dropless",
         "plain_dropless",
-        "the cost of balancing, same buffers, same work",
+        "same buffers and total work (pinned ranks: the busiest rank differs)",
     ),
     "capped_vs_plain_dropless": (
         "balanced_capped",
@@ -200,22 +251,37 @@ RATIOS = {
 }
 
 
-def main(argv):
-    """Builds, compiles and times the four layers, prints the tables; ``--json_out`` also."""
-    del argv
-    # Auto axes: the layer splits the work with shard_map itself (and, at the time of writing,
-    # differentiating w.r.t. an x placed on an Explicit mesh fails in the layer).
-    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))
-    rng = np.random.default_rng(_SEED.value)
-    x, router = _skewed_inputs(mesh, rng)
-    balancer = uep.BalancerConfig(num_experts=_E.value, ep_size=8, **_BALANCER())
+def _check_shape(ep_size: int) -> None:
+    if _E.value % ep_size:
+        raise ValueError(f"--num_experts={_E.value} is not divisible by the EP size {ep_size}")
+    one_rank = bool(_PINNED.value)
+    most = _E.value // ep_size if one_rank else ep_size
+    if _HOT.value > most:
+        raise ValueError(
+            f"--hot_experts={_HOT.value} exceeds {most} "
+            f"({'experts on rank 0' if one_rank else 'one per rank'})"
+        )
+
+
+def run(pinned: bool) -> dict:
+    """Builds, compiles and times the four layers on every device of this run; the results."""
+    # Auto axes: the layer splits the work with shard_map itself.
+    mesh = jax.make_mesh((jax.device_count(),), ("expert",), axis_types=(AxisType.Auto,))
+    R = mesh.size
+    _check_shape(R)
+    calibration = None
+    if pinned:
+        rows = _K.value * _TOKENS.value
+        calibration = common.concurrency_calibration(rows, _D.value, _F.value)
+    x, router = _skewed_inputs(mesh, np.random.default_rng(_SEED.value), one_rank=pinned)
+    balancer = uep.BalancerConfig(num_experts=_E.value, ep_size=R, **_BALANCER())
     layers = {
         "plain_dropless": _build(mesh, None, router, None),
         "plain_capped": _build(mesh, None, router, _CF.value),
         "balanced_capped": _build(mesh, balancer, router, _CF.value),
         "balanced_dropless": _build(mesh, balancer, router, None),
     }
-    runs = {name: _compile(layer, x) for name, layer in layers.items()}
+    runs = {name: _compile(layer, x, _MODE.value) for name, layer in layers.items()}
     _time_interleaved(runs, _REPEATS.value)
     for r in runs.values():
         del r["run"]
@@ -223,6 +289,9 @@ def main(argv):
         "config": {
             "device": str(jax.devices()[0].device_kind),
             "devices": jax.device_count(),
+            "ep_size": R,
+            "pinned_ranks": _PINNED.value,
+            "mode": _MODE.value,
             **_layer_shape(),
             **_BALANCER(),
             "tokens_per_device": _TOKENS.value,
@@ -236,9 +305,36 @@ def main(argv):
             key: runs[a]["step_ms"] / runs[b]["step_ms"] for key, (a, b, _) in RATIOS.items()
         },
     }
-    _print_report(res)
-    common.write_json(_JSON.value, res)
+    if calibration is not None:
+        res["calibration"] = calibration
+    return res
+
+
+def _fail(err) -> None:
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def main(argv):
+    """Starts the pinned rank processes (``--pinned_ranks``), or runs the benchmark in this
+    process (one of them) and, on the first, prints the tables and writes ``--json_out``."""
+    if _PINNED.value and _NUM_PROCESSES.value == 1:
+        try:
+            code = common.launch_pinned_ranks(_PINNED.value, "experiments.bench.moe", sys.argv[1:])
+        except ValueError as err:
+            _fail(err)
+        sys.exit(code)
+    try:
+        common.start_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+        if _PINNED.value and jax.device_count() != _PINNED.value:
+            raise ValueError(f"--pinned_ranks={_PINNED.value} found {jax.device_count()} devices")
+        res = run(pinned=bool(_PINNED.value))
+    except ValueError as err:
+        _fail(err)
+    if jax.process_index() == 0:
+        _print_report(res)
+        common.write_json(_JSON.value, res)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run_main(main)

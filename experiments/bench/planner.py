@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import ultraep_jax as uep
 from experiments import common
@@ -232,4 +232,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run_main(main)

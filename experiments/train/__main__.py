@@ -1,11 +1,12 @@
 """``python -m experiments.train``: the training run (see ``experiments/train/main.py``)."""
 
-from absl import app, flags
+from absl import flags
 
+from experiments.common import run_main
 from experiments.train import main
 
 # --helpshort lists the flags of the module run as a program: this one.
 flags.adopt_module_key_flags(main)
 
 if __name__ == "__main__":
-    app.run(main.main)
+    run_main(main.main)

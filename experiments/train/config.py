@@ -84,7 +84,7 @@ class TrainConfig:
       batch_size: global batch (sequences).
       seq_len: sequence length (bytes); at most ``max_seq_len``.
       model: the model's shape; each of its fields is a flag of its own.
-      slots_per_rank: replica slots per rank.
+      slots_per_rank: replica slots per rank (>= 1 with --balance=ultraep).
       min_tokens_per_replica: least tokens a replica carries.
       balance_eps: balance tolerance over the mean.
       capacity_factor: receive buffer per rank as a multiple of the pairs it routes; pairs beyond
@@ -128,6 +128,12 @@ class TrainConfig:
         check_positive_ints(self, _POSITIVE, "--")
         if self.slots_per_rank < 0 or self.ep_size < 0:
             raise ValueError("--slots_per_rank and --ep_size must be >= 0")
+        if self.balance == "ultraep" and self.slots_per_rank == 0:
+            # Balancing would plan nothing, and the 1.05x buffer sized for it would drop pairs.
+            raise ValueError(
+                "--slots_per_rank=0 leaves --balance=ultraep no spare slot to replicate into; "
+                "use --slots_per_rank >= 1, or --balance=none"
+            )
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"model must be a ModelConfig, got {type(self.model).__name__}")
         if self.seq_len > self.model.max_seq_len:

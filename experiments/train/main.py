@@ -4,6 +4,8 @@
     python -m experiments.train --balance=none --workdir=runs/none
     python -m experiments.train --data='books/*.txt' --steps=2000
     python -m experiments.train --preset=deepseek_v3 --steps=100 --workdir=runs/deepseek
+    # EP=2 as two processes pinned to a core each (the wall clock is the busiest rank's):
+    python -m experiments.train --pinned_ranks=2 --workdir=runs/pinned
     # two processes x 4 CPU devices on one machine:
     python -m experiments.train --num_processes=2 --process_id=0 --cpu_devices=4 \\
         --coordinator_address=127.0.0.1:12345 &
@@ -27,9 +29,11 @@ may change (``--steps`` and the intervals silently, the rest, ``--seq_len`` up t
 
 Ctrl-C (SIGINT) or SIGTERM: the run finishes the current step, saves a checkpoint, the metrics,
 the plot and the summary, says where they are and exits with code 130 (SIGINT) or 143
-(SIGTERM); rerunning the same command continues from there. A second Ctrl-C quits at once.
+(SIGTERM); rerunning the same command continues from there. A second Ctrl-C quits at once; a
+second SIGTERM is ignored (`timeout` signals the process, then its whole process group).
 
-Problems with the flags, the data or the workdir end with one line ``error: ...`` (exit code 2).
+Problems with the flags (unparsable ones included), the data or the workdir end with one line
+``error: ...`` (exit code 2); ``--help`` and ``--helpshort`` exit 0.
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ from __future__ import annotations
 import signal
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
-from experiments.common import force_cpu_devices
+from experiments.common import force_cpu_devices, launch_pinned_ranks, run_main, start_distributed
 from experiments.train import dataclass_flags
 from experiments.train.config import TrainConfig, parse_capacity_factor
 from models.presets import PRESETS, preset
@@ -60,6 +64,13 @@ flags.DEFINE_integer(
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
 flags.DEFINE_integer("num_processes", 1, "Processes (multi-process).")
 flags.DEFINE_integer("process_id", 0, "This process's index (multi-process).")
+flags.DEFINE_integer(
+    "pinned_ranks",
+    0,
+    "Run as this many processes started by this command, one CPU device each, each pinned to a "
+    "core of its own (so that the step time is the busiest rank's, not the total work); they "
+    "print a calibration line (ranks with equal work at once / one alone). 0: one process.",
+)
 
 FLAGS = flags.FLAGS
 
@@ -76,13 +87,7 @@ def config_from_flags() -> TrainConfig:
 def _start_jax():
     """Sets up devices before JAX first touches a backend."""
     force_cpu_devices(FLAGS.cpu_devices)
-    import jax
-
-    if FLAGS.num_processes > 1:
-        if not FLAGS.coordinator_address:
-            raise ValueError("--coordinator_address is required with --num_processes > 1")
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
 
 
 def _fail(message) -> None:
@@ -96,7 +101,12 @@ def main(argv):
     # Orbax logs every checkpoint step at INFO; keep the run's own output readable.
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.pinned_ranks and FLAGS.num_processes == 1:  # this process only starts the ranks
+        try:
+            sys.exit(launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.train", sys.argv[1:]))
+        except ValueError as err:
+            _fail(err)
     try:
         try:  # bad flags end with one line, not a traceback
             cfg = config_from_flags()
@@ -112,7 +122,7 @@ def main(argv):
         from experiments.train import trainer
 
         try:
-            result = trainer.run(cfg)
+            result = trainer.run(cfg, calibrate=bool(FLAGS.pinned_ranks))
         except trainer.RunError as err:
             _fail(err)
     except KeyboardInterrupt:  # before the run's own handler is in place
@@ -125,4 +135,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

@@ -206,8 +206,9 @@ def summarize(metrics_path) -> str:
 
     Lines: balance mode and logged steps; first and last train loss; last eval loss; for each
     layer the mean and max over logged steps of the imbalance before and after balancing; the
-    total dropped tokens over logged steps (if ``dropped`` is logged); the mean tokens/s and step
-    time (if logged).
+    total dropped (token, choice) pairs over logged steps (if ``dropped`` is logged); the median
+    tokens/s and step time over the logged steps but the first, which includes compiling the
+    step (if logged).
     """
     records = read_metrics(metrics_path)
     first, last = records[0], records[-1]
@@ -241,11 +242,15 @@ def summarize(metrics_path) -> str:
 
     dropped = _total_dropped(records)
     if dropped is not None:
-        lines.append(f"dropped tokens: {dropped} in total over logged steps")
-    throughput = [float(r["tokens_per_s"]) for r in records if r.get("tokens_per_s") is not None]
+        lines.append(f"dropped pairs: {dropped} in total over logged steps")
+    timed = records[1:] or records  # the first logged step compiles
+    throughput = [float(r["tokens_per_s"]) for r in timed if r.get("tokens_per_s") is not None]
     if throughput:
-        lines.append(f"tokens/s: mean {np.mean(throughput):.1f} over {len(throughput)} steps")
-    step_times = [float(r["step_time"]) for r in records if r.get("step_time") is not None]
+        lines.append(
+            f"tokens/s: median {np.median(throughput):.1f} over {len(throughput)} steps "
+            f"(the first, compiling, left out)"
+        )
+    step_times = [float(r["step_time"]) for r in timed if r.get("step_time") is not None]
     if step_times:
-        lines.append(f"step time: mean {1e3 * np.mean(step_times):.2f} ms")
+        lines.append(f"step time: median {1e3 * np.median(step_times):.2f} ms")
     return "\n".join(lines)

@@ -15,8 +15,10 @@ class StopRequest:
     """Turns SIGINT / SIGTERM into a request to stop after the current step.
 
     The first signal sets `signum` (the loop then saves a checkpoint, the metrics, the plot and
-    the summary, and ends) and puts both signals back to their default action, so a second one
-    ends the process at once, whatever it is doing.
+    the summary, and ends) and puts SIGINT back to its default action, so a second Ctrl-C ends
+    the process at once, whatever it is doing. Later SIGTERMs are absorbed: `timeout` (and other
+    supervisors) send SIGTERM to the process and then to its whole process group, so one request
+    to stop often arrives twice, and the second must not kill the run while it saves.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -27,9 +29,10 @@ class StopRequest:
 
     def __call__(self, signum, frame=None):
         del frame
+        if self.signum is not None:  # a repeated SIGTERM: already stopping
+            return
         self.signum = signum
-        for sig in self.SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         name = signal.Signals(signum).name
         # os.write, not print: a handler may run in the middle of another print.
         os.write(

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
+from experiments.common import calibration_line, concurrency_calibration
 from experiments.train import data, plot, summary
 from experiments.train.checkpoints import Checkpoints
 from experiments.train.config import TrainConfig
@@ -96,13 +97,15 @@ def _load_data(cfg: TrainConfig) -> tuple[list[pathlib.Path], np.ndarray, np.nda
     return files, train_bytes, eval_bytes
 
 
-def run(cfg: TrainConfig) -> dict:
+def run(cfg: TrainConfig, calibrate: bool = False) -> dict:
     """Trains for ``cfg.steps`` steps, continuing from the latest checkpoint in the workdir.
 
     Writes ``config.json`` at the start (and checks it against ``cfg`` when resuming),
     ``metrics.jsonl`` every step, checkpoints, and at the end ``metrics.png`` and
     ``summary.json``. SIGINT / SIGTERM stop the run after the current step with all of these
     written (see `StopRequest`). A workdir already at ``cfg.steps`` is left as it is.
+    ``calibrate`` (ranks as pinned processes) first times equal work on every process at once
+    against one alone (`common.concurrency_calibration`), prints it and keeps it in the summary.
 
     Returns:
       The summary written to ``summary.json`` (see `summary.summarize_run`) plus ``step`` (the
@@ -122,15 +125,23 @@ def run(cfg: TrainConfig) -> dict:
     stop = StopRequest()
     stop.install()
     try:
+        calibration = None
+        if calibrate:
+            rows = cfg.model.top_k * cfg.batch_size * cfg.seq_len // jax.device_count()
+            calibration = concurrency_calibration(rows, cfg.model.d_model, cfg.model.d_ff)
+            if lead:
+                print(calibration_line(calibration), flush=True)
         return in_worker_thread(
-            lambda: _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size)
+            lambda: _run(
+                cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, calibration
+            )
         )
     finally:
         checkpoints.close()
         stop.restore()
 
 
-def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size) -> dict:
+def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, calibration) -> dict:
     latest = checkpoints.latest_step() or 0
     changed = check_saved_config(workdir, cfg) if latest else []
     if latest >= cfg.steps:
@@ -212,18 +223,28 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size) -> d
     result["stopped_by"] = stopped_by
     if not lead:
         return result
-    return _report(cfg, workdir, result, start)
+    return _report(cfg, workdir, result, start, calibration)
 
 
-def _report(cfg: TrainConfig, workdir: pathlib.Path, result: dict, start: int) -> dict:
+def _report(
+    cfg: TrainConfig, workdir: pathlib.Path, result: dict, start: int, calibration: dict | None
+) -> dict:
     """Writes the plot and ``summary.json``, prints the summary, how the run ended and its files;
     returns ``result`` with the summary's figures."""
     metrics = workdir / METRICS_FILE
     if metrics.exists() and plot.read_step_records(metrics):
         plot.plot_metrics(metrics, workdir / PLOT_FILE)
         result = {**summary.summarize_run(plot.read_metrics(metrics), cfg, workdir), **result}
+        if calibration is not None:
+            result["calibration"] = calibration
         write_json(workdir / SUMMARY_FILE, result)
         print(plot.summarize(metrics), flush=True)
+        if calibration is not None and result.get("median_step_time_s") is not None:
+            print(
+                f"median step {result['median_step_time_s'] * 1e3:.1f} ms on "
+                f"{calibration['processes']} pinned ranks; {calibration_line(calibration)}",
+                flush=True,
+            )
     step, stopped_by = result["step"], result["stopped_by"]
     if stopped_by and step == start:
         print(f"stopped by {stopped_by} before training a step; nothing new to save", flush=True)

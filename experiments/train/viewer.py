@@ -40,6 +40,7 @@ import sys
 
 from absl import app, flags
 
+from experiments.common import run_main
 from experiments.train import plot
 from experiments.train.workdir import METRICS_FILE, PROFILE_FILE
 
@@ -219,4 +220,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

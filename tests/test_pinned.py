@@ -1,0 +1,122 @@
+"""The replica transfer's slot-column branches, and ranks as pinned processes (the launcher, the
+calibration and the MoE bench in that mode)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from experiments import common
+from ultraep_jax import transfer
+
+
+@pytest.mark.parametrize(
+    "slots, want",
+    [
+        ([[-1, -1], [-1, -1]], 0),
+        ([[3, -1], [-1, -1]], 1),
+        ([[-1, -1], [-1, 0]], 2),
+        ([[-1, 2], [1, -1]], 2),
+        ([[5, 6, -1], [7, -1, -1]], 2),
+    ],
+)
+def test_active_slots_counts_the_leading_columns_in_use(slots, want):
+    assert int(transfer.active_slots(jnp.asarray(slots, jnp.int32))) == want
+
+
+def _reference_fetch(masters, slot_expert):
+    """NumPy: each slot gets its expert's weights from the full [E, ...] tensors, zeros if empty."""
+    return [
+        np.stack([w[e] if e >= 0 else np.zeros_like(w[0]) for e in row])
+        for w in masters
+        for row in [slot_expert.reshape(-1)]
+    ]
+
+
+@pytest.mark.parametrize("backend", ["portable", "auto"])
+@pytest.mark.parametrize(
+    "slot_expert",
+    [
+        [[-1, -1]] * 4,  # no replica: no exchange at all
+        [[5, -1], [-1, -1], [0, -1], [-1, -1]],  # first column only
+        [[5, 7], [-1, 2], [0, -1], [-1, 3]],  # both columns
+        [[-1, -1], [-1, 6], [-1, -1], [-1, -1]],  # second column only
+    ],
+)
+def test_fetch_replica_experts_and_its_gradient_equal_numpy(slot_expert, backend):
+    R, em, S = 4, 2, 2
+    E = R * em
+    mesh = jax.make_mesh((R,), ("expert",), devices=jax.devices()[:R])
+    rng = np.random.default_rng(0)
+    masters = [
+        rng.normal(size=(E, 3, 5)).astype(np.float32),
+        rng.normal(size=(E, 4)).astype(np.float32),
+    ]
+    slot_expert = np.asarray(slot_expert, np.int32)
+    cot = [rng.normal(size=(R * S, *w.shape[1:])).astype(np.float32) for w in masters]
+    split = NamedSharding(mesh, P("expert"))
+
+    def per_rank(slots_RS, *ws):
+        return transfer.fetch_replica_experts(ws, slots_RS, axis_name="expert", backend=backend)
+
+    fetch = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(P(), P("expert"), P("expert")),
+        out_specs=(P("expert"), P("expert")),
+    )
+
+    def loss(*ws):
+        got = fetch(jnp.asarray(slot_expert), *ws)
+        return sum(jnp.sum(g * c) for g, c in zip(got, cot, strict=True)), got
+
+    args = [jax.device_put(w, split) for w in masters]
+    (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(*args)
+    for g, want in zip(got, _reference_fetch(masters, slot_expert), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), want)
+    # The gradient of each master: the sum of the cotangents of the slots that hold it.
+    flat = slot_expert.reshape(-1)
+    for g, c, w in zip(grads, cot, masters, strict=True):
+        want = np.zeros_like(w)
+        for i, e in enumerate(flat):
+            if e >= 0:
+                want[e] += c[i]
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6)
+
+
+def test_launch_pinned_ranks_refuses_more_ranks_than_cores():
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="needs that many cores"):
+        common.launch_pinned_ranks(cores + 1, "experiments.bench.moe", [])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_moe_bench_on_two_pinned_ranks(tmp_path):
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, "-m", "experiments.bench.moe", "--pinned_ranks=2", "--repeats=1"]
+    cmd += ["--d_model=16", "--d_ff=32", "--num_experts=8", "--tokens_per_device=128"]
+    cmd += ["--seq_len=32", "--skew=4", f"--json_out={out}"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "calibration: 2 pinned ranks" in done.stdout
+    res = json.loads(out.read_text())
+    assert res["config"]["ep_size"] == 2 and res["config"]["devices"] == 2
+    assert res["calibration"]["processes"] == 2 and res["calibration"]["ratio"] > 0
+    runs = res["runs"]
+    pairs = 2 * 2 * 128  # ranks x top_k x tokens per rank
+    for run in runs.values():
+        assert sum(run["rank_load_before"]) == pairs
+    # The hot experts all sit on rank 0; balancing brings it within the buffer, plain EP drops.
+    before = runs["balanced_capped"]["rank_load_before"]
+    assert before[0] > before[1]
+    assert runs["balanced_capped"]["dropped"] == 0
+    assert runs["plain_capped"]["dropped"] == before[0] - runs["plain_capped"]["buffer_rows"]
+    assert max(runs["balanced_capped"]["rank_load_after"]) <= runs["balanced_capped"]["buffer_rows"]
