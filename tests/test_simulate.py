@@ -2,6 +2,7 @@
 the balancers' weight copies, and one small table end to end."""
 
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -290,3 +291,51 @@ def test_missing_traces_dir_ends_with_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"--traces_dir={tmp_path}" in errors[0], proc.stderr
+
+
+def _write_calibration(path, **train):
+    data = {
+        "provenance": {
+            "device": "test",
+            "machine": "m",
+            "commit": "c",
+            "command": "x",
+            "date": "d",
+        },
+        "shape": {"d_model": 64, "d_ff": 16, "dtype": "float32", "kernel": "auto"},
+        "train": train,
+        "measured": [],
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_calibrated_expert_cost_by_hand(tmp_path):
+    """fixed + per row + per group, scaled by FLOPs per row (TINY's 64 x 32 is twice the
+    calibration's 64 x 16) and the fixed term by the buffer (32 mean rows against 1000)."""
+    path = _write_calibration(
+        tmp_path / "cal.json",
+        seconds_fixed=1e-3,
+        seconds_per_row=1e-6,
+        seconds_per_group=1e-4,
+        pairs_per_rank=1000,
+    )
+    params = dataclasses.replace(PARAMS, expert_cost=cost.ExpertCost.read(path))
+    # Ranks [32 rows in 2 groups, 64 rows in 3 groups]: the second is the busiest.
+    want = 2 * (1e-3 * 32 / 1000 + 64e-6 + 3e-4)
+    got = cost.rank_expert_seconds([32, 64], [2, 3], TINY, params)
+    assert got == pytest.approx(want, rel=1e-12)
+    # The ideal: the mean rows in E / R = 2 master groups (EP 4).
+    ideal = cost.ideal_layer_time(TINY, 4, FAST_LINKS, params)
+    assert ideal.experts == pytest.approx(2 * (1e-3 * 32 / 1000 + 32e-6 + 2e-4), rel=1e-12)
+    # Without a calibration the experts follow their FLOPs.
+    assert cost.rank_expert_seconds([32, 64], [2, 3], TINY, PARAMS) is None
+    flops = cost.ideal_layer_time(TINY, 4, FAST_LINKS, PARAMS).experts
+    assert flops == pytest.approx(3 * 32 * 12288 / 1e6)
+
+
+def test_calibration_without_training_costs_raises(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"provenance": {}, "shape": {}, "prefill": {}}))
+    with pytest.raises(ValueError, match="no training-mode costs"):
+        cost.ExpertCost.read(path)

@@ -1,5 +1,5 @@
-"""The tiled SwiGLU expert kernel against a per-row NumPy reference: values, gradients, work-item
-enumeration, groups that start anywhere, and use inside `shard_map` with the dense reference
+"""The tiled SwiGLU expert kernel against a per-row NumPy reference: values, gradients, how groups
+are cut into tiles, groups that start anywhere, and use inside `shard_map` with the dense reference
 checked on every device."""
 
 import jax
@@ -87,21 +87,37 @@ def test_gradients_equal_autodiff_of_dense_reference(case):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_work_items_visit_each_overlapping_tile_once():
-    starts, sizes, tile = [3, 20, 20, 50], [10, 25, 0, 19], 16
-    item_tile, item_group, count = tiled_experts.work_items(
-        jnp.asarray(starts), jnp.asarray(sizes), tile, max_items=12
-    )
-    want = [
-        (t, g)
-        for g, (a, n) in enumerate(zip(starts, sizes, strict=True))
-        for t in range(80 // tile + 1)
-        if n and t * tile < a + n and (t + 1) * tile > a
-    ]
-    got = list(
-        zip(np.asarray(item_tile)[: int(count)], np.asarray(item_group)[: int(count)], strict=True)
-    )
-    assert got == want
+def test_group_tiles_by_hand():
+    """Tiles of 16 then 8 rows from each group's first row; the last size rounds up."""
+    starts, sizes = jnp.asarray([3, 20, 20, 50]), jnp.asarray([10, 25, 0, 19])
+    assert tiled_experts.tile_sizes(16) == (16, 8)
+    (c16, f16), (c8, f8) = tiled_experts.group_tiles(starts, sizes, (16, 8))
+    assert np.asarray(c16).tolist() == [0, 1, 0, 1] and np.asarray(f16).tolist() == [3, 20, 20, 50]
+    assert np.asarray(c8).tolist() == [2, 2, 0, 1] and np.asarray(f8).tolist() == [3, 36, 20, 66]
+
+
+def test_group_tiles_cover_each_group_once():
+    """Every row of every group in exactly one tile, whole tiles inside their group, fewer than 8
+    rows past a group's end, at most one tile of each smaller size per group."""
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(0, 300, size=12)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) + rng.integers(0, 3, size=12).cumsum()
+    levels = tiled_experts.tile_sizes(64)
+    assert levels == (64, 32, 16, 8)
+    pieces = tiled_experts.group_tiles(jnp.asarray(starts), jnp.asarray(sizes), levels)
+    for g, (a, n) in enumerate(zip(starts, sizes, strict=True)):
+        covered = []
+        for i, (m, (count, first)) in enumerate(zip(levels, pieces, strict=True)):
+            assert i == 0 or int(count[g]) <= (2 if m == levels[-1] else 1)
+            for j in range(int(count[g])):
+                rows = list(range(int(first[g]) + j * m, int(first[g]) + (j + 1) * m))
+                if i < len(levels) - 1:
+                    assert rows[-1] < a + n, f"group {g}: whole tile past the end"
+                covered += rows
+        assert len(covered) == len(set(covered))
+        inside = [r for r in covered if r < a + n]
+        assert inside == list(range(a, a + n)), f"group {g}"
+        assert len(covered) - len(inside) < 8
 
 
 def test_bfloat16_close_to_float32():

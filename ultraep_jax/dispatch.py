@@ -34,6 +34,8 @@ class Dispatch:
       group_row_C: int32 [C], for each receive-buffer row its row once grouped by local group;
         C (out of range) for unused rows.
       group_sizes_G: int32 [G], rows received for each local group (masters, then slots).
+      group_sizes_RG: int32 [R, G], the same for every rank of the EP group (identical on every
+        rank: a function of the gathered loads and the plan, so no collective is needed).
       dropped: int32 [], pairs of the whole EP group that did not fit in their receive buffer.
     """
 
@@ -41,6 +43,7 @@ class Dispatch:
     exchange: Exchange
     group_row_C: jax.Array
     group_sizes_G: jax.Array
+    group_sizes_RG: jax.Array
     dropped: jax.Array
 
 
@@ -122,6 +125,40 @@ def group_major_positions(kept_in_RG: jax.Array, capacity: int) -> jax.Array:
     return jnp.where(rows < jnp.sum(kept_in_RG), pos, capacity).astype(jnp.int32)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupCounts:
+    """Every rank's dispatch counts under one plan, identical on every rank of the EP group.
+
+    Attributes:
+      assign_RI: int32 [R, I], pairs each source rank sends to each instance
+        (`reroute.reroute_counts`).
+      routed_RRG: int32 [R(src), R(dst), G], pairs each source sends to each local group of each
+        rank (`rank_group_counts`).
+      kept_RRG: int32 [R(src), R(dst), G], those that fit in the destination's receive buffer
+        (`kept_counts`).
+    """
+
+    assign_RI: jax.Array
+    routed_RRG: jax.Array
+    kept_RRG: jax.Array
+
+    @property
+    def group_sizes_RG(self) -> jax.Array:
+        """int32 [R, G]: rows each rank receives for each of its local groups (masters, then
+        slots): what each rank's experts run on."""
+        return jnp.sum(self.kept_RRG, axis=0)
+
+
+def group_counts(loads_RE: jax.Array, plan: Plan, capacity: int) -> GroupCounts:
+    """The `GroupCounts` of ``plan`` (``slot_expert`` [R, S]; S may be 0) for the all-gathered
+    ``loads_RE`` [R, E] it was made from, with ``capacity`` receive-buffer rows per rank."""
+    E = loads_RE.shape[1]
+    assign_RI = reroute.reroute_counts(loads_RE, plan)
+    routed_RRG = rank_group_counts(assign_RI, E, plan.slot_expert.shape[-1])
+    return GroupCounts(assign_RI, routed_RRG, kept_counts(routed_RRG, capacity))
+
+
 def plan_dispatch(
     experts_N: jax.Array, loads_RE: jax.Array, plan: Plan, rank: jax.Array, capacity: int
 ) -> Dispatch:
@@ -139,14 +176,12 @@ def plan_dispatch(
     S = plan.slot_expert.shape[-1]
     G = E // R + S
     N = experts_N.shape[0]
-    assign_RI = reroute.reroute_counts(loads_RE, plan)
-    counts_RRG = rank_group_counts(assign_RI, E, S)
-    kept_RRG = kept_counts(counts_RRG, capacity)
-    sizes_RR = jnp.sum(kept_RRG, axis=-1)
+    counts = group_counts(loads_RE, plan, capacity)
+    sizes_RR = jnp.sum(counts.kept_RRG, axis=-1)
     # Offsets count every routed pair: senders lay out all their pairs and send the kept prefix
     # of each block; a destination drops only past its last kept row, so every block with kept
     # rows starts at the same place whether dropped pairs are counted or not.
-    sent_RR = jnp.sum(counts_RRG, axis=-1)
+    sent_RR = jnp.sum(counts.routed_RRG, axis=-1)
     exchange = Exchange(
         sizes_RR=sizes_RR,
         src_start_RR=exclusive_cumsum(sent_RR, 1),
@@ -157,20 +192,20 @@ def plan_dispatch(
         max_chunk=min(N, capacity),
     )
     experts_N = jnp.where((experts_N >= 0) & (experts_N < E), experts_N, E)
-    inst_N = pair_instances(experts_N, assign_RI[rank], reroute.instance_experts(plan))
+    inst_N = pair_instances(experts_N, counts.assign_RI[rank], reroute.instance_experts(plan))
     # Instance I (none) is on rank R: after every rank's block, so never sent.
     order_N = send_order(
         jnp.append(reroute.instance_ranks(E, R, S), R)[inst_N],
         jnp.append(reroute.instance_groups(E, R, S), 0)[inst_N],
         G,
     )
-    kept_in_RG = kept_RRG[:, rank, :]
     return Dispatch(
         send_order_N=order_N,
         exchange=exchange,
-        group_row_C=group_major_positions(kept_in_RG, capacity),
-        group_sizes_G=jnp.sum(kept_in_RG, axis=0),
-        dropped=jnp.sum(counts_RRG) - jnp.sum(kept_RRG),
+        group_row_C=group_major_positions(counts.kept_RRG[:, rank, :], capacity),
+        group_sizes_G=counts.group_sizes_RG[rank],
+        group_sizes_RG=counts.group_sizes_RG,
+        dropped=jnp.sum(counts.routed_RRG) - jnp.sum(counts.kept_RRG),
     )
 
 

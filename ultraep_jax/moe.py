@@ -55,9 +55,13 @@ class MoEStats:
       imbalance_before, imbalance_after: float32 [], max / mean of the rank loads.
       aux_loss, z_loss: float32 [], the router's load-balancing and z losses (`routing.Routing`)
         when the stats come from `MoE`; 0 from `routed_experts`, which sees no router.
+      group_rows: int32 [R, G], rows each EP rank received for each of its local groups (E_m
+        masters, then S replica slots; G = E_m without a balancer): the group sizes its experts
+        ran on, all-gathered over the EP axis.
 
     With other mesh axes beside the EP axis, each of their indices is an independent EP group:
-    loads, ``dropped``, ``replicas`` and ``over_capacity`` are summed over the groups, and the
+    loads, ``dropped``, ``replicas``, ``over_capacity`` and ``group_rows`` are summed over the
+    groups (``group_rows[r, g]``: rows of local group g on EP rank r of every group), and the
     imbalances are the worst group's.
     """
 
@@ -72,6 +76,7 @@ class MoEStats:
     imbalance_after: jax.Array
     aux_loss: jax.Array
     z_loss: jax.Array
+    group_rows: jax.Array
 
     _SUMMED = (
         "expert_load",
@@ -81,12 +86,13 @@ class MoEStats:
         "invalid",
         "replicas",
         "over_capacity",
+        "group_rows",
     )
 
     @classmethod
-    def of_group(cls, loads_RE, plan, dropped, invalid, capacity: int) -> MoEStats:
-        """The stats of one EP group from its all-gathered loads [R, E], plan, drops and pairs of
-        no expert."""
+    def of_group(cls, loads_RE, plan, dropped, invalid, capacity: int, group_rows_RG) -> MoEStats:
+        """The stats of one EP group from its all-gathered loads [R, E], plan, drops, pairs of
+        no expert and rows received per rank and local group [R, G]."""
         load_E = jnp.sum(loads_RE, axis=0)
         before_R = master_rank_load(load_E, loads_RE.shape[0])
         return cls(
@@ -101,6 +107,7 @@ class MoEStats:
             imbalance_after=imbalance(plan.rank_load),
             aux_loss=jnp.float32(0),
             z_loss=jnp.float32(0),
+            group_rows=group_rows_RG,
         )
 
     def over_groups(self, data_axes: tuple[str, ...]) -> MoEStats:
@@ -388,7 +395,9 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
 
     # Pairs of ids outside [0, E) are in no load (`expert_loads`) and sent nowhere (`dispatch`).
     invalid = loads_RE.shape[0] * experts_N.shape[0] - jnp.sum(loads_RE)
-    stats = MoEStats.of_group(loads_RE, plan, route.dropped, invalid, capacity)
+    stats = MoEStats.of_group(
+        loads_RE, plan, route.dropped, invalid, capacity, route.group_sizes_RG
+    )
     # Invariant over the EP axis (a function of the gathered loads and the plan); summed or
     # maxed over the data groups, then invariant over the whole mesh.
     stats = jax.tree.map(lambda a: vary(a, ep.data_axes), stats).over_groups(ep.data_axes)

@@ -1,17 +1,23 @@
-"""SwiGLU experts over grouped rows as a loop over (row tile, group) work items, with its VJP.
+"""SwiGLU experts over grouped rows as a loop over groups and, inside each, over row tiles, with
+its VJP.
 
 `jax.lax.ragged_dot` on XLA:CPU is a masked dense product: every group multiplies every row of
-the buffer, so its cost is groups x buffer rows whatever the real group sizes are. Here the rows
-are cut into tiles of ``tile`` rows and a `jax.lax.while_loop` visits only the (tile, group) pairs
-that hold rows, running the whole SwiGLU MLP of that group on the tile (rows of other groups
-masked). The trip count is a runtime value, so the cost tracks the rows actually present: at most
-``ceil(rows / tile) + G`` work items. The backward pass is a second loop (custom VJP) that
-recomputes the hidden activations per tile instead of storing them.
+the buffer, so its cost is groups x buffer rows whatever the real group sizes are. Here a loop
+visits each group once (its weights are sliced once) and runs the whole SwiGLU MLP on the group's
+rows in tiles laid from the group's first row: ``size // tile`` full tiles of ``tile`` rows, then
+the last ``size % tile`` rows in tiles of ``REMAINDER_TILE`` rows (rows past the group's end are
+masked). Trip counts are runtime values, so the cost tracks the rows actually present, and a group
+wastes fewer than ``REMAINDER_TILE`` rows. (A tile grid shared by all groups, as before, wastes up
+to a whole tile at every group boundary and slices a group's weights once per tile: 10 groups of
+~410 rows in 64-row tiles cost 1.13x 8 tile-aligned groups of the same rows, which a balanced
+rank's extra replica groups paid.) The backward pass is a loop of the same shape (custom VJP) that
+recomputes the hidden activations per tile instead of storing them and sums each group's weight
+gradients in the loop carry.
 
 Groups are given by explicit row ranges ``[start[g], start[g] + size[g])`` so that one buffer can
 be split between two calls (master experts, then replica slots) without shifting rows.
 
-Shapes: C rows, D model width, F hidden width, G groups, m = tile rows.
+Shapes: C rows, D model width, F hidden width, G groups, m = rows of a tile.
 """
 
 from __future__ import annotations
@@ -23,34 +29,46 @@ import jax.numpy as jnp
 
 from ultraep_jax._vma import vary, varying_axes
 
+#: Rows of the tiles that cover a group's last ``size % tile`` rows.
+REMAINDER_TILE = 8
+
 
 def default_tile(num_rows: int) -> int:
-    """Rows per tile: 64, or fewer (a multiple of 8) for small buffers."""
+    """Rows per full tile: 64, or fewer (a multiple of 8) for small buffers."""
     return max(8, min(64, -(-num_rows // 32) * 8))
 
 
-def work_items(
-    group_start: jax.Array, group_size: jax.Array, tile: int, max_items: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The (tile, group) pairs that hold rows, groups in order, tiles ascending within a group.
+def tile_sizes(tile: int) -> tuple[int, ...]:
+    """Rows of the tiles a group is cut into, largest first: ``tile``, then halves down to
+    ``REMAINDER_TILE`` (or ``tile`` alone when it is not larger)."""
+    sizes = [tile]
+    while sizes[-1] // 2 >= REMAINDER_TILE:
+        sizes.append(sizes[-1] // 2)
+    return tuple(sizes)
+
+
+def group_tiles(
+    group_start: jax.Array, group_size: jax.Array, sizes: tuple[int, ...]
+) -> list[tuple[jax.Array, jax.Array]]:
+    """How each group's rows are cut into tiles, from its first row on.
 
     Args:
       group_start, group_size: int32 [G], each group's rows ``[start, start + size)``.
-      tile: rows per tile.
-      max_items: static length of the result (at least ``ceil(C / tile) + G``).
+      sizes: tile rows, largest first (`tile_sizes`).
 
     Returns:
-      item_tile, item_group: int32 [max_items] (entries past the count are clamped, unused);
-      count: int32 [], the number of valid items.
+      Per entry of ``sizes``, (count_G, first_G), int32 [G]: group g has ``count_G[g]`` tiles of
+      that size at rows ``first_G[g] + j * size``. Each size takes as many whole tiles as fit in
+      the rows the larger ones left; the last size also takes the final partial tile, which may
+      reach up to ``sizes[-1] - 1`` rows past the group's end.
     """
-    end = group_start + group_size
-    first = group_start // tile
-    n = jnp.where(group_size > 0, (end - 1) // tile - first + 1, 0)
-    cum = jnp.cumsum(n)
-    i = jnp.arange(max_items, dtype=jnp.int32)
-    group = jnp.clip(jnp.searchsorted(cum, i, side="right"), 0, group_size.shape[0] - 1)
-    item_tile = first[group] + i - (cum[group] - n[group])
-    return item_tile.astype(jnp.int32), group.astype(jnp.int32), cum[-1].astype(jnp.int32)
+    out = []
+    first, left = group_start, group_size
+    for i, m in enumerate(sizes):
+        count = -(-left // m) if i == len(sizes) - 1 else left // m
+        out.append((count, first))
+        first, left = first + count * m, left - count * m
+    return out
 
 
 def _dot(a, b, contract):
@@ -59,105 +77,167 @@ def _dot(a, b, contract):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _tile_inputs(x, group_start, group_size, item_tile, item_group, i, tile):
-    """Row offset, rows [m, D] and row mask [m, 1] of work item ``i``."""
-    t, g = item_tile[i], item_group[i]
-    offset = t * tile
-    rows = jax.lax.dynamic_slice_in_dim(x, offset, tile, axis=0)
-    row = offset + jnp.arange(tile, dtype=jnp.int32)
-    mask = (row >= group_start[g]) & (row < group_start[g] + group_size[g])
-    return offset, g, rows, mask[:, None]
+def _repeat(count, body, carry):
+    """``body(j, carry)`` for j = 0 .. count - 1, ``count`` a traced int32 []."""
+
+    def step(c):
+        j, inner = c
+        return j + 1, body(j, inner)
+
+    j0 = vary(jnp.int32(0), varying_axes(count))
+    return jax.lax.while_loop(lambda c: c[0] < count, step, (j0, carry))[1]
 
 
-def _forward(x, w_gate, w_up, w_down, group_start, group_size, tile):
+def _over_tiles(g, group_start, group_size, tile, tile_fn, carry):
+    """``tile_fn(offset, m, mask, carry)`` on each tile of group ``g`` (`group_tiles`), largest
+    first; ``mask`` is None for whole tiles and bool [m, 1] (rows inside the group) for the last
+    size, whose final tile may reach past the group's end."""
+    sizes = tile_sizes(tile)
+    end = group_start[g] + group_size[g]
+    pieces = group_tiles(group_start, group_size, sizes)
+    for m, (count_G, first_G) in zip(sizes, pieces, strict=True):
+        masked = m == sizes[-1]
+
+        def one(j, c, m=m, first=first_G[g], masked=masked):
+            offset = first + j * m
+            mask = (offset + jnp.arange(m, dtype=jnp.int32) < end)[:, None] if masked else None
+            return tile_fn(offset, m, mask, c)
+
+        carry = _repeat(count_G[g], one, carry)
+    return carry
+
+
+def _pad_rows(tile: int) -> int:
+    """Rows appended to the buffer so that no partial tile's slice is clamped."""
+    return tile_sizes(tile)[-1]
+
+
+def _forward(x, parts, group_start, group_size, tile):
     C, D = x.shape
-    G = w_gate.shape[0]
-    Cp = -(-C // tile) * tile
-    xp = jnp.pad(x, ((0, Cp - C), (0, 0)))
-    item_tile, item_group, count = work_items(group_start, group_size, tile, Cp // tile + G)
+    pad = _pad_rows(tile)
+    xp = jnp.pad(x, ((0, pad), (0, 0)))
+    out = vary(jnp.zeros((C + pad, D), x.dtype), varying_axes(xp))
+    first = 0
+    for part in parts:
 
-    def body(carry):
-        i, out = carry
-        offset, g, rows, mask = _tile_inputs(
-            xp, group_start, group_size, item_tile, item_group, i, tile
-        )
-        gate = _dot(rows, w_gate[g], (1, 0))
-        up = _dot(rows, w_up[g], (1, 0))
-        h = (jax.nn.silu(gate) * up).astype(x.dtype)
-        y = _dot(h, w_down[g], (1, 0)).astype(out.dtype)
-        old = jax.lax.dynamic_slice_in_dim(out, offset, tile, axis=0)
-        out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask, y, old), offset, axis=0)
-        return i + 1, out
+        def group(j, out, part=part, first=first):
+            wg, wu, wd = (w[j] for w in part)
 
-    out = vary(jnp.zeros((Cp, D), x.dtype), varying_axes(xp))
-    i0 = vary(jnp.int32(0), varying_axes(count))
-    _, out = jax.lax.while_loop(lambda c: c[0] < count, body, (i0, out))
+            def tile_fn(offset, m, mask, out):
+                rows = jax.lax.dynamic_slice_in_dim(xp, offset, m, axis=0)
+                h = (jax.nn.silu(_dot(rows, wg, (1, 0))) * _dot(rows, wu, (1, 0))).astype(x.dtype)
+                y = _dot(h, wd, (1, 0)).astype(out.dtype)
+                if mask is not None:
+                    y = jnp.where(mask, y, jax.lax.dynamic_slice_in_dim(out, offset, m, axis=0))
+                return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
+
+            return _over_tiles(first + j, group_start, group_size, tile, tile_fn, out)
+
+        out = jax.lax.fori_loop(0, part[0].shape[0], group, out)
+        first += part[0].shape[0]
     return out[:C]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _swiglu(x, w_gate, w_up, w_down, group_start, group_size, tile):
-    return _forward(x, w_gate, w_up, w_down, group_start, group_size, tile)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _swiglu(x, parts, group_start, group_size, tile):
+    return _forward(x, parts, group_start, group_size, tile)
 
 
-def _swiglu_fwd(x, w_gate, w_up, w_down, group_start, group_size, tile):
-    out = _forward(x, w_gate, w_up, w_down, group_start, group_size, tile)
-    return out, (x, w_gate, w_up, w_down, group_start, group_size)
+def _swiglu_fwd(x, parts, group_start, group_size, tile):
+    out = _forward(x, parts, group_start, group_size, tile)
+    return out, (x, parts, group_start, group_size)
+
+
+def _part_grads(xp, dp, part, first, group_start, group_size, tile, dx):
+    """dx [C + pad, D] with the rows of ``part``'s groups added, and the part's weight gradients
+    (float32, one [G_i, ...] per weight); ``first``: the part's first group overall."""
+    axes = varying_axes(xp) | varying_axes(dp)
+    f32, dtype = jnp.float32, xp.dtype
+
+    def group(j, carry):
+        dx, grads = carry
+        wg, wu, wd = (w[j] for w in part)
+
+        def tile_fn(offset, m, mask, acc):
+            dx, gg, gu, gd = acc
+            rows = jax.lax.dynamic_slice_in_dim(xp, offset, m, axis=0)
+            dy = jax.lax.dynamic_slice_in_dim(dp, offset, m, axis=0)
+            if mask is not None:
+                dy = jnp.where(mask, dy, 0)
+            gate = _dot(rows, wg, (1, 0))
+            up = _dot(rows, wu, (1, 0))
+            sig = jax.nn.sigmoid(gate)
+            act = gate * sig
+            h = (act * up).astype(dtype)
+            dh = _dot(dy, wd, (1, 1))  # [m, F]
+            d_up = (dh * act).astype(dtype)
+            d_gate = (dh * up * sig * (1 + gate * (1 - sig))).astype(dtype)
+            d_rows = _dot(d_gate, wg, (1, 1)) + _dot(d_up, wu, (1, 1))
+            old = jax.lax.dynamic_slice_in_dim(dx, offset, m, axis=0)
+            dx = jax.lax.dynamic_update_slice_in_dim(dx, old + d_rows, offset, axis=0)
+            return (
+                dx,
+                gg + _dot(rows, d_gate, (0, 0)),
+                gu + _dot(rows, d_up, (0, 0)),
+                gd + _dot(h, dy, (0, 0)),
+            )
+
+        sums = tuple(vary(jnp.zeros(w.shape[1:], f32), axes) for w in part)
+        dx, *sums = _over_tiles(first + j, group_start, group_size, tile, tile_fn, (dx, *sums))
+        return dx, tuple(g.at[j].set(s) for g, s in zip(grads, sums, strict=True))
+
+    zeros = tuple(vary(jnp.zeros(w.shape, f32), axes) for w in part)
+    return jax.lax.fori_loop(0, part[0].shape[0], group, (dx, zeros))
 
 
 def _swiglu_bwd(tile, res, d_out):
-    x, w_gate, w_up, w_down, group_start, group_size = res
+    x, parts, group_start, group_size = res
     C, D = x.shape
-    G = w_gate.shape[0]
-    Cp = -(-C // tile) * tile
-    xp = jnp.pad(x, ((0, Cp - C), (0, 0)))
-    dp = jnp.pad(d_out, ((0, Cp - C), (0, 0)))
-    item_tile, item_group, count = work_items(group_start, group_size, tile, Cp // tile + G)
-
-    def body(carry):
-        i, dx, dwg, dwu, dwd = carry
-        offset, g, rows, mask = _tile_inputs(
-            xp, group_start, group_size, item_tile, item_group, i, tile
-        )
-        dy = jnp.where(mask, jax.lax.dynamic_slice_in_dim(dp, offset, tile, axis=0), 0)
-        wg, wu, wd = w_gate[g], w_up[g], w_down[g]
-        gate = _dot(rows, wg, (1, 0))
-        up = _dot(rows, wu, (1, 0))
-        sig = jax.nn.sigmoid(gate)
-        act = gate * sig
-        h = (act * up).astype(x.dtype)
-        dh = _dot(dy, wd, (1, 1))  # [m, F]
-        d_up = dh * act
-        d_gate = dh * up * sig * (1 + gate * (1 - sig))
-        d_rows = _dot(d_gate.astype(x.dtype), wg, (1, 1)) + _dot(d_up.astype(x.dtype), wu, (1, 1))
-        old = jax.lax.dynamic_slice_in_dim(dx, offset, tile, axis=0)
-        dx = jax.lax.dynamic_update_slice_in_dim(dx, old + d_rows, offset, axis=0)
-        dwg = dwg.at[g].add(_dot(rows, d_gate.astype(x.dtype), (0, 0)))
-        dwu = dwu.at[g].add(_dot(rows, d_up.astype(x.dtype), (0, 0)))
-        dwd = dwd.at[g].add(_dot(h, dy, (0, 0)))
-        return i + 1, dx, dwg, dwu, dwd
-
-    axes = varying_axes(xp) | varying_axes(dp)
-    f32 = jnp.float32
-    init = (
-        vary(jnp.int32(0), varying_axes(count)),
-        vary(jnp.zeros((Cp, D), f32), axes),
-        vary(jnp.zeros(w_gate.shape, f32), axes),
-        vary(jnp.zeros(w_up.shape, f32), axes),
-        vary(jnp.zeros(w_down.shape, f32), axes),
-    )
-    _, dx, dwg, dwu, dwd = jax.lax.while_loop(lambda c: c[0] < count, body, init)
-    return (
-        dx[:C].astype(x.dtype),
-        dwg.astype(w_gate.dtype),
-        dwu.astype(w_up.dtype),
-        dwd.astype(w_down.dtype),
-        None,
-        None,
-    )
+    pad = _pad_rows(tile)
+    xp = jnp.pad(x, ((0, pad), (0, 0)))
+    dp = jnp.pad(d_out, ((0, pad), (0, 0)))
+    dx = vary(jnp.zeros((C + pad, D), jnp.float32), varying_axes(xp) | varying_axes(dp))
+    grads, first = [], 0
+    for part in parts:
+        dx, part_grads = _part_grads(xp, dp, part, first, group_start, group_size, tile, dx)
+        grads.append(tuple(g.astype(w.dtype) for g, w in zip(part_grads, part, strict=True)))
+        first += part[0].shape[0]
+    return dx[:C].astype(x.dtype), tuple(grads), None, None
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def tiled_swiglu_parts(
+    rows: jax.Array,
+    parts,
+    group_start: jax.Array,
+    group_size: jax.Array,
+    tile: int | None = None,
+) -> jax.Array:
+    """[C, D]: ``(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for the rows of each group g,
+    zeros for rows in no group, with the groups' weights in consecutive parts.
+
+    Args:
+      rows: [C, D].
+      parts: a sequence of weight stacks (w_gate, w_up [G_i, D, F], w_down [G_i, F, D]) whose
+        groups follow each other (a rank's masters, then its replica slots, without
+        concatenating them): group g of ``group_start`` is the first part's group g while g < G_0,
+        and so on.
+      group_start, group_size: int32 [sum G_i]: group g holds rows ``[start, start + size)``;
+        groups must not overlap and must lie inside ``[0, C)``.
+      tile: rows per full tile (static; at most C); default `default_tile(C)`.
+    """
+    tile = default_tile(rows.shape[0]) if tile is None else tile
+    tile = max(1, min(tile, rows.shape[0]))  # a full tile must fit in the buffer
+    # One varying type for every operand, so that the custom VJP's cotangents match its inputs;
+    # the cast's own transpose sums the weight gradients over the axes the weights do not vary on.
+    leaves = [rows, *jax.tree.leaves(parts)]
+    axes = frozenset().union(*(varying_axes(a) for a in leaves))
+    parts = tuple(tuple(vary(w, axes) for w in part) for part in parts)
+    start = vary(group_start.astype(jnp.int32), axes)
+    size = vary(group_size.astype(jnp.int32), axes)
+    return _swiglu(vary(rows, axes), parts, start, size, tile)
 
 
 def tiled_swiglu(
@@ -169,21 +249,5 @@ def tiled_swiglu(
     group_size: jax.Array,
     tile: int | None = None,
 ) -> jax.Array:
-    """[C, D]: ``(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for the rows of each group g,
-    zeros for rows in no group.
-
-    Args:
-      rows: [C, D].
-      w_gate, w_up: [G, D, F]; w_down: [G, F, D].
-      group_start, group_size: int32 [G]: group g holds rows ``[start, start + size)``; groups
-        must not overlap and must lie inside ``[0, C)``.
-      tile: rows per work item (static); default `default_tile(C)`.
-    """
-    tile = default_tile(rows.shape[0]) if tile is None else tile
-    # One varying type for every operand, so that the custom VJP's cotangents match its inputs;
-    # the cast's own transpose sums the weight gradients over the axes the weights do not vary on.
-    axes = frozenset().union(*(varying_axes(a) for a in (rows, w_gate, w_up, w_down)))
-    args = [vary(a, axes) for a in (rows, w_gate, w_up, w_down)]
-    start = vary(group_start.astype(jnp.int32), axes)
-    size = vary(group_size.astype(jnp.int32), axes)
-    return _swiglu(*args, start, size, tile)
+    """`tiled_swiglu_parts` with one weight stack: w_gate, w_up [G, D, F]; w_down [G, F, D]."""
+    return tiled_swiglu_parts(rows, [(w_gate, w_up, w_down)], group_start, group_size, tile)

@@ -22,6 +22,7 @@ import numpy as np
 
 __all__ = [
     "DEEPSEEK_DENSE_LAYERS",
+    "SWITCH_ENCODER_LAYERS",
     "TRACE_NAMES",
     "TRACE_NUM_EXPERTS",
     "TRACE_TOP_K",
@@ -40,6 +41,9 @@ TRACE_NUM_EXPERTS = {"deepseek-r1": 256, "qwen1.5-moe": 60, "switch-base-128": 1
 TRACE_TOP_K = {"deepseek-r1": 8, "qwen1.5-moe": 4, "switch-base-128": 1}
 #: DeepSeek-V3/R1 has 61 layers, the first 3 dense (no routed experts; the JSON holds a constant).
 DEEPSEEK_DENSE_LAYERS = 3
+#: Switch-Base-128 layers 6-11 are decoder layers with 512 tokens per row, mostly all on one
+#: expert; experiments use the encoder layers 0-5 (524288 tokens per row).
+SWITCH_ENCODER_LAYERS = 6
 _DEEPSEEK_NUM_LAYERS = 61
 
 

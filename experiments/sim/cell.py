@@ -16,8 +16,10 @@ from experiments.sim.cost import (
     LayerTime,
     copy_seconds,
     fixed_seconds,
+    ideal_layer_time,
     ideal_step_seconds,
     layer_time,
+    rank_expert_seconds,
     replica_bytes,
     transfer_copy_times,
 )
@@ -49,6 +51,7 @@ def step_seconds(
         terms = np.zeros(5)
         for stream in results[g * n_layers : (g + 1) * n_layers]:
             for b in stream:
+                groups = (b.balanced.quota > 0).sum(axis=1)
                 t = layer_time(
                     float(b.rank_load.max()),
                     transfer_copy_times(b.copies, b.copies_in, fanout),
@@ -57,6 +60,7 @@ def step_seconds(
                     ep,
                     cluster,
                     params,
+                    rank_expert_seconds(b.rank_load, groups, model, params),
                 )
                 terms += [t.other, t.plan, t.a2a, t.experts, t.transfer_exposed]
         terms *= scale
@@ -125,7 +129,7 @@ def simulate_cell(
     if "none" in rows:
         for row in rows.values():
             row["speedup"] = rows["none"]["step_s"] / row["step_s"]
-    ideal_layer = layer_time(mean, 0.0, 0.0, model, ep, cluster, params)
+    ideal_layer = ideal_layer_time(model, ep, cluster, params)
     return {
         "model": model.name,
         "scenario": scenario.name,

@@ -5,7 +5,9 @@ Per MoE layer and microbatch (forward + backward):
     t = t_other                 attention + router + shared expert (same for every balancer)
       + t_plan                  load all-gather + planner (critical path, forward only)
       + 4 * t_a2a(max load)     dispatch + combine, forward + backward
-      + t_experts(max load)     3 SwiGLU GEMMs, forward + backward = 3x forward FLOPs
+      + t_experts(max load)     3 SwiGLU GEMMs, forward + backward = 3x forward FLOPs; or, with a
+                                calibration from the per-rank replay (`ExpertCost`), the
+                                busiest rank's measured fixed + per-row + per-group cost
       + 2 * max(0, t_xfer - t_a2a)   replica weights (fwd) / gradients (bwd) beyond what the
                                      dispatch all-to-all of that pass hides
   step(group) = sum over microbatches of (sum over MoE layers of t + dense layers + LM head)
@@ -17,6 +19,7 @@ The force-balanced ideal puts every rank at the mean load with no transfer and n
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 
@@ -24,8 +27,66 @@ from experiments.sim.shapes import Cluster, ModelShape
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertCost:
+    """One rank's expert compute (forward + backward) as measured by the per-rank replay
+    (``python -m experiments.bench.replay --calibration_out``): ``fixed + per_row * rows +
+    per_group * groups`` seconds at the replay's shape, fitted over every rank it timed.
+
+    Attributes:
+      fixed_s, per_row_s, per_group_s: the fitted seconds (training mode).
+      d_model, d_ff: the replay's D and F.
+      pairs_per_rank: the mean rows per rank the replay ran (the buffer it allocated follows them).
+      device: what the replay ran on.
+      provenance: machine, commit, command and date of the replay.
+      measured: the replay's own ultraep figures (one dict per workload, EP size and mode).
+    """
+
+    fixed_s: float
+    per_row_s: float
+    per_group_s: float
+    d_model: int
+    d_ff: int
+    pairs_per_rank: int
+    device: str
+    provenance: dict
+    measured: tuple
+
+    @classmethod
+    def read(cls, path) -> ExpertCost:
+        """The training-mode costs of a replay calibration file (ValueError naming the file if it
+        has none)."""
+        with open(path) as f:
+            data = json.load(f)
+        if "train" not in data:
+            raise ValueError(f"{path}: no training-mode costs (run the replay with --mode=train)")
+        fit, shape = data["train"], data["shape"]
+        return cls(
+            fixed_s=fit["seconds_fixed"],
+            per_row_s=fit["seconds_per_row"],
+            per_group_s=fit["seconds_per_group"],
+            d_model=shape["d_model"],
+            d_ff=shape["d_ff"],
+            pairs_per_rank=fit["pairs_per_rank"],
+            device=data["provenance"]["device"],
+            provenance=data["provenance"],
+            measured=tuple(data.get("measured", ())),
+        )
+
+    def seconds(self, rows, groups, hidden: int, ffn: int, mean_rows: int) -> np.ndarray:
+        """Expert seconds of ranks with ``rows`` rows in ``groups`` non-empty groups (arrays) for
+        experts of width ``hidden`` x ``ffn`` at ``mean_rows`` rows per rank on average: the
+        per-row and per-group terms scaled by FLOPs per row (``hidden * ffn`` against the
+        replay's), the fixed term (the replay's buffer work) by that and by the buffer's rows."""
+        width = hidden * ffn / (self.d_model * self.d_ff)
+        buffer = mean_rows / self.pairs_per_rank
+        rows, groups = np.asarray(rows, np.float64), np.asarray(groups, np.float64)
+        return width * (self.fixed_s * buffer + self.per_row_s * rows + self.per_group_s * groups)
+
+
+@dataclasses.dataclass(frozen=True)
 class CostParams:
-    """Cost-model knobs shared by every term."""
+    """Cost-model knobs shared by every term (``expert_cost``: a replay calibration, or None for
+    the FLOP model of the experts)."""
 
     tokens_per_rank: int = 8192
     seq_len: int = 4096
@@ -34,6 +95,7 @@ class CostParams:
     relay_fanout: int = 2
     act_bytes: int = 2  # bf16 activations in dispatch and combine
     weight_bytes: int = 2  # bf16 expert weights and replica gradients
+    expert_cost: ExpertCost | None = None
 
 
 def expert_fwd_flops(rows: float, hidden: int, ffn: int) -> float:
@@ -204,11 +266,14 @@ def layer_time(
     ep: int,
     cluster: Cluster,
     params: CostParams,
+    expert_s: float | None = None,
 ) -> LayerTime:
     """Time of one MoE layer and microbatch from the busiest rank's rows.
 
     Args:
       max_rank_load: rows the busiest rank processes (receives, computes, sends back).
+      expert_s: the busiest rank's expert seconds when the caller has them (a calibration,
+        `rank_expert_seconds`); None: the FLOP model on ``max_rank_load`` rows.
       copy_times: replica transfer time in copies (``transfer_copy_times``); the gradient return
         in backward takes the same time (reverse tree).
       plan_seconds: planner time on the critical path (0: no planner in the step); the load
@@ -220,9 +285,11 @@ def layer_time(
     )
     rows = max(float(max_rank_load), float(tokens * model.top_k))  # every source sends T*k rows
     one_a2a = a2a_seconds(rows, ep, model.hidden, cluster, params)
-    experts = train_seconds(
-        expert_fwd_flops(max_rank_load, model.hidden, model.expert_ffn), cluster, params
-    )
+    experts = expert_s
+    if experts is None:
+        experts = train_seconds(
+            expert_fwd_flops(max_rank_load, model.hidden, model.expert_ffn), cluster, params
+        )
     xfer = copy_times * copy_seconds(replica_bytes(model, params), ep, cluster, params)
     plan = (
         plan_seconds + gather_seconds(ep, model.num_experts, cluster, params)
@@ -244,10 +311,27 @@ def fixed_seconds(model: ModelShape, cluster: Cluster, params: CostParams) -> fl
     return train_seconds(flops, cluster, params)
 
 
+def rank_expert_seconds(rows, groups, model: ModelShape, params: CostParams) -> float | None:
+    """The busiest rank's calibrated expert seconds, for ranks with ``rows`` rows in ``groups``
+    non-empty local groups (arrays [R]); None without a calibration."""
+    cost = params.expert_cost
+    if cost is None:
+        return None
+    mean = params.tokens_per_rank * model.top_k
+    return float(np.max(cost.seconds(rows, groups, model.hidden, model.expert_ffn, mean)))
+
+
+def ideal_layer_time(model: ModelShape, ep: int, cluster: Cluster, params: CostParams) -> LayerTime:
+    """Force-balanced ideal layer: every rank at the mean load ``T * k`` in its ``E / R`` master
+    groups, no transfer, no planner."""
+    mean = params.tokens_per_rank * model.top_k
+    expert_s = rank_expert_seconds([mean], [model.num_experts // ep], model, params)
+    return layer_time(mean, 0.0, 0.0, model, ep, cluster, params, expert_s)
+
+
 def ideal_step_seconds(
     model: ModelShape, ep: int, cluster: Cluster, params: CostParams, microbatches: int
 ) -> float:
-    """Force-balanced ideal: every rank at the mean load ``T * k``, no transfer, no planner."""
-    mean = params.tokens_per_rank * model.top_k
-    per_layer = layer_time(mean, 0.0, 0.0, model, ep, cluster, params).total
+    """Force-balanced ideal step (`ideal_layer_time` in every MoE layer and microbatch)."""
+    per_layer = ideal_layer_time(model, ep, cluster, params).total
     return microbatches * (model.moe_layers * per_layer + fixed_seconds(model, cluster, params))

@@ -12,7 +12,7 @@ from absl import flags
 from experiments import common
 from experiments.loads import traces
 from experiments.sim import balancers, cell, report
-from experiments.sim.cost import CostParams
+from experiments.sim.cost import CostParams, ExpertCost
 from experiments.sim.shapes import MODELS, SCENARIOS
 from experiments.sim.streams import Sampling
 
@@ -50,6 +50,12 @@ _COST = common.define_field_flags(
 _BALANCER = common.define_balancer_flags()
 _TIMING_BATCH = flags.DEFINE_integer("timing_batch", 256, "Matrices per timed planner call.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write every cell to this JSON file.")
+_CALIBRATION = flags.DEFINE_string(
+    "calibration",
+    None,
+    "A per-rank replay calibration file (python -m experiments.bench.replay --calibration_out): "
+    "the experts' measured fixed, per-row and per-group costs replace their FLOP model.",
+)
 _TRACES = flags.DEFINE_string(
     "traces_dir",
     str(traces.default_traces_dir()),
@@ -108,7 +114,19 @@ def _check_traces(traces_dir: str, models, workload_names) -> None:
         sys.exit(2)
 
 
-def _print_tables(cells: list[dict]) -> None:
+def _expert_cost(path: str | None) -> ExpertCost | None:
+    """The calibration at ``path`` (None without one); ends with one line ``error: ...`` when it
+    cannot be read."""
+    if path is None:
+        return None
+    try:
+        return ExpertCost.read(path)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: --calibration={path}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _print_tables(cells: list[dict], expert_cost: ExpertCost | None) -> None:
     """The regime, per-cell and headline tables, and the verdict."""
     names = list(dict.fromkeys(n for c in cells for n in c["rows"]))
     print("Ideal per-layer time, ms per microbatch (forward + backward), and one replica copy:")
@@ -122,6 +140,9 @@ def _print_tables(cells: list[dict]) -> None:
     print("\n".join(report.headline_table(cells, names)))
     print()
     print("\n".join(report.verdict(cells)))
+    if expert_cost is not None:
+        print()
+        print("\n".join(report.calibration_lines(expert_cost, cells)))
 
 
 def main(argv):
@@ -129,7 +150,7 @@ def main(argv):
     del argv
     start = time.perf_counter()
     _check_traces(_TRACES.value, _MODELS.value, _WORKLOADS.value)
-    params = CostParams(**_COST())
+    params = CostParams(**_COST(), expert_cost=_expert_cost(_CALIBRATION.value))
     sampling = Sampling(**_SAMPLING())
     cfg_kwargs = _BALANCER()
     chosen = balancers.make_balancers(_BASELINES.value, _TIMING_BATCH.value)
@@ -146,6 +167,6 @@ def main(argv):
         sampling,
         _TRACES.value,
     )
-    _print_tables(cells)
+    _print_tables(cells, params.expert_cost)
     print(f"\n(simulated in {time.perf_counter() - start:.0f} s)")
     common.write_json(_JSON.value, cells)

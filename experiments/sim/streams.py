@@ -18,9 +18,6 @@ from experiments.loads import traces, workloads
 from experiments.sim.cost import CostParams
 from experiments.sim.shapes import ModelShape
 
-#: Switch-Base-128 layers 6-11 are decoder layers with 512 tokens per row, mostly all on one
-#: expert; only the encoder layers 0-5 (524288 tokens per row) are used.
-SWITCH_ENCODER_LAYERS = 6
 #: Tokens drawn to turn a top-1 trace row into top-k expert shares.
 TOPK_DRAWS = 16384
 
@@ -31,7 +28,7 @@ def trace_runs(trace: str, traces_dir: str | None = None) -> tuple[np.ndarray, .
 
     deepseek-r1: one run per file (12 serving runs x 58 MoE layers). switch-base-128: one run per
     (dataset, iteration) of ``expert_freq_switch128_datasets.csv`` (4 x 30 runs), encoder layers
-    0-5 only (see ``SWITCH_ENCODER_LAYERS``). ``traces_dir`` is the folder holding the trace
+    0-5 only (see `traces.SWITCH_ENCODER_LAYERS`). ``traces_dir`` is the folder holding the trace
     folders (default `traces.default_traces_dir`); FileNotFoundError when the trace is not
     there.
     """
@@ -44,7 +41,7 @@ def trace_runs(trace: str, traces_dir: str | None = None) -> tuple[np.ndarray, .
     rows = traces.harmoeny_trace_rows(root / "expert_freq_switch128_datasets.csv")
     runs: dict = {}
     for meta, counts in rows:
-        if meta["layer"] < SWITCH_ENCODER_LAYERS:
+        if meta["layer"] < traces.SWITCH_ENCODER_LAYERS:
             runs.setdefault((meta["dataset"], meta["iteration"]), {})[meta["layer"]] = counts
     return tuple(
         np.stack([layers[k] for k in sorted(layers)]) for _, layers in sorted(runs.items())

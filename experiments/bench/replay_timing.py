@@ -1,0 +1,226 @@
+"""The timed part of `experiments.bench.replay`: one rank's own work, with the layer's code and
+kernels, on one device, one rank at a time.
+
+Three parts of a rank's work are timed separately:
+  planner      `uep.plan` on the all-gathered load matrix, with the layer's capacity (every rank
+               computes the same plan): per plan, inside one jitted `vmap` over copies
+  bookkeeping  the rank's dispatch arithmetic (`dispatch.plan_dispatch`) and its gathers: the send
+               buffer, the received rows regrouped by local group and back, the weighted combine
+               (forward; forward and backward in training)
+  experts      `experts.local_experts` on the rank's rows per local group: its E_m masters, then
+               its slot groups (forward; forward and backward in training)
+One compiled program per shape (buffer rows, masters, slots) serves every rank: group sizes,
+pairs and plans are runtime values. Nothing here crosses between ranks: the exchanges are
+modelled (`replay_work.exchange_seconds`).
+
+Clock: on a CPU, the CPU time of this process (pin it to one core: XLA:CPU then runs the work on
+that core, and other processes sharing the core do not count); elsewhere, wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ultraep_jax as uep
+from experiments.bench.replay_work import RankWork
+from ultraep_jax import dispatch
+from ultraep_jax.experts import local_experts
+
+MODES = ("train", "prefill")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The layer's shape for the replay.
+
+    Attributes:
+      d_model, d_ff: D and F of every expert (SwiGLU).
+      dtype: activations and weights ("float32" or "bfloat16").
+      kernel: `ultraep_jax.experts.KERNELS` entry for the experts ("auto": tiled on CPU, the GPU
+        kernels on CUDA).
+    """
+
+    d_model: int
+    d_ff: int
+    dtype: str
+    kernel: str
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return jnp.dtype(self.dtype).itemsize
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights (w_gate, w_up, w_down)."""
+        return 3 * self.d_model * self.d_ff * self.itemsize
+
+    def row_bytes(self) -> int:
+        """Bytes of one token row."""
+        return self.d_model * self.itemsize
+
+
+def clock() -> Callable[[], float]:
+    """Process CPU time on a CPU backend, wall time elsewhere (see the module docstring)."""
+    return time.process_time if jax.default_backend() == "cpu" else time.perf_counter
+
+
+def _random(shape, dtype, seed: int) -> jax.Array:
+    """A normal array of ``shape`` scaled to keep SwiGLU outputs of order one (drawn on the
+    device: the real shapes' buffers are gigabytes)."""
+    draw = jax.jit(jax.random.normal, static_argnums=(1, 2))
+    return draw(jax.random.key(seed), tuple(shape), jnp.dtype(dtype)) / float(np.sqrt(shape[-1]))
+
+
+@functools.cache
+def _experts_fn(mode: str, kernel: str):
+    """The jitted experts step of one rank: forward, or forward and backward (the gradients of
+    rows, master and slot weights for a cotangent)."""
+
+    def forward(rows, masters, replicas, sizes):
+        return local_experts(rows, masters, replicas, sizes, kernel)
+
+    if mode == "prefill":
+        return jax.jit(forward)
+
+    def train(rows, masters, replicas, sizes, cotangent):
+        out, pullback = jax.vjp(lambda r, m, s: forward(r, m, s, sizes), rows, masters, replicas)
+        return out, pullback(cotangent)
+
+    return jax.jit(train)
+
+
+@functools.cache
+def _expert_inputs(shape: Shape, capacity: int, masters: int, slots: int):
+    """Rows [C, D], master and slot weights, and a cotangent [C, D] (random; values do not change
+    the work)."""
+    D, F, dt = shape.d_model, shape.d_ff, shape.dtype
+
+    def weights(n, seed):
+        if n == 0:
+            return None
+        return tuple(
+            _random(s, dt, seed + i) for i, s in enumerate([(n, D, F), (n, D, F), (n, F, D)])
+        )
+
+    rows = _random((capacity, D), dt, 1)
+    return rows, weights(masters, 10), weights(slots, 20), _random((capacity, D), dt, 2)
+
+
+def experts_task(work: RankWork, rank: int, masters: int, shape: Shape, mode: str):
+    """A call of ``rank``'s experts under ``work`` (blocks until done)."""
+    G = work.group_rows_RG.shape[1]
+    rows, m, s, cot = _expert_inputs(shape, work.capacity, masters, G - masters)
+    sizes = jnp.asarray(work.group_rows_RG[rank], jnp.int32)
+    fn = _experts_fn(mode, shape.kernel)
+    args = (rows, m, s, sizes) if mode == "prefill" else (rows, m, s, sizes, cot)
+    return lambda: jax.block_until_ready(fn(*args))
+
+
+@functools.cache
+def _bookkeeping_fn(mode: str, capacity: int, top_k: int):
+    """The jitted dispatch bookkeeping and gathers of one rank (see the module docstring); the
+    rows the exchanges would bring stand in as inputs."""
+
+    def forward(tokens_TD, weights_TK, received_CD, done_CD, experts_N, loads_RE, plan, rank):
+        route = dispatch.plan_dispatch(experts_N, loads_RE, plan, rank, capacity)
+        send_ND = tokens_TD[route.send_order_N // top_k]
+        rows_CD = dispatch.to_groups(received_CD, route)
+        back_CD = dispatch.from_groups(done_CD, route)
+        return send_ND, rows_CD, back_CD, dispatch.combine(send_ND, route, weights_TK)
+
+    if mode == "prefill":
+        return jax.jit(forward)
+
+    def train(tokens_TD, weights_TK, received_CD, done_CD, *rest):
+        outs, pullback = jax.vjp(
+            lambda *a: forward(*a, *rest), tokens_TD, weights_TK, received_CD, done_CD
+        )
+        return outs, pullback(outs)
+
+    return jax.jit(train)
+
+
+@functools.cache
+def _bookkeeping_inputs(shape: Shape, tokens: int, top_k: int, capacity: int):
+    D, dt = shape.d_model, shape.dtype
+    return (
+        _random((tokens, D), dt, 3),
+        jnp.asarray(np.full((tokens, top_k), 1.0 / top_k, np.float32)),
+        _random((capacity, D), dt, 4),
+        _random((capacity, D), dt, 5),
+    )
+
+
+def rank_pairs(loads_RE: np.ndarray, rank: int, seed: int) -> np.ndarray:
+    """int32 [N]: ``rank``'s (token, choice) pairs, token-major, in a seeded random order, with
+    ``loads_RE[rank, e]`` of them routed to expert e."""
+    experts = np.repeat(np.arange(loads_RE.shape[1], dtype=np.int32), loads_RE[rank])
+    return np.random.default_rng([seed, rank]).permutation(experts)
+
+
+def bookkeeping_task(work: RankWork, rank: int, top_k: int, shape: Shape, mode: str, seed: int):
+    """A call of ``rank``'s dispatch bookkeeping and gathers under ``work`` (blocks)."""
+    pairs = rank_pairs(work.loads_RE, rank, seed)
+    tokens = pairs.size // top_k
+    fn = _bookkeeping_fn(mode, work.capacity, top_k)
+    args = (
+        *_bookkeeping_inputs(shape, tokens, top_k, work.capacity),
+        jnp.asarray(pairs),
+        jnp.asarray(work.loads_RE),
+        jax.tree.map(jnp.asarray, work.plan),
+        jnp.int32(rank),
+    )
+    return lambda: jax.block_until_ready(fn(*args))
+
+
+def planner_seconds(
+    loads_RE: np.ndarray, cfg: uep.BalancerConfig, capacity: int, repeats: int, batch: int = 32
+) -> float:
+    """Seconds per plan of ``loads_RE`` with ``capacity``: one jitted `vmap` of `uep.plan` over
+    ``batch`` copies, median of ``repeats`` calls (after a compiling one), divided by ``batch``."""
+    fn = jax.jit(jax.vmap(lambda loads: uep.plan(loads, cfg, capacity=capacity)))
+    data = jnp.asarray(np.repeat(np.asarray(loads_RE, np.int32)[None], batch, axis=0))
+    rounds = sample_times({"plan": lambda: jax.block_until_ready(fn(data))}, repeats)
+    return statistics.median(t["plan"] for t in rounds) / batch
+
+
+@functools.cache
+def _flush_fn():
+    """A jitted pass over 64 MiB on the default device (more than the caches of the CPUs and GPUs
+    this runs on), and its input."""
+    data = jnp.zeros((16 << 20,), jnp.float32)
+    step = jax.jit(lambda a: a + 1.0)
+    return lambda: jax.block_until_ready(step(data))
+
+
+def sample_times(
+    tasks: Mapping[object, Callable[[], object]], rounds: int, warm_up: bool = True
+) -> list[dict]:
+    """Seconds of every task in each of ``rounds`` rounds (one dict per round), after one call
+    each that compiles (``warm_up``). Every round runs the tasks in their order, so tasks next to
+    each other see the machine in the same state, and each timed call starts with cold caches (a
+    pass over 64 MiB before it, not timed): a call right after another that swept the caches with
+    larger buffers took up to 1.18x one after a call of its own size."""
+    tick = clock()
+    flush = _flush_fn()
+    if warm_up:
+        for run in tasks.values():
+            run()
+    out = []
+    for _ in range(rounds):
+        times = {}
+        for key, run in tasks.items():
+            flush()
+            start = tick()
+            run()
+            times[key] = tick() - start
+        out.append(times)
+    return out

@@ -1,0 +1,319 @@
+"""What every rank of an EP group does for one load matrix under each balancing policy, for
+`experiments.bench.replay`: the load matrices (trace layers or generated), each rank's received
+rows per local group, the token rows each rank exchanges with each peer and the expert weights
+it sends, and what those exchanges cost at a stated link bandwidth (modelled).
+
+ultraep, exact mode and none are computed as the layer computes them: `ultraep_jax.plan` (with
+the layer's receive capacity) and `ultraep_jax.dispatch.group_counts`, the arithmetic
+`dispatch.plan_dispatch` runs on every rank. The EPLB baselines (`experiments.loads.baselines`)
+re-lay out the experts, so their rows and groups come from their placements: each instance is one
+group of the rank that holds it, processing its even share of the expert's tokens.
+
+Shapes: R ranks, E experts, E_m = E / R masters per rank, S spare slots per rank, G groups per
+rank, P pairs (rows) each source rank routes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import numpy as np
+
+import ultraep_jax as uep
+from experiments.loads import baselines, traces, workloads
+from ultraep_jax import dispatch, reroute
+
+#: The policies compared, in table order (the force-balanced ideal is reported beside them).
+POLICIES = ("none", "eplb_periodic", "eplb_exact", "ultraep", "exact")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One load matrix to replay.
+
+    Attributes:
+      label: the trace item (trace/file/.../layer) or the generator and seed.
+      loads_RE: int32 [R, E], pairs each source rank routes to each expert.
+      history_HRE: int32 [H, R, E], earlier matrices of the same layer, which eplb_periodic plans
+        on.
+    """
+
+    label: str
+    loads_RE: np.ndarray
+    history_HRE: np.ndarray
+
+
+def _layer_key(label: str) -> str:
+    """The label without its time axis: the serving run (file) of a deepseek-r1 item, the
+    iteration of a HarMoEny item; items with equal keys are one layer at different times."""
+    parts = label.split("/")
+    if parts[0] == "deepseek-r1":
+        return f"{parts[0]}/{parts[-1]}"
+    return "/".join(p for p in parts if not p.startswith("iter"))
+
+
+def trace_samples(
+    name: str, ep: int, pairs_per_rank: int, count: int, history: int, seed: int, traces_dir=None
+) -> list[Sample]:
+    """``count`` layers of trace ``name``, drawn at random (seeded) from its items
+    (Switch-Base-128: encoder layers only, see `traces.SWITCH_ENCODER_LAYERS`), as ``[R, E]``
+    load matrices of ``pairs_per_rank`` pairs per source rank at the traced model's own top-k,
+    each with the ``history`` items of the same layer before it (cyclic). Counts are split over
+    source ranks at random, seeded per item (`workloads.loads_from_expert_counts`)."""
+    top_k = traces.TRACE_TOP_K[name]
+    if pairs_per_rank % top_k:
+        raise ValueError(f"pairs_per_rank={pairs_per_rank} is not a multiple of top_k={top_k}")
+    items = [
+        (label, counts)
+        for label, counts in traces.trace_items(name, traces_dir)
+        if name != "switch-base-128" or int(label[-2:]) < traces.SWITCH_ENCODER_LAYERS
+    ]
+    rng = np.random.default_rng([seed, len(items)])
+    picks = sorted(rng.choice(len(items), size=min(count, len(items)), replace=False).tolist())
+
+    def loads(index: int) -> np.ndarray:
+        item_seed = int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+        counts = items[index][1]
+        return workloads.loads_from_expert_counts(
+            counts, ep, pairs_per_rank // top_k, top_k, item_seed
+        )
+
+    samples = []
+    for i in picks:
+        key = _layer_key(items[i][0])
+        same = [j for j in range(len(items)) if _layer_key(items[j][0]) == key]
+        before = [same[(same.index(i) - h) % len(same)] for h in range(history, 0, -1)]
+        past = np.stack([loads(j) for j in before]) if before else np.zeros((0, ep, 0), np.int32)
+        samples.append(Sample(items[i][0], loads(i), past))
+    return samples
+
+
+def zipf_samples(
+    target: float,
+    ep: int,
+    num_experts: int,
+    top_k: int,
+    pairs_per_rank: int,
+    count: int,
+    history: int,
+    seed: int,
+) -> list[Sample]:
+    """``count`` UltraEP-style rank-level Zipf matrices at initial max/mean ``target``
+    (`workloads.rank_zipf_loads`), each with ``history`` matrices of other seeds (a popularity
+    that moves between steps)."""
+
+    def loads(s: int) -> np.ndarray:
+        tokens = pairs_per_rank // top_k
+        return workloads.rank_zipf_loads(ep, num_experts, tokens, top_k, target, s)
+
+    return [
+        Sample(
+            f"rank-zipf {target:g}/seed{seed + i}",
+            loads(seed + i),
+            np.stack([loads(seed + 1000 * (h + 1) + i) for h in range(history)])
+            if history
+            else np.zeros((0, ep, num_experts), np.int32),
+        )
+        for i in range(count)
+    ]
+
+
+def force_balanced_loads(ep: int, num_experts: int, pairs_per_rank: int) -> np.ndarray:
+    """int32 [R, E]: every source spreads its pairs over the experts as evenly as integers allow,
+    its remainder on experts shifted by its rank, so every rank receives the mean (within E_m)."""
+    base, extra = divmod(pairs_per_rank, num_experts)
+    loads = np.full((ep, num_experts), base, np.int32)
+    for r in range(ep):
+        loads[r, (r * extra + np.arange(extra)) % num_experts] += 1
+    return loads
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWork:
+    """What one policy makes every rank of an EP group do for one load matrix (NumPy).
+
+    Attributes:
+      policy: the policy's name.
+      group_rows_RG: int [R, G], rows each rank's experts run for each local group: its E_m own
+        groups, then ``G - E_m`` groups whose weights arrive from other ranks (replica slots, or
+        EPLB's placements beyond E_m).
+      capacity: receive-buffer rows per rank (the layer's for ultraep and exact mode; at least the
+        busiest rank's rows for the `DROPLESS` policies).
+      token_rows_RR: float [R(src), R(dst)], rows each source sends each destination in the
+        dispatch (the combine sends them back).
+      weight_copies_RR: int [R(src), R(dst)], expert weight sets each rank sends each other rank
+        for this layer (their gradients return the same way in training).
+      dropped: pairs past their destination's capacity.
+      plan: the `uep.Plan` whose dispatch bookkeeping the rank runs (EPLB: the masters-only plan,
+        the same bookkeeping on the same pairs).
+      loads_RE: int32 [R, E], the matrix the bookkeeping runs on.
+      host_plan_seconds: host wall time of a NumPy planner on the step's critical path
+        (eplb_exact), else 0.
+    """
+
+    policy: str
+    group_rows_RG: np.ndarray
+    capacity: int
+    token_rows_RR: np.ndarray
+    weight_copies_RR: np.ndarray
+    dropped: int
+    plan: uep.Plan
+    loads_RE: np.ndarray
+    host_plan_seconds: float = 0.0
+
+    @property
+    def rows_R(self) -> np.ndarray:
+        """int [R]: rows each rank's experts run."""
+        return self.group_rows_RG.sum(axis=1)
+
+    @property
+    def groups_R(self) -> np.ndarray:
+        """int [R]: non-empty groups on each rank."""
+        return (self.group_rows_RG > 0).sum(axis=1)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the rows each rank runs."""
+        rows = self.rows_R
+        return float(rows.max() / rows.mean()) if rows.sum() else 1.0
+
+    @property
+    def replicas(self) -> int:
+        """Expert weight sets moved for this layer."""
+        return int(self.weight_copies_RR.sum())
+
+
+def layer_capacity(capacity_factor: float, pairs_per_rank: int) -> int:
+    """The layer's receive-buffer rows per rank (`uep.ExpertParallel.capacity`)."""
+    return max(1, math.ceil(capacity_factor * pairs_per_rank))
+
+
+def dropless_capacity(max_rows: int, pairs_per_rank: int) -> int:
+    """Rows of a buffer that drops nothing: ``max_rows`` rounded up to an eighth of the pairs a
+    rank routes (a few buffer sizes, so a few compiled programs)."""
+    step = max(1, pairs_per_rank // 8)
+    return max(step, -(-max_rows // step) * step)
+
+
+_jit_plan = jax.jit(uep.plan, static_argnums=(1, 2))
+_jit_masters_only = jax.jit(reroute.masters_only_plan)
+_jit_counts = jax.jit(dispatch.group_counts, static_argnums=2)
+
+
+def library_work(
+    policy: str, loads_RE: np.ndarray, cfg: uep.BalancerConfig | None, capacity: int
+) -> RankWork:
+    """ultraep / exact mode (``cfg``) or none (``cfg`` None) as the layer runs it: the plan
+    of ``loads_RE`` within ``capacity`` rows and every rank's rows per group under it."""
+    loads = np.asarray(loads_RE, np.int32)
+    R, E = loads.shape
+    if cfg is None:
+        plan = _jit_masters_only(loads)
+    else:
+        plan = _jit_plan(loads, cfg, capacity)
+    counts = jax.device_get(_jit_counts(loads, plan, capacity))
+    copies = np.zeros((R, R), np.int64)
+    slot_expert = np.asarray(plan.slot_expert)
+    for dst, src_expert in zip(*np.nonzero(slot_expert >= 0), strict=True):
+        copies[slot_expert[dst, src_expert] // (E // R), dst] += 1
+    return RankWork(
+        policy=policy,
+        group_rows_RG=np.asarray(counts.group_sizes_RG, np.int64),
+        capacity=capacity,
+        token_rows_RR=np.asarray(counts.kept_RRG.sum(-1), np.float64),
+        weight_copies_RR=copies,
+        dropped=int(counts.routed_RRG.sum() - counts.kept_RRG.sum()),
+        plan=jax.device_get(plan),
+        loads_RE=loads,
+    )
+
+
+def placement_work(
+    policy: str,
+    balanced: baselines.Balanced,
+    loads_RE: np.ndarray,
+    moves_weights: bool,
+    host_plan_seconds: float = 0.0,
+) -> RankWork:
+    """An EPLB placement as rank work: each instance of layout ``[R, C]`` is a group of its rank
+    with its quota of rows; each source splits its pairs for an expert over the expert's
+    instances in proportion to their quotas (what routing each token to an instance at random
+    gives on average); ``moves_weights``: every instance off its expert's home rank ``e // E_m``
+    is a weight copy this layer (a re-layout planned on this step's loads), else the layout is
+    already in place."""
+    loads = np.asarray(loads_RE, np.int64)
+    R, E = loads.shape
+    layout, quota = balanced.layout, balanced.quota
+    expert_load = loads.sum(axis=0)
+    token_rows = np.zeros((R, R))
+    copies = np.zeros((R, R), np.int64)
+    for dst, slot in zip(*np.nonzero(layout >= 0), strict=True):
+        e = layout[dst, slot]
+        if expert_load[e]:
+            token_rows[:, dst] += loads[:, e] * quota[dst, slot] / expert_load[e]
+        home = e // (E // R)
+        if moves_weights and home != dst:
+            copies[home, dst] += 1
+    masters_only = jax.device_get(_jit_masters_only(loads.astype(np.int32)))
+    return RankWork(
+        policy=policy,
+        group_rows_RG=np.asarray(quota, np.int64),
+        capacity=int(quota.sum(axis=1).max()),
+        token_rows_RR=token_rows,
+        weight_copies_RR=copies,
+        dropped=0,
+        plan=masters_only,
+        loads_RE=loads.astype(np.int32),
+        host_plan_seconds=host_plan_seconds,
+    )
+
+
+#: Policies that drop nothing: their buffer holds their busiest rank's rows (`with_buffers`).
+DROPLESS = ("none", "eplb_periodic", "eplb_exact")
+
+
+def policy_work(
+    sample: Sample, cfg: uep.BalancerConfig, pairs_per_rank: int, capacity: int
+) -> dict[str, RankWork]:
+    """Every policy of `POLICIES` on ``sample``, plus ``"ideal"``: the force-balanced ideal,
+    plain EP on `force_balanced_loads` (every rank at the mean rows, E_m groups) with the layer's
+    ``capacity``, which ultraep and exact mode (``cfg`` with ``balance_eps=0``) also use. The
+    `DROPLESS` policies get a buffer of their own busiest rank's rows (`dropless_capacity`)."""
+    loads = sample.loads_RE
+    R, E = loads.shape
+    out = {"none": library_work("none", loads, None, R * pairs_per_rank)}
+    history = np.concatenate([sample.history_HRE, loads[None]]).astype(np.int64)
+    window = max(1, len(sample.history_HRE))
+    periodic = baselines.eplb_periodic(history, cfg.slots_per_rank, window, window, lag=1)
+    out["eplb_periodic"] = placement_work("eplb_periodic", periodic.steps[-1], loads, False)
+    start = time.perf_counter()
+    exact_eplb = baselines.eplb_exact(loads, cfg.slots_per_rank)
+    seconds = time.perf_counter() - start
+    out["eplb_exact"] = placement_work("eplb_exact", exact_eplb, loads, True, seconds)
+    out["ultraep"] = library_work("ultraep", loads, cfg, capacity)
+    exact_cfg = dataclasses.replace(cfg, balance_eps=0.0)
+    out["exact"] = library_work("exact", loads, exact_cfg, capacity)
+    out["ideal"] = library_work("ideal", force_balanced_loads(R, E, pairs_per_rank), None, capacity)
+    buffers = {p: dropless_capacity(int(out[p].rows_R.max()), pairs_per_rank) for p in DROPLESS}
+    return with_buffers(out, buffers)
+
+
+def with_buffers(works: dict[str, RankWork], capacity: dict[str, int]) -> dict[str, RankWork]:
+    """``works`` with the buffer of each policy named in ``capacity`` set to that many rows (at
+    least its busiest rank's), so that one compiled program per shape serves several matrices."""
+    return {
+        p: dataclasses.replace(w, capacity=capacity.get(p, w.capacity)) for p, w in works.items()
+    }
+
+
+def exchange_seconds(units_RR: np.ndarray, unit_bytes: float, link_gbps: float) -> float:
+    """Seconds of an all-to-all in which source r sends ``units_RR[r, d]`` units of
+    ``unit_bytes`` to rank d, each rank sending and receiving through one link of ``link_gbps``
+    GB/s per direction: what a rank keeps costs nothing, and the rank with the most bytes to send
+    or receive sets the time (modelled)."""
+    off = np.asarray(units_RR, np.float64) * (1 - np.eye(units_RR.shape[0]))
+    busiest = max(off.sum(axis=1).max(), off.sum(axis=0).max())
+    return float(busiest * unit_bytes / (link_gbps * 1e9))
