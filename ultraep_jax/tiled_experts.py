@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ultraep_jax._vma import vary, varying_axes
 
@@ -112,29 +113,47 @@ def _pad_rows(tile: int) -> int:
     return tile_sizes(tile)[-1]
 
 
+def _part_offsets(parts) -> np.ndarray:
+    """int [len(parts) + 1]: the first group of each part overall, then the group count."""
+    return np.cumsum([0] + [part[0].shape[0] for part in parts])
+
+
+def _group_weights(parts, g):
+    """(w_gate, w_up, w_down) of group ``g`` (traced int32 []) counted over all parts."""
+    if len(parts) == 1:
+        return tuple(w[g] for w in parts[0])
+    offsets = _part_offsets(parts)
+    which = jnp.sum(g >= offsets[1:-1]).astype(jnp.int32)
+    branches = [
+        functools.partial(lambda part, o: tuple(w[g - o] for w in part), part, int(o))
+        for part, o in zip(parts, offsets, strict=False)
+    ]
+    return jax.lax.switch(which, branches)
+
+
 def _forward(x, parts, group_start, group_size, tile):
     C, D = x.shape
     pad = _pad_rows(tile)
     xp = jnp.pad(x, ((0, pad), (0, 0)))
     out = vary(jnp.zeros((C + pad, D), x.dtype), varying_axes(xp))
-    first = 0
-    for part in parts:
 
-        def group(j, out, part=part, first=first):
-            wg, wu, wd = (w[j] for w in part)
+    # One loop over every part's groups: a collective that XLA scheduled between two loops would
+    # make the rank running a replica slot wait for its expert's master rank to finish the master
+    # group first (a training step measured 37 ms of such waiting on each of two pinned ranks).
+    def group(g, out):
+        wg, wu, wd = _group_weights(parts, g)
 
-            def tile_fn(offset, m, mask, out):
-                rows = jax.lax.dynamic_slice_in_dim(xp, offset, m, axis=0)
-                h = (jax.nn.silu(_dot(rows, wg, (1, 0))) * _dot(rows, wu, (1, 0))).astype(x.dtype)
-                y = _dot(h, wd, (1, 0)).astype(out.dtype)
-                if mask is not None:
-                    y = jnp.where(mask, y, jax.lax.dynamic_slice_in_dim(out, offset, m, axis=0))
-                return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
+        def tile_fn(offset, m, mask, out):
+            rows = jax.lax.dynamic_slice_in_dim(xp, offset, m, axis=0)
+            h = (jax.nn.silu(_dot(rows, wg, (1, 0))) * _dot(rows, wu, (1, 0))).astype(x.dtype)
+            y = _dot(h, wd, (1, 0)).astype(out.dtype)
+            if mask is not None:
+                y = jnp.where(mask, y, jax.lax.dynamic_slice_in_dim(out, offset, m, axis=0))
+            return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
 
-            return _over_tiles(first + j, group_start, group_size, tile, tile_fn, out)
+        return _over_tiles(g, group_start, group_size, tile, tile_fn, out)
 
-        out = jax.lax.fori_loop(0, part[0].shape[0], group, out)
-        first += part[0].shape[0]
+    out = jax.lax.fori_loop(0, int(_part_offsets(parts)[-1]), group, out)
     return out[:C]
 
 
@@ -148,15 +167,30 @@ def _swiglu_fwd(x, parts, group_start, group_size, tile):
     return out, (x, parts, group_start, group_size)
 
 
-def _part_grads(xp, dp, part, first, group_start, group_size, tile, dx):
-    """dx [C + pad, D] with the rows of ``part``'s groups added, and the part's weight gradients
-    (float32, one [G_i, ...] per weight); ``first``: the part's first group overall."""
+def _set_group(grads, g, sums, offsets):
+    """``grads`` (per part, a tuple of [G_i, ...] arrays) with group ``g``'s entries set to
+    ``sums``: an in-place update of every part at a clamped index, keeping the old value in the
+    parts that do not hold ``g``."""
+    out = []
+    for part, first, end in zip(grads, offsets[:-1], offsets[1:], strict=True):
+        i = jnp.clip(g - int(first), 0, int(end - first) - 1)
+        inside = (g >= first) & (g < end)
+        out.append(
+            tuple(a.at[i].set(jnp.where(inside, s, a[i])) for a, s in zip(part, sums, strict=True))
+        )
+    return tuple(out)
+
+
+def _grads(xp, dp, parts, group_start, group_size, tile):
+    """dx [C + pad, D] (float32) and every part's weight gradients (float32, one [G_i, ...] per
+    weight), in one loop over all groups (see `_forward`)."""
     axes = varying_axes(xp) | varying_axes(dp)
     f32, dtype = jnp.float32, xp.dtype
+    offsets = _part_offsets(parts)
 
-    def group(j, carry):
+    def group(g, carry):
         dx, grads = carry
-        wg, wu, wd = (w[j] for w in part)
+        wg, wu, wd = _group_weights(parts, g)
 
         def tile_fn(offset, m, mask, acc):
             dx, gg, gu, gd = acc
@@ -182,12 +216,14 @@ def _part_grads(xp, dp, part, first, group_start, group_size, tile, dx):
                 gd + _dot(h, dy, (0, 0)),
             )
 
-        sums = tuple(vary(jnp.zeros(w.shape[1:], f32), axes) for w in part)
-        dx, *sums = _over_tiles(first + j, group_start, group_size, tile, tile_fn, (dx, *sums))
-        return dx, tuple(g.at[j].set(s) for g, s in zip(grads, sums, strict=True))
+        sums = tuple(vary(jnp.zeros(w.shape[1:], f32), axes) for w in parts[0])
+        dx, *sums = _over_tiles(g, group_start, group_size, tile, tile_fn, (dx, *sums))
+        return dx, _set_group(grads, g, sums, offsets)
 
-    zeros = tuple(vary(jnp.zeros(w.shape, f32), axes) for w in part)
-    return jax.lax.fori_loop(0, part[0].shape[0], group, (dx, zeros))
+    C_pad, D = xp.shape
+    dx = vary(jnp.zeros((C_pad, D), f32), axes)
+    zeros = tuple(tuple(vary(jnp.zeros(w.shape, f32), axes) for w in part) for part in parts)
+    return jax.lax.fori_loop(0, int(offsets[-1]), group, (dx, zeros))
 
 
 def _swiglu_bwd(tile, res, d_out):
@@ -196,13 +232,12 @@ def _swiglu_bwd(tile, res, d_out):
     pad = _pad_rows(tile)
     xp = jnp.pad(x, ((0, pad), (0, 0)))
     dp = jnp.pad(d_out, ((0, pad), (0, 0)))
-    dx = vary(jnp.zeros((C + pad, D), jnp.float32), varying_axes(xp) | varying_axes(dp))
-    grads, first = [], 0
-    for part in parts:
-        dx, part_grads = _part_grads(xp, dp, part, first, group_start, group_size, tile, dx)
-        grads.append(tuple(g.astype(w.dtype) for g, w in zip(part_grads, part, strict=True)))
-        first += part[0].shape[0]
-    return dx[:C].astype(x.dtype), tuple(grads), None, None
+    dx, grads = _grads(xp, dp, parts, group_start, group_size, tile)
+    grads = tuple(
+        tuple(g.astype(w.dtype) for g, w in zip(part_grads, part, strict=True))
+        for part_grads, part in zip(grads, parts, strict=True)
+    )
+    return dx[:C].astype(x.dtype), grads, None, None
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -234,7 +269,10 @@ def tiled_swiglu_parts(
     # the cast's own transpose sums the weight gradients over the axes the weights do not vary on.
     leaves = [rows, *jax.tree.leaves(parts)]
     axes = frozenset().union(*(varying_axes(a) for a in leaves))
-    parts = tuple(tuple(vary(w, axes) for w in part) for part in parts)
+    # A part of no groups takes no rows (its gradient is zero without being computed).
+    parts = tuple(tuple(vary(w, axes) for w in part) for part in parts if part[0].shape[0])
+    if not parts:
+        return jnp.zeros_like(rows)
     start = vary(group_start.astype(jnp.int32), axes)
     size = vary(group_size.astype(jnp.int32), axes)
     return _swiglu(vary(rows, axes), parts, start, size, tile)

@@ -23,7 +23,6 @@ every timed rank) with its provenance, for ``python -m experiments.sim --calibra
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import datetime
 import os
@@ -517,29 +516,12 @@ def calibration(cells: list[dict], settings: Settings, clock_name: str) -> dict:
     return out
 
 
-def keep_freed_memory() -> None:
-    """Tells glibc's malloc to keep freed memory in one arena instead of handing large blocks back
-    to the OS: XLA:CPU allocates each call's buffers afresh, and blocks handed back page-fault in
-    again on the next call (11,600 page faults and 25 ms of system time per call of a 50 ms
-    training-step expert program at the cpu shape), a cost of the host allocator that a GPU's
-    pooled allocator does not have. Call before JAX allocates; a no-op without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8
-    libc.mallopt(m_arena_max, 1)
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
-    libc.mallopt(m_top_pad, 1 << 29)
-
-
 def main(argv):
     """Replays every (workload, EP size, mode) cell and prints its table and the headline."""
     del argv
     if _CORE.value >= 0:
         os.sched_setaffinity(0, {_CORE.value})  # before JAX starts its threads
-    keep_freed_memory()
+    common.keep_freed_memory()
     preset = _SHAPES[_SHAPE.value]
     shape = replay_timing.Shape(
         d_model=_D.value or preset["d_model"],

@@ -43,7 +43,13 @@ import sys
 
 from absl import flags, logging
 
-from experiments.common import force_cpu_devices, launch_pinned_ranks, run_main, start_distributed
+from experiments.common import (
+    force_cpu_devices,
+    keep_freed_memory,
+    launch_pinned_ranks,
+    run_main,
+    start_distributed,
+)
 from experiments.train import dataclass_flags
 from experiments.train.config import TrainConfig, parse_capacity_factor
 from models.presets import PRESETS, preset
@@ -107,6 +113,8 @@ def main(argv):
             sys.exit(launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.train", sys.argv[1:]))
         except ValueError as err:
             _fail(err)
+    if FLAGS.num_processes > 1:
+        keep_freed_memory()  # a pinned rank: time the step, not the page faults
     try:
         try:  # bad flags end with one line, not a traceback
             cfg = config_from_flags()
