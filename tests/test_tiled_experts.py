@@ -87,6 +87,32 @@ def test_gradients_equal_autodiff_of_dense_reference(case):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("split", [(1, 3), (0, 2, 2), (3, 0, 1)])
+def test_parts_gradients_equal_one_stack(split):
+    """Weights given as consecutive parts (some empty; the layer's masters and replica slots) give
+    the values and gradients of the same weights in one stack, each part's gradient its slice."""
+    C, starts, sizes, tile = CASES["contiguous"]
+    x, wg, wu, wd = _inputs(C, len(sizes), seed=3)
+    cot = np.random.default_rng(4).normal(size=(C, D)).astype(np.float32)
+    bounds = np.cumsum((0, *split))
+    args = (jnp.asarray(starts), jnp.asarray(sizes), tile)
+
+    def parts_loss(x, wg, wu, wd):
+        parts = [(wg[a:b], wu[a:b], wd[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return jnp.sum(tiled_experts.tiled_swiglu_parts(x, parts, *args) * cot)
+
+    def stack_loss(x, wg, wu, wd):
+        return jnp.sum(tiled_experts.tiled_swiglu(x, wg, wu, wd, *args) * cot)
+
+    got, want = (
+        jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
+        for f in (parts_loss, stack_loss)
+    )
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for name, g, w in zip(("x", "w_gate", "w_up", "w_down"), got[1], want[1], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
 def test_group_tiles_by_hand():
     """Tiles of 16 then 8 rows from each group's first row; the last size rounds up."""
     starts, sizes = jnp.asarray([3, 20, 20, 50]), jnp.asarray([10, 25, 0, 19])
