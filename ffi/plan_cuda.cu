@@ -6,13 +6,8 @@
 // workspace in global memory. The plan is thus the CPU handler's, bit for bit, by construction
 // (the totals are integer sums, so their order does not matter).
 //
-// Speed: the core is sequential, so one plan takes a single thread's time. For the previous
-// oracle, a warp-parallel probe search (the threshold probes on separate warps, the state in
-// shared memory) was measured at 48-52 us per plan against 244-264 us for this kernel on an H100
-// (EP64/E256/S2, experiments/results/gpu_h100.txt). It re-implemented the oracle, so it was
-// removed when the oracle changed (over-export, strict and floor-1 retries, the capacity window);
-// porting it to the current one is left to do. This kernel's time with the current oracle has
-// not been measured on a GPU.
+// Speed: the core is sequential, so one plan takes a single thread's time (measured figures
+// and a faster design once tried: README.md, the GPU section).
 //
 // A device cannot raise: invalid input (a negative load, an int32 overflow) makes the plan's
 // outputs -1 everywhere, which no valid plan contains (rank_load >= 0).

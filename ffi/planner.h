@@ -382,98 +382,110 @@ UEP_HD inline int32_t expert_totals(const PlanDims& d, const int32_t* loads, int
   return sign;
 }
 
-// Phase 2: the plan from the expert totals that phase 1 left in the workspace (a device may
-// compute those in parallel; the sums are integers, so any order gives the same plan).
-UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, bool negative,
-                                       PlanOut out, int64_t* workspace) {
-  using detail::max64;
-  detail::Workspace ws(workspace, d);
+namespace detail {
+
+// PLANNER.md "Derived quantities": each rank's master load L[r] (into ws.L), the total T and Lmax,
+// and ws.rank_order (ranks by descending L). Returns a PlanStatus: loads or a rank's sum that do
+// not fit int32 overflow.
+UEP_HD inline int32_t rank_totals(const PlanDims& d, Workspace& ws, int64_t* total, int64_t* lmax) {
   const int64_t em = d.E / d.R;
   const int64_t kInt32Max = 2147483647;
-
-  int32_t status = negative ? kPlanNegativeLoad : kPlanOk;
-  int64_t total = 0, lmax = 0;
-  for (int64_t r = 0; r < d.R && status == kPlanOk; ++r) {
+  *total = *lmax = 0;
+  for (int64_t r = 0; r < d.R; ++r) {
     int64_t l = 0;
     for (int64_t j = 0; j < em; ++j) {
-      if (ws.load_e[r * em + j] > kInt32Max) status = kPlanOverflow;
+      if (ws.load_e[r * em + j] > kInt32Max) return kPlanOverflow;
       l += ws.load_e[r * em + j];
     }
-    if (l > kInt32Max) status = kPlanOverflow;
+    if (l > kInt32Max) return kPlanOverflow;
     ws.L[r] = l;
-    total += l;
-    lmax = max64(lmax, l);
+    *total += l;
+    *lmax = max64(*lmax, l);
   }
-  if (status != kPlanOk) {
-    for (int64_t i = 0; i < d.R * d.S; ++i) out.slot_expert[i] = out.slot_quota[i] = -1;
-    for (int64_t e = 0; e < d.E; ++e) out.master_quota[e] = -1;
-    for (int64_t r = 0; r < d.R; ++r) out.rank_load[r] = -1;
-    return status;
-  }
-
   for (int64_t r = 0; r < d.R; ++r) ws.rank_order[r] = r;
-  detail::sort_indices(ws.rank_order, d.R, detail::DescendingKey{ws.L});
+  sort_indices(ws.rank_order, d.R, DescendingKey{ws.L});
+  return kPlanOk;
+}
 
-  // Threshold search: a fixed probe sequence, the first success wins (PLANNER.md).
+// The outputs of a plan that failed: -1 everywhere, so that a caller that cannot raise (the
+// device) still yields no valid plan.
+UEP_HD inline void write_failed_plan(const PlanDims& d, PlanOut out) {
+  for (int64_t i = 0; i < d.R * d.S; ++i) out.slot_expert[i] = out.slot_quota[i] = -1;
+  for (int64_t e = 0; e < d.E; ++e) out.master_quota[e] = -1;
+  for (int64_t r = 0; r < d.R; ++r) out.rank_load[r] = -1;
+}
+
+// The search's capacity step: thresholds from min(tau0, C) up to C, then from the mean's ceiling
+// up to below min(tau0, C), every probe allowed to give up the floor. Returns the winner, or -1.
+UEP_HD inline int64_t capacity_probes(Search& search, int64_t tau0, int64_t mean_ceil,
+                                      int64_t delta, int64_t cap, bool* have) {
+  const bool any_floor = search.any_floor;
+  search.any_floor = true;  // a plan that fits the buffer is worth a replica below F
+  const int64_t a = min64(tau0, cap);
+  int64_t w = search.window(a, cap, delta, have);
+  if (w < 0 && a > mean_ceil) w = search.window(mean_ceil, a - 1, delta, have);  // below a
+  search.any_floor = any_floor;
+  return w;
+}
+
+// The search's ladder: tau0 + i * delta for i < 4, then 31 points spread up to Lmax, the first
+// success refined down from the previous point. Returns the winner, or -1.
+UEP_HD inline int64_t ladder_probes(Search& search, int64_t tau0, int64_t delta, int64_t lmax,
+                                    bool* have) {
+  for (int64_t i = 0; i < 4; ++i) {
+    if (search.probe(tau0 + i * delta)) {
+      *have = true;
+      return tau0 + i * delta;
+    }
+  }
+  const int64_t lo = tau0 + 3 * delta;
+  const int64_t span = lmax - lo;
+  int64_t prev = lo;
+  for (int64_t j = 1; j < 32; ++j) {
+    const int64_t c = lo + span * j / 32;
+    if (search.probe(c)) return search.refine(prev, c, have);
+    prev = c;
+  }
+  return -1;
+}
+
+// PLANNER.md "The threshold search": the winning threshold (Lmax when no probe succeeds), with the
+// winner's replicas left in ws (ws.rep_*, ws.exported) and their count in *nrep.
+UEP_HD inline int64_t search_threshold(const PlanDims& d, const PlanOptions& o, Workspace& ws,
+                                       int64_t total, int64_t lmax, int64_t* nrep) {
   // The largest integer threshold within (1 + eps) of the mean, but never below the mean's ceiling.
   const int64_t mean_ceil = (total + d.R - 1) / d.R;
   const int64_t tau0 = max64(
-      mean_ceil, detail::clamp_floor(
-                     static_cast<double>(total) * (1.0 + o.eps) / static_cast<double>(d.R), lmax));
-  const int64_t delta =
-      max64(1, detail::clamp_ceil(
-                   static_cast<double>(total) * o.eps / static_cast<double>(d.R) / 2.0, lmax));
-  int64_t tau = lmax;
-  int64_t nrep = 0;
-  bool have = false;  // ws holds the winner's replicas
+      mean_ceil,
+      clamp_floor(static_cast<double>(total) * (1.0 + o.eps) / static_cast<double>(d.R), lmax));
+  const int64_t delta = max64(
+      1, clamp_ceil(static_cast<double>(total) * o.eps / static_cast<double>(d.R) / 2.0, lmax));
   const bool exact = is_exact_mode(o.eps);
-  const int64_t cap = o.capacity;
+  *nrep = 0;
+  int64_t tau = -1;
+  bool have = false;           // ws holds the winner's replicas
   bool won_any_floor = exact;  // the winning probe's floors
   if (total > 0 && d.S > 0 && d.R > 1) {
-    detail::Search search{d, o, ws, lmax, &nrep, exact};
-    bool found = false;
-    if (cap > 0 && cap < lmax && cap >= mean_ceil) {  // thresholds within the capacity first
-      search.any_floor = true;  // a plan that fits the buffer is worth a replica below F
-      const int64_t a = detail::min64(tau0, cap);
-      int64_t w = search.window(a, cap, delta, &have);
-      if (w < 0 && a > mean_ceil) w = search.window(mean_ceil, a - 1, delta, &have);  // below a
-      search.any_floor = exact;
-      if (w >= 0) {
-        tau = w;
-        found = won_any_floor = true;
-      }
+    Search search{d, o, ws, lmax, nrep, exact};
+    if (o.capacity > 0 && o.capacity < lmax && o.capacity >= mean_ceil) {
+      tau = capacity_probes(search, tau0, mean_ceil, delta, o.capacity, &have);
+      if (tau >= 0) won_any_floor = true;
     }
-    if (!found && tau0 < lmax) {
-      for (int64_t i = 0; i < 4 && !found; ++i) {
-        if (search.probe(tau0 + i * delta)) {
-          tau = tau0 + i * delta;
-          found = have = true;
-        }
-      }
-      if (!found) {
-        const int64_t lo = tau0 + 3 * delta;
-        const int64_t span = lmax - lo;
-        int64_t prev = lo;
-        for (int64_t j = 1; j < 32; ++j) {
-          const int64_t c = lo + span * j / 32;
-          if (search.probe(c)) {
-            tau = search.refine(prev, c, &have);
-            found = true;
-            break;
-          }
-          prev = c;
-        }
-      }
-    }
-    if (!found) {
-      tau = lmax;
-      have = false;
-    }
+    if (tau < 0 && tau0 < lmax) tau = ladder_probes(search, tau0, delta, lmax, &have);
+  }
+  if (tau < 0) {
+    tau = lmax;
+    have = false;
   }
   // The winner's replicas again, with its probe's floors, if a later failed probe overwrote them.
-  if (!have) detail::try_threshold(d, o, ws, tau, lmax, won_any_floor, &nrep);
+  if (!have) try_threshold(d, o, ws, tau, lmax, won_any_floor, nrep);
+  return tau;
+}
 
-  // Write the plan: replicas take their target's slots in creation order.
+// PLANNER.md "Output": master quotas, then the nrep replicas in their targets' slots in creation
+// order, and every rank's balanced load.
+UEP_HD inline void write_plan(const PlanDims& d, Workspace& ws, int64_t nrep, PlanOut out) {
+  const int64_t em = d.E / d.R;
   for (int64_t i = 0; i < d.R * d.S; ++i) {
     out.slot_expert[i] = -1;
     out.slot_quota[i] = 0;
@@ -494,6 +506,24 @@ UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, 
     ws.L[t] += ws.rep_quota[i];
   }
   for (int64_t r = 0; r < d.R; ++r) out.rank_load[r] = static_cast<int32_t>(ws.L[r]);
+}
+
+}  // namespace detail
+
+// Phase 2: the plan from the expert totals that phase 1 left in the workspace (a device may
+// compute those in parallel; the sums are integers, so any order gives the same plan).
+UEP_HD inline int32_t plan_from_totals(const PlanDims& d, const PlanOptions& o, bool negative,
+                                       PlanOut out, int64_t* workspace) {
+  detail::Workspace ws(workspace, d);
+  int64_t total = 0, lmax = 0;
+  int32_t status = negative ? kPlanNegativeLoad : detail::rank_totals(d, ws, &total, &lmax);
+  if (status != kPlanOk) {
+    detail::write_failed_plan(d, out);
+    return status;
+  }
+  int64_t nrep = 0;
+  detail::search_threshold(d, o, ws, total, lmax, &nrep);
+  detail::write_plan(d, ws, nrep, out);
   return kPlanOk;
 }
 
