@@ -378,7 +378,11 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
         slot_weights = None
         if balancer is not None and balancer.slots_per_rank > 0:
             slot_weights = transfer.fetch_replica_experts(
-                masters, plan.slot_expert, axis_name=axis, backend=backend
+                masters,
+                plan.slot_expert,
+                axis_name=axis,
+                backend=backend,
+                max_fanout=balancer.max_fanout,
             )
         rows_CD = dispatch.to_groups(sent_CD, route)
         done_CD = local_experts(

@@ -7,9 +7,11 @@ Each layer of each trace is turned into a load matrix (`experiments.loads.worklo
 trace's own top-k, ``--tokens_per_rank`` tokens per rank) and planned by the real planner
 (`ultraep_jax.plan`, the FFI custom call, ``--slots_per_rank`` spare slots, at ``--balance_eps``
 and in exact mode, ``balance_eps=0``). The plan's replica transfer sends each replica its
-expert's weights from the master's rank: the busiest sender's count of expert copies is the
-layer's figure, reported as its distribution over layers (median, p90, max), with the largest
-fan-out of one expert beside it.
+expert's weights, from the master's rank (direct) or through relays (`ultraep_jax.relay`, each
+``--max_fanout`` bound f): the busiest sender's count of expert copies is the layer's figure,
+reported as its distribution over layers (median, p90, max), with the largest fan-out of one
+expert, the transfer's modelled length (each hop as long as its busiest link, in copies) and its
+hops beside it.
 
 Modelled, stated in the output: one copy is a bf16 DeepSeek-V3 expert (3 x 7168 x 2048 x 2
 bytes) over ``--link_gbps`` per rank and direction; the expert compute beside it is the forward
@@ -23,12 +25,15 @@ from __future__ import annotations
 import functools
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
 from experiments import common
 from experiments.loads import traces, workloads
+from ultraep_jax import relay
 
 _TRACES = flags.DEFINE_list("traces", list(traces.TRACE_NAMES), "Traces to measure.")
 _EP = flags.DEFINE_list("ep", ["32", "64", "128"], "EP sizes (DeepSeek-R1 and Switch).")
@@ -36,6 +41,9 @@ _QWEN_EP = flags.DEFINE_list("qwen_ep", ["30", "60"], "EP sizes of Qwen1.5-MoE (
 _TOKENS = flags.DEFINE_integer("tokens_per_rank", 8192, "Tokens per source rank.")
 _BALANCER = common.define_balancer_flags()
 _STRIDE = flags.DEFINE_integer("stride", 1, "Keep every n-th layer of each trace (1: all).")
+_FANOUTS = flags.DEFINE_list(
+    "max_fanout", ["1", "2", "3"], "Relay bounds f to compare with the direct transfer (f = 0)."
+)
 _LINK = flags.DEFINE_float("link_gbps", 50.0, "Link bandwidth, GB/s per rank and direction.")
 _TFLOPS = flags.DEFINE_float(
     "gpu_tflops",
@@ -56,6 +64,9 @@ flags.register_validator(
     "traces",
     lambda v: set(v) <= set(traces.TRACE_NAMES),
     f"each must be one of {', '.join(traces.TRACE_NAMES)}",
+)
+flags.register_validator(
+    "max_fanout", lambda v: all(s.isdigit() and int(s) > 0 for s in v), "each must be an int > 0"
 )
 for _name in ("ep", "qwen_ep"):
     flags.register_validator(
@@ -79,20 +90,40 @@ def trace_batch(name: str, ep: int, tokens: int, stride: int, traces_dir) -> np.
     return np.stack([loads for i, (_, loads) in enumerate(rows) if i % stride == 0])
 
 
-def direct_send_copies(slot_expert_NRS: np.ndarray, experts_per_rank: int) -> np.ndarray:
-    """int [N]: the most expert copies one rank sends when every master sends each of its
-    replicas itself (the transfer as it is without relay), per plan of ``[N, R, S]``."""
-    n, ranks, _ = slot_expert_NRS.shape
-    flat = slot_expert_NRS.reshape(n, -1)
-    owner = np.where(flat >= 0, flat // experts_per_rank, ranks)
-    counts = np.stack([np.bincount(o, minlength=ranks + 1)[:ranks] for o in owner])
-    return counts.max(axis=1)
+@functools.cache
+def _transfer_copies(ep: int, experts_per_rank: int, max_fanout: int):
+    """jit(vmap) of: per plan, the busiest rank's copies sent, the transfer's modelled length in
+    copies (each hop as long as its busiest link, sending or receiving) and the hops used."""
+    hops = relay.static_hops(ep, max_fanout)
+
+    def one(slot_expert_RS):
+        schedule = relay.relay_schedule(slot_expert_RS, experts_per_rank, max_fanout)
+        sent_HR, received_HR = relay.hop_copies(schedule, hops)
+        length = jnp.sum(jnp.maximum(sent_HR.max(axis=1), received_HR.max(axis=1)))
+        return jnp.max(relay.send_copies(schedule)), length, jnp.max(schedule.hop_RS)
+
+    return jax.jit(jax.vmap(one))
+
+
+def transfer_copies(slot_expert_NRS: np.ndarray, experts_per_rank: int, max_fanout: int) -> dict:
+    """Per plan of ``[N, R, S]`` under the relay bound ``max_fanout`` (0: direct, each master
+    sends every copy): the busiest rank's copies sent (``send``), the modelled transfer length in
+    copies (``length``) and the hops it took (``hops``), each int [N]."""
+    fn = _transfer_copies(slot_expert_NRS.shape[1], experts_per_rank, max_fanout)
+    send, length, hops = (np.asarray(a) for a in fn(jnp.asarray(slot_expert_NRS)))
+    return {"send": send, "length": length, "hops": hops}
 
 
 def max_fanout_of_one_expert(slot_expert_NRS: np.ndarray, num_experts: int) -> np.ndarray:
     """int [N]: the most replicas of one expert, per plan."""
     flat = slot_expert_NRS.reshape(slot_expert_NRS.shape[0], -1)
     return np.stack([np.bincount(s[s >= 0], minlength=num_experts).max() for s in flat])
+
+
+def masters_replicated(slot_expert_RS: np.ndarray, experts_per_rank: int, ep: int) -> int:
+    """The most replicated experts one rank masters (a lower bound on its copies sent)."""
+    experts = np.unique(slot_expert_RS[slot_expert_RS >= 0])
+    return int(np.bincount(experts // experts_per_rank, minlength=ep).max())
 
 
 def distribution(values) -> dict:
@@ -123,7 +154,12 @@ def measure(name: str, ep: int, eps: float) -> dict:
     cfg = uep.BalancerConfig(num_experts, ep, **{**_BALANCER(), "balance_eps": eps})
     plans = common.batched_planner(cfg)(batch)
     slot_expert = np.asarray(plans.slot_expert)
-    direct = direct_send_copies(slot_expert, cfg.experts_per_rank)
+    schedules = {
+        f: transfer_copies(slot_expert, cfg.experts_per_rank, f)
+        for f in [0] + [int(v) for v in _FANOUTS.value]
+    }
+    # Any schedule: each rank sends at least one copy of each of its replicated masters.
+    masters = np.stack([masters_replicated(s, cfg.experts_per_rank, ep) for s in slot_expert])
     return {
         "trace": name,
         "ep": ep,
@@ -131,28 +167,50 @@ def measure(name: str, ep: int, eps: float) -> dict:
         "layers": int(batch.shape[0]),
         "replicas_mean": float(np.asarray(plans.num_replicas).mean()),
         "max_fanout": distribution(max_fanout_of_one_expert(slot_expert, num_experts)),
-        "direct_send_copies": distribution(direct),
+        "lower_bound_copies": distribution(masters),
+        "schedules": {
+            str(f): {key: distribution(v) for key, v in r.items()} for f, r in schedules.items()
+        },
     }
 
 
-def table(cells: list[dict], link_gbps: float) -> list[str]:
-    """One line per cell: the busiest sender's copies and their send time (median / p90 / max
-    over layers)."""
+def _triple(d: dict, scale: float = 1.0, fmt: str = "g") -> str:
+    return " / ".join(format(d[k] * scale, fmt) for k in ("median", "p90", "max"))
+
+
+def direct_table(cells: list[dict], link_gbps: float) -> list[str]:
+    """One line per cell, direct transfer: the largest fan-out of one expert, the busiest
+    sender's copies and their send time (median / p90 / max over layers)."""
+    ms = copy_ms(1, link_gbps)
     lines = [
         f"{'trace':16s} {'EP':>4s} {'eps':>5s} {'layers':>6s} {'replicas':>8s} "
         f"{'fan-out med/p90/max':>20s} {'send copies med/p90/max':>24s} "
         f"{'send ms med/p90/max':>22s}"
     ]
     for c in cells:
-        f, s = c["max_fanout"], c["direct_send_copies"]
+        s = c["schedules"]["0"]["send"]
         lines.append(
             f"{c['trace']:16s} {c['ep']:4d} {c['balance_eps']:5g} {c['layers']:6d} "
-            f"{c['replicas_mean']:8.1f} "
-            f"{f['median']:8g} / {f['p90']:4g} / {f['max']:3g} "
-            f"{s['median']:11g} / {s['p90']:4g} / {s['max']:3g} "
-            f"{copy_ms(s['median'], link_gbps):8.1f} / {copy_ms(s['p90'], link_gbps):4.1f} / "
-            f"{copy_ms(s['max'], link_gbps):4.1f}"
+            f"{c['replicas_mean']:8.1f} {_triple(c['max_fanout']):>20s} {_triple(s):>24s} "
+            f"{_triple(s, ms, '.1f'):>22s}"
         )
+    return lines
+
+
+def relay_table(cells: list[dict]) -> list[str]:
+    """One line per cell and bound f: the busiest sender's copies, the modelled transfer length
+    in copies and the hops (median / p90 / max over layers), and the lower bound."""
+    lines = [
+        f"{'trace':16s} {'EP':>4s} {'eps':>5s} {'f':>2s} {'send copies':>14s} "
+        f"{'length, copies':>15s} {'hops':>11s} {'lower bound':>12s}"
+    ]
+    for c in cells:
+        for f, r in c["schedules"].items():
+            lines.append(
+                f"{c['trace']:16s} {c['ep']:4d} {c['balance_eps']:5g} {f:>2s} "
+                f"{_triple(r['send']):>14s} {_triple(r['length']):>15s} "
+                f"{_triple(r['hops']):>11s} {_triple(c['lower_bound_copies']):>12s}"
+            )
     return lines
 
 
@@ -167,7 +225,7 @@ def main(argv):
         for ep in dict.fromkeys(int(s) for s in eps_list):
             for eps in eps_values:
                 cells.append(measure(name, ep, eps))
-                print("\n".join(table(cells[-1:], _LINK.value)[1:]), flush=True)
+                print("\n".join(direct_table(cells[-1:], _LINK.value)[1:]), flush=True)
     fwd = expert_forward_ms(_TOKENS.value, _TFLOPS.value)
     b = _BALANCER()
     print(
@@ -175,7 +233,14 @@ def main(argv):
         f"{b['slots_per_rank']} slots/rank, min_tokens_per_replica="
         f"{b['min_tokens_per_replica']}, {_TOKENS.value} tokens/rank, the trace's own top-k:"
     )
-    print("\n".join(table(cells, _LINK.value)))
+    print("\n".join(direct_table(cells, _LINK.value)))
+    print(
+        "\nRelay (f = max_fanout; 0 = direct): the busiest sender's copies, the transfer's "
+        "modelled length (each hop as long as its busiest link, sending or receiving, in copies) "
+        "and its hops; lower bound = the most replicated experts one rank masters (it sends one "
+        "copy of each in any schedule):"
+    )
+    print("\n".join(relay_table(cells)))
     print(
         f"\nModelled: one copy = a bf16 DeepSeek-V3 expert, 3 x {D_MODEL} x {D_FF} x "
         f"{WEIGHT_BYTES} B = {COPY_BYTES / 1e6:.1f} MB, {copy_ms(1, _LINK.value):.2f} ms at "
