@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import tests.test_moe as tm
 import ultraep_jax as uep
 from tests.relay_reference import reference_schedule, reference_send_copies
-from ultraep_jax import comm, relay, transfer
+from ultraep_jax import comm, relay, streaming, transfer
 
 
 def random_slots(rng, R, em, S, fill, hot):
@@ -252,6 +252,7 @@ def _relayed_layer_case(mesh_kind, f, backend, monkeypatch, chunks=1, seed=0):
         balancer=balancer,
         capacity_factor=None,
         comm_backend=backend,
+        transfer_chunks=chunks,
         rngs=nnx.Rngs(0),
     )
     for name in tm.PARAM_NAMES:
@@ -285,3 +286,83 @@ def test_layer_with_relays_equals_dense_reference(mesh_kind, f, backend, monkeyp
     tm.assert_close(gx, ref_gx, "d/dx")
     for name in tm.PARAM_NAMES:
         tm.assert_close(gp[name], ref_gp[name], f"d/d{name}")
+
+
+@pytest.mark.parametrize("backend", ["portable", "ragged"])
+@pytest.mark.parametrize("chunks", [2, 4])
+@pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
+def test_layer_with_streamed_transfer_equals_dense_reference(
+    mesh_kind, chunks, backend, monkeypatch
+):
+    """The replica weights in 2 or 4 chunks of the hidden width (through relays, f = 2)."""
+    (y, stats, gx, gp), (ref_y, ref_gx, ref_gp), deepest = _relayed_layer_case(
+        mesh_kind, 2, backend, monkeypatch, chunks=chunks, seed=1
+    )
+    assert deepest >= 1 and int(stats["replicas"]) > 0, "no replica"
+    assert int(stats["dropped"]) == 0
+    tm.assert_close(y, ref_y, "y")
+    tm.assert_close(gx, ref_gx, "d/dx")
+    for name in tm.PARAM_NAMES:
+        tm.assert_close(gp[name], ref_gp[name], f"d/d{name}")
+
+
+@pytest.mark.parametrize(
+    "d_ff, chunks, sizes", [(16, 1, [16]), (16, 4, [4] * 4), (10, 3, [4, 3, 3])]
+)
+def test_hidden_chunks_cover_the_width(d_ff, chunks, sizes):
+    got = streaming.hidden_chunks(d_ff, chunks)
+    assert [c.stop - c.start for c in got] == sizes
+    assert got[0].start == 0 and got[-1].stop == d_ff
+    assert all(a.stop == b.start for a, b in zip(got[:-1], got[1:], strict=True))
+
+
+def test_streamed_transfer_moves_each_chunk_separately():
+    """With n chunks the CPU lowering holds n reduce-scatters per hop (one transfer per chunk)
+    where one chunk holds one."""
+    mesh = tm.make_mesh("ep8")
+
+    def count(chunks):
+        layer = uep.MoE(
+            d_model=tm.D,
+            d_ff=tm.F,
+            num_experts=8,
+            top_k=2,
+            mesh=mesh,
+            balancer=tm.balancer_config(mesh, 8, slots=1, max_fanout=0),
+            transfer_chunks=chunks,
+            rngs=nnx.Rngs(0),
+        )
+        x = jnp.ones((8, 4, tm.D), jnp.float32)
+        graphdef, state = nnx.split(layer)
+        text = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).as_text()
+        return len(re.findall(r"reduce_scatter", text))
+
+    one = count(1)
+    assert one >= 1
+    assert count(4) == 4 * one
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"transfer_chunks": 0}, r"transfer_chunks must be a positive int, got 0"),
+        ({"transfer_chunks": 2.0}, r"transfer_chunks must be a positive int, got 2.0"),
+        ({"transfer_chunks": 17}, r"transfer_chunks=17 exceeds d_ff=16"),
+    ],
+)
+def test_bad_transfer_chunks_raise_one_line(kwargs, match):
+    mesh = tm.make_mesh("ep8")
+    with pytest.raises(ValueError, match=match) as err:
+        uep.MoE(
+            d_model=tm.D, d_ff=tm.F, num_experts=8, top_k=2, mesh=mesh, rngs=nnx.Rngs(0), **kwargs
+        )
+    assert "\n" not in str(err.value)
+    if kwargs["transfer_chunks"] != 17:
+        with pytest.raises(ValueError, match=match):
+            uep.ExpertParallel(mesh, 8, **kwargs)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_bad_max_fanout_raises(value):
+    with pytest.raises((ValueError, TypeError), match="max_fanout"):
+        uep.BalancerConfig(8, 4, max_fanout=value)

@@ -6,7 +6,8 @@ over every mesh axis, experts over the EP axis). On each device, `_moe_shard` ru
 
   plan:     exact loads of this microbatch, all-gathered over the EP axis -> the FFI planner
   dispatch: reroute counts and offsets (`dispatch.plan_dispatch`) -> token all-to-all
-  experts:  replica weights fetched (`transfer`) -> grouped SwiGLU over masters and slots
+  experts:  replica weights fetched (`transfer`, relayed, in `streaming` chunks) -> grouped
+            SwiGLU over masters and slots
   combine:  results back (the reversed all-to-all) -> weighted sum per token
 
 Each index of the other mesh axes ("data") is an independent EP group with its own plan.
@@ -24,7 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ultraep_jax import comm, dispatch, reroute, transfer
+from ultraep_jax import comm, dispatch, reroute, streaming
 from ultraep_jax._ops import check_finite, check_positive_int
 from ultraep_jax._vma import vary
 from ultraep_jax.config import BalancerConfig
@@ -145,6 +146,9 @@ class ExpertParallel:
         "portable" or "ragged"; see `comm.ragged_exchange`. With EP size 1 nothing is exchanged.
       expert_kernel: one of `experts.KERNELS` ("auto": Mosaic GPU on Hopper where the shapes
         suit it, else Pallas/Triton, on CUDA; the tiled loop elsewhere).
+      transfer_chunks: n >= 1 (at most d_ff): the replica weights move as n transfers of d_ff / n
+        hidden columns each, and each chunk's slot matmuls read only that chunk, so XLA may
+        overlap transfer and compute (`streaming`; ffi/TRANSFER.md). 1: one transfer.
     """
 
     mesh: Mesh
@@ -154,6 +158,7 @@ class ExpertParallel:
     expert_axis: str = "expert"
     comm_backend: str = "auto"
     expert_kernel: str = "auto"
+    transfer_chunks: int = 1
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
@@ -194,6 +199,11 @@ class ExpertParallel:
             raise ValueError(
                 f"MoE: expert_kernel must be one of {KERNELS}, got {self.expert_kernel!r}"
             )
+        object.__setattr__(
+            self,
+            "transfer_chunks",
+            check_positive_int("MoE", "transfer_chunks", self.transfer_chunks),
+        )
         auto = (AxisType.Auto,) * len(self.mesh.axis_names)
         object.__setattr__(
             self, "mesh", Mesh(self.mesh.devices, self.mesh.axis_names, axis_types=auto)
@@ -375,19 +385,21 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
             tokens_TD[route.send_order_N // K], route.exchange, axis_name=axis, backend=backend
         )
     with jax.named_scope("experts"):
-        slot_weights = None
+        rows_CD = dispatch.to_groups(sent_CD, route)
         if balancer is not None and balancer.slots_per_rank > 0:
-            slot_weights = transfer.fetch_replica_experts(
+            done_CD = streaming.experts_with_replicas(
+                rows_CD,
                 masters,
                 plan.slot_expert,
+                route.group_sizes_G,
+                kernel=ep.expert_kernel,
+                chunks=ep.transfer_chunks,
+                max_fanout=balancer.max_fanout,
                 axis_name=axis,
                 backend=backend,
-                max_fanout=balancer.max_fanout,
             )
-        rows_CD = dispatch.to_groups(sent_CD, route)
-        done_CD = local_experts(
-            rows_CD, masters, slot_weights, route.group_sizes_G, ep.expert_kernel
-        )
+        else:
+            done_CD = local_experts(rows_CD, masters, None, route.group_sizes_G, ep.expert_kernel)
     with jax.named_scope("combine"):
         back_ND = comm.ragged_exchange(
             dispatch.from_groups(done_CD, route),
