@@ -231,15 +231,18 @@ def test_relay_hops_lower_for_cuda_with_ragged_all_to_all():
 # -- the layer with relays: values and gradients equal the dense reference ---------------------
 
 
+LAYER_EXPERTS = 8
+
+
 def _relayed_layer_case(mesh_kind, f, backend, monkeypatch, chunks=1, seed=0):
     """The balanced layer on skewed inputs (E=8, top-2) with ``max_fanout=f``; returns its
-    results, the reference's and the deepest relay hop of the plans it ran."""
+    results, the reference's and the plans' slots of each EP group (by the FFI planner)."""
     if backend == "ragged":
         _portable_exchange(monkeypatch)
     mesh = tm.make_mesh(mesh_kind)
     G, R = tm.mesh_groups(mesh)
     rng = np.random.default_rng(seed)
-    E, k, batch, seq = 8, 2, 8, 8
+    E, k, batch, seq = LAYER_EXPERTS, 2, 8, 8
     x, params = tm.make_inputs(rng, batch, seq, E, k, skew=True, hot=[0, 1])
     cot = rng.normal(size=x.shape).astype(np.float32)
     balancer = tm.balancer_config(mesh, E, slots=2, max_fanout=f)
@@ -262,26 +265,37 @@ def _relayed_layer_case(mesh_kind, f, backend, monkeypatch, chunks=1, seed=0):
         jnp.asarray(x), {n: jnp.asarray(v) for n, v in params.items()}, cot, k
     )
     loads = tm.independent_loads(x, params["router_kernel"], k, mesh, E)
-    deepest = max(
-        int(
-            reference_schedule(
-                np.asarray(uep.plan(loads[g].astype(np.int32), balancer).slot_expert), E // R, f
-            )["hop"].max()
-        )
-        for g in range(G)
+    slots = [
+        np.asarray(uep.plan(loads[g].astype(np.int32), balancer).slot_expert) for g in range(G)
+    ]
+    return got, ref, slots
+
+
+def deepest_hop(slots, f) -> int:
+    """The last relay hop of any group's plan (reference schedule)."""
+    return max(
+        int(reference_schedule(s, LAYER_EXPERTS // s.shape[0], f)["hop"].max()) for s in slots
     )
-    return got, ref, deepest
+
+
+def want_send_max(slots, f) -> float:
+    """The largest per-rank send in bytes, by the reference schedule: copies of w_gate, w_up and
+    w_down in float32, worst group."""
+    copies = max(int(reference_send_copies(s, LAYER_EXPERTS // s.shape[0], f).max()) for s in slots)
+    return float(copies * 3 * tm.D * tm.F * 4)
 
 
 @pytest.mark.parametrize("backend", ["portable", "ragged"])
 @pytest.mark.parametrize("f", [1, 2])
 @pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
 def test_layer_with_relays_equals_dense_reference(mesh_kind, f, backend, monkeypatch):
-    (y, stats, gx, gp), (ref_y, ref_gx, ref_gp), deepest = _relayed_layer_case(
+    (y, stats, gx, gp), (ref_y, ref_gx, ref_gp), slots = _relayed_layer_case(
         mesh_kind, f, backend, monkeypatch
     )
-    assert deepest >= 2, "no expert was relayed"
+    assert deepest_hop(slots, f) >= 2, "no expert was relayed"
     assert int(stats["dropped"]) == 0
+    assert float(stats["transfer_send_max"]) == want_send_max(slots, f)
+    assert want_send_max(slots, f) < want_send_max(slots, 0), "relay sends no less than direct"
     tm.assert_close(y, ref_y, "y")
     tm.assert_close(gx, ref_gx, "d/dx")
     for name in tm.PARAM_NAMES:
@@ -295,11 +309,12 @@ def test_layer_with_streamed_transfer_equals_dense_reference(
     mesh_kind, chunks, backend, monkeypatch
 ):
     """The replica weights in 2 or 4 chunks of the hidden width (through relays, f = 2)."""
-    (y, stats, gx, gp), (ref_y, ref_gx, ref_gp), deepest = _relayed_layer_case(
+    (y, stats, gx, gp), (ref_y, ref_gx, ref_gp), slots = _relayed_layer_case(
         mesh_kind, 2, backend, monkeypatch, chunks=chunks, seed=1
     )
-    assert deepest >= 1 and int(stats["replicas"]) > 0, "no replica"
+    assert int(stats["replicas"]) > 0, "no replica"
     assert int(stats["dropped"]) == 0
+    assert float(stats["transfer_send_max"]) == want_send_max(slots, 2)
     tm.assert_close(y, ref_y, "y")
     tm.assert_close(gx, ref_gx, "d/dx")
     for name in tm.PARAM_NAMES:
@@ -366,3 +381,14 @@ def test_bad_transfer_chunks_raise_one_line(kwargs, match):
 def test_bad_max_fanout_raises(value):
     with pytest.raises((ValueError, TypeError), match="max_fanout"):
         uep.BalancerConfig(8, 4, max_fanout=value)
+
+
+def test_transfer_send_max_is_zero_without_replicas():
+    mesh = tm.make_mesh("ep8")
+    rng = np.random.default_rng(3)
+    x, params = tm.make_inputs(rng, 8, 8, 8, 2, skew=True)
+    for balancer in (None, tm.balancer_config(mesh, 8, slots=0)):
+        layer = tm.build_layer(mesh, 8, 2, balancer, None, params)
+        _, stats = tm.layer_forward(layer, tm.place_batch(mesh, x))
+        assert stats["transfer_send_max"].dtype == np.float32
+        assert float(stats["transfer_send_max"]) == 0.0

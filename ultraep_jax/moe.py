@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ultraep_jax import comm, dispatch, reroute, streaming
+from ultraep_jax import comm, dispatch, relay, reroute, streaming
 from ultraep_jax._ops import check_finite, check_positive_int
 from ultraep_jax._vma import vary
 from ultraep_jax.config import BalancerConfig
@@ -59,11 +59,16 @@ class MoEStats:
       group_rows: int32 [R, G], rows each EP rank received for each of its local groups (E_m
         masters, then S replica slots; G = E_m without a balancer): the group sizes its experts
         ran on, all-gathered over the EP axis.
+      transfer_send_max: float32 [], the most bytes one EP rank sends in the replica weight
+        transfer under the relay schedule (`relay`, ``BalancerConfig.max_fanout``): copies times
+        the bytes of one expert's w_gate, w_up and w_down (float32, so exact below 2**24 bytes);
+        the gradients return the same bytes in backward. 0 without replicas. Computed from the
+        plan, not measured.
 
     With other mesh axes beside the EP axis, each of their indices is an independent EP group:
     loads, ``dropped``, ``replicas``, ``over_capacity`` and ``group_rows`` are summed over the
     groups (``group_rows[r, g]``: rows of local group g on EP rank r of every group), and the
-    imbalances are the worst group's.
+    imbalances and ``transfer_send_max`` are the worst group's.
     """
 
     expert_load: jax.Array
@@ -78,6 +83,7 @@ class MoEStats:
     aux_loss: jax.Array
     z_loss: jax.Array
     group_rows: jax.Array
+    transfer_send_max: jax.Array
 
     _SUMMED = (
         "expert_load",
@@ -91,9 +97,12 @@ class MoEStats:
     )
 
     @classmethod
-    def of_group(cls, loads_RE, plan, dropped, invalid, capacity: int, group_rows_RG) -> MoEStats:
+    def of_group(
+        cls, loads_RE, plan, dropped, invalid, capacity: int, group_rows_RG, send_max
+    ) -> MoEStats:
         """The stats of one EP group from its all-gathered loads [R, E], plan, drops, pairs of
-        no expert and rows received per rank and local group [R, G]."""
+        no expert, rows received per rank and local group [R, G] and the transfer's largest
+        per-rank send in bytes."""
         load_E = jnp.sum(loads_RE, axis=0)
         before_R = master_rank_load(load_E, loads_RE.shape[0])
         return cls(
@@ -109,6 +118,7 @@ class MoEStats:
             aux_loss=jnp.float32(0),
             z_loss=jnp.float32(0),
             group_rows=group_rows_RG,
+            transfer_send_max=send_max,
         )
 
     def over_groups(self, data_axes: tuple[str, ...]) -> MoEStats:
@@ -411,8 +421,14 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
 
     # Pairs of ids outside [0, E) are in no load (`expert_loads`) and sent nowhere (`dispatch`).
     invalid = loads_RE.shape[0] * experts_N.shape[0] - jnp.sum(loads_RE)
+    send_max = jnp.float32(0)
+    if balancer is not None and balancer.slots_per_rank > 0:
+        copy_bytes = sum(w[0].size * w.dtype.itemsize for w in masters)
+        send_max = relay.largest_send_bytes(
+            plan.slot_expert, w_gate.shape[0], balancer.max_fanout, copy_bytes
+        )
     stats = MoEStats.of_group(
-        loads_RE, plan, route.dropped, invalid, capacity, route.group_sizes_RG
+        loads_RE, plan, route.dropped, invalid, capacity, route.group_sizes_RG, send_max
     )
     # Invariant over the EP axis (a function of the gathered loads and the plan); summed or
     # maxed over the data groups, then invariant over the whole mesh.

@@ -151,3 +151,12 @@ def hop_copies(schedule: RelaySchedule, num_hops: int) -> tuple[jax.Array, jax.A
         return counts.reshape(num_hops, R)
 
     return count(schedule.sender_RS.reshape(-1)), count(receiver_N)
+
+
+def largest_send_bytes(
+    slot_expert_RS: jax.Array, experts_per_rank: int, max_fanout: int, copy_bytes: int
+) -> jax.Array:
+    """float32 []: the most bytes one rank sends in the replica transfer of a plan under the
+    relay bound ``max_fanout`` (``copy_bytes`` per expert copy)."""
+    schedule = relay_schedule(slot_expert_RS, experts_per_rank, max_fanout)
+    return jnp.max(send_copies(schedule)).astype(jnp.float32) * jnp.float32(copy_bytes)

@@ -25,15 +25,12 @@ from __future__ import annotations
 import functools
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
 from experiments import common
 from experiments.loads import traces, workloads
-from ultraep_jax import relay
 
 _TRACES = flags.DEFINE_list("traces", list(traces.TRACE_NAMES), "Traces to measure.")
 _EP = flags.DEFINE_list("ep", ["32", "64", "128"], "EP sizes (DeepSeek-R1 and Switch).")
@@ -90,27 +87,12 @@ def trace_batch(name: str, ep: int, tokens: int, stride: int, traces_dir) -> np.
     return np.stack([loads for i, (_, loads) in enumerate(rows) if i % stride == 0])
 
 
-@functools.cache
-def _transfer_copies(ep: int, experts_per_rank: int, max_fanout: int):
-    """jit(vmap) of: per plan, the busiest rank's copies sent, the transfer's modelled length in
-    copies (each hop as long as its busiest link, sending or receiving) and the hops used."""
-    hops = relay.static_hops(ep, max_fanout)
-
-    def one(slot_expert_RS):
-        schedule = relay.relay_schedule(slot_expert_RS, experts_per_rank, max_fanout)
-        sent_HR, received_HR = relay.hop_copies(schedule, hops)
-        length = jnp.sum(jnp.maximum(sent_HR.max(axis=1), received_HR.max(axis=1)))
-        return jnp.max(relay.send_copies(schedule)), length, jnp.max(schedule.hop_RS)
-
-    return jax.jit(jax.vmap(one))
-
-
 def transfer_copies(slot_expert_NRS: np.ndarray, experts_per_rank: int, max_fanout: int) -> dict:
     """Per plan of ``[N, R, S]`` under the relay bound ``max_fanout`` (0: direct, each master
     sends every copy): the busiest rank's copies sent (``send``), the modelled transfer length in
     copies (``length``) and the hops it took (``hops``), each int [N]."""
-    fn = _transfer_copies(slot_expert_NRS.shape[1], experts_per_rank, max_fanout)
-    send, length, hops = (np.asarray(a) for a in fn(jnp.asarray(slot_expert_NRS)))
+    fn = common.batched_transfer(slot_expert_NRS.shape[1], experts_per_rank, max_fanout)
+    send, length, hops = (np.asarray(a) for a in fn(slot_expert_NRS))
     return {"send": send, "length": length, "hops": hops}
 
 
