@@ -1,6 +1,6 @@
 """Helpers every experiment shares: simulated CPU devices, the batched planner and its timing,
-flags made from a dataclass's fields, the ``--json_out`` file, and `run_main` (the programs'
-command-line conventions).
+the batched replica-transfer schedule, flags made from a dataclass's fields, the ``--json_out``
+file, and `run_main` (the programs' command-line conventions).
 
 ``force_cpu_devices`` must run before JAX initialises a backend; it is the only place the
 experiments touch ``XLA_FLAGS``. JAX, absl and ultraep_jax are imported inside the functions, so
@@ -50,6 +50,29 @@ def batched_planner(cfg):
     import ultraep_jax as uep
 
     return jax.jit(jax.vmap(lambda loads: uep.plan(loads, cfg)))
+
+
+@functools.cache
+def batched_transfer(ep_size: int, experts_per_rank: int, max_fanout: int):
+    """``jit(vmap(...))`` of the replica transfer of held-expert matrices ``[N, R, C]`` (each
+    rank's instances of experts it does not master, -1 elsewhere: a plan's ``slot_expert``)
+    under the relay bound ``max_fanout`` (0: direct; `ultraep_jax.relay`). Returns int32 [N]
+    each: the busiest rank's copies sent, the transfer's length in copies (each hop as long as
+    its busiest link, sending or receiving, summed over hops) and the hops it took."""
+    import jax
+    import jax.numpy as jnp
+
+    from ultraep_jax import relay
+
+    hops = relay.static_hops(ep_size, max_fanout)
+
+    def one(held_RC):
+        schedule = relay.relay_schedule(held_RC, experts_per_rank, max_fanout)
+        sent_HR, received_HR = relay.hop_copies(schedule, hops)
+        length = jnp.sum(jnp.maximum(sent_HR.max(axis=1), received_HR.max(axis=1)))
+        return jnp.max(relay.send_copies(schedule)), length, jnp.max(schedule.hop_RS)
+
+    return jax.jit(jax.vmap(one))
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:

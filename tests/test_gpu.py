@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from ultraep_jax import _native, gmm
+from ultraep_jax import _native, gmm, relay
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 needs_gpu = pytest.mark.skipif(
@@ -210,9 +210,13 @@ def test_mgpu_unsupported_names_the_reason():
     assert "K=96" in gmm.mgpu_unsupported((64, 96), (2, 96, 128), jnp.bfloat16)
 
 
-def _layer(mesh, E, D, F, dtype, kernel, balancer=True):
+def _layer(mesh, E, D, F, dtype, kernel, balancer=True, max_fanout=2):
     cfg = uep.BalancerConfig(
-        num_experts=E, ep_size=mesh.shape["expert"], slots_per_rank=2, min_tokens_per_replica=16
+        num_experts=E,
+        ep_size=mesh.shape["expert"],
+        slots_per_rank=2,
+        min_tokens_per_replica=16,
+        max_fanout=max_fanout,
     )
     return uep.MoE(
         d_model=D,
@@ -284,11 +288,11 @@ CUSTOM_CALL = re.compile(r"stablehlo\.custom_call\s*@([\w$.]+)")
 ALLOWED_CALLS = {"ultraep_plan", "__gpu$xla.gpu.triton", "mosaic_gpu_v2", "ragged_all_to_all"}
 
 
-def _exported_training_step(balanced: bool):
+def _exported_training_step(balanced: bool, max_fanout: int = 0):
     # CPU devices (conftest.py forces 8), also on a GPU machine: export needs no GPU.
     mesh = jax.make_mesh((2, 4), ("data", "expert"), devices=jax.devices("cpu")[:8])
     E, D, F = 8, 128, 128
-    layer = _layer(mesh, E, D, F, jnp.bfloat16, "auto", balancer=balanced)
+    layer = _layer(mesh, E, D, F, jnp.bfloat16, "auto", balancer=balanced, max_fanout=max_fanout)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def step(params, x):
@@ -328,3 +332,13 @@ def test_cuda_training_step_custom_calls_and_ragged_all_to_all_count(balanced):
     # replica weights forward and the gradients' way back to the masters (2).
     assert calls.count("ragged_all_to_all") == (6 if balanced else 4)
     assert "ragged_dot" not in text
+
+
+def test_cuda_training_step_relays_the_replica_weights_hop_by_hop():
+    """With the relay (max_fanout=2 at EP4: 2 hops), one ragged all-to-all per hop for the
+    weights and one per hop for their gradients, beside the tokens' 4."""
+    text = _exported_training_step(True, max_fanout=2)
+    calls = CUSTOM_CALL.findall(text)
+    assert calls.count("ultraep_plan") == 1
+    assert calls.count("__gpu$xla.gpu.triton") + calls.count("mosaic_gpu_v2") == 18
+    assert calls.count("ragged_all_to_all") == 4 + 2 * relay.static_hops(4, 2) == 8

@@ -1,4 +1,4 @@
-"""Tests for experiments/sim/: the cost model checked by hand on tiny inputs, the relay tree,
+"""Tests for experiments/sim/: the cost model checked by hand on tiny inputs, the relay charge,
 the balancers' weight copies, and one small table end to end."""
 
 import dataclasses
@@ -86,32 +86,38 @@ def test_doubling_one_rank_in_a_compute_bound_setting():
     assert ideal == pytest.approx(2 * (other + 3 * 32 * 12288 / 1e6), rel=1e-9)  # 3.735552 s
 
 
-def test_relay_schedule_by_hand():
-    # 6 copies, fan-out 2: the master sends 2 (3 holders), then 4 more over 3 holders: 2 each.
-    assert cost.relay_schedule(6, 2) == [2, 2]
-    # fan-out 1 doubles the holders each stage: 1, 2, 3 copies sent, 1 per sender.
-    assert cost.relay_schedule(6, 1) == [1, 1, 1]
-    assert cost.relay_schedule(2, 2) == [2]
-    assert cost.relay_schedule(0, 2) == []
-    with pytest.raises(ValueError):
-        cost.relay_schedule(3, 0)
+def _layout(replicas: dict, ranks=8, experts=16, slots=2) -> np.ndarray:
+    """[R, E/R + S]: the masters, then ``replicas`` {expert: [ranks]} in the spare slots."""
+    em = experts // ranks
+    layout = np.full((ranks, em + slots), -1, np.int32)
+    layout[:, :em] = np.arange(experts).reshape(ranks, em)
+    for e, where in replicas.items():
+        for t in where:
+            free = np.flatnonzero(layout[t, em:] < 0)[0]
+            layout[t, em + free] = e
+    return layout
 
 
-def test_relay_caps_fanout_time():
-    copies = np.zeros(8, np.int64)  # R=4, E_m=2: experts 0, 1 on rank 0
-    copies[0] = 6
-    copies_in = np.array([0, 2, 2, 2])
-    assert cost.transfer_copy_times(copies, copies_in, None) == 6  # master sends all 6
-    assert cost.transfer_copy_times(copies, copies_in, 2) == 4  # stages of 2 + 2
-    assert cost.transfer_copy_times(copies, copies_in, 1) == 3
-    # Two hot experts on one master, 3 copies each, fan-out 2: first stages 2 + 2 back to back,
-    # then each expert's last copy (1) from a replica: 5, against 6 direct.
-    copies[1] = 3
-    copies[0] = 3
-    assert cost.transfer_copy_times(copies, copies_in, 2) == 5
-    assert cost.transfer_copy_times(copies, copies_in, None) == 6
-    # The receive side bounds it from below.
-    assert cost.transfer_copy_times(copies, np.array([0, 7, 0, 0]), 2) == 7
+def test_transfer_copy_times_by_hand():
+    """Copies-long transfer from the largest per-link copies of each relay hop (R=8, E_m=2)."""
+    one_hot = _layout({0: [1, 2, 3, 4, 5, 6]})
+    # Direct: rank 0 sends 6 copies in one hop.
+    assert cost.transfer_copy_times([one_hot], 16, None).tolist() == [6]
+    # f=2: hop 1 rank 0 -> ranks 1, 2; hop 2 ranks 1, 2 -> 2 each: 2 + 2.
+    assert cost.transfer_copy_times([one_hot], 16, 2).tolist() == [4]
+    # f=1: a chain, one copy per hop, 6 hops.
+    assert cost.transfer_copy_times([one_hot], 16, 1).tolist() == [6]
+    # Rank 0 masters experts 0 and 1, each on 3 other ranks (disjoint): direct 6 copies; f=2
+    # gives each a root fan-out of 1 (rank 0 sends 2 in hop 1), then each first replica sends
+    # 2: 2 + 2.
+    two_hot = _layout({0: [1, 2, 3], 1: [4, 5, 6]})
+    assert cost.transfer_copy_times([two_hot], 16, None).tolist() == [6]
+    assert cost.transfer_copy_times([two_hot], 16, 2).tolist() == [4]
+    # The receive side counts too: rank 7 gets 2 copies from 2 masters in one hop.
+    two_in = _layout({2: [7], 4: [7]})
+    assert cost.transfer_copy_times([two_in], 16, None).tolist() == [2]
+    # A layout with every instance at home moves nothing.
+    assert cost.transfer_copy_times([_layout({})], 16, 2).tolist() == [0]
 
 
 def test_exposed_transfer_by_hand():
@@ -339,3 +345,11 @@ def test_calibration_without_training_costs_raises(tmp_path):
     path.write_text(json.dumps({"provenance": {}, "shape": {}, "prefill": {}}))
     with pytest.raises(ValueError, match="no training-mode costs"):
         cost.ExpertCost.read(path)
+
+
+def test_held_off_home_counts_an_expert_once_per_rank():
+    """R=2, E=4: rank 0 masters 0, 1 and holds expert 3 twice (one copy); rank 1 masters 2, 3
+    and holds expert 0 (one copy)."""
+    layout = np.array([[[0, 1, 3, 3], [2, 3, 0, -1]]])
+    got = cost.held_off_home(layout, 4)
+    np.testing.assert_array_equal(got, [[[-1, -1, 3, -1], [-1, -1, 0, -1]]])

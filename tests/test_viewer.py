@@ -41,6 +41,8 @@ AFTER = {
 }
 REPLICAS = {10: (2, 4), 20: (3, 0), 30: (1, 3)}
 DROPPED = {10: (0, 0), 20: (0, 0), 30: (0, 2)}
+# The replica transfer's largest per-rank send, bytes (MoEStats.transfer_send_max).
+SEND = {10: (88_080_384, 176_160_768), 20: (264_241_152, 0), 30: (88_080_384, 1_500_000)}
 
 # The summaries, computed by hand from the numbers above (max/mean of the rank loads):
 #   step 30, layer 0: before [4, 4, 8, 2] -> 8 / 4.5 = 1.78; after [5, 5, 4, 4] -> 5 / 4.5 = 1.11
@@ -76,6 +78,7 @@ def make_records() -> tuple[list[dict], list[dict]]:
                 "imbalance_after": [_max_over_mean(a) for a in AFTER[step]],
                 "dropped": list(DROPPED[step]),
                 "replicas": list(REPLICAS[step]),
+                "transfer_send_max": list(SEND[step]),
                 "step_time": 0.5,
                 "tokens_per_s": 512.0,
             }
@@ -417,3 +420,16 @@ def test_metrics_only_page_shows_imbalance_and_says_loads_need_profiling(tmp_pat
     assert "--profile_loads" in el.text["no-loads"]
     assert 'class="before-seg"' not in dom and 'id="rank-before-0"' not in dom
     assert 'class="series-before"' in dom  # imbalance over steps still drawn
+
+
+@needs_chromium
+def test_largest_transfer_send_per_layer(page, tmp_path):
+    """The selected layer's send in #transfer-send-max and every layer's in the layer table."""
+    dom, console = dump_dom(page, tmp_path, "?step=10&layer=1")
+    _assert_clean(dom, console)
+    el = elements(dom)
+    assert el.text["transfer-send-max"] == "176.16 MB"
+    assert "88.08 MB" in el.text["layer-table"] and "176.16 MB" in el.text["layer-table"]
+    dom, console = dump_dom(page, tmp_path, "?step=30&layer=1")
+    _assert_clean(dom, console)
+    assert elements(dom).text["transfer-send-max"] == "1.50 MB"

@@ -73,6 +73,14 @@ class BalancerConfig:
             to 80,000 small random cases where a plan at ``M`` exists (ffi/PLANNER.md, "What is
             guaranteed").
         master_keep_tokens: tokens an expert's master always keeps for itself.
+        max_fanout: f, the relay bound of the replica weight transfer (ffi/TRANSFER.md): an
+            expert's master sends its weights to at most f of its replicas (a rank whose masters
+            are replicated shares f first-hop copies among them, at least one each) and every
+            replica forwards them to at most f others, in a tree of as few hops as that allows;
+            gradients return along the tree, summed at each relay. 0: no bound (every master sends
+            every copy itself). The default 2 gave the shortest modelled transfer on the
+            DeepSeek-R1, Qwen1.5-MoE and Switch traces (README, "Replica transfer fan-out"). Not
+            a planner input: the plan is the same for every f.
     """
 
     num_experts: int
@@ -81,6 +89,7 @@ class BalancerConfig:
     min_tokens_per_replica: int = 1024
     balance_eps: float = 0.01
     master_keep_tokens: int = 1
+    max_fanout: int = 2
 
     def __post_init__(self):
         # Normalised in place (the dataclass is frozen), so equal configs hash equal whatever
@@ -91,6 +100,7 @@ class BalancerConfig:
             ("slots_per_rank", 0, MAX_SLOTS_PER_RANK),
             ("min_tokens_per_replica", 1, MAX_MIN_TOKENS_PER_REPLICA),
             ("master_keep_tokens", 0, _INT64_MAX),
+            ("max_fanout", 0, _INT64_MAX),
         ):
             value = _as_int(name, getattr(self, name), minimum, maximum)
             object.__setattr__(self, name, value)

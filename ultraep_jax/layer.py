@@ -30,8 +30,9 @@ class MoE(nnx.Module):
       d_ff: F, each expert's hidden width.
       num_experts: E; must be divisible by the size of the EP axis.
       top_k: experts per token, 1 <= top_k <= E.
-      mesh, balancer, capacity_factor, expert_axis, comm_backend, expert_kernel: see
-        `ExpertParallel` (the layer keeps one as ``self.ep``).
+      mesh, balancer, capacity_factor, expert_axis, comm_backend, expert_kernel,
+        transfer_chunks: see `ExpertParallel` (the layer keeps one as ``self.ep``);
+        ``transfer_chunks`` at most ``d_ff``.
       router: a router of `ultraep_jax.routing` with this ``top_k`` (default
         ``SoftmaxTopK(top_k)``). With `SigmoidTopK` the layer keeps a `RouterBias`
         ``router_bias`` [E]; call `update_router_bias` with each step's stats to move it.
@@ -62,6 +63,7 @@ class MoE(nnx.Module):
         expert_axis: str = "expert",
         comm_backend: str = "auto",
         expert_kernel: str = "auto",
+        transfer_chunks: int = 1,
         router: SoftmaxTopK | SigmoidTopK | None = None,
         shared_d_ff: int = 0,
         param_dtype=jnp.float32,
@@ -79,7 +81,13 @@ class MoE(nnx.Module):
             expert_axis=expert_axis,
             comm_backend=comm_backend,
             expert_kernel=expert_kernel,
+            transfer_chunks=transfer_chunks,
         )
+        if self.ep.transfer_chunks > d_ff:
+            raise ValueError(
+                f"MoE: transfer_chunks={self.ep.transfer_chunks} exceeds d_ff={d_ff} (a chunk is "
+                "at least one hidden column)"
+            )
         num_experts = self.ep.num_experts
         if top_k > num_experts:
             raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")

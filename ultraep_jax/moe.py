@@ -6,7 +6,8 @@ over every mesh axis, experts over the EP axis). On each device, `_moe_shard` ru
 
   plan:     exact loads of this microbatch, all-gathered over the EP axis -> the FFI planner
   dispatch: reroute counts and offsets (`dispatch.plan_dispatch`) -> token all-to-all
-  experts:  replica weights fetched (`transfer`) -> grouped SwiGLU over masters and slots
+  experts:  replica weights fetched (`transfer`, relayed, in `streaming` chunks) -> grouped
+            SwiGLU over masters and slots
   combine:  results back (the reversed all-to-all) -> weighted sum per token
 
 Each index of the other mesh axes ("data") is an independent EP group with its own plan.
@@ -24,7 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ultraep_jax import comm, dispatch, reroute, transfer
+from ultraep_jax import comm, dispatch, relay, reroute, streaming
 from ultraep_jax._ops import check_finite, check_positive_int
 from ultraep_jax._vma import vary
 from ultraep_jax.config import BalancerConfig
@@ -58,11 +59,16 @@ class MoEStats:
       group_rows: int32 [R, G], rows each EP rank received for each of its local groups (E_m
         masters, then S replica slots; G = E_m without a balancer): the group sizes its experts
         ran on, all-gathered over the EP axis.
+      transfer_send_max: float32 [], the most bytes one EP rank sends in the replica weight
+        transfer under the relay schedule (`relay`, ``BalancerConfig.max_fanout``): copies times
+        the bytes of one expert's w_gate, w_up and w_down (float32, so exact below 2**24 bytes);
+        the gradients return the same bytes in backward. 0 without replicas. Computed from the
+        plan, not measured.
 
     With other mesh axes beside the EP axis, each of their indices is an independent EP group:
     loads, ``dropped``, ``replicas``, ``over_capacity`` and ``group_rows`` are summed over the
     groups (``group_rows[r, g]``: rows of local group g on EP rank r of every group), and the
-    imbalances are the worst group's.
+    imbalances and ``transfer_send_max`` are the worst group's.
     """
 
     expert_load: jax.Array
@@ -77,6 +83,7 @@ class MoEStats:
     aux_loss: jax.Array
     z_loss: jax.Array
     group_rows: jax.Array
+    transfer_send_max: jax.Array
 
     _SUMMED = (
         "expert_load",
@@ -90,9 +97,12 @@ class MoEStats:
     )
 
     @classmethod
-    def of_group(cls, loads_RE, plan, dropped, invalid, capacity: int, group_rows_RG) -> MoEStats:
+    def of_group(
+        cls, loads_RE, plan, dropped, invalid, capacity: int, group_rows_RG, send_max
+    ) -> MoEStats:
         """The stats of one EP group from its all-gathered loads [R, E], plan, drops, pairs of
-        no expert and rows received per rank and local group [R, G]."""
+        no expert, rows received per rank and local group [R, G] and the transfer's largest
+        per-rank send in bytes."""
         load_E = jnp.sum(loads_RE, axis=0)
         before_R = master_rank_load(load_E, loads_RE.shape[0])
         return cls(
@@ -108,6 +118,7 @@ class MoEStats:
             aux_loss=jnp.float32(0),
             z_loss=jnp.float32(0),
             group_rows=group_rows_RG,
+            transfer_send_max=send_max,
         )
 
     def over_groups(self, data_axes: tuple[str, ...]) -> MoEStats:
@@ -145,6 +156,9 @@ class ExpertParallel:
         "portable" or "ragged"; see `comm.ragged_exchange`. With EP size 1 nothing is exchanged.
       expert_kernel: one of `experts.KERNELS` ("auto": Mosaic GPU on Hopper where the shapes
         suit it, else Pallas/Triton, on CUDA; the tiled loop elsewhere).
+      transfer_chunks: n >= 1 (at most d_ff): the replica weights move as n transfers of d_ff / n
+        hidden columns each, and each chunk's slot matmuls read only that chunk, so XLA may
+        overlap transfer and compute (`streaming`; ffi/TRANSFER.md). 1: one transfer.
     """
 
     mesh: Mesh
@@ -154,6 +168,7 @@ class ExpertParallel:
     expert_axis: str = "expert"
     comm_backend: str = "auto"
     expert_kernel: str = "auto"
+    transfer_chunks: int = 1
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
@@ -194,6 +209,11 @@ class ExpertParallel:
             raise ValueError(
                 f"MoE: expert_kernel must be one of {KERNELS}, got {self.expert_kernel!r}"
             )
+        object.__setattr__(
+            self,
+            "transfer_chunks",
+            check_positive_int("MoE", "transfer_chunks", self.transfer_chunks),
+        )
         auto = (AxisType.Auto,) * len(self.mesh.axis_names)
         object.__setattr__(
             self, "mesh", Mesh(self.mesh.devices, self.mesh.axis_names, axis_types=auto)
@@ -375,15 +395,21 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
             tokens_TD[route.send_order_N // K], route.exchange, axis_name=axis, backend=backend
         )
     with jax.named_scope("experts"):
-        slot_weights = None
-        if balancer is not None and balancer.slots_per_rank > 0:
-            slot_weights = transfer.fetch_replica_experts(
-                masters, plan.slot_expert, axis_name=axis, backend=backend
-            )
         rows_CD = dispatch.to_groups(sent_CD, route)
-        done_CD = local_experts(
-            rows_CD, masters, slot_weights, route.group_sizes_G, ep.expert_kernel
-        )
+        if balancer is not None and balancer.slots_per_rank > 0:
+            done_CD = streaming.experts_with_replicas(
+                rows_CD,
+                masters,
+                plan.slot_expert,
+                route.group_sizes_G,
+                kernel=ep.expert_kernel,
+                chunks=ep.transfer_chunks,
+                max_fanout=balancer.max_fanout,
+                axis_name=axis,
+                backend=backend,
+            )
+        else:
+            done_CD = local_experts(rows_CD, masters, None, route.group_sizes_G, ep.expert_kernel)
     with jax.named_scope("combine"):
         back_ND = comm.ragged_exchange(
             dispatch.from_groups(done_CD, route),
@@ -395,8 +421,14 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
 
     # Pairs of ids outside [0, E) are in no load (`expert_loads`) and sent nowhere (`dispatch`).
     invalid = loads_RE.shape[0] * experts_N.shape[0] - jnp.sum(loads_RE)
+    send_max = jnp.float32(0)
+    if balancer is not None and balancer.slots_per_rank > 0:
+        copy_bytes = sum(w[0].size * w.dtype.itemsize for w in masters)
+        send_max = relay.largest_send_bytes(
+            plan.slot_expert, w_gate.shape[0], balancer.max_fanout, copy_bytes
+        )
     stats = MoEStats.of_group(
-        loads_RE, plan, route.dropped, invalid, capacity, route.group_sizes_RG
+        loads_RE, plan, route.dropped, invalid, capacity, route.group_sizes_RG, send_max
     )
     # Invariant over the EP axis (a function of the gathered loads and the plan); summed or
     # maxed over the data groups, then invariant over the whole mesh.

@@ -1,13 +1,16 @@
-"""Replica expert weights: each spare slot receives its expert's weights from the master's rank.
+"""Replica expert weights: each spare slot receives its expert's weights from the master's rank,
+directly or through relays (`relay`: each holder forwards to at most ``max_fanout`` others).
 
 The transfer is linear in the master weights, so its transpose (the backward pass) sends each
-replica's weight gradient back and adds it into the master's gradient: no custom VJP needed.
-Nothing here waits on the masters' own matmuls, so XLA is free to overlap the transfer with them.
+replica's weight gradient back along the same path, summed at every relay and added into the
+master's gradient: no custom VJP needed. Nothing here waits on the masters' own matmuls, so XLA is
+free to overlap the transfer with them.
 
-Two implementations behind `fetch_replica_experts`: a dense one (a row selection and a
-reduce-scatter of ``R * k`` rows for the k leading slot columns in use, cheaper on XLA:CPU than an
-all-to-all, and nothing when no replica is planned) and a ragged one
-(`jax.lax.ragged_all_to_all`, which moves only the filled slots; GPU/TPU).
+Each hop has two implementations behind `fetch_replica_experts`: a dense one (a row selection and
+a reduce-scatter of ``R * k`` rows for the k leading slot columns receiving in the hop, cheaper on
+XLA:CPU than an all-to-all, and nothing when no slot receives) and a ragged one
+(`jax.lax.ragged_all_to_all`, which moves only the receiving slots; GPU/TPU; a relay hop with no
+work is skipped by a `lax.cond`).
 
 Shapes follow the package's axis legend (`ultraep_jax`); P is the weights of one expert, flattened.
 """
@@ -18,44 +21,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ultraep_jax import comm
+from ultraep_jax import comm, relay
 from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.exchange import Exchange
 
 
-def slot_owners(slot_expert_RS: jax.Array, experts_per_rank: int) -> jax.Array:
-    """int32 [R, S]: the master rank of each slot's expert; R for an empty slot."""
-    R = slot_expert_RS.shape[0]
-    return jnp.where(slot_expert_RS >= 0, slot_expert_RS // experts_per_rank, R).astype(jnp.int32)
-
-
-def _fetch_ragged(weights_MP: jax.Array, slot_expert_RS: jax.Array, axis_name: str) -> jax.Array:
-    """[S, P] by one ragged exchange that moves only the filled slots (zeros for empty slots).
+def _hop_ragged(table_NP: jax.Array, sender_RS: jax.Array, source_RS: jax.Array, axis_name: str):
+    """[S, P] by one ragged exchange that moves only the slots receiving in this hop (zeros for
+    the others): slot (me, s) gets row ``source_RS[me, s]`` of rank ``sender_RS[me, s]``'s
+    table.
 
     Args:
-      weights_MP: [E_m, P], this rank's master experts, flattened.
-      slot_expert_RS: int32 [R, S], the plan's slots (identical on every rank of the EP group).
+      table_NP: [N, P], this rank's rows to send from (its masters, or its slots when relaying).
+      sender_RS: int32 [R, S], the rank that sends each slot its row; R where none does.
+      source_RS: int32 [R, S], the row of the sender's table.
       axis_name: the EP mesh axis.
     """
-    em = weights_MP.shape[0]
-    R, S = slot_expert_RS.shape
+    R, S = sender_RS.shape
     me = jax.lax.axis_index(axis_name)
-    owner_RS = slot_owners(slot_expert_RS, em)
     slot_S = jnp.arange(S, dtype=jnp.int32)
     ranks_R = jnp.arange(R, dtype=jnp.int32)
 
-    # Sender: for each destination t, the slots of t that hold one of my masters, in slot order,
-    # first in t's block of S rows. Receiver t keeps its slots ordered by (owner, slot).
-    mine_RS = owner_RS == me
+    # Sender: for each destination t, the slots of t that I send, in slot order, first in t's
+    # block of S rows. Receiver t keeps its slots ordered by (sender, slot).
+    mine_RS = sender_RS == me
     order_RS = jnp.argsort(jnp.where(mine_RS, 0, S) + slot_S[None, :], axis=1)
-    local_RS = jnp.clip(slot_expert_RS, 0, None) % em
-    operand = weights_MP[jnp.take_along_axis(local_RS, order_RS, axis=1).reshape(-1)]  # [R*S, P]
-    owns = owner_RS[None, :, :] == ranks_R[:, None, None]  # [R(src), R(dst), S]
+    operand = table_NP[jnp.take_along_axis(source_RS, order_RS, axis=1).reshape(-1)]  # [R*S, P]
+    sends = sender_RS[None, :, :] == ranks_R[:, None, None]  # [R(src), R(dst), S]
     exchange = Exchange(
-        sizes_RR=jnp.sum(owns, axis=-1, dtype=jnp.int32),
+        sizes_RR=jnp.sum(sends, axis=-1, dtype=jnp.int32),
         src_start_RR=jnp.broadcast_to(ranks_R[None, :] * S, (R, R)),
         dst_start_RR=jnp.sum(
-            owner_RS[None, :, :] < ranks_R[:, None, None], axis=-1, dtype=jnp.int32
+            sender_RS[None, :, :] < ranks_R[:, None, None], axis=-1, dtype=jnp.int32
         ),
         rank=me,
         send_rows=R * S,
@@ -63,8 +60,8 @@ def _fetch_ragged(weights_MP: jax.Array, slot_expert_RS: jax.Array, axis_name: s
         max_chunk=S,
     )
     received = comm.ragged_exchange(operand, exchange, axis_name=axis_name, backend="ragged")
-    # Back to slot order: slot s sits at its rank among (owner, slot) pairs.
-    key_S = owner_RS[me] * S + slot_S
+    # Back to slot order: slot s sits at its rank among (sender, slot) pairs.
+    key_S = sender_RS[me] * S + slot_S
     return received[jnp.sum(key_S[None, :] < key_S[:, None], axis=1)]
 
 
@@ -76,29 +73,28 @@ def active_slots(slot_expert_RS: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(used_S, jnp.arange(1, S + 1, dtype=jnp.int32), 0))
 
 
-def _fetch_dense(masters_MP: tuple, slot_expert_RS: jax.Array, axis_name: str) -> jax.Array:
-    """[S, P] by a dense exchange of the leading slot columns in use: every rank sends each peer
-    one row per such slot of that peer (its master's weights if it owns the slot's expert, else
-    zeros) and each slot sums what it got; no exchange at all when no slot is in use.
+def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_name: str):
+    """[S, P] by a dense exchange of the leading slot columns receiving in this hop: every rank
+    sends each peer one row per such slot of that peer (the row it sends that slot, or zeros)
+    and each slot sums what it got; no exchange at all when no slot receives.
 
-    ``masters_MP``: this rank's master tensors, each flattened to [E_m, P_i] (P = sum of P_i).
+    ``tables``: this rank's rows to send from, each [N, P_i] (P = sum of P_i); ``sender_RS`` and
+    ``source_RS`` as in `_hop_ragged`.
     """
-    em = masters_MP[0].shape[0]
-    R, S = slot_expert_RS.shape
+    R, S = sender_RS.shape
     me = jax.lax.axis_index(axis_name)
-    P_ = sum(w.shape[1] for w in masters_MP)
-    dtype = masters_MP[0].dtype
+    P_ = sum(w.shape[1] for w in tables)
+    dtype = tables[0].dtype
     # Every branch of the switch must have one type: varying over all that any input varies over.
-    axes = {axis_name}.union(*(varying_axes(a) for a in (*masters_MP, slot_expert_RS)))
+    axes = {axis_name}.union(*(varying_axes(a) for a in (*tables, sender_RS, source_RS)))
 
     def first(k):
         def fetch():
-            slots = slot_expert_RS[:, :k]
-            mine = (slot_owners(slots, em) == me).reshape(-1, 1).astype(dtype)  # [R * k, 1]
-            local = (jnp.clip(slots, 0, None) % em).reshape(-1)
-            # One fused gather per tensor, scaled to zero where another rank owns the slot.
-            send = jnp.concatenate([w[local] * mine for w in masters_MP], axis=1)
-            # Only the owner's row of each slot is non-zero, so summing over senders delivers
+            mine = (sender_RS[:, :k] == me).reshape(-1, 1).astype(dtype)  # [R * k, 1]
+            rows = source_RS[:, :k].reshape(-1)
+            # One fused gather per tensor, scaled to zero where another rank sends the slot.
+            send = jnp.concatenate([w[rows] * mine for w in tables], axis=1)
+            # Only the sender's row of each slot is non-zero, so summing over senders delivers
             # it: a reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster
             # than an all-to-all).
             got = jax.lax.psum_scatter(send, axis_name, scatter_dimension=0, tiled=True)
@@ -107,10 +103,42 @@ def _fetch_dense(masters_MP: tuple, slot_expert_RS: jax.Array, axis_name: str) -
         return fetch
 
     # The plan is identical across the EP group, so every rank takes the same branch: the bytes
-    # moved follow the slots in use (none without replicas), not the slots configured.
+    # moved follow the slots receiving (none in a hop without work), not the slots configured.
     branches = [lambda: vary(jnp.zeros((S, P_), dtype), axes)]
     branches += [first(k) for k in range(1, S + 1)]
-    return jax.lax.switch(active_slots(slot_expert_RS), branches)
+    receiving_RS = jnp.where(sender_RS < R, 0, -1)
+    return jax.lax.switch(active_slots(receiving_RS), branches)
+
+
+def _hop_ragged_if_any(table_NP, sender_RS, source_RS, axis_name):
+    """`_hop_ragged`, skipped (zeros, no exchange) when no slot receives in this hop."""
+    R, S = sender_RS.shape
+    axes = {axis_name}.union(*(varying_axes(a) for a in (table_NP, sender_RS, source_RS)))
+
+    def skip():
+        return vary(jnp.zeros((S, table_NP.shape[1]), table_NP.dtype), axes)
+
+    def hop():
+        return vary(_hop_ragged(table_NP, sender_RS, source_RS, axis_name), axes)
+
+    return jax.lax.cond(jnp.any(sender_RS < R), hop, skip)
+
+
+def _relayed(masters, slot_expert_RS, experts_per_rank, max_fanout, hop, hop_if_any) -> jax.Array:
+    """[S, P]: every slot's weights by the relay schedule: hop 1 from the masters, each later hop
+    from the slots that already hold them (`relay.relay_schedule`). A relayed slot receives into
+    zeros, so adding each hop's rows is exact, and the transpose sums a slot's gradient into the
+    slot (or master) that sent it: gradients return along the tree."""
+    R = slot_expert_RS.shape[0]
+    schedule = relay.relay_schedule(slot_expert_RS, experts_per_rank, max_fanout)
+
+    def senders(h):
+        return jnp.where(schedule.hop_RS == h, schedule.sender_RS, R)
+
+    slots_SP = hop(masters, senders(1), schedule.source_RS)
+    for h in range(2, relay.static_hops(R, max_fanout) + 1):
+        slots_SP = slots_SP + hop_if_any(slots_SP, senders(h), schedule.source_RS)
+    return slots_SP
 
 
 def fetch_replica_experts(
@@ -119,8 +147,10 @@ def fetch_replica_experts(
     *,
     axis_name: str,
     backend: str = "auto",
+    max_fanout: int = 0,
 ) -> tuple[jax.Array, ...]:
-    """The weights of the experts in this rank's spare slots, one exchange for all tensors.
+    """The weights of the experts in this rank's spare slots, one exchange per relay hop for all
+    tensors.
 
     Args:
       masters: this rank's master weights, each [E_m, ...] (for SwiGLU: w_gate, w_up, w_down).
@@ -128,6 +158,8 @@ def fetch_replica_experts(
       axis_name: the EP mesh axis.
       backend: "portable" (the dense exchange), "ragged" (`ragged_all_to_all`), or "auto":
         dense on CPU, ragged elsewhere, chosen per platform at lowering time.
+      max_fanout: the relay bound f (`BalancerConfig.max_fanout`; ffi/TRANSFER.md); 0: every
+        master sends every copy itself, in one exchange.
 
     Returns:
       One [S, ...] array per input, in the same order (zeros for empty slots).
@@ -136,10 +168,21 @@ def fetch_replica_experts(
     flat = tuple(w.reshape(em, -1) for w in masters)
 
     def dense():
-        return _fetch_dense(flat, slot_expert_RS, axis_name)
+        def hop(tables, sender_RS, source_RS):
+            tables = tables if isinstance(tables, tuple) else (tables,)
+            return _hop_dense(tables, sender_RS, source_RS, axis_name)
+
+        return _relayed(flat, slot_expert_RS, em, max_fanout, hop, hop)
 
     def ragged():
-        return _fetch_ragged(jnp.concatenate(flat, axis=1), slot_expert_RS, axis_name)
+        def hop(table, sender_RS, source_RS):
+            return _hop_ragged(table, sender_RS, source_RS, axis_name)
+
+        def hop_if_any(table, sender_RS, source_RS):
+            return _hop_ragged_if_any(table, sender_RS, source_RS, axis_name)
+
+        table = jnp.concatenate(flat, axis=1)
+        return _relayed(table, slot_expert_RS, em, max_fanout, hop, hop_if_any)
 
     if backend == "portable":
         received_SP = dense()

@@ -39,13 +39,21 @@ def step_seconds(
     """Step time (max over DP groups) and the summed term breakdown of the slowest group.
 
     ``results`` is ``[groups * n_layers][M]`` (group-major); sampled layers are scaled up to
-    ``model.moe_layers``.
+    ``model.moe_layers``. ``fanout``: the relay bound of the replica transfer (None: direct).
     """
     n_streams = len(results)
     n_layers = n_streams // groups
     microbatches = len(results[0])
     scale = model.moe_layers / n_layers
     fixed = microbatches * fixed_seconds(model, cluster, params)
+    # Every matrix's transfer in one batched call, in the order the loops below visit them; a
+    # layout already in place (no copies charged) moves nothing.
+    moved = [
+        b.balanced.layout if b.copies.any() else np.full_like(b.balanced.layout, -1)
+        for stream in results
+        for b in stream
+    ]
+    copy_times = iter(transfer_copy_times(moved, model.num_experts, fanout))
     best, best_terms = -1.0, None
     for g in range(groups):
         terms = np.zeros(5)
@@ -54,7 +62,7 @@ def step_seconds(
                 groups = (b.balanced.quota > 0).sum(axis=1)
                 t = layer_time(
                     float(b.rank_load.max()),
-                    transfer_copy_times(b.copies, b.copies_in, fanout),
+                    next(copy_times),
                     b.plan_seconds,
                     model,
                     ep,

@@ -9,7 +9,9 @@ Per MoE layer and microbatch (forward + backward):
                                 calibration from the per-rank replay (`ExpertCost`), the
                                 busiest rank's measured fixed + per-row + per-group cost
       + 2 * max(0, t_xfer - t_a2a)   replica weights (fwd) / gradients (bwd) beyond what the
-                                     dispatch all-to-all of that pass hides
+                                     dispatch all-to-all of that pass hides; t_xfer from the
+                                     largest per-link bytes of each relay hop
+                                     (`transfer_copy_times`)
   step(group) = sum over microbatches of (sum over MoE layers of t + dense layers + LM head)
   step = max over DP groups (they meet at the gradient all-reduce)
 
@@ -23,6 +25,7 @@ import json
 
 import numpy as np
 
+from experiments import common
 from experiments.sim.shapes import Cluster, ModelShape
 
 
@@ -187,54 +190,30 @@ def copy_seconds(nbytes: float, ep: int, cluster: Cluster, params: CostParams) -
     return nbytes * (p_nvl / (cluster.nvlink_gbps * eff) + p_ib / (cluster.ib_gbps * eff))
 
 
-def relay_schedule(copies: int, fanout: int) -> list[int]:
-    """Copies the busiest sender sends in each stage of a relay tree for one expert.
-
-    Stage 1: the master sends to ``min(copies, fanout)`` replicas. In every later stage each rank
-    that already holds the weights (master and replicas) sends at most ``fanout`` more, and the
-    copies still missing are spread evenly over the holders.
-    """
-    if fanout < 1:
-        raise ValueError(f"fanout must be >= 1, got {fanout}")
-    holders, left, stages = 1, int(copies), []
-    while left > 0:
-        sent = min(left, holders * fanout)
-        stages.append(min(fanout, -(-sent // holders)))
-        holders += sent
-        left -= sent
-    return stages
+def held_off_home(layouts, num_experts: int) -> np.ndarray:
+    """int32 ``[N, R, C]``: the instances of layouts ``[N, R, C]`` that sit off their expert's
+    home rank ``e // (E / R)`` (each a weight copy; a second instance of an expert on one rank
+    needs no second copy), -1 elsewhere."""
+    layouts = np.asarray(layouts)
+    ranks, cols = layouts.shape[1:]
+    home = np.arange(ranks)[None, :, None]
+    earlier = np.tril(np.ones((cols, cols), bool), k=-1)  # [c, c'] with c' < c
+    repeat = np.any((layouts[..., :, None] == layouts[..., None, :]) & earlier, axis=-1)
+    off = (layouts >= 0) & (layouts // (num_experts // ranks) != home) & ~repeat
+    return np.where(off, layouts, -1).astype(np.int32)
 
 
-def transfer_copy_times(copies, copies_in, fanout: int | None) -> float:
-    """Replica transfer time in units of one copy's time, for the busiest rank.
-
-    Args:
-      copies: int [E], weight copies of each expert sent this layer (masters on rank e // E_m).
-      copies_in: int [R], copies each rank receives.
-      fanout: None for direct (each master sends every copy itself), else the relay fan-out cap.
-        With relay, a master sends the first stage of each of its experts back to back, and the
-        later stages (sent by replica holders, assumed on distinct ranks) follow the master's
-        first stages.
-
-    Returns:
-      max over ranks of copies sent (direct) or of the relay critical path, and of copies received.
-    """
-    copies = np.asarray(copies, dtype=np.int64)
-    copies_in = np.asarray(copies_in, dtype=np.int64)
-    if copies.sum() == 0:
-        return 0.0
-    per_master = copies.reshape(copies_in.shape[0], -1)
-    recv = float(copies_in.max())
-    if fanout is None:
-        return max(float(per_master.sum(axis=1).max()), recv)
-    worst = 0.0
-    for row in per_master:
-        scheds = [relay_schedule(int(n), fanout) for n in row if n > 0]
-        if scheds:
-            first = sum(s[0] for s in scheds)
-            rest = max(sum(s[1:]) for s in scheds)
-            worst = max(worst, float(first + rest))
-    return max(worst, recv)
+def transfer_copy_times(layouts, num_experts: int, fanout: int | None) -> np.ndarray:
+    """Replica transfer time of each layout ``[N, R, C]`` in units of one copy's time, from the
+    largest per-link bytes: the schedule of its off-home instances (`ultraep_jax.relay`, with
+    ``max_fanout = fanout``; None: direct, every copy from its home rank in one hop), each hop as
+    long as the most copies one rank sends or receives in it, the hops one after another.
+    Returns float [N]."""
+    held = held_off_home(layouts, num_experts)
+    ranks = held.shape[1]
+    fn = common.batched_transfer(ranks, num_experts // ranks, 0 if fanout is None else fanout)
+    _, length, _ = fn(held)
+    return np.asarray(length, np.float64)
 
 
 def gather_seconds(ep: int, num_experts: int, cluster: Cluster, params: CostParams) -> float:
@@ -275,7 +254,7 @@ def layer_time(
       expert_s: the busiest rank's expert seconds when the caller has them (a calibration,
         `rank_expert_seconds`); None: the FLOP model on ``max_rank_load`` rows.
       copy_times: replica transfer time in copies (``transfer_copy_times``); the gradient return
-        in backward takes the same time (reverse tree).
+        in backward takes the same time (the reverse hops).
       plan_seconds: planner time on the critical path (0: no planner in the step); the load
         all-gather is added when it is positive.
     """

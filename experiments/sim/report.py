@@ -80,11 +80,14 @@ def assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> 
         ),
         (
             f"Replica = 3 x D x F x {params.weight_bytes} bytes (bf16), gradient return the same "
-            "bytes. One copy goes to a uniformly random other rank of the group (expected "
-            "NVLink/IB time). Direct: a master sends every copy of its experts back to back. "
-            f"Relay: fan-out cap {params.relay_fanout}: the master sends the first "
-            f"{params.relay_fanout} copies, then every holder forwards at most that many per "
-            "stage; receive side = copies per rank."
+            "bytes by the reverse hops. Charged from the largest per-link bytes: the copies each "
+            "layout moves (its instances off their home rank) are scheduled by the library's "
+            "relay schedule (ultraep_jax.relay, ffi/TRANSFER.md) with max_fanout = "
+            f"{params.relay_fanout} (relay) or 0 (direct: every copy from its home rank in one "
+            "hop); each hop lasts as long as the most copies one rank sends or receives in it, "
+            "times one copy's time to a uniformly random other rank of the group (expected "
+            "NVLink/IB time), and the hops run one after another (a relay forwards a copy only "
+            "once it has all of it; no chunk pipelining, no per-hop latency)."
         ),
         (
             f"Balancer config: {dict(cfg_kwargs)}; none = masters only; ultraep = "

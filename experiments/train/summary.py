@@ -14,13 +14,15 @@ from experiments.train.config import TrainConfig
 
 def layer_record(stats: uep.MoEStats) -> dict:
     """The per-layer figures of one step's ``metrics.jsonl`` record: max/mean rank load before
-    and after balancing, dropped pairs and replicas (``stats`` with a leading layer axis)."""
+    and after balancing, dropped pairs, replicas and the replica transfer's largest per-rank send
+    in bytes (``stats`` with a leading layer axis)."""
     stats = jax.device_get(stats)
     return {
         "imbalance_before": [round(float(v), 5) for v in stats.imbalance_before],
         "imbalance_after": [round(float(v), 5) for v in stats.imbalance_after],
         "dropped": [int(v) for v in stats.dropped],
         "replicas": [int(v) for v in stats.replicas],
+        "transfer_send_max": [int(v) for v in stats.transfer_send_max],
     }
 
 

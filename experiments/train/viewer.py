@@ -3,7 +3,8 @@
     python -m experiments.train.viewer --workdir=runs/ultraep [--out=runs/ultraep/viewer.html]
 
 Reads ``<workdir>/metrics.jsonl`` (one record per step: ``step``, ``loss`` and the per-layer lists
-``imbalance_before``, ``imbalance_after``, ``replicas``, ``dropped``) and, when the run had
+``imbalance_before``, ``imbalance_after``, ``replicas``, ``dropped`` and, from runs that record
+it, ``transfer_send_max``) and, when the run had
 ``--profile_loads``, ``<workdir>/loads.jsonl`` (per step and layer: ``expert_load``,
 ``rank_load_before``, ``rank_load_after``, ``replicas``, ``dropped``). Writes ONE HTML file with the
 data embedded as JSON and inline CSS/JS that draws SVG charts: nothing is fetched at view time. The
@@ -13,14 +14,15 @@ page, its CSS and its script are the files in ``experiments/train/static/`` (``p
 The page has a layer selector and a step slider and shows, for the selection:
 
 * ``#summary``: e.g. ``step 12, layer 1: max/mean 2.31 -> 1.01, replicas 5, dropped 0``, with the
-  numbers also in ``#imbalance-before``, ``#imbalance-after``, ``#replicas`` and ``#dropped``;
+  numbers also in ``#imbalance-before``, ``#imbalance-after``, ``#replicas`` and ``#dropped``, and
+  the replica transfer's largest per-rank send (MB) in ``#transfer-send-max``;
 * per-rank load before balancing (stacked by the rank's master experts; expert ``e`` lives on rank
   ``e // (E / R)``) next to the load after balancing, with the mean as a dashed line, and the same
   numbers in a table (``#rank-table``); and the per-expert load (needs ``--profile_loads``; without
   it ``#no-loads`` says so);
 * max/mean rank load over steps before vs after balancing for the selected layer
   (``#imbalance-chart``) and replicas per step (``#replicas-chart``); click a chart to pick a step;
-* every layer at the selected step (``#layer-table``).
+* every layer at the selected step (``#layer-table``, with each layer's largest per-rank send).
 
 URL parameters ``?step=S&layer=L`` (a logged step number, a 0-based layer) pick the initial
 selection; without them the page opens at the last step, layer 0. Layers are numbered from 0.
@@ -102,7 +104,13 @@ def _page_data(metrics_records: list[dict], load_records: list[dict]) -> dict:
         balance = record.get("balance", balance)
         metric = {
             key: _numbers(record.get(key))
-            for key in ("imbalance_before", "imbalance_after", "replicas", "dropped")
+            for key in (
+                "imbalance_before",
+                "imbalance_after",
+                "replicas",
+                "dropped",
+                "transfer_send_max",
+            )
         }
         profile = loads_by_step.get(step, [])
         count = max([len(v) for v in metric.values()] + [len(profile)])
@@ -114,6 +122,7 @@ def _page_data(metrics_records: list[dict], load_records: list[dict]) -> dict:
                 "ia": _at(metric["imbalance_after"], layer),
                 "rep": _at(metric["replicas"], layer),
                 "drop": _at(metric["dropped"], layer),
+                "send": _at(metric["transfer_send_max"], layer),
             }
             if layer < len(profile) and isinstance(profile[layer], dict):
                 p = profile[layer]
@@ -153,7 +162,8 @@ def build_html(metrics_records: list[dict], load_records: list[dict] | None = No
 
     Args:
       metrics_records: dicts with ``step`` and the per-layer lists ``imbalance_before``,
-        ``imbalance_after``, ``replicas``, ``dropped`` (missing keys show as "n/a").
+        ``imbalance_after``, ``replicas``, ``dropped``, ``transfer_send_max`` (bytes; missing
+        keys show as "n/a").
       load_records: dicts ``{"step": s, "layers": [{"expert_load", "rank_load_before",
         "rank_load_after", "replicas", "dropped"}, ...]}``; None or empty without a profile.
 

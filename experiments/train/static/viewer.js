@@ -11,6 +11,9 @@
     return (v === null || v === undefined) ? "n/a" : Number(v).toFixed(digits);
   }
   function fmtInt(v) { return (v === null || v === undefined) ? "n/a" : String(Math.round(v)); }
+  function fmtMB(bytes) {
+    return (bytes === null || bytes === undefined) ? "n/a" : (bytes / 1e6).toFixed(2) + " MB";
+  }
   function fmtLoad(v) {
     if (v === null || v === undefined) return "n/a";
     return Number.isInteger(v) ? String(v) : Number(v).toFixed(1);
@@ -268,13 +271,13 @@
 
   function drawLayerTable() {
     var rows = "<tr><th>layer</th><th>max/mean before</th><th>max/mean after</th>" +
-      "<th>replicas</th><th>dropped</th></tr>";
+      "<th>replicas</th><th>dropped</th><th>largest send</th></tr>";
     for (var l = 0; l < numLayers; l++) {
       var e = entry(state.index, l);
       rows += '<tr class="' + (l === state.layer ? "selected" : "") + '"><td>' + l +
         "</td><td>" + fmt(imbalance(e, "before"), 2) + "</td><td>" +
         fmt(imbalance(e, "after"), 2) + "</td><td>" + fmtInt(e.rep) + "</td><td>" +
-        fmtInt(e.drop) + "</td></tr>";
+        fmtInt(e.drop) + "</td><td>" + fmtMB(e.send) + "</td></tr>";
     }
     $("layer-table").innerHTML = rows;
   }
@@ -289,6 +292,7 @@
     $("imbalance-after").textContent = fmt(ia, 2);
     $("replicas").textContent = fmtInt(e.rep);
     $("dropped").textContent = fmtInt(e.drop);
+    $("transfer-send-max").textContent = fmtMB(e.send);
     var loss = DATA.loss[state.index], evalLoss = DATA.evalLoss[state.index];
     $("loss").textContent = fmt(loss, 4) +
       (evalLoss !== null && evalLoss !== undefined ? " (eval " + fmt(evalLoss, 4) + ")" : "");

@@ -1,0 +1,250 @@
+"""Fan-out of the replica weight transfer on the real traces: what the busiest sender sends.
+
+        python -m experiments.bench.fanout                  # every trace, EP size and mode
+        python -m experiments.bench.fanout --traces=deepseek-r1 --ep=64 --json_out=/tmp/f.json
+
+Each layer of each trace is turned into a load matrix (`experiments.loads.workloads`, the
+trace's own top-k, ``--tokens_per_rank`` tokens per rank) and planned by the real planner
+(`ultraep_jax.plan`, the FFI custom call, ``--slots_per_rank`` spare slots, at ``--balance_eps``
+and in exact mode, ``balance_eps=0``). The plan's replica transfer sends each replica its
+expert's weights, from the master's rank (direct) or through relays (`ultraep_jax.relay`, each
+``--max_fanout`` bound f): the busiest sender's count of expert copies is the layer's figure,
+reported as its distribution over layers (median, p90, max), with the largest fan-out of one
+expert, the transfer's modelled length (each hop as long as its busiest link, in copies) and its
+hops beside it.
+
+Modelled, stated in the output: one copy is a bf16 DeepSeek-V3 expert (3 x 7168 x 2048 x 2
+bytes) over ``--link_gbps`` per rank and direction; the expert compute beside it is the forward
+pass of one rank's mean rows (``tokens_per_rank`` x 8 at DeepSeek-V3's top-8) at
+``--gpu_tflops``. Qwen1.5-MoE's 60 experts divide no power of two, so it runs at the EP sizes of
+``--qwen_ep``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+from absl import flags
+
+import ultraep_jax as uep
+from experiments import common
+from experiments.loads import traces, workloads
+
+_TRACES = flags.DEFINE_list("traces", list(traces.TRACE_NAMES), "Traces to measure.")
+_EP = flags.DEFINE_list("ep", ["32", "64", "128"], "EP sizes (DeepSeek-R1 and Switch).")
+_QWEN_EP = flags.DEFINE_list("qwen_ep", ["30", "60"], "EP sizes of Qwen1.5-MoE (60 experts).")
+_TOKENS = flags.DEFINE_integer("tokens_per_rank", 8192, "Tokens per source rank.")
+_BALANCER = common.define_balancer_flags()
+_STRIDE = flags.DEFINE_integer("stride", 1, "Keep every n-th layer of each trace (1: all).")
+_FANOUTS = flags.DEFINE_list(
+    "max_fanout", ["1", "2", "3"], "Relay bounds f to compare with the direct transfer (f = 0)."
+)
+_LINK = flags.DEFINE_float("link_gbps", 50.0, "Link bandwidth, GB/s per rank and direction.")
+_TFLOPS = flags.DEFINE_float(
+    "gpu_tflops",
+    550.0,
+    "Assumed grouped-matmul rate in TFLOP/s (550: the Mosaic GPU kernel measured on an H100, "
+    "README 'GPU').",
+)
+_TRACES_DIR = flags.DEFINE_string(
+    "traces_dir", None, "Folder of the trace folders (default: traces.default_traces_dir())."
+)
+_JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
+
+flags.register_validator("stride", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("tokens_per_rank", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("link_gbps", lambda v: v > 0, "must be > 0")
+flags.register_validator("gpu_tflops", lambda v: v > 0, "must be > 0")
+flags.register_validator(
+    "traces",
+    lambda v: set(v) <= set(traces.TRACE_NAMES),
+    f"each must be one of {', '.join(traces.TRACE_NAMES)}",
+)
+flags.register_validator(
+    "max_fanout", lambda v: all(s.isdigit() and int(s) > 0 for s in v), "each must be an int > 0"
+)
+for _name in ("ep", "qwen_ep"):
+    flags.register_validator(
+        _name, lambda v: all(s.isdigit() and int(s) > 1 for s in v), "EP sizes must be ints > 1"
+    )
+
+#: DeepSeek-V3's expert: D=7168, F=2048; one copy is w_gate, w_up and w_down in bf16.
+D_MODEL, D_FF, WEIGHT_BYTES, TOP_K = 7168, 2048, 2, 8
+COPY_BYTES = 3 * D_MODEL * D_FF * WEIGHT_BYTES
+
+
+def trace_top_k(name: str) -> int:
+    """The traced model's own top-k (DeepSeek-R1: 8)."""
+    return traces.TRACE_TOP_K[name]
+
+
+@functools.cache
+def trace_batch(name: str, ep: int, tokens: int, stride: int, traces_dir) -> np.ndarray:
+    """int32 [N, R, E]: every ``stride``-th layer of the trace as a load matrix (seed 0)."""
+    rows = workloads.trace_workloads(name, ep, tokens, trace_top_k(name), 0, traces_dir)
+    return np.stack([loads for i, (_, loads) in enumerate(rows) if i % stride == 0])
+
+
+def transfer_copies(slot_expert_NRS: np.ndarray, experts_per_rank: int, max_fanout: int) -> dict:
+    """Per plan of ``[N, R, S]`` under the relay bound ``max_fanout`` (0: direct, each master
+    sends every copy): the busiest rank's copies sent (``send``), the modelled transfer length in
+    copies (``length``) and the hops it took (``hops``), each int [N]."""
+    fn = common.batched_transfer(slot_expert_NRS.shape[1], experts_per_rank, max_fanout)
+    send, length, hops = (np.asarray(a) for a in fn(slot_expert_NRS))
+    return {"send": send, "length": length, "hops": hops}
+
+
+def max_fanout_of_one_expert(slot_expert_NRS: np.ndarray, num_experts: int) -> np.ndarray:
+    """int [N]: the most replicas of one expert, per plan."""
+    flat = slot_expert_NRS.reshape(slot_expert_NRS.shape[0], -1)
+    return np.stack([np.bincount(s[s >= 0], minlength=num_experts).max() for s in flat])
+
+
+def masters_replicated(slot_expert_RS: np.ndarray, experts_per_rank: int, ep: int) -> int:
+    """The most replicated experts one rank masters (a lower bound on its copies sent)."""
+    experts = np.unique(slot_expert_RS[slot_expert_RS >= 0])
+    return int(np.bincount(experts // experts_per_rank, minlength=ep).max())
+
+
+def distribution(values) -> dict:
+    """median, p90 and max of per-layer values."""
+    v = np.asarray(values, np.float64)
+    return {
+        "median": float(np.median(v)),
+        "p90": float(np.percentile(v, 90)),
+        "max": float(v.max()),
+    }
+
+
+def copy_ms(copies: float, link_gbps: float) -> float:
+    """Milliseconds to send ``copies`` DeepSeek-V3 experts over one rank's link."""
+    return 1e3 * copies * COPY_BYTES / (link_gbps * 1e9)
+
+
+def expert_forward_ms(tokens_per_rank: int, tflops: float) -> float:
+    """Milliseconds of one rank's expert forward pass at the mean rows (tokens x top-8)."""
+    flops = tokens_per_rank * TOP_K * 3 * 2 * D_MODEL * D_FF
+    return 1e3 * flops / (tflops * 1e12)
+
+
+def measure(name: str, ep: int, eps: float) -> dict:
+    """The fan-out figures of one (trace, EP size, balance_eps) cell."""
+    batch = trace_batch(name, ep, _TOKENS.value, _STRIDE.value, _TRACES_DIR.value)
+    num_experts = batch.shape[-1]
+    cfg = uep.BalancerConfig(num_experts, ep, **{**_BALANCER(), "balance_eps": eps})
+    plans = common.batched_planner(cfg)(batch)
+    slot_expert = np.asarray(plans.slot_expert)
+    schedules = {
+        f: transfer_copies(slot_expert, cfg.experts_per_rank, f)
+        for f in [0] + [int(v) for v in _FANOUTS.value]
+    }
+    # Any schedule: each rank sends at least one copy of each of its replicated masters.
+    masters = np.stack([masters_replicated(s, cfg.experts_per_rank, ep) for s in slot_expert])
+    return {
+        "trace": name,
+        "ep": ep,
+        "balance_eps": eps,
+        "layers": int(batch.shape[0]),
+        "replicas_mean": float(np.asarray(plans.num_replicas).mean()),
+        "max_fanout": distribution(max_fanout_of_one_expert(slot_expert, num_experts)),
+        "lower_bound_copies": distribution(masters),
+        "schedules": {
+            str(f): {key: distribution(v) for key, v in r.items()} for f, r in schedules.items()
+        },
+    }
+
+
+def _triple(d: dict, scale: float = 1.0, fmt: str = "g") -> str:
+    return " / ".join(format(d[k] * scale, fmt) for k in ("median", "p90", "max"))
+
+
+def direct_table(cells: list[dict], link_gbps: float) -> list[str]:
+    """One line per cell, direct transfer: the largest fan-out of one expert, the busiest
+    sender's copies and their send time (median / p90 / max over layers)."""
+    ms = copy_ms(1, link_gbps)
+    lines = [
+        f"{'trace':16s} {'EP':>4s} {'eps':>5s} {'layers':>6s} {'replicas':>8s} "
+        f"{'fan-out med/p90/max':>20s} {'send copies med/p90/max':>24s} "
+        f"{'send ms med/p90/max':>22s}"
+    ]
+    for c in cells:
+        s = c["schedules"]["0"]["send"]
+        lines.append(
+            f"{c['trace']:16s} {c['ep']:4d} {c['balance_eps']:5g} {c['layers']:6d} "
+            f"{c['replicas_mean']:8.1f} {_triple(c['max_fanout']):>20s} {_triple(s):>24s} "
+            f"{_triple(s, ms, '.1f'):>22s}"
+        )
+    return lines
+
+
+def relay_table(cells: list[dict]) -> list[str]:
+    """One line per cell and bound f: the busiest sender's copies, the modelled transfer length
+    in copies and the hops (median / p90 / max over layers), and the lower bound."""
+    lines = [
+        f"{'trace':16s} {'EP':>4s} {'eps':>5s} {'f':>2s} {'send copies':>14s} "
+        f"{'length, copies':>15s} {'hops':>11s} {'lower bound':>12s}"
+    ]
+    for c in cells:
+        for f, r in c["schedules"].items():
+            lines.append(
+                f"{c['trace']:16s} {c['ep']:4d} {c['balance_eps']:5g} {f:>2s} "
+                f"{_triple(r['send']):>14s} {_triple(r['length']):>15s} "
+                f"{_triple(r['hops']):>11s} {_triple(c['lower_bound_copies']):>12s}"
+            )
+    return lines
+
+
+def main(argv):
+    """Plans every layer of every trace at every EP size and mode; prints the table."""
+    del argv
+    start = time.perf_counter()
+    eps_values = list(dict.fromkeys([_BALANCER()["balance_eps"], 0.0]))
+    cells = []
+    for name in _TRACES.value:
+        eps_list = _QWEN_EP.value if name == "qwen1.5-moe" else _EP.value
+        for ep in dict.fromkeys(int(s) for s in eps_list):
+            for eps in eps_values:
+                cells.append(measure(name, ep, eps))
+                print("\n".join(direct_table(cells[-1:], _LINK.value)[1:]), flush=True)
+    fwd = expert_forward_ms(_TOKENS.value, _TFLOPS.value)
+    b = _BALANCER()
+    print(
+        f"\nFan-out of the replica transfer (direct: each master sends every copy), "
+        f"{b['slots_per_rank']} slots/rank, min_tokens_per_replica="
+        f"{b['min_tokens_per_replica']}, {_TOKENS.value} tokens/rank, the trace's own top-k:"
+    )
+    print("\n".join(direct_table(cells, _LINK.value)))
+    print(
+        "\nRelay (f = max_fanout; 0 = direct): the busiest sender's copies, the transfer's "
+        "modelled length (each hop as long as its busiest link, sending or receiving, in copies) "
+        "and its hops; lower bound = the most replicated experts one rank masters (it sends one "
+        "copy of each in any schedule):"
+    )
+    print("\n".join(relay_table(cells)))
+    print(
+        f"\nModelled: one copy = a bf16 DeepSeek-V3 expert, 3 x {D_MODEL} x {D_FF} x "
+        f"{WEIGHT_BYTES} B = {COPY_BYTES / 1e6:.1f} MB, {copy_ms(1, _LINK.value):.2f} ms at "
+        f"{_LINK.value:g} GB/s per rank and direction (the gradients return the same bytes in "
+        f"backward). Expert forward of one rank at the mean rows ({_TOKENS.value} x {TOP_K} = "
+        f"{_TOKENS.value * TOP_K} rows, 3 GEMMs of {D_MODEL} x {D_FF}) at {_TFLOPS.value:g} "
+        f"TFLOP/s: {fwd:.2f} ms (backward 2x that)."
+    )
+    print(f"({time.perf_counter() - start:.0f} s)")
+    common.write_json(
+        _JSON.value,
+        {
+            "copy_bytes": COPY_BYTES,
+            "link_gbps": _LINK.value,
+            "gpu_tflops": _TFLOPS.value,
+            "expert_forward_ms": fwd,
+            "tokens_per_rank": _TOKENS.value,
+            "balancer": b,
+            "cells": cells,
+        },
+    )
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,394 @@
+"""The relay schedule (`ultraep_jax.relay`) against the NumPy reference of ffi/TRANSFER.md."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tests.test_moe as tm
+import ultraep_jax as uep
+from tests.relay_reference import reference_schedule, reference_send_copies
+from ultraep_jax import comm, relay, streaming, transfer
+
+
+def random_slots(rng, R, em, S, fill, hot):
+    """int32 [R, S]: a valid slot layout (no rank holds an expert twice, none holds its own
+    master), ``hot`` experts much more likely than the rest."""
+    E = R * em
+    weights = np.ones(E)
+    weights[rng.choice(E, size=min(hot, E), replace=False)] = 30.0
+    slots = np.full((R, S), -1, np.int32)
+    for t in range(R):
+        allowed = np.ones(E, bool)
+        allowed[t * em : (t + 1) * em] = False
+        for s in range(S):
+            if rng.random() < fill and allowed.any():
+                p = weights * allowed
+                e = rng.choice(E, p=p / p.sum())
+                slots[t, s], allowed[e] = e, False
+    return slots
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _schedule_arrays(slots, em, f):
+    sched = relay.relay_schedule(slots, em, f)
+    hops = relay.static_hops(slots.shape[0], f)
+    return sched, relay.send_copies(sched), relay.hop_copies(sched, hops)
+
+
+def jitted_schedule(slots, em, f, per_hop=False):
+    sched, sent, hop_copies = _schedule_arrays(jnp.asarray(slots), em, f)
+    got = {
+        "hop": np.asarray(sched.hop_RS),
+        "sender": np.asarray(sched.sender_RS),
+        "source": np.asarray(sched.source_RS),
+    }
+    if per_hop:
+        return got, np.asarray(sent), [np.asarray(a) for a in hop_copies]
+    return got, np.asarray(sent)
+
+
+@pytest.mark.parametrize("f", [0, 1, 2, 3])
+@pytest.mark.parametrize("R, em, S", [(2, 1, 1), (4, 2, 2), (8, 1, 3), (16, 4, 2), (64, 4, 2)])
+def test_schedule_equals_reference(R, em, S, f):
+    rng = np.random.default_rng(R * 100 + em * 10 + S + f)
+    for case in range(20):
+        slots = random_slots(rng, R, em, S, fill=rng.uniform(0.2, 1.0), hot=1 + case % 4)
+        got, sent, (per_hop_sent, per_hop_received) = jitted_schedule(slots, em, f, per_hop=True)
+        want = reference_schedule(slots, em, f)
+        for key in ("hop", "sender", "source"):
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{key}\n{slots}")
+        np.testing.assert_array_equal(sent, reference_send_copies(slots, em, f))
+        hops = relay.static_hops(R, f)
+        assert got["hop"].max() <= hops
+        for h in range(hops):
+            in_hop = want["hop"] == h + 1
+            np.testing.assert_array_equal(
+                per_hop_sent[h], np.bincount(want["sender"][in_hop], minlength=R)[:R]
+            )
+            np.testing.assert_array_equal(per_hop_received[h], in_hop.sum(axis=1))
+
+
+def test_hand_computed_tree():
+    """Expert 0 (master rank 0) on ranks 1..6, expert 2 (master rank 1) on rank 0: each master
+    has one replicated expert, so sends up to f = 2 copies; rank 1 has its own master to send,
+    so it comes last among expert 0's replicas (a leaf), and ranks 2 and 3 relay."""
+    slots = np.full((8, 1), -1, np.int32)
+    slots[1:7, 0] = 0
+    slots[0, 0] = 2  # expert 2's master is rank 1; its replica on rank 0
+    got, sent = jitted_schedule(slots, 2, 2)
+    # Expert 0's replicas in order: ranks 2, 3, 4, 5, 6 (by distance from rank 0), then rank 1.
+    # Level 1 (hop 1): ranks 2, 3 from the master; level 2: ranks 4, 5, 6, 1 from 2, 3, 2, 3.
+    np.testing.assert_array_equal(got["hop"][:, 0], [1, 2, 1, 1, 2, 2, 2, 0])
+    np.testing.assert_array_equal(got["sender"][:, 0], [1, 3, 0, 0, 2, 3, 2, 8])
+    np.testing.assert_array_equal(got["source"][:, 0], [0, 0, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(sent, [2, 1, 2, 2, 0, 0, 0, 0])
+
+
+def test_root_fanout_is_shared_by_a_ranks_replicated_masters():
+    """Rank 0 masters experts 0 and 1, both replicated 3 times: with f = 2 each gets a root
+    fan-out of 1, so rank 0 sends 2 copies in all; the first replicas relay the rest."""
+    slots = np.array([[-1, -1], [0, 1], [0, 1], [0, 1]], np.int32)
+    got, sent = jitted_schedule(slots, 2, 2)
+    np.testing.assert_array_equal(got["hop"], [[0, 0], [1, 1], [2, 2], [2, 2]])
+    np.testing.assert_array_equal(got["sender"], [[4, 4], [0, 0], [1, 1], [1, 1]])
+    np.testing.assert_array_equal(got["source"], [[0, 0], [0, 1], [0, 1], [0, 1]])
+    np.testing.assert_array_equal(sent, [2, 4, 0, 0])
+    direct, _ = jitted_schedule(slots, 2, 0)
+    np.testing.assert_array_equal(direct["sender"], [[4, 4], [0, 0], [0, 0], [0, 0]])
+
+
+@pytest.mark.parametrize("R, f, want", [(2, 1, 1), (8, 0, 1), (8, 1, 7), (8, 2, 3), (64, 2, 6)])
+def test_static_hops(R, f, want):
+    assert relay.static_hops(R, f) == want
+
+
+def test_schedule_of_real_plans_equals_reference():
+    """Plans of the FFI planner on skewed loads (EP16, E=64, S=2) at f = 1, 2."""
+    rng = np.random.default_rng(5)
+    cfg = uep.BalancerConfig(64, 16, slots_per_rank=2, min_tokens_per_replica=4)
+    for _ in range(5):
+        loads = rng.integers(0, 50, size=(16, 64)).astype(np.int32)
+        loads[:, rng.choice(64, 3, replace=False)] *= 40
+        slots = np.asarray(uep.plan(loads, cfg).slot_expert)
+        assert (slots >= 0).sum() > 0
+        for f in (1, 2):
+            got, _ = jitted_schedule(slots, 4, f)
+            want = reference_schedule(slots, 4, f)
+            for key in ("hop", "sender", "source"):
+                np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+# -- the relayed transfer and its gradient ------------------------------------------------------
+
+
+def _portable_exchange(monkeypatch):
+    """Runs the ragged transfer's hops through the portable exchange (XLA:CPU has no ragged
+    all-to-all), so that its layout and indexing are checked here."""
+    real = comm.ragged_exchange
+
+    def exchange(operand, ex, *, axis_name, backend="auto"):
+        return real(operand, ex, axis_name=axis_name, backend="portable")
+
+    monkeypatch.setattr(transfer.comm, "ragged_exchange", exchange)
+
+
+@pytest.mark.parametrize("backend", ["portable", "ragged"])
+@pytest.mark.parametrize("f", [1, 2])
+def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch):
+    """8 ranks, 2 masters each, 2 slots: expert 0 on 6 ranks (relayed through 2 or 3 levels),
+    expert 3 on 2; every slot gets its expert, and each master's gradient is the sum of the
+    cotangents of every slot holding it (summed through the relays)."""
+    if backend == "ragged":
+        _portable_exchange(monkeypatch)
+    R, em, S = 8, 2, 2
+    E = R * em
+    slot_expert = np.array(
+        [[3, -1], [0, -1], [0, 3], [0, -1], [-1, -1], [0, -1], [0, 9], [0, -1]], np.int32
+    )
+    sched = reference_schedule(slot_expert, em, f)
+    assert sched["hop"].max() >= 2, "the layout must need relays"
+    mesh = jax.make_mesh((R,), ("expert",))
+    rng = np.random.default_rng(f)
+    masters = [
+        rng.normal(size=(E, 3, 5)).astype(np.float32),
+        rng.normal(size=(E, 4)).astype(np.float32),
+    ]
+    cot = [rng.normal(size=(R * S, *w.shape[1:])).astype(np.float32) for w in masters]
+
+    def per_rank(slots_RS, *ws):
+        return transfer.fetch_replica_experts(
+            ws, slots_RS, axis_name="expert", backend=backend, max_fanout=f
+        )
+
+    fetch = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(P(), P("expert"), P("expert")),
+        out_specs=(P("expert"), P("expert")),
+    )
+
+    def loss(*ws):
+        got = fetch(jnp.asarray(slot_expert), *ws)
+        return sum(jnp.sum(g * c) for g, c in zip(got, cot, strict=True)), got
+
+    split = NamedSharding(mesh, P("expert"))
+    args = [jax.device_put(w, split) for w in masters]
+    (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(*args)
+    flat = slot_expert.reshape(-1)
+    for g, w in zip(got, masters, strict=True):
+        want = np.stack([w[e] if e >= 0 else np.zeros_like(w[0]) for e in flat])
+        np.testing.assert_array_equal(np.asarray(g), want)
+    for g, c, w in zip(grads, cot, masters, strict=True):
+        want = np.zeros_like(w)
+        for i, e in enumerate(flat):
+            if e >= 0:
+                want[e] += c[i]
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
+
+
+def test_relay_hops_lower_for_cuda_with_ragged_all_to_all():
+    """The relayed transfer exports for CUDA: one ragged all-to-all for hop 1 and one per later
+    hop (inside a conditional), whose transposes carry the gradients back."""
+    R, em, S = 8, 2, 2
+    mesh = jax.make_mesh((R,), ("expert",))
+
+    def per_rank(slots_RS, w):
+        (got,) = transfer.fetch_replica_experts(
+            (w,), slots_RS, axis_name="expert", backend="ragged", max_fanout=2
+        )
+        return got
+
+    fetch = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P("expert")), out_specs=P("expert"))
+
+    def loss(w, slots):
+        return jnp.sum(fetch(slots, w) ** 2)
+
+    args = (
+        jax.ShapeDtypeStruct((R * em, 4), jnp.float32, sharding=NamedSharding(mesh, P("expert"))),
+        jax.ShapeDtypeStruct((R, S), jnp.int32, sharding=NamedSharding(mesh, P())),
+    )
+    exported = jax.export.export(
+        jax.jit(jax.grad(loss)),
+        platforms=["cuda"],
+        # ragged_all_to_all has no export compatibility guarantee in this JAX
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")],
+    )(*args)
+    text = exported.mlir_module()
+    calls = len(re.findall(r"custom_call @ragged_all_to_all\(", text))
+    assert calls == 2 * relay.static_hops(R, 2), calls  # every hop forward and transposed
+    assert "psum_scatter" not in text and "reduce_scatter" not in text
+
+
+# -- the layer with relays: values and gradients equal the dense reference ---------------------
+
+
+LAYER_EXPERTS = 8
+
+
+def _relayed_layer_case(mesh_kind, f, backend, monkeypatch, chunks=1, seed=0):
+    """The balanced layer on skewed inputs (E=8, top-2) with ``max_fanout=f``; returns its
+    results, the reference's and the plans' slots of each EP group (by the FFI planner)."""
+    if backend == "ragged":
+        _portable_exchange(monkeypatch)
+    mesh = tm.make_mesh(mesh_kind)
+    G, R = tm.mesh_groups(mesh)
+    rng = np.random.default_rng(seed)
+    E, k, batch, seq = LAYER_EXPERTS, 2, 8, 8
+    x, params = tm.make_inputs(rng, batch, seq, E, k, skew=True, hot=[0, 1])
+    cot = rng.normal(size=x.shape).astype(np.float32)
+    balancer = tm.balancer_config(mesh, E, slots=2, max_fanout=f)
+    layer = uep.MoE(
+        d_model=tm.D,
+        d_ff=tm.F,
+        num_experts=E,
+        top_k=k,
+        mesh=mesh,
+        balancer=balancer,
+        capacity_factor=None,
+        comm_backend=backend,
+        transfer_chunks=chunks,
+        rngs=nnx.Rngs(0),
+    )
+    for name in tm.PARAM_NAMES:
+        tm.set_param(getattr(layer, name), params[name])
+    got = tm.layer_value_and_grads(layer, tm.place_batch(mesh, x), jnp.asarray(cot))
+    ref = tm.reference_value_and_grads(
+        jnp.asarray(x), {n: jnp.asarray(v) for n, v in params.items()}, cot, k
+    )
+    loads = tm.independent_loads(x, params["router_kernel"], k, mesh, E)
+    slots = [
+        np.asarray(uep.plan(loads[g].astype(np.int32), balancer).slot_expert) for g in range(G)
+    ]
+    return got, ref, slots
+
+
+def deepest_hop(slots, f) -> int:
+    """The last relay hop of any group's plan (reference schedule)."""
+    return max(
+        int(reference_schedule(s, LAYER_EXPERTS // s.shape[0], f)["hop"].max()) for s in slots
+    )
+
+
+def want_send_max(slots, f) -> float:
+    """The largest per-rank send in bytes, by the reference schedule: copies of w_gate, w_up and
+    w_down in float32, worst group."""
+    copies = max(int(reference_send_copies(s, LAYER_EXPERTS // s.shape[0], f).max()) for s in slots)
+    return float(copies * 3 * tm.D * tm.F * 4)
+
+
+@pytest.mark.parametrize("backend", ["portable", "ragged"])
+@pytest.mark.parametrize("f", [1, 2])
+@pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
+def test_layer_with_relays_equals_dense_reference(mesh_kind, f, backend, monkeypatch):
+    (y, stats, gx, gp), (ref_y, ref_gx, ref_gp), slots = _relayed_layer_case(
+        mesh_kind, f, backend, monkeypatch
+    )
+    assert deepest_hop(slots, f) >= 2, "no expert was relayed"
+    assert int(stats["dropped"]) == 0
+    assert float(stats["transfer_send_max"]) == want_send_max(slots, f)
+    assert want_send_max(slots, f) < want_send_max(slots, 0), "relay sends no less than direct"
+    tm.assert_close(y, ref_y, "y")
+    tm.assert_close(gx, ref_gx, "d/dx")
+    for name in tm.PARAM_NAMES:
+        tm.assert_close(gp[name], ref_gp[name], f"d/d{name}")
+
+
+@pytest.mark.parametrize("backend", ["portable", "ragged"])
+@pytest.mark.parametrize("chunks", [2, 4])
+@pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
+def test_layer_with_streamed_transfer_equals_dense_reference(
+    mesh_kind, chunks, backend, monkeypatch
+):
+    """The replica weights in 2 or 4 chunks of the hidden width (through relays, f = 2)."""
+    (y, stats, gx, gp), (ref_y, ref_gx, ref_gp), slots = _relayed_layer_case(
+        mesh_kind, 2, backend, monkeypatch, chunks=chunks, seed=1
+    )
+    assert int(stats["replicas"]) > 0, "no replica"
+    assert int(stats["dropped"]) == 0
+    assert float(stats["transfer_send_max"]) == want_send_max(slots, 2)
+    tm.assert_close(y, ref_y, "y")
+    tm.assert_close(gx, ref_gx, "d/dx")
+    for name in tm.PARAM_NAMES:
+        tm.assert_close(gp[name], ref_gp[name], f"d/d{name}")
+
+
+@pytest.mark.parametrize(
+    "d_ff, chunks, sizes", [(16, 1, [16]), (16, 4, [4] * 4), (10, 3, [4, 3, 3])]
+)
+def test_hidden_chunks_cover_the_width(d_ff, chunks, sizes):
+    got = streaming.hidden_chunks(d_ff, chunks)
+    assert [c.stop - c.start for c in got] == sizes
+    assert got[0].start == 0 and got[-1].stop == d_ff
+    assert all(a.stop == b.start for a, b in zip(got[:-1], got[1:], strict=True))
+
+
+def test_streamed_transfer_moves_each_chunk_separately():
+    """With n chunks the CPU lowering holds n reduce-scatters per hop (one transfer per chunk)
+    where one chunk holds one."""
+    mesh = tm.make_mesh("ep8")
+
+    def count(chunks):
+        layer = uep.MoE(
+            d_model=tm.D,
+            d_ff=tm.F,
+            num_experts=8,
+            top_k=2,
+            mesh=mesh,
+            balancer=tm.balancer_config(mesh, 8, slots=1, max_fanout=0),
+            transfer_chunks=chunks,
+            rngs=nnx.Rngs(0),
+        )
+        x = jnp.ones((8, 4, tm.D), jnp.float32)
+        graphdef, state = nnx.split(layer)
+        text = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).as_text()
+        return len(re.findall(r"reduce_scatter", text))
+
+    one = count(1)
+    assert one >= 1
+    assert count(4) == 4 * one
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"transfer_chunks": 0}, r"transfer_chunks must be a positive int, got 0"),
+        ({"transfer_chunks": 2.0}, r"transfer_chunks must be a positive int, got 2.0"),
+        ({"transfer_chunks": 17}, r"transfer_chunks=17 exceeds d_ff=16"),
+    ],
+)
+def test_bad_transfer_chunks_raise_one_line(kwargs, match):
+    mesh = tm.make_mesh("ep8")
+    with pytest.raises(ValueError, match=match) as err:
+        uep.MoE(
+            d_model=tm.D, d_ff=tm.F, num_experts=8, top_k=2, mesh=mesh, rngs=nnx.Rngs(0), **kwargs
+        )
+    assert "\n" not in str(err.value)
+    if kwargs["transfer_chunks"] != 17:
+        with pytest.raises(ValueError, match=match):
+            uep.ExpertParallel(mesh, 8, **kwargs)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_bad_max_fanout_raises(value):
+    with pytest.raises((ValueError, TypeError), match="max_fanout"):
+        uep.BalancerConfig(8, 4, max_fanout=value)
+
+
+def test_transfer_send_max_is_zero_without_replicas():
+    mesh = tm.make_mesh("ep8")
+    rng = np.random.default_rng(3)
+    x, params = tm.make_inputs(rng, 8, 8, 8, 2, skew=True)
+    for balancer in (None, tm.balancer_config(mesh, 8, slots=0)):
+        layer = tm.build_layer(mesh, 8, 2, balancer, None, params)
+        _, stats = tm.layer_forward(layer, tm.place_batch(mesh, x))
+        assert stats["transfer_send_max"].dtype == np.float32
+        assert float(stats["transfer_send_max"]) == 0.0

@@ -1,0 +1,162 @@
+"""The relay schedule of the replica transfer: which rank sends each slot its weights, and when.
+
+Without a bound, a master sends every replica of its expert itself. With ``max_fanout = f`` the
+copies of one expert flow down a tree rooted at its master (ffi/TRANSFER.md is the spec):
+
+  * replicas of expert e (on distinct ranks) are the nodes 1..k, those on ranks that master no
+    replicated expert first, each group ordered by ``(rank - master) mod R``; the master is node
+    0;
+  * the master sends to ``a = max(1, f // c)`` of them, c being the number of replicated experts
+    its rank masters (a rank's own masters cost it at most ``max(f, c)`` copies); every replica
+    sends to at most f others;
+  * nodes fill levels breadth first: level 1 holds nodes 1..a, level d >= 2 the next
+    ``a * f**(d-2)`` nodes, and the i-th node of level d receives from node ``i mod |level
+    d-1|`` of level d-1 in hop d.
+
+Every rank computes the same schedule from the plan's ``slot_expert`` alone (jnp, inside jit, no
+communication). Shapes follow the package's axis legend (`ultraep_jax`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def static_hops(ep_size: int, max_fanout: int) -> int:
+    """The most hops any plan's schedule can take on ``ep_size`` ranks: an expert has at most
+    ``R - 1`` replicas, and with a root fan-out of 1 the first h levels hold ``1 + f + ... +
+    f**(h-1)`` of them (1 hop when ``max_fanout`` is 0, no bound)."""
+    if max_fanout == 0 or ep_size <= 2:
+        return 1
+    hops, held, level = 1, 1, 1
+    while held < ep_size - 1:
+        level *= max_fanout
+        held += level
+        hops += 1
+    return hops
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RelaySchedule:
+    """Who sends each spare slot its expert's weights.
+
+    Attributes:
+      hop_RS: int32 [R, S], the hop (1-based) in which slot (t, s) receives; 0 for an empty slot.
+      sender_RS: int32 [R, S], the rank that sends it; R for an empty slot.
+      source_RS: int32 [R, S], the row the sender sends: its master's local index (hop 1, from
+        the master) or the sender's slot holding the expert (hops >= 2, a relay); 0 when empty.
+    """
+
+    hop_RS: jax.Array
+    sender_RS: jax.Array
+    source_RS: jax.Array
+
+
+def relay_schedule(
+    slot_expert_RS: jax.Array, experts_per_rank: int, max_fanout: int
+) -> RelaySchedule:
+    """The relay tree of every replicated expert of a plan (see the module docstring).
+
+    Args:
+      slot_expert_RS: int32 [R, S], the plan's slots (-1 empty).
+      experts_per_rank: E_m.
+      max_fanout: f >= 0; 0 for no bound (every master sends all its copies in hop 1).
+    """
+    R, S = slot_expert_RS.shape
+    n = R * S
+    em = experts_per_rank
+    expert_N = slot_expert_RS.reshape(-1).astype(jnp.int32)
+    filled_N = expert_N >= 0
+    rank_N = jnp.arange(n, dtype=jnp.int32) // S
+    slot_N = jnp.arange(n, dtype=jnp.int32) % S
+    master_N = jnp.where(filled_N, expert_N // em, 0)
+
+    # c: replicated experts each rank masters (they share its first-hop budget).
+    group_N = jnp.where(filled_N, expert_N, R * em)  # empty slots last
+    replicated_E = jnp.zeros(R * em, bool).at[group_N].set(True, mode="drop")
+    masters_sending_R = jnp.sum(replicated_E.reshape(R, em), axis=1, dtype=jnp.int32)
+
+    # Replicas of one expert are consecutive in `order`: first those on ranks that master no
+    # replicated expert (they have sending to spare), each group by distance from the master.
+    distance_N = (rank_N - master_N) % R
+    busy_N = masters_sending_R[rank_N] > 0
+    order = jnp.lexsort((distance_N, busy_N, group_N))
+    sorted_group = group_N[order]
+    start_sorted = jnp.searchsorted(sorted_group, sorted_group, side="left").astype(jnp.int32)
+    position_N = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    start_N = start_sorted[position_N]
+    node_N = position_N - start_N + 1
+
+    # The root fan-out: a rank's replicated masters share a budget of f first-hop copies.
+    if max_fanout == 0:
+        root_N = jnp.full(n, n + 1, jnp.int32)
+        fanout = n + 1
+    else:
+        root_N = jnp.maximum(1, max_fanout // jnp.maximum(masters_sending_R[master_N], 1))
+        fanout = max_fanout
+
+    # Levels, breadth first: level 1 has `root` nodes, each next one `fanout` times the last
+    # (sizes capped at n + 1, more than any expert has replicas, so that nothing overflows).
+    fanout = min(fanout, n + 1)
+    first_N, size_N = jnp.ones(n, jnp.int32), root_N
+    level_N = jnp.ones(n, jnp.int32)
+    level_first_N = first_N  # first node of each node's own level
+    prev_first_N, prev_size_N = jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.int32)  # the level above
+    for _ in range(1, static_hops(R, max_fanout)):
+        next_first_N = first_N + size_N
+        deeper = node_N >= next_first_N
+        level_N = level_N + deeper
+        prev_first_N = jnp.where(deeper, first_N, prev_first_N)
+        prev_size_N = jnp.where(deeper, size_N, prev_size_N)
+        level_first_N = jnp.where(deeper, next_first_N, level_first_N)
+        first_N = next_first_N
+        size_N = jnp.where(size_N > (n + 1) // fanout, n + 1, size_N * fanout)
+    parent_node_N = jnp.where(
+        level_N == 1, 0, prev_first_N + (node_N - level_first_N) % prev_size_N
+    )
+    parent_flat_N = order[jnp.clip(start_N + parent_node_N - 1, 0, n - 1)]
+    from_master_N = parent_node_N == 0
+    sender_N = jnp.where(from_master_N, master_N, rank_N[parent_flat_N])
+    source_N = jnp.where(from_master_N, jnp.clip(expert_N, 0, None) % em, slot_N[parent_flat_N])
+    return RelaySchedule(
+        hop_RS=jnp.where(filled_N, level_N, 0).reshape(R, S),
+        sender_RS=jnp.where(filled_N, sender_N, R).reshape(R, S),
+        source_RS=jnp.where(filled_N, source_N, 0).reshape(R, S),
+    )
+
+
+def send_copies(schedule: RelaySchedule) -> jax.Array:
+    """int32 [R]: expert copies each rank sends under ``schedule`` (all hops)."""
+    R = schedule.sender_RS.shape[0]
+    sent = schedule.sender_RS.reshape(-1)[None, :] == jnp.arange(R, dtype=jnp.int32)[:, None]
+    return jnp.sum(sent, axis=1, dtype=jnp.int32)
+
+
+def hop_copies(schedule: RelaySchedule, num_hops: int) -> tuple[jax.Array, jax.Array]:
+    """(sent, received), int32 [H, R] each: copies each rank sends and receives in each of the
+    first ``num_hops`` hops (for cost models: a hop lasts as long as its busiest link)."""
+    R, S = schedule.sender_RS.shape
+    hop_N = schedule.hop_RS.reshape(-1)
+    in_range_N = (hop_N >= 1) & (hop_N <= num_hops)
+    cell_N = jnp.where(in_range_N, (hop_N - 1) * R, num_hops * R)  # out-of-range: dropped
+    receiver_N = jnp.arange(R * S, dtype=jnp.int32) // S
+    ones_N = jnp.ones(R * S, jnp.int32)
+
+    def count(rank_N):
+        counts = jnp.zeros(num_hops * R, jnp.int32).at[cell_N + rank_N].add(ones_N, mode="drop")
+        return counts.reshape(num_hops, R)
+
+    return count(schedule.sender_RS.reshape(-1)), count(receiver_N)
+
+
+def largest_send_bytes(
+    slot_expert_RS: jax.Array, experts_per_rank: int, max_fanout: int, copy_bytes: int
+) -> jax.Array:
+    """float32 []: the most bytes one rank sends in the replica transfer of a plan under the
+    relay bound ``max_fanout`` (``copy_bytes`` per expert copy)."""
+    schedule = relay_schedule(slot_expert_RS, experts_per_rank, max_fanout)
+    return jnp.max(send_copies(schedule)).astype(jnp.float32) * jnp.float32(copy_bytes)

@@ -1,0 +1,76 @@
+"""The experts of a balanced rank with the replica weights streamed in chunks of the hidden width.
+
+SwiGLU is a sum over the hidden width F: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` equals the
+sum over column chunks Fc of ``(silu(x @ w_gate[:, Fc]) * (x @ w_up[:, Fc])) @ w_down[Fc]``. With
+``chunks = n > 1`` the slots' weights move as n transfers, one per chunk (each through the relay
+schedule), and each chunk's slot matmuls read only that chunk, so XLA may run chunk c's matmuls
+while chunk c + 1 is still in flight (ffi/TRANSFER.md, "Streamed transfer").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ultraep_jax import transfer
+from ultraep_jax.experts import local_experts, swiglu_experts
+
+
+def hidden_chunks(d_ff: int, chunks: int) -> list[slice]:
+    """``chunks`` consecutive column ranges of ``range(d_ff)``, sizes differing by at most 1."""
+    if not 1 <= chunks <= d_ff:
+        raise ValueError(f"MoE: transfer_chunks={chunks} must be in [1, d_ff={d_ff}]")
+    bounds = np.cumsum([0] + [len(c) for c in np.array_split(np.arange(d_ff), chunks)])
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def weight_chunk(weights: tuple, cols: slice) -> tuple:
+    """(w_gate[..., cols], w_up[..., cols], w_down[:, cols, :]) of SwiGLU weights [G, D, F] x 2
+    and [G, F, D]."""
+    w_gate, w_up, w_down = weights
+    return w_gate[..., cols], w_up[..., cols], w_down[:, cols, :]
+
+
+def experts_with_replicas(
+    rows: jax.Array,
+    masters: tuple[jax.Array, jax.Array, jax.Array],
+    slot_expert_RS: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    kernel: str,
+    chunks: int,
+    max_fanout: int,
+    axis_name: str,
+    backend: str,
+) -> jax.Array:
+    """[C, D]: every received row through its local instance, the slot experts' weights fetched
+    from their masters (`transfer.fetch_replica_experts`).
+
+    Args:
+      rows: [C, D], grouped by local instance from row 0 (E_m masters, then S slots).
+      masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts.
+      slot_expert_RS: int32 [R, S], the plan's slots.
+      group_sizes: int32 [E_m + S].
+      kernel: see `experts.swiglu_experts`.
+      chunks: n >= 1 transfers of F / n columns each; 1: one transfer and one experts call for
+        masters and slots (`experts.local_experts`).
+      max_fanout, axis_name, backend: see `transfer.fetch_replica_experts`.
+    """
+
+    def fetch(weights):
+        return transfer.fetch_replica_experts(
+            weights, slot_expert_RS, axis_name=axis_name, backend=backend, max_fanout=max_fanout
+        )
+
+    if chunks == 1:
+        return local_experts(rows, masters, fetch(masters), group_sizes, kernel)
+    em = masters[0].shape[0]
+    first_slot_row = jnp.sum(group_sizes[:em])
+    # Partial sums over chunks in float32, whatever the rows' dtype.
+    out = swiglu_experts(rows, *masters, group_sizes[:em], kernel).astype(jnp.float32)
+    for cols in hidden_chunks(masters[0].shape[-1], chunks):
+        slots = fetch(weight_chunk(masters, cols))
+        part = swiglu_experts(rows, *slots, group_sizes[em:], kernel, first_row=first_slot_row)
+        out = out + part.astype(jnp.float32)
+    return out.astype(rows.dtype)
