@@ -168,8 +168,9 @@ def routing_margin(x, router_kernel, top_k) -> float:
     return float(np.min(part[:, top_k - 1] - part[:, top_k]))
 
 
-def build_layer(mesh, num_experts, top_k, balancer, capacity_factor, params):
-    """uep.MoE with the given parameter values written in."""
+def build_layer(mesh, num_experts, top_k, balancer, capacity_factor, params, **options):
+    """uep.MoE with the given parameter values written in (``options``: more `uep.MoE` keywords,
+    such as ``comm_backend``)."""
     layer = uep.MoE(
         d_model=D,
         d_ff=F,
@@ -179,6 +180,7 @@ def build_layer(mesh, num_experts, top_k, balancer, capacity_factor, params):
         balancer=balancer,
         capacity_factor=capacity_factor,
         rngs=nnx.Rngs(0),
+        **options,
     )
     for name in PARAM_NAMES:
         set_param(getattr(layer, name), params[name])

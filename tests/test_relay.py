@@ -246,20 +246,9 @@ def _relayed_layer_case(mesh_kind, f, backend, monkeypatch, chunks=1, seed=0):
     x, params = tm.make_inputs(rng, batch, seq, E, k, skew=True, hot=[0, 1])
     cot = rng.normal(size=x.shape).astype(np.float32)
     balancer = tm.balancer_config(mesh, E, slots=2, max_fanout=f)
-    layer = uep.MoE(
-        d_model=tm.D,
-        d_ff=tm.F,
-        num_experts=E,
-        top_k=k,
-        mesh=mesh,
-        balancer=balancer,
-        capacity_factor=None,
-        comm_backend=backend,
-        transfer_chunks=chunks,
-        rngs=nnx.Rngs(0),
+    layer = tm.build_layer(
+        mesh, E, k, balancer, None, params, comm_backend=backend, transfer_chunks=chunks
     )
-    for name in tm.PARAM_NAMES:
-        tm.set_param(getattr(layer, name), params[name])
     got = tm.layer_value_and_grads(layer, tm.place_batch(mesh, x), jnp.asarray(cot))
     ref = tm.reference_value_and_grads(
         jnp.asarray(x), {n: jnp.asarray(v) for n, v in params.items()}, cot, k
