@@ -114,7 +114,13 @@ _LINK = flags.DEFINE_float(
 )
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds per rank (medians).")
 _REFINE = flags.DEFINE_integer(
-    "refine", 3, "Slowest ranks per policy timed again (2 x --repeats more rounds)."
+    "refine", 3, "Costliest ranks per policy timed again, up to --refine_rounds rounds each."
+)
+_REFINE_ROUNDS = flags.DEFINE_integer(
+    "refine_rounds",
+    24,
+    "Rounds the --refine costliest ranks of each policy get in all (the busiest rank is a "
+    "maximum over noisy estimates: more rounds shrink what noise adds to it).",
 )
 _BOOK_RANKS = flags.DEFINE_integer(
     "bookkeeping_ranks", 4, "Ranks per policy whose bookkeeping is timed (those receiving most)."
@@ -138,6 +144,7 @@ for _name in ("matrices", "repeats"):
     flags.register_validator(_name, lambda v: v >= 1, "must be >= 1")
 flags.register_validator("history", lambda v: v >= 0, "must be >= 0")
 flags.register_validator("refine", lambda v: v >= 0, "must be >= 0")
+flags.register_validator("refine_rounds", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("bookkeeping_ranks", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("link_gbps", lambda v: v > 0, "must be > 0")
 flags.register_validator("capacity_factor", lambda v: v >= 1, "must be >= 1")
@@ -175,6 +182,7 @@ class Settings:
     link_gbps: float
     repeats: int
     refine: int
+    refine_rounds: int
     bookkeeping_ranks: int
     seed: int
 
@@ -219,10 +227,10 @@ def time_ranks(works: dict, ep: int, masters: int, top_k: int, mode: str, settin
     processes sharing the core slow both alike, so the ratio cancels what the machine's load did
     at that moment (the ideal's ranks all do the same work). A rank's cost is its median ratio
     times the ideal's time (the median over its ranks of each one's fastest round). Then each
-    policy's ``settings.refine`` costliest ranks are timed again until they all have ``4 *
-    settings.repeats`` rounds (the busiest rank is a maximum, which noise inflates). The ideal's
-    tasks also run a second time as if they were a policy's: its busiest rank against the ideal
-    is what noise alone costs a policy whose ranks all do the ideal's work. Bookkeeping: its
+    policy's ``settings.refine`` costliest ranks are timed again until they all have
+    ``settings.refine_rounds`` rounds (the busiest rank is a maximum, which noise inflates). The
+    ideal's tasks also run a second time as if they were a policy's: its busiest rank against the
+    ideal is what noise alone costs a policy whose ranks all do the ideal's work. Bookkeeping: its
     shapes (pairs, buffer rows) are the same on every rank of a policy, so it is
     timed on the ``settings.bookkeeping_ranks`` ranks that receive the most rows (fastest round,
     slowest rank).
@@ -249,13 +257,13 @@ def time_ranks(works: dict, ep: int, masters: int, top_k: int, mode: str, settin
         )
 
     # Racing: re-time each policy's costliest ranks until the `refine` costliest all have
-    # 4 x repeats paired rounds (a maximum over noisy estimates picks the noisiest).
-    for _ in range(8):
+    # `refine_rounds` paired rounds (a maximum over noisy estimates picks the noisiest).
+    for _ in range(4 * -(-settings.refine_rounds // settings.repeats)):
         again = {
             (p, r)
             for p in order[1:]
             for r in sorted(range(ep), key=lambda r, p=p: -cost(p, r))[: settings.refine]
-            if sum((p, r) in t for t in rounds) < 4 * settings.repeats
+            if sum((p, r) in t for t in rounds) < settings.refine_rounds
         }
         if not again:
             break
@@ -542,6 +550,7 @@ def main(argv):
         link_gbps=_LINK.value,
         repeats=_REPEATS.value,
         refine=_REFINE.value,
+        refine_rounds=_REFINE_ROUNDS.value,
         bookkeeping_ranks=_BOOK_RANKS.value,
         seed=_SEED.value,
     )
