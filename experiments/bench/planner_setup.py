@@ -13,11 +13,11 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import common
+from experiments import cli
 from experiments.loads import traces, workloads
 
 SEEDS = flags.DEFINE_integer("seeds", 10, "Seeds per generated setup.")
-BALANCER = common.define_balancer_flags()
+BALANCER = cli.define_balancer_flags()
 TOKENS = flags.DEFINE_integer("tokens_per_rank", 8192, "Tokens per source rank.")
 TIMING_BATCH = flags.DEFINE_integer("timing_batch", 1024, "Load matrices per timed jit call.")
 REPEATS = flags.DEFINE_integer("repeats", 15, "Timed repeats (the median is reported).")

@@ -1,4 +1,5 @@
-"""absl flags generated from a frozen configuration dataclass: one flag per field.
+"""The experiments' flags: absl flags made from a configuration dataclass's fields, and the
+balancer's flags that several programs share.
 
 A field's flag has the field's name, its default, the type of its annotation (``int``, ``float``,
 ``str``, ``bool``, or one of them ``| None``) and, as help, the field's entry in the ``Attributes:``
@@ -6,9 +7,14 @@ section of the class docstring. A field whose type is itself a dataclass contrib
 field of that class, under the nested field's own (flat) name. A field listed in ``parsers`` is a
 string flag whose text the parser turns into the value.
 
-`given_values` reads back only the flags the command line set, so that the values a caller
-starts from (a dataclass's defaults, or a preset) are overridden by what the user typed and by
-nothing else.
+Why our own helper rather than ``ml_collections.config_flags.DEFINE_config_dataclass`` (the Flax
+examples' convention): that one defines a single ``--config`` flag overridden as
+``--config.model.d_model=32``, while our README commands, tests and saved ``config.json`` files
+use flat names (``--d_model=32``) that name the same field in every program; ``--helpshort``
+lists each of our flags with its docstring help, where config_flags lists only ``--config``; and
+`given_values` tells which flags the command line set, so that a ``--preset`` supplies the other
+values. Keeping those for a user would mean wrapping config_flags in about as much code as this
+module, plus a dependency.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from absl import flags
 
@@ -26,7 +32,13 @@ from absl import flags
 # there), as if it had called DEFINE_* itself.
 flags.disclaim_key_flags()
 
-__all__ = ["attribute_help", "define_flags", "flag_text", "given_values"]
+__all__ = [
+    "attribute_help",
+    "define_balancer_flags",
+    "define_flags",
+    "flag_text",
+    "given_values",
+]
 
 _DEFINE = {
     bool: flags.DEFINE_bool,
@@ -35,6 +47,8 @@ _DEFINE = {
     str: flags.DEFINE_string,
 }
 _ENTRY = re.compile(r"(\w+):\s*(.*)")
+#: The BalancerConfig fields a benchmark sets from the command line (the sizes come from its setup).
+_BALANCER_FIELDS = ("slots_per_rank", "min_tokens_per_replica", "balance_eps")
 
 
 def attribute_help(cls) -> dict[str, str]:
@@ -61,30 +75,45 @@ def attribute_help(cls) -> dict[str, str]:
     return {key: " ".join(words).replace("``", "") for key, words in out.items()}
 
 
-def _flat_fields(cls) -> Iterator[tuple[str, type, object, str]]:
-    """``(name, type, default, help)`` of every flag of ``cls``, nested dataclasses flattened.
+def _flat_fields(cls, only: Iterable[str] | None) -> Iterator[tuple[str, type, object, str]]:
+    """``(name, type, default, help)`` of every flag of ``cls``, nested dataclasses flattened;
+    only the fields named in ``only`` when it is given.
 
     Raises:
       TypeError: a field has no docstring entry, or an annotation that is not one type or one
         type ``| None``.
+      ValueError: ``only`` names a field ``cls`` does not have.
     """
+    fields = list(_all_fields(cls))
+    if only is not None:
+        only = list(only)
+        unknown = sorted(set(only) - {field[0] for field in fields})
+        if unknown:
+            raise ValueError(f"no flag for {cls.__name__} field(s) {unknown}")
+        fields = [field for field in fields if field[0] in only]
+    for name, hint, default, help_text, owner in fields:
+        if help_text is None:
+            raise TypeError(f"{owner}.{name} has no entry under Attributes:")
+        yield name, hint, default, help_text[:1].upper() + help_text[1:]
+
+
+def _all_fields(cls) -> Iterator[tuple[str, type, object, str | None, str]]:
+    """``(name, type, default, help or None, class name)`` of every field of ``cls``, nested
+    dataclasses flattened."""
     hints = typing.get_type_hints(cls)
     docs = attribute_help(cls)
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
         if dataclasses.is_dataclass(hint):
-            yield from _flat_fields(hint)
+            yield from _all_fields(hint)
             continue
-        if field.name not in docs:
-            raise TypeError(f"{cls.__name__}.{field.name} has no entry under Attributes:")
         if field.default is not dataclasses.MISSING:
             default = field.default
         elif field.default_factory is not dataclasses.MISSING:
             default = field.default_factory()
         else:
             default = None
-        help_text = docs[field.name]
-        yield field.name, hint, default, help_text[:1].upper() + help_text[1:]
+        yield field.name, hint, default, docs.get(field.name), cls.__name__
 
 
 def _scalar_type(name: str, hint) -> type:
@@ -106,24 +135,35 @@ def define_flags(
     cls,
     parsers: Mapping[str, Callable[[str], object]] | None = None,
     flag_values: flags.FlagValues = flags.FLAGS,
-) -> list[str]:
-    """Defines one flag per field of the dataclass ``cls`` (see the module doc) for the module
-    calling this; returns their names.
+    *,
+    only: Iterable[str] | None = None,
+    defaults: Mapping[str, object] | None = None,
+) -> Callable[[], dict[str, object]]:
+    """Defines one flag per field of the dataclass ``cls`` (see the module doc), or per field
+    named in ``only``, for the module calling this; ``defaults`` replace fields' defaults.
+
+    Returns a function that reads every one of these flags' values (``parsers`` applied) as
+    keyword arguments of ``cls``; `given_values` reads only those the command line set.
 
     Raises:
       TypeError: a field has no help or no flag type.
+      ValueError: ``only`` or ``defaults`` names a field that gets no flag.
       flags.DuplicateFlagError: two fields, or a field and an existing flag, share a name.
     """
-    parsers = parsers or {}
-    names = []
-    for name, hint, default, help_text in _flat_fields(cls):
+    parsers, defaults = parsers or {}, defaults or {}
+    fields = list(_flat_fields(cls, only))
+    unknown = sorted(set(defaults) - {name for name, *_ in fields})
+    if unknown:
+        raise ValueError(f"no flag for {cls.__name__} field(s) {unknown}")
+    for name, hint, default, help_text in fields:
+        default = defaults.get(name, default)
         if name in parsers:
             flags.DEFINE_string(name, flag_text(default), help_text, flag_values=flag_values)
         else:
             define = _DEFINE[_scalar_type(name, hint)]
             define(name, default, help_text, flag_values=flag_values)
-        names.append(name)
-    return names
+    names = [name for name, *_ in fields]
+    return lambda: _read(names, parsers, flag_values, given_only=False)
 
 
 def given_values(
@@ -133,10 +173,24 @@ def given_values(
 ) -> dict[str, object]:
     """``{name: value}`` of the flags of ``cls`` that the command line set, by flat name, with
     ``parsers`` applied (a parser's ValueError propagates)."""
-    parsers = parsers or {}
+    names = [name for name, *_ in _all_fields(cls)]
+    return _read(names, parsers or {}, flag_values, given_only=True)
+
+
+def _read(names, parsers, flag_values, given_only: bool) -> dict[str, object]:
+    """``{name: value}`` of the flags ``names`` (those the command line set, if ``given_only``),
+    ``parsers`` applied."""
     out = {}
-    for name, *_ in _flat_fields(cls):
-        if flag_values[name].present:
+    for name in names:
+        if flag_values[name].present or not given_only:
             value = flag_values[name].value
             out[name] = parsers[name](value) if name in parsers else value
     return out
+
+
+def define_balancer_flags(**defaults) -> Callable[[], dict]:
+    """``--slots_per_rank``, ``--min_tokens_per_replica`` and ``--balance_eps`` (see
+    `define_flags`; defaults: BalancerConfig's unless ``defaults`` names others)."""
+    import ultraep_jax as uep
+
+    return define_flags(uep.BalancerConfig, only=_BALANCER_FIELDS, defaults=defaults)
