@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -95,13 +96,15 @@ def time_batched_plan(loads, cfg, repeats: int = 5, device=None) -> float:
     return median_seconds(lambda: fn(data), repeats)
 
 
-def write_json(path: str | None, results) -> None:
-    """Writes ``results`` to ``path`` as indented JSON, creating its folder; nothing when ``path``
-    is None (the ``--json_out`` flags' default)."""
+def write_json(path: str | os.PathLike | None, obj) -> None:
+    """Writes ``obj`` to ``path`` as indented JSON, creating its folder, atomically (a reader
+    never sees half a file); nothing when ``path`` is None (the ``--json_out`` flags' default)."""
     if path:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        os.replace(tmp, path)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from experiments.common import calibration_line, concurrency_calibration
+from experiments.common import calibration_line, concurrency_calibration, write_json
 from experiments.train import data, plot, summary
 from experiments.train.checkpoints import Checkpoints
 from experiments.train.config import TrainConfig
@@ -37,7 +37,6 @@ from experiments.train.workdir import (
     keep_records_up_to,
     open_workdir,
     workdir_contents,
-    write_json,
 )
 from models.moe_lm import MoELM, next_token_loss
 
