@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
+from experiments import records
 from experiments.common import calibration_line, concurrency_calibration, write_json
 from experiments.train import data, plot, summary
 from experiments.train.checkpoints import Checkpoints
@@ -231,9 +232,9 @@ def _report(
     """Writes the plot and ``summary.json``, prints the summary, how the run ended and its files;
     returns ``result`` with the summary's figures."""
     metrics = workdir / METRICS_FILE
-    if metrics.exists() and plot.read_step_records(metrics):
+    if metrics.exists() and records.read_step_records(metrics):
         plot.plot_metrics(metrics, workdir / PLOT_FILE)
-        result = {**summary.summarize_run(plot.read_metrics(metrics), cfg, workdir), **result}
+        result = {**summary.summarize_run(records.read_metrics(metrics), cfg, workdir), **result}
         if calibration is not None:
             result["calibration"] = calibration
         write_json(workdir / SUMMARY_FILE, result)
