@@ -1,5 +1,5 @@
-"""The experiments' flags: absl flags made from a configuration dataclass's fields, and the
-balancer's flags that several programs share.
+"""The experiments' flags: absl flags made from a configuration dataclass's fields, and the flags
+several programs share (the balancer's, ``--json_out``, ``--traces_dir``).
 
 A field's flag has the field's name, its default, the type of its annotation (``int``, ``float``,
 ``str``, ``bool``, or one of them ``| None``) and, as help, the field's entry in the ``Attributes:``
@@ -36,6 +36,8 @@ __all__ = [
     "attribute_help",
     "define_balancer_flags",
     "define_flags",
+    "define_json_out",
+    "define_traces_dir",
     "flag_text",
     "given_values",
 ]
@@ -138,25 +140,27 @@ def define_flags(
     *,
     only: Iterable[str] | None = None,
     defaults: Mapping[str, object] | None = None,
+    helps: Mapping[str, str] | None = None,
 ) -> Callable[[], dict[str, object]]:
     """Defines one flag per field of the dataclass ``cls`` (see the module doc), or per field
-    named in ``only``, for the module calling this; ``defaults`` replace fields' defaults.
+    named in ``only``, for the module calling this; ``defaults`` and ``helps`` replace fields'
+    defaults and docstring help (for a program whose default means something of its own).
 
     Returns a function that reads every one of these flags' values (``parsers`` applied) as
     keyword arguments of ``cls``; `given_values` reads only those the command line set.
 
     Raises:
       TypeError: a field has no help or no flag type.
-      ValueError: ``only`` or ``defaults`` names a field that gets no flag.
+      ValueError: ``only``, ``defaults`` or ``helps`` names a field that gets no flag.
       flags.DuplicateFlagError: two fields, or a field and an existing flag, share a name.
     """
-    parsers, defaults = parsers or {}, defaults or {}
+    parsers, defaults, helps = parsers or {}, defaults or {}, helps or {}
     fields = list(_flat_fields(cls, only))
-    unknown = sorted(set(defaults) - {name for name, *_ in fields})
+    unknown = sorted((set(defaults) | set(helps)) - {name for name, *_ in fields})
     if unknown:
         raise ValueError(f"no flag for {cls.__name__} field(s) {unknown}")
     for name, hint, default, help_text in fields:
-        default = defaults.get(name, default)
+        default, help_text = defaults.get(name, default), helps.get(name, help_text)
         if name in parsers:
             flags.DEFINE_string(name, flag_text(default), help_text, flag_values=flag_values)
         else:
@@ -188,9 +192,27 @@ def _read(names, parsers, flag_values, given_only: bool) -> dict[str, object]:
     return out
 
 
-def define_balancer_flags(**defaults) -> Callable[[], dict]:
+def define_balancer_flags(helps: Mapping[str, str] | None = None, **defaults) -> Callable[[], dict]:
     """``--slots_per_rank``, ``--min_tokens_per_replica`` and ``--balance_eps`` (see
-    `define_flags`; defaults: BalancerConfig's unless ``defaults`` names others)."""
+    `define_flags`; defaults and help: BalancerConfig's unless ``defaults`` or ``helps`` name
+    others)."""
     import ultraep_jax as uep
 
-    return define_flags(uep.BalancerConfig, only=_BALANCER_FIELDS, defaults=defaults)
+    return define_flags(uep.BalancerConfig, only=_BALANCER_FIELDS, defaults=defaults, helps=helps)
+
+
+def define_json_out() -> flags.FlagHolder:
+    """``--json_out``: a file to write the program's results to as JSON (`common.write_json`)."""
+    return flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
+
+
+def define_traces_dir() -> flags.FlagHolder:
+    """``--traces_dir``: the folder of the measured expert-load traces (default: this checkout's,
+    `traces.default_traces_dir`)."""
+    from experiments.loads import traces
+
+    return flags.DEFINE_string(
+        "traces_dir",
+        str(traces.default_traces_dir()),
+        "Folder holding the real expert-load traces (one folder per trace).",
+    )

@@ -48,10 +48,8 @@ _TFLOPS = flags.DEFINE_float(
     "Assumed grouped-matmul rate in TFLOP/s (550: the Mosaic GPU kernel measured on an H100, "
     "README 'GPU').",
 )
-_TRACES_DIR = flags.DEFINE_string(
-    "traces_dir", None, "Folder of the trace folders (default: traces.default_traces_dir())."
-)
-_JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
+_TRACES_DIR = cli.define_traces_dir()
+_JSON = cli.define_json_out()
 
 flags.register_validator("stride", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("tokens_per_rank", lambda v: v >= 1, "must be >= 1")

@@ -60,7 +60,7 @@ _MODE = flags.DEFINE_enum(
 )
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds (medians are reported).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the inputs and parameters.")
-_JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
+_JSON = cli.define_json_out()
 _PINNED = flags.DEFINE_integer(
     "pinned_ranks",
     0,

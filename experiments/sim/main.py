@@ -10,7 +10,6 @@ import jax
 from absl import flags
 
 from experiments import cli, common
-from experiments.loads import traces
 from experiments.sim import balancers, cell, report
 from experiments.sim.cost import CostParams, ExpertCost
 from experiments.sim.shapes import MODELS, SCENARIOS
@@ -33,18 +32,14 @@ _COST = cli.define_flags(
 )
 _BALANCER = cli.define_balancer_flags()
 _TIMING_BATCH = flags.DEFINE_integer("timing_batch", 256, "Matrices per timed planner call.")
-_JSON = flags.DEFINE_string("json_out", None, "Also write every cell to this JSON file.")
+_JSON = cli.define_json_out()
 _CALIBRATION = flags.DEFINE_string(
     "calibration",
     None,
     "A per-rank replay calibration file (python -m experiments.bench.replay --calibration_out): "
     "the experts' measured fixed, per-row and per-group costs replace their FLOP model.",
 )
-_TRACES = flags.DEFINE_string(
-    "traces_dir",
-    str(traces.default_traces_dir()),
-    "Folder holding the real expert-load traces (one folder per trace) for the trace workload.",
-)
+_TRACES = cli.define_traces_dir()
 
 
 def _workload_ok(name: str) -> bool:
