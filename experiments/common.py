@@ -1,6 +1,6 @@
 """Helpers every experiment shares: simulated CPU devices, the batched planner and its timing,
-the batched replica-transfer schedule, flags made from a dataclass's fields, the ``--json_out``
-file, and `run_main` (the programs' command-line conventions).
+the batched replica-transfer schedule, the ``--json_out`` file, and `run_main` (the programs'
+command-line conventions; their flags are made in `experiments.cli`).
 
 ``force_cpu_devices`` must run before JAX initialises a backend; it is the only place the
 experiments touch ``XLA_FLAGS``. JAX, absl and ultraep_jax are imported inside the functions, so
@@ -9,23 +9,16 @@ importing this module initialises nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
+import pathlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
-#: Help of the balancer flags (``define_balancer_flags``), keyed by BalancerConfig field.
-_BALANCER_HELP = {
-    "slots_per_rank": "Spare slots per rank.",
-    "min_tokens_per_replica": "Least tokens per replica.",
-    "balance_eps": "Balance tolerance above the mean.",
-}
 
 
 def force_cpu_devices(count: int, *, cpu_only: bool = False) -> None:
@@ -103,46 +96,15 @@ def time_batched_plan(loads, cfg, repeats: int = 5, device=None) -> float:
     return median_seconds(lambda: fn(data), repeats)
 
 
-def define_field_flags(cls, helps: Mapping[str, str], **defaults) -> Callable[[], dict]:
-    """Defines one absl flag per entry of ``helps`` (field name -> help) of the dataclass
-    ``cls``, defaulting to the field's default unless ``defaults`` names another; the default's
-    type (bool, int, float, str) picks the flag's. Returns a function that reads the parsed flags
-    as keyword arguments of ``cls``."""
-    from absl import flags
-
-    flags.disclaim_key_flags()  # the flags belong to the caller's module (its --helpshort)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted((set(helps) - fields.keys()) | (set(defaults) - set(helps)))
-    if unknown:
-        raise ValueError(f"no flag for {cls.__name__} field(s) {unknown}")
-    define = {
-        bool: flags.DEFINE_bool,
-        int: flags.DEFINE_integer,
-        float: flags.DEFINE_float,
-        str: flags.DEFINE_string,
-    }
-    holders = []
-    for name, help_text in helps.items():
-        default = defaults.get(name, fields[name].default)
-        holders.append(define[type(default)](name, default, help_text))
-    return lambda: {holder.name: holder.value for holder in holders}
-
-
-def define_balancer_flags(**defaults) -> Callable[[], dict]:
-    """``--slots_per_rank``, ``--min_tokens_per_replica`` and ``--balance_eps`` (see
-    `define_field_flags`; defaults: BalancerConfig's unless ``defaults`` names others)."""
-    import ultraep_jax as uep
-
-    return define_field_flags(uep.BalancerConfig, _BALANCER_HELP, **defaults)
-
-
-def write_json(path: str | None, results) -> None:
-    """Writes ``results`` to ``path`` as indented JSON, creating its folder; nothing when ``path``
-    is None (the ``--json_out`` flags' default)."""
+def write_json(path: str | os.PathLike | None, obj) -> None:
+    """Writes ``obj`` to ``path`` as indented JSON, creating its folder, atomically (a reader
+    never sees half a file); nothing when ``path`` is None (the ``--json_out`` flags' default)."""
     if path:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        os.replace(tmp, path)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ import sysconfig
 import numpy as np
 import pytest
 
+from experiments.records import read_metrics
 from experiments.train import data as D
 from experiments.train import plot as P
 
@@ -265,5 +266,5 @@ def test_resumed_run_relogging_a_step_keeps_the_last_record(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     lines = [{"step": 0, "loss": 3.0}, {"step": 5, "loss": 9.0}, {"step": 5, "loss": 2.5}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    records = P.read_metrics(metrics)
+    records = read_metrics(metrics)
     assert [r["loss"] for r in records] == [3.0, 2.5]

@@ -15,6 +15,7 @@ from flax import nnx
 import ultraep_jax as uep
 from models.moe_lm import ModelConfig, MoELM, next_token_loss
 from models.presets import PRESETS, preset
+from tests.helpers import expert_mesh
 
 SMALL = ModelConfig(
     d_model=16,
@@ -26,10 +27,6 @@ SMALL = ModelConfig(
     max_seq_len=16,
     scan_layers=True,
 )
-
-
-def _mesh():
-    return jax.make_mesh((8,), ("expert",))
 
 
 def _balancer(cfg, slots=2):
@@ -68,7 +65,7 @@ def _unrolled_copy(scanned: MoELM, mesh, balancer) -> MoELM:
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 def test_scanned_blocks_equal_unrolled(router):
     cfg = dataclasses.replace(SMALL, router=router, num_groups=2, top_groups=1, shared_d_ff=8)
-    mesh, balancer = _mesh(), _balancer(cfg)
+    mesh, balancer = expert_mesh(), _balancer(cfg)
     scanned = MoELM(cfg, mesh, balancer, None, rngs=nnx.Rngs(0))
     unrolled = _unrolled_copy(scanned, mesh, balancer)
     batch = _batch()
@@ -92,7 +89,7 @@ def test_scanned_blocks_equal_unrolled(router):
 
 
 def test_remat_changes_nothing():
-    mesh, balancer = _mesh(), _balancer(SMALL)
+    mesh, balancer = expert_mesh(), _balancer(SMALL)
     plain = MoELM(SMALL, mesh, balancer, None, rngs=nnx.Rngs(0))
     remat = MoELM(dataclasses.replace(SMALL, remat=True), mesh, balancer, None, rngs=nnx.Rngs(0))
     loss_p, _, grads_p = _loss_and_grads(plain, _batch(1))
@@ -103,7 +100,7 @@ def test_remat_changes_nothing():
 
 
 def test_stacked_expert_weights_keep_the_layer_axis_whole():
-    model = MoELM(SMALL, _mesh(), None, None, rngs=nnx.Rngs(0))
+    model = MoELM(SMALL, expert_mesh(), None, None, rngs=nnx.Rngs(0))
     w = model.blocks.moe.w_gate[...]
     assert w.shape == (SMALL.num_layers, SMALL.num_experts, SMALL.d_model, SMALL.d_ff)
     assert tuple(w.sharding.spec)[:2] == (None, "expert")
@@ -112,7 +109,9 @@ def test_stacked_expert_weights_keep_the_layer_axis_whole():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_build_and_step(name):
     cfg = dataclasses.replace(preset(name).model, num_layers=1, max_seq_len=16)
-    model = MoELM(cfg, _mesh(), _balancer(cfg, preset(name).slots_per_rank), None, rngs=nnx.Rngs(0))
+    model = MoELM(
+        cfg, expert_mesh(), _balancer(cfg, preset(name).slots_per_rank), None, rngs=nnx.Rngs(0)
+    )
     loss, stats, _ = _loss_and_grads(model, _batch(2))
     assert np.isfinite(float(loss)) and int(jnp.sum(stats.dropped)) == 0
     np.testing.assert_array_equal(
@@ -122,7 +121,7 @@ def test_presets_build_and_step(name):
 
 def test_router_bias_steps_from_the_loads():
     cfg = dataclasses.replace(SMALL, router="sigmoid", num_groups=2, top_groups=1, bias_rate=0.5)
-    model = MoELM(cfg, _mesh(), _balancer(cfg), None, rngs=nnx.Rngs(0))
+    model = MoELM(cfg, expert_mesh(), _balancer(cfg), None, rngs=nnx.Rngs(0))
     _, stats = next_token_loss(model, _batch(3))
     model.update_router_biases(stats)
     load = np.asarray(stats.expert_load, np.float64)

@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
 import ultraep_jax as uep
+from tests import helpers
 from tests.dispatch_reference import kept_pairs, prefix_transport
+from tests.helpers import make_mesh, place_batch
 from tests.reference_planner import reference_plan
 
 D, F = 8, 16
@@ -81,15 +82,6 @@ def reference_value_and_grads(x, params, cotangent, top_k):
 # -- building and running the layer ------------------------------------------------------------
 
 
-def make_mesh(kind: str):
-    """'ep8': (8,) ("expert",); 'dp2ep4': (2, 4) ("data", "expert")."""
-    if kind == "ep8":
-        return jax.make_mesh((8,), ("expert",))
-    if kind == "dp2ep4":
-        return jax.make_mesh((2, 4), ("data", "expert"))
-    raise ValueError(kind)
-
-
 def mesh_groups(mesh) -> tuple[int, int]:
     """(G, R): independent EP groups (the "data" size, 1 without it) and the EP size."""
     return mesh.shape.get("data", 1), mesh.shape["expert"]
@@ -123,12 +115,6 @@ def balancer_config(mesh, num_experts, slots, **kwargs) -> uep.BalancerConfig:
     return uep.BalancerConfig(
         num_experts=num_experts, ep_size=mesh.shape["expert"], slots_per_rank=slots, **kwargs
     )
-
-
-def set_param(var, value) -> None:
-    """Writes a NumPy value into an nnx.Param, keeping the parameter's sharding."""
-    old = var[...]
-    var[...] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
 
 
 def make_inputs(rng, batch, seq, num_experts, top_k, skew, hot=None):
@@ -168,28 +154,20 @@ def routing_margin(x, router_kernel, top_k) -> float:
     return float(np.min(part[:, top_k - 1] - part[:, top_k]))
 
 
-def build_layer(mesh, num_experts, top_k, balancer, capacity_factor, params, **options):
-    """uep.MoE with the given parameter values written in (``options``: more `uep.MoE` keywords,
-    such as ``comm_backend``)."""
-    layer = uep.MoE(
+def build_layer(mesh, num_experts, top_k, balancer, capacity_factor, params=None, **options):
+    """uep.MoE of this file's widths with the values of ``params`` (PARAM_NAMES) written in, if
+    given (``options``: more `uep.MoE` keywords, such as ``comm_backend``)."""
+    return helpers.build_layer(
+        mesh,
+        None if params is None else {name: params[name] for name in PARAM_NAMES},
         d_model=D,
         d_ff=F,
         num_experts=num_experts,
         top_k=top_k,
-        mesh=mesh,
         balancer=balancer,
         capacity_factor=capacity_factor,
-        rngs=nnx.Rngs(0),
         **options,
     )
-    for name in PARAM_NAMES:
-        set_param(getattr(layer, name), params[name])
-    return layer
-
-
-def place_batch(mesh, x):
-    """x with its batch axis sharded over every mesh axis (("data", "expert") or "expert")."""
-    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(tuple(mesh.axis_names))))
 
 
 def to_numpy_stats(stats) -> dict:
@@ -210,22 +188,10 @@ def layer_forward(layer, x):
 
 
 def layer_value_and_grads(layer, x, cotangent):
-    """Jitted y, stats and the gradients of sum(y * cotangent) w.r.t. x and every parameter."""
-    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-
-    @jax.jit
-    def step(params, rest, x):
-        def loss(params, x):
-            y, stats = nnx.merge(graphdef, params, rest)(x)
-            return jnp.sum(y * cotangent), (y, stats)
-
-        (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
-        return aux, grads
-
-    (y, stats), (gp, gx) = step(params, rest, x)
-    grad_layer = nnx.merge(graphdef, gp, rest)
-    grads = {name: np.asarray(getattr(grad_layer, name)[...]) for name in PARAM_NAMES}
-    return np.asarray(y), to_numpy_stats(stats), np.asarray(gx), grads
+    """Jitted y, stats (a dict) and the gradients of sum(y * cotangent) w.r.t. x and every
+    parameter."""
+    y, stats, gx, grads = helpers.layer_value_and_grads(layer, x, cotangent, PARAM_NAMES)
+    return y, to_numpy_stats(stats), gx, grads
 
 
 def independent_loads(x, router_kernel, top_k, mesh, num_experts):
@@ -595,17 +561,7 @@ def _layer(mesh=None, num_experts=8, top_k=2, balancer="default", capacity_facto
     mesh = make_mesh("ep8") if mesh is None else mesh
     if balancer == "default":
         balancer = balancer_config(mesh, num_experts, slots=1)
-    return uep.MoE(
-        d_model=D,
-        d_ff=F,
-        num_experts=num_experts,
-        top_k=top_k,
-        mesh=mesh,
-        balancer=balancer,
-        capacity_factor=capacity_factor,
-        rngs=nnx.Rngs(0),
-        **kw,
-    )
+    return build_layer(mesh, num_experts, top_k, balancer, capacity_factor, **kw)
 
 
 @pytest.mark.parametrize(
@@ -757,7 +713,7 @@ def test_eager_calls_compile_once_and_match_jit():
 def test_one_expert_rank_equals_reference():
     """EP size 1 (every device a data group): the balancer has nothing to do and nothing is
     exchanged; values and gradients still equal the dense reference."""
-    mesh = jax.make_mesh((8, 1), ("data", "expert"))
+    mesh = helpers.expert_mesh(1, dp=8)
     rng = np.random.default_rng(40)
     x, params = make_inputs(rng, 8, 4, 4, 2, skew=True)
     balancer = uep.BalancerConfig(num_experts=4, ep_size=1, slots_per_rank=2)

@@ -6,14 +6,12 @@ import os
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from experiments import common
+from tests.helpers import expert_mesh, fetch_with_grads
 from ultraep_jax import transfer
 
 
@@ -53,7 +51,7 @@ def _reference_fetch(masters, slot_expert):
 def test_fetch_replica_experts_and_its_gradient_equal_numpy(slot_expert, backend):
     R, em, S = 4, 2, 2
     E = R * em
-    mesh = jax.make_mesh((R,), ("expert",), devices=jax.devices()[:R])
+    mesh = expert_mesh(R)
     rng = np.random.default_rng(0)
     masters = [
         rng.normal(size=(E, 3, 5)).astype(np.float32),
@@ -61,24 +59,7 @@ def test_fetch_replica_experts_and_its_gradient_equal_numpy(slot_expert, backend
     ]
     slot_expert = np.asarray(slot_expert, np.int32)
     cot = [rng.normal(size=(R * S, *w.shape[1:])).astype(np.float32) for w in masters]
-    split = NamedSharding(mesh, P("expert"))
-
-    def per_rank(slots_RS, *ws):
-        return transfer.fetch_replica_experts(ws, slots_RS, axis_name="expert", backend=backend)
-
-    fetch = jax.shard_map(
-        per_rank,
-        mesh=mesh,
-        in_specs=(P(), P("expert"), P("expert")),
-        out_specs=(P("expert"), P("expert")),
-    )
-
-    def loss(*ws):
-        got = fetch(jnp.asarray(slot_expert), *ws)
-        return sum(jnp.sum(g * c) for g, c in zip(got, cot, strict=True)), got
-
-    args = [jax.device_put(w, split) for w in masters]
-    (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(*args)
+    got, grads = fetch_with_grads(mesh, masters, slot_expert, cot, backend=backend)
     for g, want in zip(got, _reference_fetch(masters, slot_expert), strict=True):
         np.testing.assert_array_equal(np.asarray(g), want)
     # The gradient of each master: the sum of the cotangents of the slots that hold it.

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
+from tests.helpers import expert_mesh
 from tests.reference_planner import check_plan_invariants, rank_loads_before, reference_plan
 
 
@@ -255,7 +256,7 @@ def test_batched_plans_are_pytrees_of_per_matrix_reference_plans():
 
 
 def test_same_plan_on_every_rank_inside_shard_map():
-    mesh = jax.make_mesh((8,), ("expert",))
+    mesh = expert_mesh()
     rng = np.random.default_rng(2)
     loads = _skewed_loads(rng, 8, 16)
     want = _as_numpy(uep.plan(loads, CFG))

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import tests.test_moe as tm
 import ultraep_jax as uep
+from tests.helpers import expert_mesh, fetch_with_grads
 from tests.relay_reference import reference_schedule, reference_send_copies
 from ultraep_jax import comm, relay, streaming, transfer
 
@@ -156,33 +157,14 @@ def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch):
     )
     sched = reference_schedule(slot_expert, em, f)
     assert sched["hop"].max() >= 2, "the layout must need relays"
-    mesh = jax.make_mesh((R,), ("expert",))
+    mesh = expert_mesh(R)
     rng = np.random.default_rng(f)
     masters = [
         rng.normal(size=(E, 3, 5)).astype(np.float32),
         rng.normal(size=(E, 4)).astype(np.float32),
     ]
     cot = [rng.normal(size=(R * S, *w.shape[1:])).astype(np.float32) for w in masters]
-
-    def per_rank(slots_RS, *ws):
-        return transfer.fetch_replica_experts(
-            ws, slots_RS, axis_name="expert", backend=backend, max_fanout=f
-        )
-
-    fetch = jax.shard_map(
-        per_rank,
-        mesh=mesh,
-        in_specs=(P(), P("expert"), P("expert")),
-        out_specs=(P("expert"), P("expert")),
-    )
-
-    def loss(*ws):
-        got = fetch(jnp.asarray(slot_expert), *ws)
-        return sum(jnp.sum(g * c) for g, c in zip(got, cot, strict=True)), got
-
-    split = NamedSharding(mesh, P("expert"))
-    args = [jax.device_put(w, split) for w in masters]
-    (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(*args)
+    got, grads = fetch_with_grads(mesh, masters, slot_expert, cot, backend=backend, max_fanout=f)
     flat = slot_expert.reshape(-1)
     for g, w in zip(got, masters, strict=True):
         want = np.stack([w[e] if e >= 0 else np.zeros_like(w[0]) for e in flat])
@@ -199,7 +181,7 @@ def test_relay_hops_lower_for_cuda_with_ragged_all_to_all():
     """The relayed transfer exports for CUDA: one ragged all-to-all for hop 1 and one per later
     hop (inside a conditional), whose transposes carry the gradients back."""
     R, em, S = 8, 2, 2
-    mesh = jax.make_mesh((R,), ("expert",))
+    mesh = expert_mesh(R)
 
     def per_rank(slots_RS, w):
         (got,) = transfer.fetch_replica_experts(

@@ -14,6 +14,7 @@ import pytest
 import ultraep_jax as uep
 from experiments.bench import replay_work
 from tests.dispatch_reference import instances, prefix_transport
+from tests.helpers import expert_mesh
 from tests.reference_planner import reference_plan
 
 D, F, K = 8, 16, 2
@@ -104,8 +105,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_replay_rows_groups_slots_equal_the_layer(case):
     name, shape, E, slots, factor, loads_GRE = case
-    axes = ("data", "expert") if len(shape) == 2 else ("expert",)
-    mesh = jax.make_mesh(shape, axes)
+    mesh = expert_mesh(shape[-1], dp=shape[0] if len(shape) == 2 else 1)
     R = shape[-1]
     cfg = uep.BalancerConfig(E, R, slots, min_tokens_per_replica=4)
     stats, capacity = run_layer(loads_GRE, mesh, cfg, factor)
@@ -135,7 +135,7 @@ def test_replay_rows_groups_slots_equal_the_layer(case):
 def test_replay_none_equals_the_plain_layer():
     """Without a balancer the replay's masters-only rows equal the plain layer's."""
     loads = _skewed(8, 16, 3, 0.5, 5)
-    mesh = jax.make_mesh((8,), ("expert",))
+    mesh = expert_mesh()
     stats, capacity = run_layer(loads[None], mesh, None, None)
     work = replay_work.library_work("none", loads, None, capacity)
     np.testing.assert_array_equal(work.group_rows_RG, np.asarray(stats.group_rows))

@@ -22,10 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
+from tests.helpers import build_layer, layer_value_and_grads, make_mesh, place_batch
 from ultraep_jax.routing import SigmoidTopK, SoftmaxTopK, update_bias
 
 D, F, FS = 8, 8, 8  # model width, expert hidden width, shared expert hidden width
@@ -320,14 +319,6 @@ def test_update_bias_hand_example():
 # -- the layer ------------------------------------------------------------------------------
 
 
-def make_mesh(kind: str):
-    if kind == "ep8":
-        return jax.make_mesh((8,), ("expert",))
-    if kind == "dp2ep4":
-        return jax.make_mesh((2, 4), ("data", "expert"))
-    raise ValueError(kind)
-
-
 def balancer_for(mesh) -> uep.BalancerConfig:
     return uep.BalancerConfig(
         num_experts=E, ep_size=mesh.shape["expert"], slots_per_rank=1, min_tokens_per_replica=1
@@ -405,54 +396,24 @@ def reference_layer(x, params, experts, cotangent, spec: Spec, shared: bool):
     return aux, grads
 
 
-def set_value(var, value) -> None:
-    """Writes a value into an nnx variable, keeping its dtype and sharding."""
-    old = var[...]
-    var[...] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
-
-
-def build_layer(mesh, spec, balanced, shared, params, bias=None, bias_rate=1e-3, dtype=None):
+def build_routed_layer(mesh, spec, balanced, shared, params, bias=None, bias_rate=1e-3, dtype=None):
     kwargs = {} if dtype is None else {"param_dtype": dtype}
-    layer = uep.MoE(
+    values = {name: params[name] for name in param_names(shared)}
+    if bias is not None:
+        values["router_bias"] = bias
+    return build_layer(
+        mesh,
+        values,
         d_model=D,
         d_ff=F,
         num_experts=E,
         top_k=spec.top_k,
-        mesh=mesh,
         balancer=balancer_for(mesh) if balanced else None,
         capacity_factor=None,
         router=spec.library(bias_rate),
         shared_d_ff=FS if shared else 0,
-        rngs=nnx.Rngs(0),
         **kwargs,
     )
-    for name in param_names(shared):
-        set_value(getattr(layer, name), params[name])
-    if bias is not None:
-        set_value(layer.router_bias, bias)
-    return layer
-
-
-def place_batch(mesh, x):
-    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(tuple(mesh.axis_names))))
-
-
-def layer_value_and_grads(layer, x, cotangent, names):
-    """Jitted y, stats, d/dx and d/d(each parameter) of sum(y * cotangent), as NumPy."""
-    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-
-    @jax.jit
-    def step(params, rest, x):
-        def loss(params, x):
-            y, stats = nnx.merge(graphdef, params, rest)(x)
-            return jnp.sum(y * cotangent), (y, stats)
-
-        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
-
-    (_, (y, stats)), (gp, gx) = step(params, rest, x)
-    grad_layer = nnx.merge(graphdef, gp, rest)
-    grads = {name: np.asarray(getattr(grad_layer, name)[...]) for name in names}
-    return np.asarray(y), jax.tree.map(np.asarray, stats), np.asarray(gx), grads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,7 +462,7 @@ def test_layer_equals_dense_reference(case):
         case.shared,
     )
     uses_bias = case.spec.kind == "sigmoid"
-    layer = build_layer(
+    layer = build_routed_layer(
         mesh, case.spec, case.balanced, case.shared, params, bias if uses_bias else None
     )
     names = param_names(case.shared)
@@ -805,7 +766,7 @@ def test_update_router_bias_moves_toward_balance():
     load2 = np.bincount(experts2.ravel(), minlength=E)
     assert not np.array_equal(load2, load), "the bias step changes nothing: pick another seed"
 
-    layer = build_layer(mesh, spec, False, False, params, bias, bias_rate=rate)
+    layer = build_routed_layer(mesh, spec, False, False, params, bias, bias_rate=rate)
     xs = place_batch(mesh, x)
     _, stats = layer(xs)
     np.testing.assert_array_equal(np.asarray(stats.expert_load), load)
@@ -870,7 +831,7 @@ def test_bf16_layer_close_to_float32_reference_with_float32_routing():
     else:
         raise AssertionError("no input separates float32 from bfloat16 routing")
 
-    layer = build_layer(mesh, spec, True, True, params, dtype=bf16)
+    layer = build_routed_layer(mesh, spec, True, True, params, dtype=bf16)
     assert layer.w_gate[...].dtype == bf16 and layer.router_kernel[...].dtype == bf16
     graphdef, state, rest = nnx.split(layer, nnx.Param, ...)
     fwd = jax.jit(lambda s, r, x: nnx.merge(graphdef, s, r)(x))

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.helpers import expert_mesh
 from ultraep_jax import experts, tiled_experts
 
 D, F = 8, 12
@@ -164,7 +165,7 @@ def test_bfloat16_close_to_float32():
 def test_local_experts_masters_then_slots(kernel):
     """Masters' groups then replica slots' groups (different weights), by every kernel, inside
     shard_map on 8 devices with per-device group sizes."""
-    mesh = jax.make_mesh((8,), ("expert",))
+    mesh = expert_mesh()
     em, S, C = 2, 2, 32
     rng = np.random.default_rng(4)
     sizes = rng.integers(0, 9, size=(8, em + S)).astype(np.int32)

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from absl import flags
 
-from experiments.train import dataclass_flags, stop, trainer
+from experiments import cli
+from experiments.train import stop, trainer
 from experiments.train.config import BALANCED_CAPACITY_FACTOR, TrainConfig, parse_capacity_factor
 from models.moe_lm import ModelConfig
 
@@ -201,7 +202,7 @@ _PARSERS = {"capacity_factor": parse_capacity_factor}
 
 def _fresh_flags(*args: str) -> flags.FlagValues:
     values = flags.FlagValues()
-    dataclass_flags.define_flags(TrainConfig, _PARSERS, flag_values=values)
+    cli.define_flags(TrainConfig, _PARSERS, flag_values=values)
     values(["prog", *args])
     return values
 
@@ -235,7 +236,7 @@ def test_only_flags_given_override_the_base_model():
     values = _fresh_flags(
         "--d_model=32", "--capacity_factor=none", "--steps=5", "--noprofile_loads"
     )
-    given = dataclass_flags.given_values(TrainConfig, _PARSERS, flag_values=values)
+    given = cli.given_values(TrainConfig, _PARSERS, flag_values=values)
     assert given == {"d_model": 32, "capacity_factor": None, "steps": 5, "profile_loads": False}
     base = ModelConfig(d_model=64, num_layers=3, num_heads=2, max_seq_len=256)  # a "preset"
     cfg = TrainConfig.from_flat(given, base)

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from experiments.records import read_loads
 from experiments.train import viewer
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -174,7 +175,7 @@ def test_read_loads_ignores_a_truncated_last_line_and_keeps_the_last_of_a_step(t
         '{"step": 2, "layers": [{"replicas": 7}]}\n'
         '{"step": 3, "lay'
     )
-    records = viewer.read_loads(path)
+    records = read_loads(path)
     assert [r["step"] for r in records] == [1, 2]
     assert records[1]["layers"][0]["replicas"] == 7
 

@@ -11,7 +11,7 @@ and prints the median seconds and each depth's ratio to the shallowest.
 
 from __future__ import annotations
 
-from experiments import common
+from experiments import cli, common
 
 common.force_cpu_devices(8, cpu_only=True)
 
@@ -31,7 +31,7 @@ from models.presets import PRESETS, preset
 _LAYERS = flags.DEFINE_list("layers", ["2", "8"], "Depths to compile.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Compilations per configuration (median).")
 _PRESET = flags.DEFINE_enum("preset", "tiny", sorted(PRESETS), "Model preset.")
-_JSON = flags.DEFINE_string("json_out", None, "Also write the figures here as JSON.")
+_JSON = cli.define_json_out()
 
 
 def compile_seconds(cfg, mesh) -> float:

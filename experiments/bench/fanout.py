@@ -29,14 +29,14 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import common
+from experiments import cli, common
 from experiments.loads import traces, workloads
 
 _TRACES = flags.DEFINE_list("traces", list(traces.TRACE_NAMES), "Traces to measure.")
 _EP = flags.DEFINE_list("ep", ["32", "64", "128"], "EP sizes (DeepSeek-R1 and Switch).")
 _QWEN_EP = flags.DEFINE_list("qwen_ep", ["30", "60"], "EP sizes of Qwen1.5-MoE (60 experts).")
 _TOKENS = flags.DEFINE_integer("tokens_per_rank", 8192, "Tokens per source rank.")
-_BALANCER = common.define_balancer_flags()
+_BALANCER = cli.define_balancer_flags()
 _STRIDE = flags.DEFINE_integer("stride", 1, "Keep every n-th layer of each trace (1: all).")
 _FANOUTS = flags.DEFINE_list(
     "max_fanout", ["1", "2", "3"], "Relay bounds f to compare with the direct transfer (f = 0)."
@@ -48,10 +48,8 @@ _TFLOPS = flags.DEFINE_float(
     "Assumed grouped-matmul rate in TFLOP/s (550: the Mosaic GPU kernel measured on an H100, "
     "README 'GPU').",
 )
-_TRACES_DIR = flags.DEFINE_string(
-    "traces_dir", None, "Folder of the trace folders (default: traces.default_traces_dir())."
-)
-_JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
+_TRACES_DIR = cli.define_traces_dir()
+_JSON = cli.define_json_out()
 
 flags.register_validator("stride", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("tokens_per_rank", lambda v: v >= 1, "must be >= 1")

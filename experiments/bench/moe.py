@@ -41,12 +41,13 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
+from experiments import cli
 
 _D = flags.DEFINE_integer("d_model", 64, "Token width D.")
 _F = flags.DEFINE_integer("d_ff", 128, "Expert hidden width F.")
 _E = flags.DEFINE_integer("num_experts", 16, "Experts E (divisible by the EP size).")
 _K = flags.DEFINE_integer("top_k", 2, "Experts per token.")
-_BALANCER = common.define_balancer_flags(min_tokens_per_replica=16)
+_BALANCER = cli.define_balancer_flags(min_tokens_per_replica=16)
 _TOKENS = flags.DEFINE_integer("tokens_per_device", 256, "Tokens on each device.")
 _SEQ = flags.DEFINE_integer("seq_len", 64, "Sequence length (must divide tokens_per_device).")
 _HOT = flags.DEFINE_integer("hot_experts", 2, "Experts the skewed router favours.")
@@ -59,7 +60,7 @@ _MODE = flags.DEFINE_enum(
 )
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds (medians are reported).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the inputs and parameters.")
-_JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
+_JSON = cli.define_json_out()
 _PINNED = flags.DEFINE_integer(
     "pinned_ranks",
     0,

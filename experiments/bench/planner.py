@@ -25,11 +25,10 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import common
+from experiments import common, records
 from experiments.bench import planner_baselines
 from experiments.bench import planner_setup as setup
 from experiments.loads import workloads
-from experiments.train import plot
 
 flags.adopt_module_key_flags(setup)  # --help lists the benchmark's flags
 
@@ -159,9 +158,9 @@ def _read_train_loads(path: str, ep_size: int) -> np.ndarray:
     so each total is spread evenly over the R source rows."""
     if path.endswith(".npy"):
         return np.load(path).astype(np.int32)
-    records = plot.read_step_records(path, required=("step", "layers"))
+    steps = records.read_loads(path)
     totals = np.asarray(
-        [layer["expert_load"] for r in records for layer in r["layers"]], dtype=np.int64
+        [layer["expert_load"] for r in steps for layer in r["layers"]], dtype=np.int64
     )
     loads = np.repeat((totals // ep_size)[:, None, :], ep_size, axis=1)
     loads[:, 0, :] += totals % ep_size

@@ -13,11 +13,11 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import common
+from experiments import cli
 from experiments.loads import traces, workloads
 
 SEEDS = flags.DEFINE_integer("seeds", 10, "Seeds per generated setup.")
-BALANCER = common.define_balancer_flags()
+BALANCER = cli.define_balancer_flags()
 TOKENS = flags.DEFINE_integer("tokens_per_rank", 8192, "Tokens per source rank.")
 TIMING_BATCH = flags.DEFINE_integer("timing_batch", 1024, "Load matrices per timed jit call.")
 REPEATS = flags.DEFINE_integer("repeats", 15, "Timed repeats (the median is reported).")
@@ -32,9 +32,7 @@ TRACES = flags.DEFINE_list(
     ],
     "trace:ep_size pairs to evaluate (empty for none).",
 )
-TRACES_DIR = flags.DEFINE_string(
-    "traces_dir", None, "Folder of the trace folders (default: traces.default_traces_dir())."
-)
+TRACES_DIR = cli.define_traces_dir()
 EXACT = flags.DEFINE_bool(
     "exact", True, "Also report exact mode (balance_eps=0) on the UltraEP setup and DeepSeek-R1."
 )
@@ -47,7 +45,7 @@ TRAIN_EP = flags.DEFINE_integer("train_ep_size", 8, "EP ranks of the --train_loa
 TRAIN_MIN_TOKENS = flags.DEFINE_integer(
     "train_min_tokens_per_replica", 8, "min_tokens_per_replica of the --train_loads run."
 )
-JSON = flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
+JSON = cli.define_json_out()
 BASELINES = flags.DEFINE_bool("baselines", True, "Print the baseline comparison table.")
 BASE_SEEDS = flags.DEFINE_integer(
     "baseline_seeds", 30, "Seeds (matrices) per generated Zipf setup in the baseline table."

@@ -38,7 +38,7 @@ import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
-from experiments import common
+from experiments import cli, common
 from experiments.bench import replay_timing, replay_work
 from experiments.loads import traces, workloads
 
@@ -96,13 +96,13 @@ _PREFILL_PAIRS = flags.DEFINE_integer(
 _KERNEL = flags.DEFINE_string("kernel", "auto", "Expert kernel (ultraep_jax.experts.KERNELS).")
 _E = flags.DEFINE_integer("num_experts", 256, "Experts of the zipfX workloads.")
 _K = flags.DEFINE_integer("top_k", 8, "Top-k of the zipfX workloads (traces use their model's).")
-_SLOTS = flags.DEFINE_integer("slots_per_rank", 2, "Spare slots per rank.")
-_FLOOR = flags.DEFINE_integer(
-    "min_tokens_per_replica",
-    None,
-    "Least tokens per replica (default: 1/64 of the pairs per rank, UltraEP's 1024 of 65536).",
+_BALANCER = cli.define_balancer_flags(
+    min_tokens_per_replica=None,
+    helps={
+        "min_tokens_per_replica": "Least tokens per replica (default: 1/64 of the pairs per rank, "
+        "UltraEP's 1024 of 65536)."
+    },
 )
-_EPS = flags.DEFINE_float("balance_eps", 0.01, "ultraep's balance tolerance (exact mode: 0).")
 _CF = flags.DEFINE_float(
     "capacity_factor", 1.05, "The layer's receive buffer, x the pairs per rank."
 )
@@ -129,10 +129,8 @@ _CORE = flags.DEFINE_integer("cpu_core", 0, "Pin the process to this CPU core (-
 _SEED = flags.DEFINE_integer(
     "seed", 0, "Seed of the trace layers drawn, their splits and the pairs' order."
 )
-_TRACES = flags.DEFINE_string(
-    "traces_dir", str(traces.default_traces_dir()), "Folder holding the traces."
-)
-_JSON = flags.DEFINE_string("json_out", None, "Also write every cell to this JSON file.")
+_TRACES = cli.define_traces_dir()
+_JSON = cli.define_json_out()
 _CALIBRATION = flags.DEFINE_string(
     "calibration_out",
     None,
@@ -543,9 +541,9 @@ def main(argv):
             "train": _PAIRS.value or preset["pairs"],
             "prefill": _PREFILL_PAIRS.value or preset["prefill_pairs"],
         },
-        slots=_SLOTS.value,
-        floor=_FLOOR.value,
-        eps=_EPS.value,
+        slots=_BALANCER()["slots_per_rank"],
+        floor=_BALANCER()["min_tokens_per_replica"],
+        eps=_BALANCER()["balance_eps"],
         capacity_factor=_CF.value,
         link_gbps=_LINK.value,
         repeats=_REPEATS.value,

@@ -88,16 +88,27 @@ class ExpertCost:
 
 @dataclasses.dataclass(frozen=True)
 class CostParams:
-    """Cost-model knobs shared by every term (``expert_cost``: a replay calibration, or None for
-    the FLOP model of the experts)."""
+    """Cost-model knobs shared by every term (the first five are also flags of ``python -m
+    experiments.sim``).
+
+    Attributes:
+      tokens_per_rank: tokens per rank per microbatch.
+      seq_len: sequence length (attention core FLOPs).
+      gemm_efficiency: fraction of the BF16 dense peak the GEMMs reach.
+      link_efficiency: fraction of the nominal link bandwidth the transfers reach.
+      relay_fanout: the relay tree's fan-out cap of the replica transfer.
+      act_bytes: bytes per activation in dispatch and combine (bf16).
+      weight_bytes: bytes per expert weight and replica gradient (bf16).
+      expert_cost: a replay calibration of the experts' compute, or None for their FLOP model.
+    """
 
     tokens_per_rank: int = 8192
     seq_len: int = 4096
     gemm_efficiency: float = 0.65
     link_efficiency: float = 0.8
     relay_fanout: int = 2
-    act_bytes: int = 2  # bf16 activations in dispatch and combine
-    weight_bytes: int = 2  # bf16 expert weights and replica gradients
+    act_bytes: int = 2
+    weight_bytes: int = 2
     expert_cost: ExpertCost | None = None
 
 

@@ -9,8 +9,7 @@ import time
 import jax
 from absl import flags
 
-from experiments import common
-from experiments.loads import traces
+from experiments import cli, common
 from experiments.sim import balancers, cell, report
 from experiments.sim.cost import CostParams, ExpertCost
 from experiments.sim.shapes import MODELS, SCENARIOS
@@ -26,41 +25,21 @@ _WORKLOADS = flags.DEFINE_list(
 _BASELINES = flags.DEFINE_list(
     "baselines", list(balancers.BASELINE_ORDER), "Baselines to report (none is always in)."
 )
-_SAMPLING = common.define_field_flags(
-    Sampling,
-    {
-        "layers_sampled": "MoE layers sampled per model.",
-        "microbatches": "Microbatches per step.",
-        "dp_groups": "DP groups sampled where DP > 1.",
-        "zipf_pool": "Distinct generated matrices per Zipf setting.",
-        "history": "Earlier load matrices per layer that eplb_periodic plans on (0: previous one).",
-        "seed": "Seed for trace splits.",
-    },
-)
-_COST = common.define_field_flags(
+_SAMPLING = cli.define_flags(Sampling)
+_COST = cli.define_flags(
     CostParams,
-    {
-        "tokens_per_rank": "Tokens per rank per microbatch.",
-        "seq_len": "Sequence length (attention core FLOPs).",
-        "gemm_efficiency": "Fraction of BF16 dense peak.",
-        "link_efficiency": "Fraction of nominal link bandwidth.",
-        "relay_fanout": "Relay tree fan-out cap.",
-    },
+    only=("tokens_per_rank", "seq_len", "gemm_efficiency", "link_efficiency", "relay_fanout"),
 )
-_BALANCER = common.define_balancer_flags()
+_BALANCER = cli.define_balancer_flags()
 _TIMING_BATCH = flags.DEFINE_integer("timing_batch", 256, "Matrices per timed planner call.")
-_JSON = flags.DEFINE_string("json_out", None, "Also write every cell to this JSON file.")
+_JSON = cli.define_json_out()
 _CALIBRATION = flags.DEFINE_string(
     "calibration",
     None,
     "A per-rank replay calibration file (python -m experiments.bench.replay --calibration_out): "
     "the experts' measured fixed, per-row and per-group costs replace their FLOP model.",
 )
-_TRACES = flags.DEFINE_string(
-    "traces_dir",
-    str(traces.default_traces_dir()),
-    "Folder holding the real expert-load traces (one folder per trace) for the trace workload.",
-)
+_TRACES = cli.define_traces_dir()
 
 
 def _workload_ok(name: str) -> bool:

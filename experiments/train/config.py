@@ -12,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from experiments.train.dataclass_flags import flag_text
+from experiments.cli import flag_text
 from models.moe_lm import ModelConfig, check_positive_ints
 
 #: ``capacity_factor`` default: resolved on construction by `auto_capacity_factor`.

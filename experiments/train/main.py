@@ -43,6 +43,7 @@ import sys
 
 from absl import flags, logging
 
+from experiments import cli
 from experiments.common import (
     force_cpu_devices,
     keep_freed_memory,
@@ -50,13 +51,12 @@ from experiments.common import (
     run_main,
     start_distributed,
 )
-from experiments.train import dataclass_flags
 from experiments.train.config import TrainConfig, parse_capacity_factor
 from models.presets import PRESETS, preset
 
 # Fields whose flag is text that a parser turns into the value (auto, none or a number).
 _PARSERS = {"capacity_factor": parse_capacity_factor}
-dataclass_flags.define_flags(TrainConfig, _PARSERS)
+cli.define_flags(TrainConfig, _PARSERS)
 flags.DEFINE_enum(
     "preset",
     "tiny",
@@ -85,7 +85,7 @@ def config_from_flags() -> TrainConfig:
     """The run's configuration: the flags given on the command line over the defaults, and over
     the ``--preset``'s model and spare slots. ValueError names a bad flag."""
     chosen = preset(FLAGS.preset)
-    given = dataclass_flags.given_values(TrainConfig, _PARSERS)
+    given = cli.given_values(TrainConfig, _PARSERS)
     given.setdefault("slots_per_rank", chosen.slots_per_rank)
     return TrainConfig.from_flat(given, chosen.model)
 

@@ -6,7 +6,6 @@ rank load before and after balancing), ``balance`` (the mode), ``dropped`` (toke
 number or a per-layer list), ``tokens_per_s`` and ``step_time`` (seconds), as the trainer writes
 them.
 
-* :func:`read_metrics` -- the records, one per step, in step order.
 * :func:`plot_metrics` -- one PNG: loss (and eval loss) on top, per-layer imbalance below.
 * :func:`summarize` -- a short multi-line text summary.
 
@@ -15,54 +14,15 @@ matplotlib is imported inside :func:`plot_metrics` only (Agg canvas, no pyplot s
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pathlib
 
 import numpy as np
 
-__all__ = ["plot_metrics", "read_metrics", "read_step_records", "summarize"]
+from experiments.records import read_metrics
 
-
-# --------------------------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------------------------
-
-
-def read_step_records(path, required=("step",)) -> list[dict]:
-    """The JSON records of a ``*.jsonl`` file written once per step, sorted by ``step``.
-
-    Blank lines are skipped. A malformed *last* line (a run killed mid-write) is ignored; a
-    malformed line elsewhere raises ValueError. When a step appears more than once (a resumed run
-    re-logging steps after its last checkpoint) the last record wins.
-
-    Raises:
-      ValueError: a record lacks one of ``required``, or a line other than the last is bad.
-    """
-    path = pathlib.Path(path)
-    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
-    by_step: dict[int, dict] = {}
-    for k, (lineno, line) in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if k == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-        if not isinstance(record, dict) or any(key not in record for key in required):
-            raise ValueError(f"{path}:{lineno}: a record needs {' and '.join(map(repr, required))}")
-        by_step[int(record["step"])] = record
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def read_metrics(metrics_path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` file (see `read_step_records`); each needs ``step``
-    and ``loss``. ValueError when the file holds no record."""
-    records = read_step_records(metrics_path, ("step", "loss"))
-    if not records:
-        raise ValueError(f"{metrics_path}: no metrics records")
-    return records
+__all__ = ["plot_metrics", "summarize"]
 
 
 def _per_layer(records: list[dict], key: str) -> np.ndarray:

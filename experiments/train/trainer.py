@@ -18,7 +18,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from experiments.common import calibration_line, concurrency_calibration
+from experiments import records
+from experiments.common import calibration_line, concurrency_calibration, write_json
 from experiments.train import data, plot, summary
 from experiments.train.checkpoints import Checkpoints
 from experiments.train.config import TrainConfig
@@ -37,7 +38,6 @@ from experiments.train.workdir import (
     keep_records_up_to,
     open_workdir,
     workdir_contents,
-    write_json,
 )
 from models.moe_lm import MoELM, next_token_loss
 
@@ -232,9 +232,9 @@ def _report(
     """Writes the plot and ``summary.json``, prints the summary, how the run ended and its files;
     returns ``result`` with the summary's figures."""
     metrics = workdir / METRICS_FILE
-    if metrics.exists() and plot.read_step_records(metrics):
+    if metrics.exists() and records.read_step_records(metrics):
         plot.plot_metrics(metrics, workdir / PLOT_FILE)
-        result = {**summary.summarize_run(plot.read_metrics(metrics), cfg, workdir), **result}
+        result = {**summary.summarize_run(records.read_metrics(metrics), cfg, workdir), **result}
         if calibration is not None:
             result["calibration"] = calibration
         write_json(workdir / SUMMARY_FILE, result)

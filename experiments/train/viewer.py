@@ -42,25 +42,14 @@ import sys
 
 from absl import app, flags
 
+from experiments import records
 from experiments.common import run_main
-from experiments.train import plot
 from experiments.train.workdir import METRICS_FILE, PROFILE_FILE
 
-__all__ = ["build_html", "main", "read_loads", "write_viewer"]
+__all__ = ["build_html", "main", "write_viewer"]
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding metrics.jsonl.")
 _OUT = flags.DEFINE_string("out", None, "Output HTML file (default <workdir>/viewer.html).")
-
-
-# --------------------------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------------------------
-
-
-def read_loads(loads_path) -> list[dict]:
-    """The records of a ``loads.jsonl`` file, one per step, sorted by ``step`` (see
-    `plot.read_step_records`); each needs ``step`` and ``layers``."""
-    return plot.read_step_records(loads_path, ("step", "layers"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,9 +193,9 @@ def write_viewer(workdir, out=None) -> pathlib.Path:
             f"no {METRICS_FILE} in {workdir} (write one with: python -m experiments.train "
             f"--workdir={workdir} [--profile_loads])"
         )
-    metrics_records = plot.read_metrics(metrics_path)
+    metrics_records = records.read_metrics(metrics_path)
     loads_path = workdir / PROFILE_FILE
-    load_records = read_loads(loads_path) if loads_path.is_file() else []
+    load_records = records.read_loads(loads_path) if loads_path.is_file() else []
     out = pathlib.Path(out) if out else workdir / "viewer.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(build_html(metrics_records, load_records), encoding="utf-8")

@@ -1,5 +1,5 @@
 """A run's workdir: its file names, checks before anything is written, the saved configuration,
-and the JSON files written into it (host only, no JAX)."""
+and the JSON lines appended to it (host only, no JAX)."""
 
 from __future__ import annotations
 
@@ -66,13 +66,6 @@ def check_saved_config(workdir: pathlib.Path, cfg: TrainConfig) -> list[str]:
             f"{', '.join(blocking)}; resume with the same values or choose another --workdir"
         )
     return changed
-
-
-def write_json(path: pathlib.Path, obj):
-    """Writes ``obj`` as indented JSON, atomically (a reader never sees half a file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def append_json_line(path: pathlib.Path, obj):

@@ -1,0 +1,99 @@
+"""What several test files build the same way: the meshes of the 8 simulated devices, the layer
+with given parameter values, a batch placed on a mesh, the layer's values and gradients, and the
+replica transfer with its gradient (`transfer.fetch_replica_experts` over the "expert" axis)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ultraep_jax as uep
+from ultraep_jax import transfer
+
+#: The meshes the layer tests run on, by name: (data size, EP size).
+MESH_KINDS = {"ep8": (1, 8), "dp2ep4": (2, 4)}
+
+
+def expert_mesh(ep: int = 8, dp: int = 1) -> jax.sharding.Mesh:
+    """``ep`` ranks on the "expert" axis of the first ``dp * ep`` devices, under a "data" axis
+    of size ``dp`` when ``dp > 1``."""
+    devices = jax.devices()[: dp * ep]
+    if dp == 1:
+        return jax.make_mesh((ep,), ("expert",), devices=devices)
+    return jax.make_mesh((dp, ep), ("data", "expert"), devices=devices)
+
+
+def make_mesh(kind: str) -> jax.sharding.Mesh:
+    """'ep8': (8,) ("expert",); 'dp2ep4': (2, 4) ("data", "expert")."""
+    if kind not in MESH_KINDS:
+        raise ValueError(kind)
+    dp, ep = MESH_KINDS[kind]
+    return expert_mesh(ep, dp)
+
+
+def set_param(var, value) -> None:
+    """Writes a value into an nnx variable, keeping its dtype and sharding."""
+    old = var[...]
+    var[...] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
+
+
+def build_layer(mesh, params: Mapping[str, np.ndarray] | None = None, **options) -> uep.MoE:
+    """``uep.MoE(mesh=mesh, rngs=nnx.Rngs(0), **options)`` with ``params`` (variable name ->
+    value, e.g. ``router_kernel``, ``w_gate``, ``router_bias``) written in."""
+    layer = uep.MoE(mesh=mesh, rngs=nnx.Rngs(0), **options)
+    for name, value in (params or {}).items():
+        set_param(getattr(layer, name), value)
+    return layer
+
+
+def place_batch(mesh, x):
+    """x with its batch axis sharded over every mesh axis (("data", "expert") or "expert")."""
+    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(tuple(mesh.axis_names))))
+
+
+def layer_value_and_grads(layer, x, cotangent, names: Sequence[str]):
+    """Jitted y, stats, d/dx and d/d(each parameter in ``names``) of sum(y * cotangent), as
+    NumPy (the stats a `uep.MoEStats` of NumPy arrays)."""
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    @jax.jit
+    def step(params, rest, x):
+        def loss(params, x):
+            y, stats = nnx.merge(graphdef, params, rest)(x)
+            return jnp.sum(y * cotangent), (y, stats)
+
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+
+    (_, (y, stats)), (gp, gx) = step(params, rest, x)
+    grad_layer = nnx.merge(graphdef, gp, rest)
+    grads = {name: np.asarray(getattr(grad_layer, name)[...]) for name in names}
+    return np.asarray(y), jax.tree.map(np.asarray, stats), np.asarray(gx), grads
+
+
+def fetch_with_grads(mesh, masters: Sequence[np.ndarray], slot_expert, cotangents, **options):
+    """The replica transfer of ``masters`` (each [E, ...], split over "expert") to the slots
+    ``slot_expert`` [R, S], jitted, and the gradients of sum(fetched * cotangent) w.r.t. the
+    masters (``options``: more `transfer.fetch_replica_experts` keywords). Returns (fetched
+    [R * S, ...] each, gradients [E, ...] each)."""
+
+    def per_rank(slots_RS, *ws):
+        return transfer.fetch_replica_experts(ws, slots_RS, axis_name="expert", **options)
+
+    specs = tuple(P("expert") for _ in masters)
+    fetch = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), *specs), out_specs=specs)
+
+    def loss(*ws):
+        got = fetch(jnp.asarray(slot_expert), *ws)
+        return sum(jnp.sum(g * c) for g, c in zip(got, cotangents, strict=True)), got
+
+    split = NamedSharding(mesh, P("expert"))
+    args = [jax.device_put(w, split) for w in masters]
+    argnums = tuple(range(len(masters)))
+    (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
+    return got, grads
