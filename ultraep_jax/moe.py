@@ -30,7 +30,7 @@ from ultraep_jax._ops import check_finite, check_positive_int
 from ultraep_jax._vma import vary
 from ultraep_jax.config import BalancerConfig
 from ultraep_jax.experts import KERNELS, local_experts
-from ultraep_jax.layout import Layout
+from ultraep_jax.layout import Layout, check_divisible
 from ultraep_jax.planner import plan as make_plan
 from ultraep_jax.routing import expert_loads
 from ultraep_jax.stats import imbalance
@@ -147,7 +147,8 @@ class ExpertParallel:
         axis; the indices of the other axes are independent EP groups (data parallelism). Stored
         with every axis in Auto mode (`shard_map` does the splitting).
       num_experts: E; divisible by the EP size (an int; NumPy integers accepted).
-      balancer: a `BalancerConfig` for this E and EP size, or None for plain expert parallelism.
+      balancer: a `BalancerConfig`, or None for plain expert parallelism. Stored with E and the
+        EP size filled in (leave them out of it; if it states them, they must agree).
       capacity_factor: receive-buffer rows per rank as a multiple of the pairs a rank routes
         (``top_k * tokens per device``; a finite number > 0, NumPy scalars accepted); pairs
         beyond it are dropped and counted. None sizes the buffer for the worst case (every pair
@@ -184,21 +185,14 @@ class ExpertParallel:
             self, "num_experts", check_positive_int("MoE", "num_experts", self.num_experts)
         )
         E, R = self.num_experts, self.ep_size
-        if E % R:
-            raise ValueError(
-                f"MoE: num_experts={E} is not divisible by the EP size {R} "
-                f"(mesh axis {self.expert_axis!r})"
-            )
+        check_divisible(E, R, f"MoE (mesh axis {self.expert_axis!r})")
         b = self.balancer
         if b is not None and not isinstance(b, BalancerConfig):
             raise TypeError(
                 f"MoE: balancer must be a BalancerConfig or None, got {type(b).__name__}"
             )
-        if b is not None and (b.num_experts, b.ep_size) != (E, R):
-            raise ValueError(
-                f"MoE: balancer is for {b.num_experts} experts on {b.ep_size} ranks, "
-                f"but the layer has {E} experts on {R} ranks"
-            )
+        if b is not None:
+            object.__setattr__(self, "balancer", b.sized(E, R, "the layer and its mesh"))
         if self.capacity_factor is not None:
             cf = check_finite("MoE", "capacity_factor", self.capacity_factor, positive=True)
             object.__setattr__(self, "capacity_factor", cf)
