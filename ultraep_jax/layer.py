@@ -22,6 +22,20 @@ class RouterBias(nnx.Variable):
     """A router's per-expert selection bias: state, not a trained parameter (`SigmoidTopK`)."""
 
 
+def _checked_router(router, top_k: int, num_experts: int):
+    """``router`` (``SoftmaxTopK(top_k)`` when None), checked against the layer's ``top_k`` and
+    ``num_experts``; raises one line otherwise."""
+    if top_k > num_experts:
+        raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")
+    router = SoftmaxTopK(top_k) if router is None else router
+    if not isinstance(router, (SoftmaxTopK, SigmoidTopK)):
+        raise TypeError(f"MoE: router must be SoftmaxTopK or SigmoidTopK, got {router!r}")
+    if router.top_k != top_k:
+        raise ValueError(f"MoE: router.top_k={router.top_k} differs from top_k={top_k}")
+    router.check_experts(num_experts)
+    return router
+
+
 class MoE(nnx.Module):
     """A top-k MoE layer of SwiGLU experts, expert-parallel over ``mesh``, optionally balanced.
 
@@ -89,17 +103,15 @@ class MoE(nnx.Module):
                 "at least one hidden column)"
             )
         num_experts = self.ep.num_experts
-        if top_k > num_experts:
-            raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")
-        router = SoftmaxTopK(top_k) if router is None else router
-        if not isinstance(router, (SoftmaxTopK, SigmoidTopK)):
-            raise TypeError(f"MoE: router must be SoftmaxTopK or SigmoidTopK, got {router!r}")
-        if router.top_k != top_k:
-            raise ValueError(f"MoE: router.top_k={router.top_k} differs from top_k={top_k}")
-        router.check_experts(num_experts)
+        router = _checked_router(router, top_k, num_experts)
         shared_d_ff = check_positive_int("MoE", "shared_d_ff", shared_d_ff, minimum=0)
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.router, self.shared_d_ff = router, shared_d_ff
+        self._init_params(rngs, param_dtype)
+
+    def _init_params(self, rngs: nnx.Rngs, param_dtype) -> None:
+        """The router kernel, the experts (split over the EP axis), the router bias and the
+        shared expert's weights when the configuration has them (see the class docstring)."""
 
         def param(scale, shape, sharding):
             init = jax.nn.initializers.normal(scale)
@@ -107,16 +119,16 @@ class MoE(nnx.Module):
             # batches to the per-layer layout, where `device_put` would split the layer axis.
             return nnx.Param(place(init(rngs.params(), shape, param_dtype), sharding))
 
-        E, D, F = num_experts, d_model, d_ff
+        E, D, F = self.num_experts, self.d_model, self.d_ff
         replicated = NamedSharding(self.ep.mesh, P())
         self.router_kernel = param(D**-0.5, (D, E), replicated)
         self.w_gate = param(D**-0.5, (E, D, F), self.ep.expert_sharding)
         self.w_up = param(D**-0.5, (E, D, F), self.ep.expert_sharding)
         self.w_down = param(F**-0.5, (E, F, D), self.ep.expert_sharding)
-        if router.uses_bias:
+        if self.router.uses_bias:
             self.router_bias = RouterBias(place(jnp.zeros((E,), jnp.float32), replicated))
-        if shared_d_ff:
-            Fs = shared_d_ff
+        if self.shared_d_ff:
+            Fs = self.shared_d_ff
             self.shared_gate = param(D**-0.5, (D, Fs), replicated)
             self.shared_up = param(D**-0.5, (D, Fs), replicated)
             self.shared_down = param(Fs**-0.5, (Fs, D), replicated)
