@@ -1,4 +1,4 @@
-"""`MoE`: the Flax NNX layer: a router, `moe.routed_experts`, and optional shared experts."""
+"""`MoE`: the Flax NNX layer: a router, `expert_parallel.routed_experts`, shared experts."""
 
 from __future__ import annotations
 
@@ -13,9 +13,15 @@ from jax.sharding import PartitionSpec as P
 
 from ultraep_jax._ops import check_positive_int
 from ultraep_jax.config import BalancerConfig
+from ultraep_jax.expert_parallel import (
+    ExpertParallel,
+    MoEStats,
+    place,
+    routed_experts,
+    with_auto_axes,
+)
 from ultraep_jax.experts import dense_swiglu
-from ultraep_jax.moe import ExpertParallel, MoEStats, place, routed_experts, with_auto_axes
-from ultraep_jax.routing import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
+from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
 
 
 class RouterBias(nnx.Variable):
@@ -47,7 +53,7 @@ class MoE(nnx.Module):
       mesh, balancer, capacity_factor, expert_axis, comm_backend, expert_kernel,
         transfer_chunks: see `ExpertParallel` (the layer keeps one as ``self.ep``);
         ``transfer_chunks`` at most ``d_ff``.
-      router: a router of `ultraep_jax.routing` with this ``top_k`` (default
+      router: a router of `ultraep_jax.routers` with this ``top_k`` (default
         ``SoftmaxTopK(top_k)``). With `SigmoidTopK` the layer keeps a `RouterBias`
         ``router_bias`` [E]; call `update_router_bias` with each step's stats to move it.
       shared_d_ff: hidden width of an always-on SwiGLU expert every token goes through beside
@@ -157,7 +163,7 @@ class MoE(nnx.Module):
         return _forward(self.ep, self.router, x, self.router_kernel[...], bias, experts, shared)
 
     def update_router_bias(self, stats: MoEStats) -> None:
-        """Moves the `SigmoidTopK` bias by `routing.update_bias` from ``stats.expert_load`` (a
+        """Moves the `SigmoidTopK` bias by `routers.update_bias` from ``stats.expert_load`` (a
         call's stats; call it once per training step, outside the gradient)."""
         if not self.router.uses_bias:
             raise ValueError(f"MoE: the router {self.router!r} has no bias to update")

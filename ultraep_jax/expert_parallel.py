@@ -32,7 +32,7 @@ from ultraep_jax.config import BalancerConfig
 from ultraep_jax.experts import KERNELS, local_experts
 from ultraep_jax.layout import Layout, check_divisible
 from ultraep_jax.planner import plan as make_plan
-from ultraep_jax.routing import expert_loads
+from ultraep_jax.routers import expert_loads
 from ultraep_jax.stats import imbalance
 
 
@@ -55,7 +55,7 @@ class MoEStats:
       over_capacity: int32 [], EP groups whose plan could not keep every rank within the receive
         buffer (their excess pairs are dropped and counted in ``dropped``).
       imbalance_before, imbalance_after: float32 [], max / mean of the rank loads.
-      aux_loss, z_loss: float32 [], the router's load-balancing and z losses (`routing.Routing`)
+      aux_loss, z_loss: float32 [], the router's load-balancing and z losses (`routers.Routing`)
         when the stats come from `MoE`; 0 from `routed_experts`, which sees no router.
       group_rows: int32 [R, G], rows each EP rank received for each of its local groups (E_m
         masters, then S replica slots; G = E_m without a balancer): the group sizes its experts
