@@ -6,11 +6,11 @@ replica's weight gradient back along the same path, summed at every relay and ad
 master's gradient: no custom VJP needed. Nothing here waits on the masters' own matmuls, so XLA is
 free to overlap the transfer with them.
 
-Each hop has two implementations behind `fetch_replica_experts`: a dense one (a row selection and
-a reduce-scatter of ``R * k`` rows for the k leading slot columns receiving in the hop, cheaper on
-XLA:CPU than an all-to-all, and nothing when no slot receives) and a ragged one
-(`jax.lax.ragged_all_to_all`, which moves only the receiving slots; GPU/TPU; a relay hop with no
-work is skipped by a `lax.cond`).
+Each hop has two implementations behind `fetch_replica_experts`: a dense one for the "portable"
+backend (a row selection and a reduce-scatter of ``R * k`` rows for the k leading slot columns
+receiving in the hop, cheaper on XLA:CPU than an all-to-all, and nothing when no slot receives)
+and, for every other backend of `comm`, an exchange of only the receiving slots (for "ragged"
+`jax.lax.ragged_all_to_all`; GPU/TPU; a relay hop with no work is skipped by a `lax.cond`).
 
 Shapes follow the package's axis legend (`ultraep_jax`); P is the weights of one expert, flattened.
 """
