@@ -96,7 +96,7 @@ ffi::Error HandlePlanCall(const Run& run, Int32In loads, int64_t slots_per_rank,
     return ffi::Error::InvalidArgument("ultraep_plan: loads must be [..., R, E], got " +
                                        dims_str(ld));
   const int64_t R = ld[ld.size() - 2], E = ld[ld.size() - 1], S = slots_per_rank;
-  if (R < 1 || E < 1 || E % R != 0)
+  if (!PlanDims{R, E, 0}.valid())
     return ffi::Error::InvalidArgument(
         "ultraep_plan: loads [..., R, E] needs R >= 1 and E % R == 0, got " + dims_str(ld));
   if (S < 0) return ffi::Error::InvalidArgument("ultraep_plan: slots_per_rank must be >= 0");

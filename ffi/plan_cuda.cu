@@ -84,6 +84,93 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ultraep::BindPlanCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});
 
+namespace {
+
+#define UEP_CUDA_TRY(x)                                           \
+  do {                                                            \
+    if (cudaError_t err_ = (x); err_ != cudaSuccess) return err_; \
+  } while (0)
+
+// The device buffers of the benchmark hook's batch, freed on destruction.
+struct BenchBuffers {
+  int32_t *loads = nullptr, *slot_expert = nullptr, *slot_quota = nullptr;
+  int32_t *master_quota = nullptr, *rank_load = nullptr;
+  int64_t* workspace = nullptr;
+
+  BenchBuffers() = default;
+  BenchBuffers(const BenchBuffers&) = delete;
+  BenchBuffers& operator=(const BenchBuffers&) = delete;
+  ~BenchBuffers() {
+    cudaFree(loads);
+    cudaFree(slot_expert);
+    cudaFree(slot_quota);
+    cudaFree(master_quota);
+    cudaFree(rank_load);
+    cudaFree(workspace);
+  }
+
+  // Allocates `count` plans' buffers and copies loads_host [count, R, E] in; the outputs are
+  // poisoned (with 4 bytes to spare past the slots), so that an unwritten entry shows.
+  cudaError_t fill(const ultraep::PlanDims& d, int64_t count, int64_t ws, const int32_t* host) {
+    const size_t n_loads = sizeof(int32_t) * count * d.R * d.E;
+    const size_t n_slots = sizeof(int32_t) * count * d.R * d.S + 4;
+    UEP_CUDA_TRY(cudaMalloc(&loads, n_loads));
+    UEP_CUDA_TRY(cudaMalloc(&slot_expert, n_slots));
+    UEP_CUDA_TRY(cudaMalloc(&slot_quota, n_slots));
+    UEP_CUDA_TRY(cudaMalloc(&master_quota, sizeof(int32_t) * count * d.E));
+    UEP_CUDA_TRY(cudaMalloc(&rank_load, sizeof(int32_t) * count * d.R));
+    UEP_CUDA_TRY(cudaMalloc(&workspace, sizeof(int64_t) * count * ws));
+    UEP_CUDA_TRY(cudaMemcpy(loads, host, n_loads, cudaMemcpyHostToDevice));
+    UEP_CUDA_TRY(cudaMemset(slot_expert, 0x5a, n_slots));
+    UEP_CUDA_TRY(cudaMemset(slot_quota, 0x5a, n_slots));
+    UEP_CUDA_TRY(cudaMemset(master_quota, 0x5a, sizeof(int32_t) * count * d.E));
+    UEP_CUDA_TRY(cudaMemset(rank_load, 0x5a, sizeof(int32_t) * count * d.R));
+    return cudaSuccess;
+  }
+
+  // Copies the plans of `count` matrices to the host outputs.
+  cudaError_t copy_out(const ultraep::PlanDims& d, int64_t count, int32_t* se, int32_t* sq,
+                       int32_t* mq, int32_t* rl) const {
+    const size_t n_slots = sizeof(int32_t) * count * d.R * d.S;
+    UEP_CUDA_TRY(cudaMemcpy(se, slot_expert, n_slots, cudaMemcpyDeviceToHost));
+    UEP_CUDA_TRY(cudaMemcpy(sq, slot_quota, n_slots, cudaMemcpyDeviceToHost));
+    UEP_CUDA_TRY(
+        cudaMemcpy(mq, master_quota, sizeof(int32_t) * count * d.E, cudaMemcpyDeviceToHost));
+    return cudaMemcpy(rl, rank_load, sizeof(int32_t) * count * d.R, cudaMemcpyDeviceToHost);
+  }
+};
+
+// One warm-up launch of the batch, then `iters` launches each timed with CUDA events into
+// times_ms[k], on a stream of its own.
+cudaError_t time_launches(const ultraep::PlanCall& c, int iters, float* times_ms) {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ev0 = nullptr, ev1 = nullptr;
+  const auto run = [&]() -> cudaError_t {
+    UEP_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    UEP_CUDA_TRY(cudaEventCreate(&ev0));
+    UEP_CUDA_TRY(cudaEventCreate(&ev1));
+    UEP_CUDA_TRY(launch_plans(stream, c));
+    UEP_CUDA_TRY(cudaStreamSynchronize(stream));
+    for (int k = 0; k < iters; ++k) {
+      UEP_CUDA_TRY(cudaEventRecord(ev0, stream));
+      UEP_CUDA_TRY(launch_plans(stream, c));
+      UEP_CUDA_TRY(cudaEventRecord(ev1, stream));
+      UEP_CUDA_TRY(cudaEventSynchronize(ev1));
+      UEP_CUDA_TRY(cudaEventElapsedTime(&times_ms[k], ev0, ev1));
+    }
+    return cudaSuccess;
+  };
+  const cudaError_t err = run();
+  if (ev0) cudaEventDestroy(ev0);
+  if (ev1) cudaEventDestroy(ev1);
+  if (stream) cudaStreamDestroy(stream);
+  return err;
+}
+
+#undef UEP_CUDA_TRY
+
+}  // namespace
+
 // Benchmark and test hook (no XLA): plans `count` >= 1 matrices loads_host [count, R, E] on the
 // current device with the handler's kernel and options (capacity 0: unbounded), `iters` timed
 // launches of the whole batch after one warm-up, each timed with CUDA events into times_ms[k];
@@ -97,60 +184,16 @@ extern "C" __attribute__((visibility("default"))) int ultraep_plan_cuda_bench(
     int32_t* rank_load) {
   const ultraep::PlanDims d{R, E, S};
   const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity};
-  if (R < 1 || E < 1 || E % R != 0 || S < 0 || count < 1 || iters < 0 ||
-      ultraep::check_options(o).failure())
+  if (!d.valid() || count < 1 || iters < 0 || ultraep::check_options(o).failure())
     return static_cast<int>(cudaErrorInvalidValue);
   const int64_t ws = ultraep::workspace_elems(d);
-  int32_t *dl = nullptr, *dse = nullptr, *dsq = nullptr, *dmq = nullptr, *drl = nullptr;
-  int64_t* dws = nullptr;
-  cudaEvent_t ev0 = nullptr, ev1 = nullptr;
-  cudaStream_t stream = nullptr;
-  cudaError_t err = cudaSuccess;
-  ultraep::PlanCall c{};
-#define UEP_TRY(x)                     \
-  do {                                 \
-    err = (x);                         \
-    if (err != cudaSuccess) goto done; \
-  } while (0)
-  UEP_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  UEP_TRY(cudaMalloc(&dl, sizeof(int32_t) * count * R * E));
-  UEP_TRY(cudaMalloc(&dse, sizeof(int32_t) * count * R * S + 4));
-  UEP_TRY(cudaMalloc(&dsq, sizeof(int32_t) * count * R * S + 4));
-  UEP_TRY(cudaMalloc(&dmq, sizeof(int32_t) * count * E));
-  UEP_TRY(cudaMalloc(&drl, sizeof(int32_t) * count * R));
-  UEP_TRY(cudaMalloc(&dws, sizeof(int64_t) * count * ws));
-  UEP_TRY(cudaMemcpy(dl, loads_host, sizeof(int32_t) * count * R * E, cudaMemcpyHostToDevice));
-  // Poison the outputs, so that an unwritten entry shows.
-  UEP_TRY(cudaMemset(dse, 0x5a, sizeof(int32_t) * count * R * S + 4));
-  UEP_TRY(cudaMemset(dsq, 0x5a, sizeof(int32_t) * count * R * S + 4));
-  UEP_TRY(cudaMemset(dmq, 0x5a, sizeof(int32_t) * count * E));
-  UEP_TRY(cudaMemset(drl, 0x5a, sizeof(int32_t) * count * R));
-  UEP_TRY(cudaEventCreate(&ev0));
-  UEP_TRY(cudaEventCreate(&ev1));
-  c = ultraep::PlanCall{d, o, count, ws, dl, dse, dsq, dmq, drl, dws};
-  UEP_TRY(launch_plans(stream, c));
-  UEP_TRY(cudaStreamSynchronize(stream));
-  for (int k = 0; k < iters; ++k) {
-    UEP_TRY(cudaEventRecord(ev0, stream));
-    UEP_TRY(launch_plans(stream, c));
-    UEP_TRY(cudaEventRecord(ev1, stream));
-    UEP_TRY(cudaEventSynchronize(ev1));
-    UEP_TRY(cudaEventElapsedTime(&times_ms[k], ev0, ev1));
-  }
-  UEP_TRY(cudaMemcpy(slot_expert, dse, sizeof(int32_t) * count * R * S, cudaMemcpyDeviceToHost));
-  UEP_TRY(cudaMemcpy(slot_quota, dsq, sizeof(int32_t) * count * R * S, cudaMemcpyDeviceToHost));
-  UEP_TRY(cudaMemcpy(master_quota, dmq, sizeof(int32_t) * count * E, cudaMemcpyDeviceToHost));
-  UEP_TRY(cudaMemcpy(rank_load, drl, sizeof(int32_t) * count * R, cudaMemcpyDeviceToHost));
-#undef UEP_TRY
-done:
-  if (ev0) cudaEventDestroy(ev0);
-  if (ev1) cudaEventDestroy(ev1);
-  cudaFree(dl);
-  cudaFree(dse);
-  cudaFree(dsq);
-  cudaFree(dmq);
-  cudaFree(drl);
-  cudaFree(dws);
-  if (stream) cudaStreamDestroy(stream);
+  BenchBuffers b;
+  cudaError_t err = b.fill(d, count, ws, loads_host);
+  const ultraep::PlanCall c{
+      d,           o,          count, ws, b.loads, b.slot_expert, b.slot_quota, b.master_quota,
+      b.rank_load, b.workspace};
+  if (err == cudaSuccess) err = time_launches(c, iters, times_ms);
+  if (err == cudaSuccess)
+    err = b.copy_out(d, count, slot_expert, slot_quota, master_quota, rank_load);
   return static_cast<int>(err);
 }

@@ -14,19 +14,9 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#define UEP_HD __host__ __device__
-#else
-#define UEP_HD
-#endif
+#include "layout.h"
 
 namespace ultraep {
-
-struct PlanDims {
-  int64_t R;  // ranks on the EP axis
-  int64_t E;  // logical experts, E % R == 0
-  int64_t S;  // spare slots per rank
-};
 
 struct PlanOptions {
   int64_t min_tokens_per_replica;  // F: the least tokens a replica may carry (>= 1)
@@ -183,6 +173,23 @@ UEP_HD inline int64_t pick_target(const Workspace& ws, int64_t n_active, int64_t
   return (strict && kept.most >= 0) ? kept.pick() : all.pick();
 }
 
+// The master of rank `src` with the most tokens left to give, avail[e] of PLANNER.md, into *avail
+// (ties -> smallest index): a large piece now keeps the source's replica count low.
+UEP_HD inline int64_t richest_master(const PlanDims& d, const Workspace& ws, int64_t src, int64_t K,
+                                     int64_t* avail) {
+  const int64_t first = d.first_master(src);
+  int64_t best = first;
+  *avail = ws.load_e[first] - K - ws.exported[first];
+  for (int64_t j = first + 1; j < first + d.experts_per_rank(); ++j) {
+    const int64_t a = ws.load_e[j] - K - ws.exported[j];
+    if (a > *avail) {
+      best = j;
+      *avail = a;
+    }
+  }
+  return best;
+}
+
 // How an attempt ended.
 enum Outcome { kSuccess, kFailed, kInfeasible };  // kInfeasible: no plan reaches the threshold
 
@@ -196,8 +203,6 @@ UEP_HD inline Outcome attempt(const PlanDims& d, const PlanOptions& o, Workspace
   *num_replicas = 0;
   for (int64_t e = 0; e < d.E; ++e) ws.exported[e] = 0;
   if (tau >= lmax) return kSuccess;
-  const int64_t em = d.E / d.R;
-  const int64_t K = o.master_keep_tokens;
   int64_t n_active = 0;  // ranks that can still take a replica, in any order
   for (int64_t t = 0; t < d.R; ++t) {
     ws.slack[t] = max64(tau - ws.L[t], 0);
@@ -211,20 +216,11 @@ UEP_HD inline Outcome attempt(const PlanDims& d, const PlanOptions& o, Workspace
     const int64_t src = ws.order[ri];
     int64_t x = ws.L[src] - tau;
     later -= x;
-    const int64_t first = src * em;
     *failed = src;
     while (x > 0) {
       const int64_t fl = min64(f, x);
-      // The master with the most tokens left to give (ties -> smallest index): a large piece
-      // now keeps the source's replica count low.
-      int64_t e = first, avail = ws.load_e[first] - K - ws.exported[first];
-      for (int64_t j = first + 1; j < first + em; ++j) {
-        const int64_t a = ws.load_e[j] - K - ws.exported[j];
-        if (a > avail) {
-          e = j;
-          avail = a;
-        }
-      }
+      int64_t avail = 0;
+      const int64_t e = richest_master(d, ws, src, o.master_keep_tokens, &avail);
       if (avail < fl) return f == 1 ? kInfeasible : kFailed;
       const int64_t k = pick_target(ws, n_active, min64(x, avail), avail, rule);
       if (k < 0) return kFailed;
@@ -388,14 +384,14 @@ namespace detail {
 // and ws.rank_order (ranks by descending L). Returns a PlanStatus: loads or a rank's sum that do
 // not fit int32 overflow.
 UEP_HD inline int32_t rank_totals(const PlanDims& d, Workspace& ws, int64_t* total, int64_t* lmax) {
-  const int64_t em = d.E / d.R;
   const int64_t kInt32Max = 2147483647;
   *total = *lmax = 0;
   for (int64_t r = 0; r < d.R; ++r) {
     int64_t l = 0;
-    for (int64_t j = 0; j < em; ++j) {
-      if (ws.load_e[r * em + j] > kInt32Max) return kPlanOverflow;
-      l += ws.load_e[r * em + j];
+    const int64_t first = d.first_master(r);
+    for (int64_t e = first; e < first + d.experts_per_rank(); ++e) {
+      if (ws.load_e[e] > kInt32Max) return kPlanOverflow;
+      l += ws.load_e[e];
     }
     if (l > kInt32Max) return kPlanOverflow;
     ws.L[r] = l;
@@ -485,7 +481,6 @@ UEP_HD inline int64_t search_threshold(const PlanDims& d, const PlanOptions& o, 
 // PLANNER.md "Output": master quotas, then the nrep replicas in their targets' slots in creation
 // order, and every rank's balanced load.
 UEP_HD inline void write_plan(const PlanDims& d, Workspace& ws, int64_t nrep, PlanOut out) {
-  const int64_t em = d.E / d.R;
   for (int64_t i = 0; i < d.R * d.S; ++i) {
     out.slot_expert[i] = -1;
     out.slot_quota[i] = 0;
@@ -495,12 +490,14 @@ UEP_HD inline void write_plan(const PlanDims& d, Workspace& ws, int64_t nrep, Pl
     out.master_quota[e] = static_cast<int32_t>(ws.load_e[e] - ws.exported[e]);
   for (int64_t r = 0; r < d.R; ++r) {
     int64_t l = 0;
-    for (int64_t j = 0; j < em; ++j) l += ws.load_e[r * em + j] - ws.exported[r * em + j];
+    const int64_t first = d.first_master(r);
+    for (int64_t e = first; e < first + d.experts_per_rank(); ++e)
+      l += ws.load_e[e] - ws.exported[e];
     ws.L[r] = l;  // reused as the balanced load
   }
   for (int64_t i = 0; i < nrep; ++i) {
     const int64_t t = ws.rep_target[i];
-    const int64_t slot = t * d.S + ws.taken[t]++;
+    const int64_t slot = d.slot(t, ws.taken[t]++);
     out.slot_expert[slot] = static_cast<int32_t>(ws.rep_expert[i]);
     out.slot_quota[slot] = static_cast<int32_t>(ws.rep_quota[i]);
     ws.L[t] += ws.rep_quota[i];

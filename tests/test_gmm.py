@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ultraep_jax import gmm
+from ultraep_jax import gmm_pallas
 
 HIGHEST = jax.lax.Precision.HIGHEST
 TILES = dict(tile_m=16, tile_n=16, tile_k=16)
@@ -34,7 +34,7 @@ def _inputs(M, K, N, sizes, dtype=jnp.float32, seed=0):
 
 
 def _kernel(lhs, rhs, gs):
-    return gmm.grouped_matmul(lhs, rhs, gs, interpret=True, **TILES)
+    return gmm_pallas.grouped_matmul(lhs, rhs, gs, interpret=True, **TILES)
 
 
 def _reference(lhs, rhs, gs):
@@ -94,8 +94,8 @@ def test_tile_metadata_bounds_the_work():
     for _ in range(50):
         G = int(rng.integers(1, 9))
         sizes = rng.multinomial(int(rng.integers(0, M + 1)), np.ones(G) / G)
-        starts, ends = gmm.group_bounds(jnp.asarray(sizes, jnp.int32), M)
-        lo, hi = map(np.asarray, gmm.tile_groups(starts, ends, M // tm, tm))
+        starts, ends = gmm_pallas.group_bounds(jnp.asarray(sizes, jnp.int32), M)
+        lo, hi = map(np.asarray, gmm_pallas.tile_groups(starts, ends, M // tm, tm))
         starts, ends = np.asarray(starts), np.asarray(ends)
         items = 0
         for t in range(M // tm):
@@ -110,11 +110,11 @@ def test_tile_metadata_bounds_the_work():
 def test_rejects_bad_arguments():
     lhs, rhs, gs = _inputs(64, 32, 32, [10, 20])
     with pytest.raises(ValueError, match="power of two"):
-        gmm.grouped_matmul(lhs, rhs, gs, tile_m=24)
+        gmm_pallas.grouped_matmul(lhs, rhs, gs, tile_m=24)
     with pytest.raises(ValueError, match="group_sizes"):
-        gmm.grouped_matmul(lhs, rhs, gs[:1])
+        gmm_pallas.grouped_matmul(lhs, rhs, gs[:1])
     with pytest.raises(ValueError, match="rhs"):
-        gmm.grouped_matmul(lhs, rhs[:, :16], gs)
+        gmm_pallas.grouped_matmul(lhs, rhs[:, :16], gs)
 
 
 def test_inside_shard_map_under_jit():
@@ -139,7 +139,7 @@ def test_lowers_to_triton_for_cuda():
 
     def loss(lhs, rhs, gs):
         f = jax.shard_map(
-            lambda l, r, g: gmm.grouped_matmul(l, r, g),
+            lambda l, r, g: gmm_pallas.grouped_matmul(l, r, g),
             mesh=mesh,
             in_specs=(P("x"),) * 3,
             out_specs=P("x"),

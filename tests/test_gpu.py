@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from ultraep_jax import _native, gmm, relay
+from ultraep_jax import _native, gmm_mgpu, gmm_pallas, relay
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 needs_gpu = pytest.mark.skipif(
@@ -30,7 +30,9 @@ needs_gpu = pytest.mark.skipif(
         "set JAX_PLATFORMS=cuda,cpu, since conftest.py defaults it to cpu)"
     ),
 )
-needs_hopper = pytest.mark.skipif(not gmm.is_hopper(), reason="needs an H100/H200 (Mosaic GPU)")
+needs_hopper = pytest.mark.skipif(
+    not gmm_mgpu.is_hopper(), reason="needs an H100/H200 (Mosaic GPU)"
+)
 
 
 def _random_loads(rng, n, R, E, tokens=4096, exponent=(0.0, 2.0)):
@@ -193,21 +195,21 @@ SIZES = {
 @pytest.mark.parametrize("sizes", list(SIZES))
 def test_grouped_matmul_equals_ragged_dot_on_gpu(dtype, sizes):
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
-    _check_against_ragged_dot(gmm.grouped_matmul, dtype, SIZES[sizes], tol)
+    _check_against_ragged_dot(gmm_pallas.grouped_matmul, dtype, SIZES[sizes], tol)
 
 
 @needs_gpu
 @needs_hopper
 @pytest.mark.parametrize("sizes", list(SIZES))
 def test_grouped_matmul_mgpu_equals_ragged_dot_on_gpu(sizes):
-    _check_against_ragged_dot(gmm.grouped_matmul_mgpu, jnp.bfloat16, SIZES[sizes], 2e-2)
+    _check_against_ragged_dot(gmm_mgpu.grouped_matmul_mgpu, jnp.bfloat16, SIZES[sizes], 2e-2)
 
 
 def test_mgpu_unsupported_names_the_reason():
-    assert gmm.mgpu_unsupported((64, 256), (2, 256, 384), jnp.bfloat16) is None
-    assert "float32" in gmm.mgpu_unsupported((64, 256), (2, 256, 384), jnp.float32)
-    assert "N=100" in gmm.mgpu_unsupported((64, 256), (2, 256, 100), jnp.bfloat16)
-    assert "K=96" in gmm.mgpu_unsupported((64, 96), (2, 96, 128), jnp.bfloat16)
+    assert gmm_mgpu.mgpu_unsupported((64, 256), (2, 256, 384), jnp.bfloat16) is None
+    assert "float32" in gmm_mgpu.mgpu_unsupported((64, 256), (2, 256, 384), jnp.float32)
+    assert "N=100" in gmm_mgpu.mgpu_unsupported((64, 256), (2, 256, 100), jnp.bfloat16)
+    assert "K=96" in gmm_mgpu.mgpu_unsupported((64, 96), (2, 96, 128), jnp.bfloat16)
 
 
 def _layer(mesh, E, D, F, dtype, kernel, balancer=True, max_fanout=2):
@@ -262,7 +264,7 @@ def test_moe_layer_forward_backward_on_one_gpu_with_balancer():
 def test_moe_layer_bf16_kernels_equal_ragged_dot(kernel):
     """The layer with each GPU expert kernel against the same layer with XLA's ragged_dot (the
     routing is the same code, so only the experts' matmuls differ), values and gradients."""
-    if kernel == "mgpu" and not gmm.is_hopper():
+    if kernel == "mgpu" and not gmm_mgpu.is_hopper():
         pytest.skip("needs an H100/H200 (Mosaic GPU)")
     mesh = Mesh(np.array(jax.devices("gpu")[:1]), ("expert",))
     x = jax.device_put(

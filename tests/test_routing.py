@@ -1,4 +1,4 @@
-"""Routers (`ultraep_jax.routing`), the layer with each router, and `uep.routed_experts` called
+"""Routers (`ultraep_jax.routers`), the layer with each router, and `uep.routed_experts` called
 directly, against a dense one-device reference written here.
 
 The reference never calls the library's routing code: routing decisions are made in NumPy
@@ -25,7 +25,7 @@ from flax import nnx
 
 import ultraep_jax as uep
 from tests.helpers import build_layer, layer_value_and_grads, make_mesh, place_batch
-from ultraep_jax.routing import SigmoidTopK, SoftmaxTopK, update_bias
+from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, update_bias
 
 D, F, FS = 8, 8, 8  # model width, expert hidden width, shared expert hidden width
 E = 8

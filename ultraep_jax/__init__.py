@@ -11,10 +11,10 @@ Axis legend, used in docstrings (``[R, E]``) and as suffixes of array names (``l
 
 from ultraep_jax import reroute
 from ultraep_jax.config import BalancerConfig
+from ultraep_jax.expert_parallel import ExpertParallel, MoEStats, routed_experts
 from ultraep_jax.layer import MoE, RouterBias
-from ultraep_jax.moe import ExpertParallel, MoEStats, routed_experts
 from ultraep_jax.planner import Plan, plan
-from ultraep_jax.routing import Routing, SigmoidTopK, SoftmaxTopK, update_bias
+from ultraep_jax.routers import Routing, SigmoidTopK, SoftmaxTopK, update_bias
 from ultraep_jax.stats import imbalance
 
 __all__ = [

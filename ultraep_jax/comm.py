@@ -13,9 +13,24 @@ from ultraep_jax import comm_portable, comm_ragged
 from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.exchange import Exchange
 
-__all__ = ["BACKENDS", "Exchange", "ragged_exchange"]
+__all__ = ["BACKENDS", "Exchange", "by_backend", "ragged_exchange"]
 
-BACKENDS = ("auto", "portable", "ragged")
+# Each backend's `ragged_all_to_all`-like exchange (operand, output, exchange, *, axis_name).
+EXCHANGES = {"portable": comm_portable.ragged_exchange, "ragged": comm_ragged.ragged_exchange}
+# "auto": the backend of each platform (`jax.lax.platform_dependent` keywords), at lowering time:
+# XLA:CPU cannot compile `ragged_all_to_all`.
+AUTO = {"cpu": "portable", "default": "ragged"}
+BACKENDS = ("auto", *EXCHANGES)
+
+
+def by_backend(backend: str, impls: dict, *args):
+    """``impls[backend](*args)``, one implementation per name of `EXCHANGES`; "auto" picks one
+    per platform as `AUTO` says, when the computation is lowered."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown communication backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        return impls[backend](*args)
+    return jax.lax.platform_dependent(*args, **{p: impls[name] for p, name in AUTO.items()})
 
 
 def ragged_exchange(
@@ -34,22 +49,12 @@ def ragged_exchange(
             f"{exchange.send_rows}"
         )
     output = jnp.zeros((exchange.recv_rows,) + operand.shape[1:], operand.dtype)
-    args = (operand, output, exchange)
-
     # The result varies over the exchange axis and whatever its inputs vary over; say so
-    # explicitly (some transposes drop the type) so that both platform branches have one type.
+    # explicitly (some transposes drop the type) so that every platform branch has one type.
     axes = tuple(sorted({axis_name} | varying_axes(operand)))
 
-    def portable(*a):
-        return vary(comm_portable.ragged_exchange(*a, axis_name=axis_name), axes)
+    def typed(run):
+        return lambda *a: vary(run(*a, axis_name=axis_name), axes)
 
-    def ragged(*a):
-        return vary(comm_ragged.ragged_exchange(*a, axis_name=axis_name), axes)
-
-    if backend == "portable":
-        return portable(*args)
-    if backend == "ragged":
-        return ragged(*args)
-    if backend != "auto":
-        raise ValueError(f"unknown communication backend {backend!r}; expected one of {BACKENDS}")
-    return jax.lax.platform_dependent(*args, cpu=portable, default=ragged)
+    impls = {name: typed(run) for name, run in EXCHANGES.items()}
+    return by_backend(backend, impls, operand, output, exchange)

@@ -8,6 +8,8 @@ import numbers
 
 import numpy as np
 
+from ultraep_jax.layout import check_divisible
+
 # Every integer field reaches the native planner as an int64 FFI attribute.
 _INT64_MAX = 2**63 - 1
 # Loads are int32, so no expert ever has more tokens: a larger floor would mean the same.
@@ -53,8 +55,11 @@ class BalancerConfig:
     float32 included); they are stored as Python ``int`` / ``float``.
 
     Attributes:
-        num_experts: E, logical experts; expert ``e`` lives on rank ``e // (E // ep_size)``.
+        num_experts: E, logical experts; expert ``e`` lives on rank ``e // (E // ep_size)``
+            (`layout`). Optional: `plan` reads it from the load matrix's shape and the layer
+            (`MoE`, `ExpertParallel`) from its own; when given, it must agree with them.
         ep_size: R, ranks on the expert-parallel mesh axis; must divide ``num_experts``.
+            Optional, like ``num_experts`` (read from the loads' shape or the mesh).
         slots_per_rank: S, spare slots per rank, each able to hold one replica expert's weights,
             0 to 4096 (a rank fills at most ``num_experts - num_experts / ep_size`` of them). 0
             disables replication (the plan then keeps every token on its master).
@@ -83,8 +88,8 @@ class BalancerConfig:
             a planner input: the plan is the same for every f.
     """
 
-    num_experts: int
-    ep_size: int
+    num_experts: int | None = None
+    ep_size: int | None = None
     slots_per_rank: int = 2
     min_tokens_per_replica: int = 1024
     balance_eps: float = 0.01
@@ -102,16 +107,35 @@ class BalancerConfig:
             ("master_keep_tokens", 0, _INT64_MAX),
             ("max_fanout", 0, _INT64_MAX),
         ):
-            value = _as_int(name, getattr(self, name), minimum, maximum)
-            object.__setattr__(self, name, value)
+            if getattr(self, name) is not None or name not in ("num_experts", "ep_size"):
+                value = _as_int(name, getattr(self, name), minimum, maximum)
+                object.__setattr__(self, name, value)
         object.__setattr__(self, "balance_eps", _as_float("balance_eps", self.balance_eps))
-        if self.num_experts % self.ep_size:
+        if self.num_experts is not None and self.ep_size is not None:
+            check_divisible(self.num_experts, self.ep_size, "BalancerConfig")
+
+    def sized(self, num_experts: int, ep_size: int, holder: str) -> BalancerConfig:
+        """This configuration for E = ``num_experts`` experts on R = ``ep_size`` ranks, the sizes
+        of ``holder`` (what they are read from, for the error): raises one line if the
+        configuration states other sizes."""
+        stated = (self.num_experts, self.ep_size)
+        if any(
+            v is not None and v != want
+            for v, want in zip(stated, (num_experts, ep_size), strict=True)
+        ):
             raise ValueError(
-                f"BalancerConfig: num_experts={self.num_experts} is not divisible by "
-                f"ep_size={self.ep_size}"
+                f"BalancerConfig(num_experts={self.num_experts}, ep_size={self.ep_size}) does not "
+                f"match {holder} ({num_experts} experts on {ep_size} ranks): leave num_experts and "
+                f"ep_size out of the BalancerConfig (they are read from {holder})"
             )
+        return dataclasses.replace(self, num_experts=num_experts, ep_size=ep_size)
 
     @property
     def experts_per_rank(self) -> int:
-        """E_m = E / R: master experts on each rank."""
+        """E_m = E / R: master experts on each rank (of a configuration with both sizes)."""
+        if self.num_experts is None or self.ep_size is None:
+            raise ValueError(
+                "BalancerConfig.experts_per_rank: num_experts and ep_size are not set (they are "
+                "read from the loads or the layer; BalancerConfig.sized(E, R, ...) sets them)"
+            )
         return self.num_experts // self.ep_size

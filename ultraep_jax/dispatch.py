@@ -5,8 +5,8 @@ Everything here is a function of the all-gathered counts, identical on every ran
 so each rank knows every other rank's sizes and offsets without exchanging them.
 
 Shapes follow the package's axis legend (`ultraep_jax`): R ranks, E experts, E_m = E / R masters
-per rank, S slots per rank, G = E_m + S local groups per rank, I = E + R*S instances, N = T * k
-pairs on this rank, C receive-buffer rows.
+per rank, S slots per rank, G = E_m + S local groups per rank, I = E + R*S instances (`layout`),
+N = T * k pairs on this rank, C receive-buffer rows.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ultraep_jax import reroute
 from ultraep_jax._ops import exclusive_cumsum
 from ultraep_jax.exchange import Exchange
+from ultraep_jax.layout import Layout
 from ultraep_jax.planner import Plan
 
 
@@ -47,20 +47,10 @@ class Dispatch:
     dropped: jax.Array
 
 
-def instance_index(num_experts: int, ep_size: int, slots_per_rank: int) -> np.ndarray:
-    """int [R, G]: the instance at each (rank, local group): masters, then slots (static)."""
-    em = num_experts // ep_size
-    ranks = np.arange(ep_size)[:, None]
-    masters = ranks * em + np.arange(em)[None, :]
-    slots = num_experts + ranks * slots_per_rank + np.arange(slots_per_rank)[None, :]
-    return np.concatenate([masters, slots], axis=1)
-
-
-def rank_group_counts(assign_RI: jax.Array, num_experts: int, slots_per_rank: int) -> jax.Array:
+def rank_group_counts(assign_RI: jax.Array, layout: Layout) -> jax.Array:
     """int32 [R(src), R(dst), G]: pairs each source rank sends to each local group of each rank,
     from ``assign_RI`` [R, I] (`reroute.reroute_counts`)."""
-    R = assign_RI.shape[0]
-    return assign_RI[:, instance_index(num_experts, R, slots_per_rank)]
+    return assign_RI[:, layout.instance_at()]
 
 
 def kept_counts(counts_RRG: jax.Array, capacity: int) -> jax.Array:
@@ -153,9 +143,8 @@ class GroupCounts:
 def group_counts(loads_RE: jax.Array, plan: Plan, capacity: int) -> GroupCounts:
     """The `GroupCounts` of ``plan`` (``slot_expert`` [R, S]; S may be 0) for the all-gathered
     ``loads_RE`` [R, E] it was made from, with ``capacity`` receive-buffer rows per rank."""
-    E = loads_RE.shape[1]
     assign_RI = reroute.reroute_counts(loads_RE, plan)
-    routed_RRG = rank_group_counts(assign_RI, E, plan.slot_expert.shape[-1])
+    routed_RRG = rank_group_counts(assign_RI, Layout.of(loads_RE, plan.slot_expert))
     return GroupCounts(assign_RI, routed_RRG, kept_counts(routed_RRG, capacity))
 
 
@@ -172,9 +161,8 @@ def plan_dispatch(
       rank: int32 [], this rank's index on the EP axis.
       capacity: C, receive-buffer rows per rank.
     """
+    layout = Layout.of(loads_RE, plan.slot_expert)
     R, E = loads_RE.shape
-    S = plan.slot_expert.shape[-1]
-    G = E // R + S
     N = experts_N.shape[0]
     counts = group_counts(loads_RE, plan, capacity)
     sizes_RR = jnp.sum(counts.kept_RRG, axis=-1)
@@ -192,12 +180,14 @@ def plan_dispatch(
         max_chunk=min(N, capacity),
     )
     experts_N = jnp.where((experts_N >= 0) & (experts_N < E), experts_N, E)
-    inst_N = pair_instances(experts_N, counts.assign_RI[rank], reroute.instance_experts(plan))
+    inst_N = pair_instances(
+        experts_N, counts.assign_RI[rank], layout.instance_experts(plan.slot_expert)
+    )
     # Instance I (none) is on rank R: after every rank's block, so never sent.
     order_N = send_order(
-        jnp.append(reroute.instance_ranks(E, R, S), R)[inst_N],
-        jnp.append(reroute.instance_groups(E, R, S), 0)[inst_N],
-        G,
+        jnp.append(layout.instance_ranks(), R)[inst_N],
+        jnp.append(layout.instance_groups(), 0)[inst_N],
+        layout.num_groups,
     )
     return Dispatch(
         send_order_N=order_N,

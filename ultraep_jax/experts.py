@@ -1,15 +1,21 @@
-"""The experts: SwiGLU feed-forward networks applied to rows grouped by expert."""
+"""The experts: SwiGLU feed-forward networks applied to rows grouped by expert.
+
+Every kernel runs rows through the groups of one or more weight stacks, laid out one after the
+other from row 0 (a rank's masters, then its slots). `_KERNELS` maps each kernel's name to its
+implementation and `_AUTO` says which one "auto" is on each platform: adding a kernel is one
+file (its grouped matmul) and one entry there.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax import gmm
+from ultraep_jax import gmm_mgpu, gmm_pallas
 from ultraep_jax._ops import exclusive_cumsum
 from ultraep_jax.tiled_experts import tiled_swiglu_parts
-
-KERNELS = ("auto", "tiled", "ragged_dot", "pallas", "mgpu")
 
 
 def dense_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -23,83 +29,96 @@ def _cuda_grouped(lhs, rhs, group_sizes):
     """The CUDA grouped matmul of "auto": JAX's Hopper (Mosaic GPU) ragged-dot kernels on an
     H100/H200 when the operands suit them, else our Pallas (Triton) kernel."""
     if (
-        gmm.is_hopper()
+        gmm_mgpu.is_hopper()
         and lhs.dtype == rhs.dtype
-        and not gmm.mgpu_unsupported(lhs.shape, rhs.shape, lhs.dtype)
+        and not gmm_mgpu.mgpu_unsupported(lhs.shape, rhs.shape, lhs.dtype)
     ):
-        return gmm.grouped_matmul_mgpu(lhs, rhs, group_sizes)
-    return gmm.grouped_matmul(lhs, rhs, group_sizes)
+        return gmm_mgpu.grouped_matmul_mgpu(lhs, rhs, group_sizes)
+    return gmm_pallas.grouped_matmul(lhs, rhs, group_sizes)
 
 
-def _grouped(lhs, rhs, group_sizes, kernel: str):
-    """``ragged_dot(lhs, rhs, group_sizes)`` by the chosen matmul implementation."""
-    if kernel == "pallas":
-        return gmm.grouped_matmul(lhs, rhs, group_sizes)
-    if kernel == "mgpu":
-        return gmm.grouped_matmul_mgpu(lhs, rhs, group_sizes)
-    if kernel == "cuda":
-        return _cuda_grouped(lhs, rhs, group_sizes)
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+def _tiled(rows, stacks, starts, group_sizes):
+    """The tiled loop (`tiled_experts`: its cost tracks the rows present) over every given stack
+    at once: on a CPU nothing can overlap, and one loop has half the fixed cost of two."""
+    first, last = stacks[0][1], stacks[-1][2]  # the given stacks' groups are consecutive
+    parts = [stack for stack, _, _ in stacks]
+    return tiled_swiglu_parts(rows, parts, starts[first:last], group_sizes[first:last])
 
 
-def _matmul_swiglu(rows, w_gate, w_up, w_down, group_sizes, first_row, kernel: str):
-    """SwiGLU as three grouped matmuls over groups laid out from row 0; rows from ``first_row``
-    are rotated to the front and back (the grouped matmuls know no row offset). The rotation is a
-    dynamic roll (slices), whose transpose is another roll: a gather would transpose to a slow
-    scatter-add."""
-    shifted = first_row is not None
-    if shifted:
-        rows = jnp.roll(rows, -first_row, axis=0)
-    gate = _grouped(rows, w_gate, group_sizes, kernel)
-    up = _grouped(rows, w_up, group_sizes, kernel)
-    out = _grouped(jax.nn.silu(gate) * up, w_down, group_sizes, kernel).astype(rows.dtype)
-    if shifted:
-        out = jnp.roll(out, first_row, axis=0)
-    return out
+def _by_matmul(grouped):
+    """The experts as three calls of ``grouped`` (``ragged_dot(lhs, rhs, group_sizes)``
+    semantics) per stack, so that one stack's work does not wait for another's weights."""
+
+    def run(rows, stacks, starts, group_sizes):
+        out = None
+        for (w_gate, w_up, w_down), first, last in stacks:
+            sizes = group_sizes[first:last]
+            # Grouped matmuls know no row offset: rotate the stack's first row to row 0 and back
+            # (a dynamic roll, whose transpose is another roll; a gather would transpose to a
+            # slow scatter-add).
+            shifted = jnp.roll(rows, -starts[first], axis=0) if first else rows
+            gate = grouped(shifted, w_gate, sizes)
+            up = grouped(shifted, w_up, sizes)
+            part = grouped(jax.nn.silu(gate) * up, w_down, sizes).astype(rows.dtype)
+            part = jnp.roll(part, starts[first], axis=0) if first else part
+            out = part if out is None else out + part
+        return out
+
+    return run
 
 
-def _tiled(rows, parts, group_sizes, first_row):
-    sizes = group_sizes.astype(jnp.int32)
-    start = exclusive_cumsum(sizes, 0) + (0 if first_row is None else first_row)
-    return tiled_swiglu_parts(rows, parts, start, sizes)
+# Each kernel: (rows [C, D], stacks, starts [G], group_sizes [G]) -> [C, D], where ``stacks``
+# lists (weights, first group, end group) of the stacks to run.
+_KERNELS = {
+    "tiled": _tiled,
+    "ragged_dot": _by_matmul(jax.lax.ragged_dot),
+    "pallas": _by_matmul(gmm_pallas.grouped_matmul),
+    "mgpu": _by_matmul(gmm_mgpu.grouped_matmul_mgpu),
+}
+# "auto": per platform (`jax.lax.platform_dependent` keywords), chosen at lowering time.
+_AUTO = {"cuda": _by_matmul(_cuda_grouped), "default": _tiled}
+
+KERNELS = ("auto", *_KERNELS)
 
 
-def swiglu_experts(
+def grouped_swiglu(
     rows: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
+    stacks: list[tuple[jax.Array, jax.Array, jax.Array] | None],
     group_sizes: jax.Array,
     kernel: str = "auto",
-    first_row: jax.Array | None = None,
 ) -> jax.Array:
     """[C, D]: ``(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for each row's group g.
 
     Args:
-      rows: [C, D]. The groups are consecutive from row ``first_row`` (0 when None): the first
-        ``group_sizes[0]`` rows from there belong to group 0, and so on; rows in no group give
-        zeros.
-      w_gate, w_up: [G, D, F]; w_down: [G, F, D].
-      group_sizes: int32 [G].
+      rows: [C, D], grouped from row 0: the first ``group_sizes[0]`` rows belong to group 0, and
+        so on; rows in no group give zeros.
+      stacks: the groups' weights, stack after stack, each (w_gate, w_up [G_i, D, F], w_down
+        [G_i, F, D]); None for a stack run elsewhere (its rows give zeros here), whose G_i is
+        what ``group_sizes`` leaves after the given stacks (at most one None, first or last).
+      group_sizes: int32 [G], G = sum of the G_i.
       kernel: one of `KERNELS`: "tiled" (`tiled_experts`: a loop over row tiles whose cost tracks
-        the rows present), "ragged_dot" (`jax.lax.ragged_dot`; a masked dense product on CPU),
-        "pallas" (the Pallas/Triton kernel of `ultraep_jax.gmm`), "mgpu" (JAX's Hopper Mosaic GPU
-        kernels), or "auto": on CUDA Mosaic GPU on Hopper where the shapes suit it, else Pallas;
-        tiled elsewhere; chosen per platform at lowering time.
-      first_row: int32 [], where the groups start.
+        the rows present; all stacks in one loop), "ragged_dot" (`jax.lax.ragged_dot`; a masked
+        dense product on CPU), "pallas" (the Pallas/Triton kernel of `gmm_pallas`), "mgpu"
+        (JAX's Hopper Mosaic GPU kernels, `gmm_mgpu`), or "auto": on CUDA Mosaic GPU on Hopper
+        where the shapes suit it, else Pallas; tiled elsewhere; chosen per platform at lowering
+        time. The matmul kernels run each stack as its own calls, so that the masters' work does
+        not wait for the replica weights to arrive.
     """
-    args = (rows, w_gate, w_up, w_down, group_sizes, first_row)
-
-    def tiled():
-        return _tiled(rows, [(w_gate, w_up, w_down)], group_sizes, first_row)
-
-    if kernel == "tiled":
-        return tiled()
-    if kernel in ("ragged_dot", "pallas", "mgpu"):
-        return _matmul_swiglu(*args, kernel)
-    if kernel != "auto":
+    if kernel != "auto" and kernel not in _KERNELS:
         raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
-    return jax.lax.platform_dependent(cuda=lambda: _matmul_swiglu(*args, "cuda"), default=tiled)
+    sizes = group_sizes.astype(jnp.int32)
+    unknown = sizes.shape[0] - sum(s[0].shape[0] for s in stacks if s is not None)
+    given, first = [], 0  # (weights, first group, end group) of each given stack
+    for stack in stacks:
+        count = unknown if stack is None else stack[0].shape[0]
+        if stack is not None:
+            given.append((stack, first, first + count))
+        first += count
+    starts = exclusive_cumsum(sizes, 0)
+    if kernel != "auto":
+        return _KERNELS[kernel](rows, given, starts, sizes)
+    branches = {p: functools.partial(run, rows, given, starts, sizes) for p, run in _AUTO.items()}
+    return jax.lax.platform_dependent(**branches)
 
 
 def local_experts(
@@ -110,36 +129,14 @@ def local_experts(
     kernel: str = "auto",
 ) -> jax.Array:
     """[C, D]: every received row through its local instance: the E_m masters' groups first,
-    then the S replica slots' groups.
+    then the S replica slots' groups (`grouped_swiglu` of the two stacks).
 
     Args:
       rows: [C, D], grouped by local instance from row 0.
       masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts.
       replicas: the same for the S slots ([S, ...]), or None when there are no slots.
       group_sizes: int32 [E_m + S].
-      kernel: see `swiglu_experts`.
-
-    The tiled kernel runs masters and slots as one loop over both weight stacks (on a CPU nothing
-    can overlap, and one loop has half the fixed cost; concatenating the stacks cost 3 % of a
-    forward pass). The matmul kernels run them as two calls, so that the masters' work does not
-    wait for the replica weights to arrive.
+      kernel: see `grouped_swiglu`.
     """
-    em = masters[0].shape[0]
-    if replicas is None:
-        return swiglu_experts(rows, *masters, group_sizes, kernel)
-
-    def one_loop():
-        return _tiled(rows, [masters, replicas], group_sizes, None)
-
-    def two_calls(matmul_kernel):
-        out = _matmul_swiglu(rows, *masters, group_sizes[:em], None, matmul_kernel)
-        first = jnp.sum(group_sizes[:em])
-        return out + _matmul_swiglu(rows, *replicas, group_sizes[em:], first, matmul_kernel)
-
-    if kernel == "tiled":
-        return one_loop()
-    if kernel in ("ragged_dot", "pallas", "mgpu"):
-        return two_calls(kernel)
-    if kernel != "auto":
-        raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
-    return jax.lax.platform_dependent(cuda=lambda: two_calls("cuda"), default=one_loop)
+    stacks = [masters] if replicas is None else [masters, replicas]
+    return grouped_swiglu(rows, stacks, group_sizes, kernel)

@@ -1,4 +1,4 @@
-"""`MoE`: the Flax NNX layer: a router, `moe.routed_experts`, and optional shared experts."""
+"""`MoE`: the Flax NNX layer: a router, `expert_parallel.routed_experts`, shared experts."""
 
 from __future__ import annotations
 
@@ -13,13 +13,33 @@ from jax.sharding import PartitionSpec as P
 
 from ultraep_jax._ops import check_positive_int
 from ultraep_jax.config import BalancerConfig
+from ultraep_jax.expert_parallel import (
+    ExpertParallel,
+    MoEStats,
+    place,
+    routed_experts,
+    with_auto_axes,
+)
 from ultraep_jax.experts import dense_swiglu
-from ultraep_jax.moe import ExpertParallel, MoEStats, place, routed_experts, with_auto_axes
-from ultraep_jax.routing import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
+from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
 
 
 class RouterBias(nnx.Variable):
     """A router's per-expert selection bias: state, not a trained parameter (`SigmoidTopK`)."""
+
+
+def _checked_router(router, top_k: int, num_experts: int):
+    """``router`` (``SoftmaxTopK(top_k)`` when None), checked against the layer's ``top_k`` and
+    ``num_experts``; raises one line otherwise."""
+    if top_k > num_experts:
+        raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")
+    router = SoftmaxTopK(top_k) if router is None else router
+    if not isinstance(router, (SoftmaxTopK, SigmoidTopK)):
+        raise TypeError(f"MoE: router must be SoftmaxTopK or SigmoidTopK, got {router!r}")
+    if router.top_k != top_k:
+        raise ValueError(f"MoE: router.top_k={router.top_k} differs from top_k={top_k}")
+    router.check_experts(num_experts)
+    return router
 
 
 class MoE(nnx.Module):
@@ -33,7 +53,7 @@ class MoE(nnx.Module):
       mesh, balancer, capacity_factor, expert_axis, comm_backend, expert_kernel,
         transfer_chunks: see `ExpertParallel` (the layer keeps one as ``self.ep``);
         ``transfer_chunks`` at most ``d_ff``.
-      router: a router of `ultraep_jax.routing` with this ``top_k`` (default
+      router: a router of `ultraep_jax.routers` with this ``top_k`` (default
         ``SoftmaxTopK(top_k)``). With `SigmoidTopK` the layer keeps a `RouterBias`
         ``router_bias`` [E]; call `update_router_bias` with each step's stats to move it.
       shared_d_ff: hidden width of an always-on SwiGLU expert every token goes through beside
@@ -89,17 +109,15 @@ class MoE(nnx.Module):
                 "at least one hidden column)"
             )
         num_experts = self.ep.num_experts
-        if top_k > num_experts:
-            raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")
-        router = SoftmaxTopK(top_k) if router is None else router
-        if not isinstance(router, (SoftmaxTopK, SigmoidTopK)):
-            raise TypeError(f"MoE: router must be SoftmaxTopK or SigmoidTopK, got {router!r}")
-        if router.top_k != top_k:
-            raise ValueError(f"MoE: router.top_k={router.top_k} differs from top_k={top_k}")
-        router.check_experts(num_experts)
+        router = _checked_router(router, top_k, num_experts)
         shared_d_ff = check_positive_int("MoE", "shared_d_ff", shared_d_ff, minimum=0)
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.router, self.shared_d_ff = router, shared_d_ff
+        self._init_params(rngs, param_dtype)
+
+    def _init_params(self, rngs: nnx.Rngs, param_dtype) -> None:
+        """The router kernel, the experts (split over the EP axis), the router bias and the
+        shared expert's weights when the configuration has them (see the class docstring)."""
 
         def param(scale, shape, sharding):
             init = jax.nn.initializers.normal(scale)
@@ -107,16 +125,16 @@ class MoE(nnx.Module):
             # batches to the per-layer layout, where `device_put` would split the layer axis.
             return nnx.Param(place(init(rngs.params(), shape, param_dtype), sharding))
 
-        E, D, F = num_experts, d_model, d_ff
+        E, D, F = self.num_experts, self.d_model, self.d_ff
         replicated = NamedSharding(self.ep.mesh, P())
         self.router_kernel = param(D**-0.5, (D, E), replicated)
         self.w_gate = param(D**-0.5, (E, D, F), self.ep.expert_sharding)
         self.w_up = param(D**-0.5, (E, D, F), self.ep.expert_sharding)
         self.w_down = param(F**-0.5, (E, F, D), self.ep.expert_sharding)
-        if router.uses_bias:
+        if self.router.uses_bias:
             self.router_bias = RouterBias(place(jnp.zeros((E,), jnp.float32), replicated))
-        if shared_d_ff:
-            Fs = shared_d_ff
+        if self.shared_d_ff:
+            Fs = self.shared_d_ff
             self.shared_gate = param(D**-0.5, (D, Fs), replicated)
             self.shared_up = param(D**-0.5, (D, Fs), replicated)
             self.shared_down = param(Fs**-0.5, (Fs, D), replicated)
@@ -145,7 +163,7 @@ class MoE(nnx.Module):
         return _forward(self.ep, self.router, x, self.router_kernel[...], bias, experts, shared)
 
     def update_router_bias(self, stats: MoEStats) -> None:
-        """Moves the `SigmoidTopK` bias by `routing.update_bias` from ``stats.expert_load`` (a
+        """Moves the `SigmoidTopK` bias by `routers.update_bias` from ``stats.expert_load`` (a
         call's stats; call it once per training step, outside the gradient)."""
         if not self.router.uses_bias:
             raise ValueError(f"MoE: the router {self.router!r} has no bias to update")

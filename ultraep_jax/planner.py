@@ -12,6 +12,7 @@ import numpy as np
 
 from ultraep_jax import _native
 from ultraep_jax.config import BalancerConfig
+from ultraep_jax.layout import check_divisible
 
 
 @jax.tree_util.register_dataclass
@@ -44,21 +45,27 @@ _INT64_MAX = 2**63 - 1
 
 
 def _check_loads(loads, config: BalancerConfig):
+    """``loads`` as an array, and ``config`` sized from its shape [R, E]; raises one line for a
+    wrong type, shape or dtype, or sizes that ``config`` states otherwise."""
     if not isinstance(config, BalancerConfig):
         raise TypeError(f"plan: config must be a BalancerConfig, got {type(config).__name__}")
     if not hasattr(loads, "dtype"):
         loads = np.asarray(loads)
-    want = (config.ep_size, config.num_experts)
-    if tuple(loads.shape) != want:
-        raise ValueError(
-            f"plan: loads must have shape [ep_size, num_experts] = {list(want)}, "
-            f"got {list(loads.shape)}"
-        )
+    stated = [config.ep_size, config.num_experts]
+    if loads.ndim != 2 or any(
+        v is not None and v != n for v, n in zip(stated, loads.shape, strict=True)
+    ):
+        want = "[ep_size, num_experts]"
+        if None not in stated:
+            want += f" = {stated} (or leave the sizes out of the BalancerConfig)"
+        raise ValueError(f"plan: loads must have shape {want}, got {list(loads.shape)}")
     if loads.dtype != np.int32:
         raise TypeError(
             f"plan: loads must be int32, got {loads.dtype} (cast with .astype(np.int32))"
         )
-    return loads
+    R, E = loads.shape
+    check_divisible(E, R, "plan")
+    return loads, dataclasses.replace(config, num_experts=E, ep_size=R)
 
 
 def _check_capacity(capacity) -> int:
@@ -81,8 +88,8 @@ def plan(loads, config: BalancerConfig, capacity: int | None = None) -> Plan:
         loads: int32 [R, E] (NumPy or JAX): ``loads[r, e]`` is the number of (token, choice) pairs
             on source rank ``r`` routed to expert ``e``; every entry must be >= 0. Inside
             `jax.shard_map` pass the all-gathered matrix, so that every rank computes the same plan.
-        config: the balancer configuration; ``loads`` must be ``[config.ep_size,
-            config.num_experts]``.
+        config: the balancer configuration. R and E are read from ``loads``' shape; a
+            configuration that states them must agree.
         capacity: optional static int >= 1, the rows of each rank's receive buffer. The planner
             then tries thresholds at or below ``capacity`` (``capacity`` itself, then lower ones
             down to ``M = ceil(sum(loads) / R)``) before any above it, so no rank is planned above
@@ -108,7 +115,7 @@ def plan(loads, config: BalancerConfig, capacity: int | None = None) -> Plan:
         `jax.errors.JaxRuntimeError` naming the entry); on GPU, where a kernel cannot raise, every
         output of that plan is -1.
     """
-    loads = _check_loads(loads, config)
+    loads, config = _check_loads(loads, config)
     cap = _check_capacity(capacity)
     _native.cpu_library()  # registers the FFI targets once
     R, E, S = config.ep_size, config.num_experts, config.slots_per_rank

@@ -24,6 +24,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ultraep_jax.layout import Layout
+
 
 def static_hops(ep_size: int, max_fanout: int) -> int:
     """The most hops any plan's schedule can take on ``ep_size`` ranks: an expert has at most
@@ -56,6 +58,48 @@ class RelaySchedule:
     source_RS: jax.Array
 
 
+def _tree_nodes(group_N, rank_N, master_N, busy_N, R):
+    """(order, start_N, node_N), int32 [N] each: the replicas of one expert are consecutive in
+    ``order`` (first those on ranks that master no replicated expert, ``busy_N`` False: they have
+    sending to spare; each part by distance from the master); ``start_N`` is where a slot's expert
+    begins in ``order`` and ``node_N`` its node (1-based) in that expert's tree."""
+    n = group_N.shape[0]
+    distance_N = (rank_N - master_N) % R
+    order = jnp.lexsort((distance_N, busy_N, group_N))
+    sorted_group = group_N[order]
+    start_sorted = jnp.searchsorted(sorted_group, sorted_group, side="left").astype(jnp.int32)
+    position_N = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    start_N = start_sorted[position_N]
+    return order, start_N, position_N - start_N + 1
+
+
+def _tree_levels(node_N, root_N, fanout: int, num_hops: int):
+    """(level_N, parent_node_N), int32 [N]: each node's level (its hop) and the node it receives
+    from (0: the master), levels filled breadth first: level 1 has ``root_N`` nodes, each next
+    one ``fanout`` times the last; the i-th node of a level receives from node ``i mod |level
+    above|`` of the level above."""
+    n = node_N.shape[0]
+    # Sizes capped at n + 1, more than any expert has replicas, so that nothing overflows.
+    fanout = min(fanout, n + 1)
+    first_N, size_N = jnp.ones(n, jnp.int32), root_N
+    level_N = jnp.ones(n, jnp.int32)
+    level_first_N = first_N  # first node of each node's own level
+    prev_first_N, prev_size_N = jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.int32)  # the level above
+    for _ in range(1, num_hops):
+        next_first_N = first_N + size_N
+        deeper = node_N >= next_first_N
+        level_N = level_N + deeper
+        prev_first_N = jnp.where(deeper, first_N, prev_first_N)
+        prev_size_N = jnp.where(deeper, size_N, prev_size_N)
+        level_first_N = jnp.where(deeper, next_first_N, level_first_N)
+        first_N = next_first_N
+        size_N = jnp.where(size_N > (n + 1) // fanout, n + 1, size_N * fanout)
+    parent_node_N = jnp.where(
+        level_N == 1, 0, prev_first_N + (node_N - level_first_N) % prev_size_N
+    )
+    return level_N, parent_node_N
+
+
 def relay_schedule(
     slot_expert_RS: jax.Array, experts_per_rank: int, max_fanout: int
 ) -> RelaySchedule:
@@ -68,60 +112,35 @@ def relay_schedule(
     """
     R, S = slot_expert_RS.shape
     n = R * S
-    em = experts_per_rank
+    layout = Layout(R * experts_per_rank, R, S)
     expert_N = slot_expert_RS.reshape(-1).astype(jnp.int32)
     filled_N = expert_N >= 0
-    rank_N = jnp.arange(n, dtype=jnp.int32) // S
+    rank_N = jnp.asarray(layout.slot_ranks())
     slot_N = jnp.arange(n, dtype=jnp.int32) % S
-    master_N = jnp.where(filled_N, expert_N // em, 0)
+    master_N = jnp.where(filled_N, layout.master_rank(expert_N), 0)
 
     # c: replicated experts each rank masters (they share its first-hop budget).
-    group_N = jnp.where(filled_N, expert_N, R * em)  # empty slots last
-    replicated_E = jnp.zeros(R * em, bool).at[group_N].set(True, mode="drop")
-    masters_sending_R = jnp.sum(replicated_E.reshape(R, em), axis=1, dtype=jnp.int32)
-
-    # Replicas of one expert are consecutive in `order`: first those on ranks that master no
-    # replicated expert (they have sending to spare), each group by distance from the master.
-    distance_N = (rank_N - master_N) % R
-    busy_N = masters_sending_R[rank_N] > 0
-    order = jnp.lexsort((distance_N, busy_N, group_N))
-    sorted_group = group_N[order]
-    start_sorted = jnp.searchsorted(sorted_group, sorted_group, side="left").astype(jnp.int32)
-    position_N = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-    start_N = start_sorted[position_N]
-    node_N = position_N - start_N + 1
+    group_N = jnp.where(filled_N, expert_N, layout.num_experts)  # empty slots last
+    replicated_E = jnp.zeros(layout.num_experts, jnp.int32).at[group_N].set(1, mode="drop")
+    masters_sending_R = layout.master_loads(replicated_E)
+    order, start_N, node_N = _tree_nodes(
+        group_N, rank_N, master_N, masters_sending_R[rank_N] > 0, R
+    )
 
     # The root fan-out: a rank's replicated masters share a budget of f first-hop copies.
     if max_fanout == 0:
-        root_N = jnp.full(n, n + 1, jnp.int32)
-        fanout = n + 1
+        root_N, fanout = jnp.full(n, n + 1, jnp.int32), n + 1
     else:
         root_N = jnp.maximum(1, max_fanout // jnp.maximum(masters_sending_R[master_N], 1))
         fanout = max_fanout
+    level_N, parent_node_N = _tree_levels(node_N, root_N, fanout, static_hops(R, max_fanout))
 
-    # Levels, breadth first: level 1 has `root` nodes, each next one `fanout` times the last
-    # (sizes capped at n + 1, more than any expert has replicas, so that nothing overflows).
-    fanout = min(fanout, n + 1)
-    first_N, size_N = jnp.ones(n, jnp.int32), root_N
-    level_N = jnp.ones(n, jnp.int32)
-    level_first_N = first_N  # first node of each node's own level
-    prev_first_N, prev_size_N = jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.int32)  # the level above
-    for _ in range(1, static_hops(R, max_fanout)):
-        next_first_N = first_N + size_N
-        deeper = node_N >= next_first_N
-        level_N = level_N + deeper
-        prev_first_N = jnp.where(deeper, first_N, prev_first_N)
-        prev_size_N = jnp.where(deeper, size_N, prev_size_N)
-        level_first_N = jnp.where(deeper, next_first_N, level_first_N)
-        first_N = next_first_N
-        size_N = jnp.where(size_N > (n + 1) // fanout, n + 1, size_N * fanout)
-    parent_node_N = jnp.where(
-        level_N == 1, 0, prev_first_N + (node_N - level_first_N) % prev_size_N
-    )
     parent_flat_N = order[jnp.clip(start_N + parent_node_N - 1, 0, n - 1)]
     from_master_N = parent_node_N == 0
     sender_N = jnp.where(from_master_N, master_N, rank_N[parent_flat_N])
-    source_N = jnp.where(from_master_N, jnp.clip(expert_N, 0, None) % em, slot_N[parent_flat_N])
+    source_N = jnp.where(
+        from_master_N, layout.master_group(jnp.clip(expert_N, 0, None)), slot_N[parent_flat_N]
+    )
     return RelaySchedule(
         hop_RS=jnp.where(filled_N, level_N, 0).reshape(R, S),
         sender_RS=jnp.where(filled_N, sender_N, R).reshape(R, S),
@@ -143,7 +162,7 @@ def hop_copies(schedule: RelaySchedule, num_hops: int) -> tuple[jax.Array, jax.A
     hop_N = schedule.hop_RS.reshape(-1)
     in_range_N = (hop_N >= 1) & (hop_N <= num_hops)
     cell_N = jnp.where(in_range_N, (hop_N - 1) * R, num_hops * R)  # out-of-range: dropped
-    receiver_N = jnp.arange(R * S, dtype=jnp.int32) // S
+    receiver_N = jnp.repeat(jnp.arange(R, dtype=jnp.int32), S)  # the row of each slot
     ones_N = jnp.ones(R * S, jnp.int32)
 
     def count(rank_N):

@@ -1,10 +1,8 @@
 """Reroute: how many of each source rank's tokens go to each instance of each expert.
 
-Instances are the E masters (in expert order) followed by the R*S spare slots in (rank, slot)
-order: instance ``i < E`` is expert ``i``'s master on rank ``i // E_m`` (local group ``i % E_m``);
-instance ``E + t*S + s`` is slot ``s`` of rank ``t`` (local group ``E_m + s``). Every rank
-computes the same counts from the same all-gathered loads and plan, so no rank needs to tell
-another what it will send.
+Instances are the E masters, then the R*S spare slots (`layout`). Every rank computes the same
+counts from the same all-gathered loads and plan, so no rank needs to tell another what it will
+send.
 """
 
 from __future__ import annotations
@@ -12,36 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ultraep_jax.layout import Layout
 from ultraep_jax.planner import Plan
-from ultraep_jax.stats import master_rank_load
-
-
-def instance_experts(plan: Plan) -> jax.Array:
-    """int32 [E + R*S]: the expert of each instance, -1 for an empty slot."""
-    E = plan.master_quota.shape[0]
-    return jnp.concatenate([jnp.arange(E, dtype=jnp.int32), plan.slot_expert.reshape(-1)])
-
-
-def instance_ranks(num_experts: int, ep_size: int, slots_per_rank: int) -> jax.Array:
-    """int32 [E + R*S]: the rank that hosts each instance."""
-    em = num_experts // ep_size
-    return jnp.concatenate(
-        [
-            jnp.arange(num_experts, dtype=jnp.int32) // em,
-            jnp.repeat(jnp.arange(ep_size, dtype=jnp.int32), slots_per_rank),
-        ]
-    )
-
-
-def instance_groups(num_experts: int, ep_size: int, slots_per_rank: int) -> jax.Array:
-    """int32 [E + R*S]: each instance's local group on its rank (masters, then slots)."""
-    em = num_experts // ep_size
-    return jnp.concatenate(
-        [
-            jnp.arange(num_experts, dtype=jnp.int32) % em,
-            jnp.tile(em + jnp.arange(slots_per_rank, dtype=jnp.int32), ep_size),
-        ]
-    )
 
 
 def _interval_overlap(lo_a, hi_a, lo_b, hi_b):
@@ -63,12 +33,12 @@ def reroute_counts(loads: jax.Array, plan: Plan) -> jax.Array:
         ``master_quota`` [E]).
     """
     R, E = loads.shape
-    S = plan.slot_expert.shape[-1]
-    inst_expert = instance_experts(plan)  # [I]
+    layout = Layout.of(loads, plan.slot_expert)
+    inst_expert = layout.instance_experts(plan.slot_expert)  # [I]
     valid = inst_expert >= 0
     e_of = jnp.where(valid, inst_expert, 0)
     quota = jnp.where(valid, jnp.concatenate([plan.master_quota, plan.slot_quota.reshape(-1)]), 0)
-    host = instance_ranks(E, R, S)
+    host = layout.instance_ranks()
 
     # Locality: source r hosts at most one instance of each expert (no rank holds one twice).
     hosted = (host[None, :] == jnp.arange(R)[:, None]) & valid[None, :]  # [R, I]
@@ -93,4 +63,4 @@ def masters_only_plan(loads: jax.Array) -> Plan:
     R = loads.shape[0]
     load_E = jnp.sum(loads, axis=0, dtype=jnp.int32)
     empty_RS = jnp.zeros((R, 0), jnp.int32)
-    return Plan(empty_RS, empty_RS, load_E, master_rank_load(load_E, R))
+    return Plan(empty_RS, empty_RS, load_E, Layout.of(loads).master_loads(load_E))

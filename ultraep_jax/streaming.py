@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax import transfer
-from ultraep_jax.experts import local_experts, swiglu_experts
+from ultraep_jax.experts import grouped_swiglu
 
 
 def hidden_chunks(d_ff: int, chunks: int) -> list[slice]:
@@ -52,9 +52,9 @@ def experts_with_replicas(
       masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts.
       slot_expert_RS: int32 [R, S], the plan's slots.
       group_sizes: int32 [E_m + S].
-      kernel: see `experts.swiglu_experts`.
+      kernel: see `experts.grouped_swiglu`.
       chunks: n >= 1 transfers of F / n columns each; 1: one transfer and one experts call for
-        masters and slots (`experts.local_experts`).
+        masters and slots.
       max_fanout, axis_name, backend: see `transfer.fetch_replica_experts`.
     """
 
@@ -64,13 +64,10 @@ def experts_with_replicas(
         )
 
     if chunks == 1:
-        return local_experts(rows, masters, fetch(masters), group_sizes, kernel)
-    em = masters[0].shape[0]
-    first_slot_row = jnp.sum(group_sizes[:em])
+        return grouped_swiglu(rows, [masters, fetch(masters)], group_sizes, kernel)
     # Partial sums over chunks in float32, whatever the rows' dtype.
-    out = swiglu_experts(rows, *masters, group_sizes[:em], kernel).astype(jnp.float32)
+    out = grouped_swiglu(rows, [masters, None], group_sizes, kernel).astype(jnp.float32)
     for cols in hidden_chunks(masters[0].shape[-1], chunks):
-        slots = fetch(weight_chunk(masters, cols))
-        part = swiglu_experts(rows, *slots, group_sizes[em:], kernel, first_row=first_slot_row)
+        part = grouped_swiglu(rows, [None, fetch(weight_chunk(masters, cols))], group_sizes, kernel)
         out = out + part.astype(jnp.float32)
     return out.astype(rows.dtype)

@@ -6,11 +6,11 @@ replica's weight gradient back along the same path, summed at every relay and ad
 master's gradient: no custom VJP needed. Nothing here waits on the masters' own matmuls, so XLA is
 free to overlap the transfer with them.
 
-Each hop has two implementations behind `fetch_replica_experts`: a dense one (a row selection and
-a reduce-scatter of ``R * k`` rows for the k leading slot columns receiving in the hop, cheaper on
-XLA:CPU than an all-to-all, and nothing when no slot receives) and a ragged one
-(`jax.lax.ragged_all_to_all`, which moves only the receiving slots; GPU/TPU; a relay hop with no
-work is skipped by a `lax.cond`).
+Each hop has two implementations behind `fetch_replica_experts`: a dense one for the "portable"
+backend (a row selection and a reduce-scatter of ``R * k`` rows for the k leading slot columns
+receiving in the hop, cheaper on XLA:CPU than an all-to-all, and nothing when no slot receives)
+and, for every other backend of `comm`, an exchange of only the receiving slots (for "ragged"
+`jax.lax.ragged_all_to_all`; GPU/TPU; a relay hop with no work is skipped by a `lax.cond`).
 
 Shapes follow the package's axis legend (`ultraep_jax`); P is the weights of one expert, flattened.
 """
@@ -26,10 +26,10 @@ from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.exchange import Exchange
 
 
-def _hop_ragged(table_NP: jax.Array, sender_RS: jax.Array, source_RS: jax.Array, axis_name: str):
-    """[S, P] by one ragged exchange that moves only the slots receiving in this hop (zeros for
-    the others): slot (me, s) gets row ``source_RS[me, s]`` of rank ``sender_RS[me, s]``'s
-    table.
+def _hop_exchange(table_NP, sender_RS, source_RS, axis_name: str, backend: str):
+    """[S, P] by one ragged exchange (`comm.ragged_exchange` by ``backend``) that moves only the
+    slots receiving in this hop (zeros for the others): slot (me, s) gets row
+    ``source_RS[me, s]`` of rank ``sender_RS[me, s]``'s table.
 
     Args:
       table_NP: [N, P], this rank's rows to send from (its masters, or its slots when relaying).
@@ -59,7 +59,7 @@ def _hop_ragged(table_NP: jax.Array, sender_RS: jax.Array, source_RS: jax.Array,
         recv_rows=S,
         max_chunk=S,
     )
-    received = comm.ragged_exchange(operand, exchange, axis_name=axis_name, backend="ragged")
+    received = comm.ragged_exchange(operand, exchange, axis_name=axis_name, backend=backend)
     # Back to slot order: slot s sits at its rank among (sender, slot) pairs.
     key_S = sender_RS[me] * S + slot_S
     return received[jnp.sum(key_S[None, :] < key_S[:, None], axis=1)]
@@ -79,7 +79,7 @@ def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_n
     and each slot sums what it got; no exchange at all when no slot receives.
 
     ``tables``: this rank's rows to send from, each [N, P_i] (P = sum of P_i); ``sender_RS`` and
-    ``source_RS`` as in `_hop_ragged`.
+    ``source_RS`` as in `_hop_exchange`.
     """
     R, S = sender_RS.shape
     me = jax.lax.axis_index(axis_name)
@@ -110,8 +110,8 @@ def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_n
     return jax.lax.switch(active_slots(receiving_RS), branches)
 
 
-def _hop_ragged_if_any(table_NP, sender_RS, source_RS, axis_name):
-    """`_hop_ragged`, skipped (zeros, no exchange) when no slot receives in this hop."""
+def _hop_exchange_if_any(table_NP, sender_RS, source_RS, axis_name, backend):
+    """`_hop_exchange`, skipped (zeros, no exchange) when no slot receives in this hop."""
     R, S = sender_RS.shape
     axes = {axis_name}.union(*(varying_axes(a) for a in (table_NP, sender_RS, source_RS)))
 
@@ -119,7 +119,7 @@ def _hop_ragged_if_any(table_NP, sender_RS, source_RS, axis_name):
         return vary(jnp.zeros((S, table_NP.shape[1]), table_NP.dtype), axes)
 
     def hop():
-        return vary(_hop_ragged(table_NP, sender_RS, source_RS, axis_name), axes)
+        return vary(_hop_exchange(table_NP, sender_RS, source_RS, axis_name, backend), axes)
 
     return jax.lax.cond(jnp.any(sender_RS < R), hop, skip)
 
@@ -174,26 +174,20 @@ def fetch_replica_experts(
 
         return _relayed(flat, slot_expert_RS, em, max_fanout, hop, hop)
 
-    def ragged():
+    def exchanged(name):
         def hop(table, sender_RS, source_RS):
-            return _hop_ragged(table, sender_RS, source_RS, axis_name)
+            return _hop_exchange(table, sender_RS, source_RS, axis_name, name)
 
         def hop_if_any(table, sender_RS, source_RS):
-            return _hop_ragged_if_any(table, sender_RS, source_RS, axis_name)
+            return _hop_exchange_if_any(table, sender_RS, source_RS, axis_name, name)
 
         table = jnp.concatenate(flat, axis=1)
-        return _relayed(table, slot_expert_RS, em, max_fanout, hop, hop_if_any)
+        return lambda: _relayed(table, slot_expert_RS, em, max_fanout, hop, hop_if_any)
 
-    if backend == "portable":
-        received_SP = dense()
-    elif backend == "ragged":
-        received_SP = ragged()
-    elif backend == "auto":
-        received_SP = jax.lax.platform_dependent(cpu=dense, default=ragged)
-    else:
-        raise ValueError(
-            f"unknown communication backend {backend!r}; expected one of {comm.BACKENDS}"
-        )
+    # Every backend's hop is its exchange of the receiving slots, but for "portable": its
+    # fixed-size all-to-all moves R times the rows of the dense hop's reduce-scatter.
+    impls = {name: exchanged(name) for name in comm.EXCHANGES} | {"portable": dense}
+    received_SP = comm.by_backend(backend, impls)
     S = slot_expert_RS.shape[1]
     sizes = [int(np.prod(w.shape[1:])) for w in masters]
     parts = jnp.split(received_SP, np.cumsum(sizes)[:-1].tolist(), axis=1)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
-from ultraep_jax import gmm
+from ultraep_jax import gmm_mgpu, gmm_pallas
 
 
 def _adaptive_median_seconds(fn, repeats: int, inner: int) -> float:
@@ -39,11 +39,11 @@ def _parse_config(text: str) -> dict:
     }
 
 
-def _parse_mgpu(text: str) -> gmm.MgpuTiles:
+def _parse_mgpu(text: str) -> gmm_mgpu.MgpuTiles:
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+)c(\d+)g(\d+)", text)
     if not m:
         raise ValueError(f"bad mgpu config {text!r}")
-    return gmm.MgpuTiles(*(int(v) for v in m.groups()))
+    return gmm_mgpu.MgpuTiles(*(int(v) for v in m.groups()))
 
 
 def group_sizes(M: int, G: int, skewed: bool) -> np.ndarray:
@@ -101,13 +101,13 @@ def _impls(dry: bool, configs, mgpu_configs) -> dict:
     impls = {"ragged_dot": jax.lax.ragged_dot}
     for text in configs:
         kw = _parse_config(text)
-        impls[f"pallas {text}"] = lambda x, r, g, kw=kw: gmm.grouped_matmul(
+        impls[f"pallas {text}"] = lambda x, r, g, kw=kw: gmm_pallas.grouped_matmul(
             x, r, g, interpret=dry, **kw
         )
     if not dry:
         for text in mgpu_configs:
             tiles = _parse_mgpu(text)
-            impls[f"mgpu {text}"] = lambda x, r, g, tiles=tiles: gmm.grouped_matmul_mgpu(
+            impls[f"mgpu {text}"] = lambda x, r, g, tiles=tiles: gmm_mgpu.grouped_matmul_mgpu(
                 x, r, g, tiles=tiles
             )
     return impls

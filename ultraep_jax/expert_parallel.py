@@ -30,9 +30,10 @@ from ultraep_jax._ops import check_finite, check_positive_int
 from ultraep_jax._vma import vary
 from ultraep_jax.config import BalancerConfig
 from ultraep_jax.experts import KERNELS, local_experts
+from ultraep_jax.layout import Layout, check_divisible
 from ultraep_jax.planner import plan as make_plan
-from ultraep_jax.routing import expert_loads
-from ultraep_jax.stats import imbalance, master_rank_load
+from ultraep_jax.routers import expert_loads
+from ultraep_jax.stats import imbalance
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +55,7 @@ class MoEStats:
       over_capacity: int32 [], EP groups whose plan could not keep every rank within the receive
         buffer (their excess pairs are dropped and counted in ``dropped``).
       imbalance_before, imbalance_after: float32 [], max / mean of the rank loads.
-      aux_loss, z_loss: float32 [], the router's load-balancing and z losses (`routing.Routing`)
+      aux_loss, z_loss: float32 [], the router's load-balancing and z losses (`routers.Routing`)
         when the stats come from `MoE`; 0 from `routed_experts`, which sees no router.
       group_rows: int32 [R, G], rows each EP rank received for each of its local groups (E_m
         masters, then S replica slots; G = E_m without a balancer): the group sizes its experts
@@ -104,7 +105,7 @@ class MoEStats:
         no expert, rows received per rank and local group [R, G] and the transfer's largest
         per-rank send in bytes."""
         load_E = jnp.sum(loads_RE, axis=0)
-        before_R = master_rank_load(load_E, loads_RE.shape[0])
+        before_R = Layout.of(loads_RE).master_loads(load_E)
         return cls(
             expert_load=load_E,
             rank_load_before=before_R,
@@ -146,7 +147,8 @@ class ExpertParallel:
         axis; the indices of the other axes are independent EP groups (data parallelism). Stored
         with every axis in Auto mode (`shard_map` does the splitting).
       num_experts: E; divisible by the EP size (an int; NumPy integers accepted).
-      balancer: a `BalancerConfig` for this E and EP size, or None for plain expert parallelism.
+      balancer: a `BalancerConfig`, or None for plain expert parallelism. Stored with E and the
+        EP size filled in (leave them out of it; if it states them, they must agree).
       capacity_factor: receive-buffer rows per rank as a multiple of the pairs a rank routes
         (``top_k * tokens per device``; a finite number > 0, NumPy scalars accepted); pairs
         beyond it are dropped and counted. None sizes the buffer for the worst case (every pair
@@ -183,21 +185,14 @@ class ExpertParallel:
             self, "num_experts", check_positive_int("MoE", "num_experts", self.num_experts)
         )
         E, R = self.num_experts, self.ep_size
-        if E % R:
-            raise ValueError(
-                f"MoE: num_experts={E} is not divisible by the EP size {R} "
-                f"(mesh axis {self.expert_axis!r})"
-            )
+        check_divisible(E, R, f"MoE (mesh axis {self.expert_axis!r})")
         b = self.balancer
         if b is not None and not isinstance(b, BalancerConfig):
             raise TypeError(
                 f"MoE: balancer must be a BalancerConfig or None, got {type(b).__name__}"
             )
-        if b is not None and (b.num_experts, b.ep_size) != (E, R):
-            raise ValueError(
-                f"MoE: balancer is for {b.num_experts} experts on {b.ep_size} ranks, "
-                f"but the layer has {E} experts on {R} ranks"
-            )
+        if b is not None:
+            object.__setattr__(self, "balancer", b.sized(E, R, "the layer and its mesh"))
         if self.capacity_factor is not None:
             cf = check_finite("MoE", "capacity_factor", self.capacity_factor, positive=True)
             object.__setattr__(self, "capacity_factor", cf)
@@ -371,32 +366,25 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
     tokens_TD = x_BLD.reshape(-1, D)
     experts_N = experts_BLK.reshape(-1)
     axis = ep.expert_axis
-    rank = jax.lax.axis_index(axis)
     # One rank: nothing to balance, and nothing crosses the network (XLA's ragged all-to-all
     # over one device is slow on GPU; the portable exchange is a copy).
     balancer = ep.balancer if ep.ep_size > 1 else None
+    replicas = balancer is not None and balancer.slots_per_rank > 0
     backend = ep.comm_backend if ep.ep_size > 1 else "portable"
     masters = (w_gate, w_up, w_down)
 
     with jax.named_scope("plan"):
-        # Typed invariant over the EP axis (every rank of the group holds the same matrix), so
-        # that the plan and the stats derived from it are too.
-        loads_RE = jax.lax.all_gather(expert_loads(experts_N, ep.num_experts), axis, to="invarying")
-        if balancer is None:
-            plan = reroute.masters_only_plan(loads_RE)
-        else:
-            plan = make_plan(loads_RE, balancer, capacity=capacity)
-        # The FFI result carries no sharding type: it is identical across the EP group but
-        # differs between data groups, so mark it varying over those.
-        plan = jax.tree.map(lambda a: vary(a, ep.data_axes), plan)
+        loads_RE, plan = _plan(experts_N, ep, balancer, capacity)
     with jax.named_scope("dispatch"):
-        route = dispatch.plan_dispatch(experts_N, loads_RE, plan, rank, capacity)
+        route = dispatch.plan_dispatch(
+            experts_N, loads_RE, plan, jax.lax.axis_index(axis), capacity
+        )
         sent_CD = comm.ragged_exchange(
             tokens_TD[route.send_order_N // K], route.exchange, axis_name=axis, backend=backend
         )
     with jax.named_scope("experts"):
         rows_CD = dispatch.to_groups(sent_CD, route)
-        if balancer is not None and balancer.slots_per_rank > 0:
+        if replicas:
             done_CD = streaming.experts_with_replicas(
                 rows_CD,
                 masters,
@@ -418,19 +406,43 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
             backend=backend,
         )
         y_TD = dispatch.combine(back_ND, route, weights_BLK.reshape(-1, K))
+    send_max = (
+        _transfer_send_max(plan, masters, balancer.max_fanout) if replicas else jnp.float32(0)
+    )
+    stats = _stats(ep, capacity, experts_N, loads_RE, plan, route, send_max)
+    return y_TD.astype(x_BLD.dtype).reshape(x_BLD.shape), stats
 
+
+def _plan(experts_N, ep: ExpertParallel, balancer: BalancerConfig | None, capacity: int):
+    """(loads [R, E], plan) of this EP group: the exact loads all-gathered over the EP axis, and
+    their plan (every expert on its master without a balancer)."""
+    # Typed invariant over the EP axis (every rank of the group holds the same matrix), so that
+    # the plan and the stats derived from it are too.
+    local_E = expert_loads(experts_N, ep.num_experts)
+    loads_RE = jax.lax.all_gather(local_E, ep.expert_axis, to="invarying")
+    if balancer is None:
+        plan = reroute.masters_only_plan(loads_RE)
+    else:
+        plan = make_plan(loads_RE, balancer, capacity=capacity)
+    # The FFI result carries no sharding type: it is identical across the EP group but differs
+    # between data groups, so mark it varying over those.
+    return loads_RE, jax.tree.map(lambda a: vary(a, ep.data_axes), plan)
+
+
+def _transfer_send_max(plan, masters, max_fanout: int) -> jax.Array:
+    """float32 []: the most bytes one EP rank sends in the replica transfer of ``plan``."""
+    copy_bytes = sum(w[0].size * w.dtype.itemsize for w in masters)
+    em = masters[0].shape[0]
+    return relay.largest_send_bytes(plan.slot_expert, em, max_fanout, copy_bytes)
+
+
+def _stats(ep, capacity, experts_N, loads_RE, plan, route, send_max) -> MoEStats:
+    """The call's `MoEStats`, typed invariant over the whole mesh."""
     # Pairs of ids outside [0, E) are in no load (`expert_loads`) and sent nowhere (`dispatch`).
     invalid = loads_RE.shape[0] * experts_N.shape[0] - jnp.sum(loads_RE)
-    send_max = jnp.float32(0)
-    if balancer is not None and balancer.slots_per_rank > 0:
-        copy_bytes = sum(w[0].size * w.dtype.itemsize for w in masters)
-        send_max = relay.largest_send_bytes(
-            plan.slot_expert, w_gate.shape[0], balancer.max_fanout, copy_bytes
-        )
     stats = MoEStats.of_group(
         loads_RE, plan, route.dropped, invalid, capacity, route.group_sizes_RG, send_max
     )
     # Invariant over the EP axis (a function of the gathered loads and the plan); summed or
     # maxed over the data groups, then invariant over the whole mesh.
-    stats = jax.tree.map(lambda a: vary(a, ep.data_axes), stats).over_groups(ep.data_axes)
-    return y_TD.astype(x_BLD.dtype).reshape(x_BLD.shape), stats
+    return jax.tree.map(lambda a: vary(a, ep.data_axes), stats).over_groups(ep.data_axes)
