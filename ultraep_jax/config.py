@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from ultraep_jax.layout import check_divisible
+from ultraep_jax.layout import Layout, check_divisible
 
 # Every integer field reaches the native planner as an int64 FFI attribute.
 _INT64_MAX = 2**63 - 1
@@ -138,4 +138,4 @@ class BalancerConfig:
                 "BalancerConfig.experts_per_rank: num_experts and ep_size are not set (they are "
                 "read from the loads or the layer; BalancerConfig.sized(E, R, ...) sets them)"
             )
-        return self.num_experts // self.ep_size
+        return Layout(self.num_experts, self.ep_size).experts_per_rank
