@@ -23,8 +23,9 @@ COLLECTIVES = (
     "reduce-scatter",
     "collective-permute",
 )
-#: Custom calls that are no matmul (the planner).
-NOT_MATMUL_TARGETS = ("ultraep_plan",)
+#: Custom-call targets of matmul kernels: Mosaic GPU and Triton (the grouped-matmul kernels; no
+#: other Pallas kernel runs in the layer), cuBLAS.
+MATMUL_TARGETS = re.compile(r"mosaic_gpu|triton|cublas|gemm|matmul")
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _OP = re.compile(r"\s([a-z][a-z0-9\-]*)\(")
@@ -121,11 +122,11 @@ def _holds(comp: str, comps: dict, seen: set) -> str | None:
 
 
 def is_matmul(ins: Instruction, comps: dict) -> bool:
-    """A matmul kernel: a custom call other than the planner (the grouped-matmul kernels: Mosaic
-    GPU, Triton, cuBLAS), a dot, or a fusion around one."""
+    """A matmul kernel: a custom call to one of `MATMUL_TARGETS`, a dot, or a fusion around
+    one."""
     if ins.op == "custom-call":
         target = _TARGET.search(ins.line)
-        return not (target and target.group(1) in NOT_MATMUL_TARGETS)
+        return bool(target and MATMUL_TARGETS.search(target.group(1)))
     if ins.op in ("dot", "ragged-dot"):
         return True
     return ins.op == "fusion" and any(
