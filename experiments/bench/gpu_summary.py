@@ -105,13 +105,15 @@ def planner_bar(check: dict | None, cmds: dict) -> list[str]:
         lines.append(
             f"- fastest {best:.1f} us vs bar {PLANNER_BAR_US:g} us: {'MET' if met else 'NOT MET'}"
         )
+    else:
+        lines.append("- time per plan: not measured (dry run, or no CUDA planner handler)")
     return lines + [f"- {_cmd(cmds, 'gpu_check')}"]
 
 
 def _rate(r) -> str:
     if isinstance(r, dict) and "gbps" in r:
-        return f"{r['gbps']:.1f} GB/s ({r['x_copy']:.2f}x copy)"
-    return "-"
+        return f"{r['gbps']:.3g} GB/s ({r['x_copy']:.2f}x copy)"
+    return "skipped" if isinstance(r, str) and r.startswith("skipped") else "-"
 
 
 def exchange_bar(exchange: dict | None, cmds: dict) -> list[str]:
@@ -135,11 +137,21 @@ def exchange_bar(exchange: dict | None, cmds: dict) -> list[str]:
             continue
         t, w = v.get("tokens", {}), v.get("weights", {})
         grads = v.get("grad_check", {})
+        skipped = v.get("ragged")  # the dry run's reason
         lines.append(
-            f"| {name} | {_rate(t.get('copy'))} | {_rate(t.get('ragged'))} | "
-            f"{_rate(t.get('portable'))} | {_rate(w.get('copy'))} | {_rate(w.get('ragged'))} | "
+            f"| {name} | {_rate(t.get('copy'))} | {_rate(t.get('ragged', skipped))} | "
+            f"{_rate(t.get('portable'))} | {_rate(w.get('copy'))} | "
+            f"{_rate(w.get('ragged', skipped))} | "
             f"{_rate(w.get('portable'))} | {grads.get('status', grads.get('error', '-'))} |"
         )
+    correct = {
+        name: v["tokens"]["ragged"]
+        for name, v in e["variants"].items()
+        if v.get("grad_check", {}).get("status") == "ok" and "ragged" in v.get("tokens", {})
+    }
+    if correct:
+        name = max(correct, key=lambda n: correct[n]["gbps"])
+        lines += ["", f"- fastest correct ragged token exchange: {name}, {_rate(correct[name])}"]
     return lines + ["", f"- {_cmd(cmds, 'exchange')}"]
 
 
@@ -150,17 +162,19 @@ def overlap_bar(exchange: dict | None, check: dict | None, cmds: dict) -> list[s
     lines = []
     for name, v in (e or {}).get("variants", {}).items():
         step = v.get("replica_step")
-        if not isinstance(step, dict) or "ragged" not in step:
-            lines.append(f"- {name}: {v.get('status')} (no ragged replica step)")
+        backend = next((b for b in ("ragged", "portable") if b in (step or {})), None)
+        if not isinstance(step, dict) or backend is None:
+            lines.append(f"- {name}: {v.get('status')} (no replica step)")
             continue
-        verdicts = step["ragged"]["verdicts"]
+        verdicts = step[backend]["verdicts"]
         first = verdicts[0] if verdicts else "no collective in the schedule (XLA removed it?)"
-        check_ = step.get("first_backward_ragged_vs_portable", {})
-        ok = "ok" if check_.get("ok") else "MISMATCH"
-        lines.append(
-            f"- {name}: forward transfer {first}; first backward ragged vs portable: "
-            f"max rel diff {check_.get('max_rel_diff', float('nan')):.1e} ({ok})"
-        )
+        line = f"- {name}, {backend} backend: forward transfer {first}"
+        check_ = step.get("first_backward_ragged_vs_portable")
+        if check_:
+            ok = "ok" if check_.get("ok") else "MISMATCH"
+            diff = check_["max_rel_diff"]
+            line += f"; first backward ragged vs portable: max rel diff {diff:.1e} ({ok})"
+        lines.append(line)
     moe = (check or {}).get("moe")
     if isinstance(moe, dict) and "balanced_overlap" in moe:
         found = moe["balanced_overlap"] or ["no collective (EP=1: no balancer, no exchange)"]
@@ -197,6 +211,22 @@ def replay_bar(folder: str, cmds: dict) -> list[str]:
     return lines + [f"- {_cmd(cmds, p)}" for p in ("replay_train", "replay_prefill") if p in cmds]
 
 
+def gmm_bar(folder: str, cmds: dict) -> list[str]:
+    """The grouped matmul's best fwd + bwd TFLOP/s per kind of kernel (no bar; for the record)."""
+    c = (_load(folder, "gmm/gpu_results.json") or {}).get("gmm")
+    if not isinstance(c, dict) or "sweep" not in c:
+        return ["- not run"]
+    best: dict[str, float] = {}
+    for row in c["sweep"] + c["shapes"]:
+        kind = row["impl"].split()[0]
+        if "fwd_bwd_tflops" in row:
+            best[kind] = max(best.get(kind, 0.0), row["fwd_bwd_tflops"])
+    lines = [
+        f"- {kind}: {tf:.3g} TFLOP/s forward + backward (best case)" for kind, tf in best.items()
+    ]
+    return lines + [f"- {_cmd(cmds, 'gmm')}"]
+
+
 def summary_lines(folder: str) -> list[str]:
     """summary.md's lines."""
     cmds, env = commands(folder), environment(folder)
@@ -222,6 +252,7 @@ def summary_lines(folder: str) -> list[str]:
             overlap_bar(exchange, check, cmds),
         ),
         ("The replay at DeepSeek-V3 shape (DeepSeek-R1 trace)", replay_bar(folder, cmds)),
+        ("Grouped matmul (no bar)", gmm_bar(folder, cmds)),
     ]
     for title, body in bars:
         lines += [f"## {title}", "", *body, ""]
