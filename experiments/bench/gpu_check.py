@@ -160,7 +160,7 @@ def _run_section(name: str, device, dry: bool) -> dict:
                 inner=_INNER.value,
             ),
             timeout_s=_EXCHANGE_TIMEOUT.value,
-            out_dir=os.path.join(_OUT.value, "exchange") if _OUT.value else None,
+            out_dir=os.path.join(_OUT.value, "variants") if _OUT.value else None,
         )
         return gpu_exchange.section_exchange(device, dry, run)
     rows = gpu_moe.MoeRows(

@@ -499,10 +499,15 @@ def _child_env(flags: str, dry: bool) -> dict:
     return env
 
 
+def file_stem(name: str) -> str:
+    """A variant's name as a file name (a raw flag's dashes and "=" replaced)."""
+    return re.sub(r"[^\w.]+", "_", name).strip("_")
+
+
 def run_child(name: str, flags: str, spec: dict, folder: str, dry: bool, timeout_s: float) -> dict:
     """One variant in a child process: its JSON, or a status saying why there is none."""
-    spec_path = os.path.join(folder, f"exchange_{name}_spec.json")
-    log_path = os.path.join(folder, f"exchange_{name}.log")
+    spec_path = os.path.join(folder, f"exchange_{file_stem(name)}_spec.json")
+    log_path = os.path.join(folder, f"exchange_{file_stem(name)}.log")
     common.write_json(spec_path, spec)
     cmd = [sys.executable, "-m", "experiments.bench.gpu_exchange", spec_path]
     try:
@@ -541,12 +546,13 @@ def section_exchange(device, dry: bool, run: ExchangeRun) -> dict:
         folder = run.out_dir or tmp
         os.makedirs(folder, exist_ok=True)
         for name, flags in run.variants.items():
+            stem = file_stem(name)
             spec = {
                 "setup": dataclasses.asdict(setup),
                 "dry": dry,
                 "variant": name,
-                "out_json": os.path.join(folder, f"exchange_{name}.json"),
-                "hlo_path": os.path.join(folder, f"replica_step_hlo_{name}")
+                "out_json": os.path.join(folder, f"exchange_{stem}.json"),
+                "hlo_path": os.path.join(folder, f"replica_step_hlo_{stem}")
                 if run.out_dir
                 else None,
             }
