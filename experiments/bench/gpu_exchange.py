@@ -24,9 +24,16 @@ import sys
 import tempfile
 import traceback
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from experiments import common
+from experiments.bench import hlo_schedule
+from ultraep_jax import comm, streaming, transfer
+from ultraep_jax.exchange import Exchange
 
 AXIS = "expert"
 #: XLA flag variants the section compares by default: name -> flags (space-separated).
@@ -120,11 +127,6 @@ def token_exchange(mesh, send_rows: int, recv_rows: int, backend: str):
     """jit: (operand [R * send_rows, D] split over the ranks, sizes_RR, src_start_RR,
     dst_start_RR) -> [R * recv_rows, D]: `comm.ragged_exchange` on every rank with the layer's
     ``max_chunk`` (``min(send_rows, recv_rows)``)."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from ultraep_jax import comm
-    from ultraep_jax.exchange import Exchange
 
     def per_rank(operand, sizes, src, dst):
         rank = jax.lax.axis_index(AXIS)
@@ -147,10 +149,6 @@ def filled_slots(R: int, masters: int, slots: int) -> np.ndarray:
 def weight_exchange(mesh, backend: str):
     """jit: (slot_expert_RS, w_gate, w_up, w_down [R * E_m, ...] split over the ranks) -> the slots'
     weights [R * S, ...]: `transfer.fetch_replica_experts` on every rank, in one hop."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from ultraep_jax import transfer
 
     def per_rank(slots_RS, *masters):
         return transfer.fetch_replica_experts(masters, slots_RS, axis_name=AXIS, backend=backend)
@@ -162,16 +160,12 @@ def weight_exchange(mesh, backend: str):
 def device_copy():
     """jit: (x, zero) -> x + zero, a runtime zero so that XLA keeps the pass: each device reads
     and writes its shard once, the bytes a local copy moves."""
-    import jax
 
     return jax.jit(lambda x, zero: x + zero)
 
 
 def _random(mesh, shape, dtype, seed: int):
     """A normal array of ``shape`` split over the ranks on its first axis (drawn there)."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     draw = jax.jit(
         lambda k: jax.random.normal(k, shape, dtype),
@@ -194,7 +188,6 @@ def _rate(payload: int, seconds: float, copy_seconds: float) -> dict:
 def time_tokens(mesh, s: ExchangeSetup, backends) -> dict:
     """The token exchange of ``s.rows`` rows per rank, balanced over the ranks, per backend,
     against a device copy of the same bytes."""
-    import jax.numpy as jnp
 
     R = mesh.size
     sizes = balanced_sizes(R, s.rows)
@@ -228,7 +221,6 @@ def random_masters(mesh, s: ExchangeSetup, seed: int) -> tuple:
 def time_weights(mesh, s: ExchangeSetup, backends) -> dict:
     """The replica-weight exchange filling ``s.slots`` slots per rank, per backend, against a
     device copy of the same bytes."""
-    import jax.numpy as jnp
 
     R = mesh.size
     masters = random_masters(mesh, s, 10)
@@ -264,7 +256,6 @@ def token_values_and_vjp(mesh, s: ExchangeSetup, backend: str, seed: int = 1):
     """(output, gradient of sum(output * cotangent) w.r.t. the operand) of one token exchange
     of random sizes (``s.check_rows`` rows per rank), as NumPy, with the inputs: (out, grad,
     (operand, cotangent, sizes_RR, recv_rows))."""
-    import jax
 
     R = mesh.size
     rng = np.random.default_rng(seed)
@@ -295,7 +286,6 @@ def weight_cotangents(mesh, s: ExchangeSetup, masters, seed: int) -> list:
 def weight_values_and_vjp(mesh, s: ExchangeSetup, backend: str, seed: int = 2):
     """(slots' weights, gradients of sum(weights * cotangents) w.r.t. the masters), as lists of
     NumPy arrays."""
-    import jax
 
     masters = random_masters(mesh, s, seed)
     slots = filled_slots(mesh.size, s.masters, s.slots)
@@ -335,11 +325,6 @@ def replica_step(mesh, s: ExchangeSetup, backend: str):
     the balanced experts on ``s.check_rows`` rows per rank, E_m masters and S filled slots
     (`streaming.experts_with_replicas`, one transfer hop). With this loss the only matmuls that
     do not depend on the forward transfer are the masters' forward ones."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
-    from ultraep_jax import streaming
 
     R, groups = mesh.size, s.masters + s.slots
 
@@ -377,9 +362,6 @@ def check_replica_step(mesh, s: ExchangeSetup, backends, hlo_path: str | None) -
     """Per backend: the replica step's median ms and where each collective of its compiled
     schedule sits (`hlo_schedule.overlap_report`; the first is the forward transfer); the first
     call's value and gradients of the ragged path against the portable path's."""
-    import jax
-
-    from experiments.bench import hlo_schedule
 
     out, first = {}, {}
     for backend in backends:
@@ -414,8 +396,6 @@ def check_replica_step(mesh, s: ExchangeSetup, backends, hlo_path: str | None) -
 
 def run_variant(spec: dict) -> dict:
     """Everything one flag variant measures (in the child process that XLA_FLAGS configured)."""
-    import jax
-    from jax.sharding import Mesh
 
     s = ExchangeSetup(**spec["setup"])
     dry = spec["dry"]
