@@ -26,6 +26,13 @@ gmm      (c) grouped matmul, bf16, DeepSeek-V3's expert shape: K = 7168 (d_model
          at M = --gmm_rows, G = 8, balanced; then the fastest of each kind over G in --gmm_groups,
          M in --gmm_sizes, balanced and skewed group sizes (Zipf 1.2 over the groups). Relative
          errors ||out - ref|| / ||ref|| against float32 ``ragged_dot`` of the same bf16 inputs.
+exchange (e) the token exchange (8192 tokens x top-8 of D=7168 bf16 per rank) and the replica-weight
+         exchange (2 slots of D=7168 / F=2048 experts per rank) over every GPU (EP = 1 on one), for
+         the ragged and portable backends, in GB/s against a device copy of the same bytes; the
+         ragged path's values and gradients against the portable path's; the replica step's
+         compiled schedule (does the transfer run while the masters' matmuls do?); each under
+         every --exchange_variants XLA flag setting, in a child process (a flag this jaxlib does
+         not know is reported as such). `experiments.bench.gpu_exchange`.
 moe      (d) the MoE layer (uep.MoE) forward + backward on one GPU (EP = 1 mesh), balancer on vs
          off, for each --moe_kernels expert kernel: median step ms and the ratio; the optimized HLO
          of the balanced step (written to --out) and where its replica-weight path sits in the
@@ -34,11 +41,12 @@ moe      (d) the MoE layer (uep.MoE) forward + backward on one GPU (EP = 1 mesh)
 Timings are medians over --repeats samples; a sample times --inner back-to-back calls and
 blocks once (so the host's dispatch overlaps the device's work), divided by --inner.
 Without a GPU (and without --dry_run) it prints one line and exits with code 2. The sections
-are in `experiments.bench.gpu_planner`, `gpu_gmm` and `gpu_moe`.
+are in `experiments.bench.gpu_planner`, `gpu_exchange`, `gpu_gmm` and `gpu_moe`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -51,12 +59,14 @@ import jax
 from absl import flags
 
 from experiments import common
-from experiments.bench import gpu_gmm, gpu_moe, gpu_planner
+from experiments.bench import gpu_exchange, gpu_gmm, gpu_moe, gpu_planner
 from ultraep_jax import _native
 
 _OUT = flags.DEFINE_string("out", None, "Folder for gpu_results.json and the HLO dump (created).")
 _DRY = flags.DEFINE_bool("dry_run", False, "Run every section on CPU with tiny shapes.")
-_SECTIONS = flags.DEFINE_list("sections", ["env", "planner", "gmm", "moe"], "Sections to run.")
+_SECTIONS = flags.DEFINE_list(
+    "sections", ["env", "planner", "exchange", "gmm", "moe"], "Sections to run."
+)
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed samples (medians are reported).")
 _INNER = flags.DEFINE_integer("inner", 4, "Back-to-back calls per timed sample.")
 _PLAN_BATCH = flags.DEFINE_integer("plan_batch", 1024, "Matrices per batched planner call.")
@@ -78,6 +88,18 @@ _MOE_KERNELS = flags.DEFINE_list(
     "moe_kernels",
     ["auto"],
     "MoE rows: expert kernels, each optionally with /<comm_backend> (e.g. auto/portable).",
+)
+_EXCHANGE_VARIANTS = flags.DEFINE_list(
+    "exchange_variants",
+    list(gpu_exchange.VARIANTS),
+    f"XLA flag settings of the exchange section: names ({', '.join(gpu_exchange.VARIANTS)}) or "
+    "flags (--xla_...=v, several joined by +).",
+)
+_EXCHANGE_TIMEOUT = flags.DEFINE_float(
+    "exchange_timeout", 240.0, "Seconds each exchange variant's child process may take."
+)
+_EXCHANGE_ROWS = flags.DEFINE_integer(
+    "exchange_rows", 65536, "Token rows per rank of the exchange section (tokens x top-k)."
 )
 _DUMP_HLO = flags.DEFINE_bool("dump_hlo", True, "Write the balanced MoE step's optimized HLO.")
 _PROFILE = flags.DEFINE_bool(
@@ -128,6 +150,19 @@ def _run_section(name: str, device, dry: bool) -> dict:
             inner=_INNER.value,
         )
         return gpu_gmm.section_gmm(device, dry, sweep)
+    if name == "exchange":
+        run = gpu_exchange.ExchangeRun(
+            variants=gpu_exchange.parse_variants(_EXCHANGE_VARIANTS.value),
+            setup=dataclasses.replace(
+                gpu_exchange.DEEPSEEK_V3,
+                rows=_EXCHANGE_ROWS.value,
+                repeats=_REPEATS.value,
+                inner=_INNER.value,
+            ),
+            timeout_s=_EXCHANGE_TIMEOUT.value,
+            out_dir=os.path.join(_OUT.value, "variants") if _OUT.value else None,
+        )
+        return gpu_exchange.section_exchange(device, dry, run)
     rows = gpu_moe.MoeRows(
         tokens=_MOE_TOKENS.value,
         kernels=tuple(_MOE_KERNELS.value),
@@ -143,6 +178,7 @@ def _run_section(name: str, device, dry: bool) -> dict:
 _LINES = {
     "env": _env_lines,
     "planner": gpu_planner.planner_lines,
+    "exchange": gpu_exchange.exchange_lines,
     "gmm": gpu_gmm.gmm_lines,
     "moe": gpu_moe.moe_lines,
 }
@@ -156,6 +192,10 @@ def main(argv):
     """Runs the ``--sections`` and prints their table; ``--out`` also gets the JSON."""
     del argv
     dry = _DRY.value
+    if "exchange" in _SECTIONS.value and not dry:
+        # Its child processes need GPU memory beside this one's: no preallocation here (read when
+        # the backend starts, below).
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not dry and not gpus:
         print(

@@ -1,6 +1,8 @@
 """The GPU check's MoE section: the layer's forward + backward on one device, balancer off and
 on, with a device profile and where the replica-weight path sits in the optimized HLO's schedule
-(see `experiments.bench.gpu_check`)."""
+(`hlo_schedule`: each collective, and the matmuls scheduled while it is in flight; at EP=1 the
+layer skips the balancer, so the exchange section's replica step is where the transfer shows; see
+`experiments.bench.gpu_check`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import numpy as np
 
 import ultraep_jax as uep
 from experiments import common
+from experiments.bench import hlo_schedule
 
 _INTERESTING = re.compile(
     r"^(custom-call|all-to-all|ragged-all-to-all|all-gather|all-reduce|collective-permute"
@@ -146,6 +149,8 @@ def _kernel_row(spec: str, first: bool, make_layer, x, rows: MoeRows, out: dict)
             if first and name == "on" and rows.dump_hlo:
                 text = step.lower(params, x).compile().as_text()
                 out["balanced_schedule"] = schedule_summary(text)
+                report = hlo_schedule.overlap_report(text)
+                out["balanced_overlap"] = [hlo_schedule.verdict(c) for c in report["collectives"]]
                 if rows.out_dir:
                     os.makedirs(rows.out_dir, exist_ok=True)
                     with open(os.path.join(rows.out_dir, "moe_balanced_hlo.txt"), "w") as f:
@@ -208,6 +213,13 @@ def moe_lines(d: dict) -> list[str]:
         if d.get(key):
             lines.append(f"      {key} (first row's kernel):")
             lines += [f"        {s}" for s in d[key]]
+    if "balanced_overlap" in d:
+        lines.append("      balanced step, each collective against the matmuls (hlo_schedule):")
+        overlap = d["balanced_overlap"] or [
+            "no collective in the schedule (at EP=1 the layer runs no balancer and exchanges "
+            "nothing: the exchange section's replica step shows the transfer)"
+        ]
+        lines += [f"        {s}" for s in overlap]
     if d.get("balanced_schedule"):
         lines.append("      balanced step, scheduled entry computation (kernels, collectives):")
         lines += [f"        {s}" for s in d["balanced_schedule"][:80]]

@@ -356,11 +356,19 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
         for part in ("experts", "compute", "step"):
             row[f"{part}_pct_ideal"] = 100.0 * sums["ideal"][f"{part}_s"] / s[f"{part}_s"]
             row[f"{part}_x_none"] = sums["none"][f"{part}_s"] / s[f"{part}_s"]
+        # The balancer's own cost against the expert time it balances: planner and bookkeeping,
+        # and what they add to plain EP's bookkeeping (which dispatches without a balancer too).
+        own = s["planner_s"] + s["bookkeeping_s"]
+        row["balancer_pct_experts"] = 100.0 * own / s["experts_s"]
+        added = own - sums["none"]["bookkeeping_s"]
+        row["balancer_added_pct_experts"] = 100.0 * added / s["experts_s"]
         rows[p] = row
     return {
         "workload": workload,
         "ep": ep,
         "mode": mode,
+        "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+        "shape": dataclasses.asdict(shape),
         "matrices": [s.label for s in samples],
         "num_experts": E,
         "top_k": k,
@@ -422,11 +430,13 @@ def headline(cells: list[dict]) -> list[str]:
     lines = [
         "ultraep: busiest-rank expert time and compute (planner + bookkeeping + experts), "
         "measured; step = compute + the exchanges, modelled; noise floor = the ideal's own ranks "
-        "timed again as a policy (what noise alone takes off a busiest rank). UltraEP reports "
-        f"{pct} % of the ideal and {speed}x over none (measured end to end on GPUs):",
+        "timed again as a policy (what noise alone takes off a busiest rank); balancer % experts "
+        "= (planner + bookkeeping) / expert time, (added) = less none's bookkeeping. UltraEP "
+        f"reports {pct} % of the ideal and {speed}x over none (measured end to end on GPUs):",
         f"  {'workload':16s} {'EP':>3s} {'mode':8s} {'experts %ideal':>14s} {'x none':>6s} "
         f"{'compute %ideal':>14s} {'x none':>6s} {'step %ideal':>11s} {'x none':>6s} "
-        f"{'exact mode: experts %ideal':>26s} {'noise floor':>11s}",
+        f"{'exact mode: experts %ideal':>26s} {'noise floor':>11s} "
+        f"{'balancer % experts (added)':>26s}",
     ]
     for c in cells:
         u, x = c["rows"]["ultraep"], c["rows"]["exact"]
@@ -434,7 +444,8 @@ def headline(cells: list[dict]) -> list[str]:
             f"  {c['workload']:16s} {c['ep']:3d} {c['mode']:8s} {u['experts_pct_ideal']:13.1f}% "
             f"{u['experts_x_none']:6.2f} {u['compute_pct_ideal']:13.1f}% "
             f"{u['compute_x_none']:6.2f} {u['step_pct_ideal']:10.1f}% {u['step_x_none']:6.2f} "
-            f"{x['experts_pct_ideal']:25.1f}% {c['noise_floor_pct']:10.1f}%"
+            f"{x['experts_pct_ideal']:25.1f}% {c['noise_floor_pct']:10.1f}% "
+            f"{u['balancer_pct_experts']:16.1f}% ({u['balancer_added_pct_experts']:5.1f}%)"
         )
     return lines
 

@@ -1,0 +1,595 @@
+"""The GPU check's exchange section: the layer's token exchange (`comm.ragged_exchange`) and its
+replica-weight exchange (`transfer.fetch_replica_experts`), each timed against a plain device
+copy of the same bytes, for the "ragged" (`jax.lax.ragged_all_to_all`) and "portable" backends,
+under each XLA flag variant; the ragged path's values and gradients against the portable path's;
+and where the replica transfer sits in the compiled schedule of the experts' forward + backward
+(`hlo_schedule`). See `experiments.bench.gpu_check`.
+
+XLA reads ``XLA_FLAGS`` once, when its backend starts, and aborts on a flag it does not know, so
+each variant runs in a child process (``python -m experiments.bench.gpu_exchange SPEC.json``); a
+child that dies naming an unknown flag is reported as "flag not known to this jaxlib". The ranks
+are every GPU of the machine (EP = 1 on one GPU still runs the collective kernels); the dry run
+uses 4 CPU devices, where XLA cannot compile ``ragged_all_to_all``: only the portable path runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from experiments import common
+from experiments.bench import hlo_schedule
+from ultraep_jax import comm, streaming, transfer
+from ultraep_jax.exchange import Exchange
+
+AXIS = "expert"
+#: XLA flag variants the section compares by default: name -> flags (space-separated).
+VARIANTS = {
+    "default": "",
+    "decomposer": "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true",
+    "one_shot_off": "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false",
+    "device_kernel": "--xla_gpu_experimental_ragged_all_to_all_use_device_kernel=true",
+    "latency_hiding": "--xla_gpu_enable_latency_hiding_scheduler=true",
+}
+_UNKNOWN_FLAG = re.compile(r"Unknown flags? in XLA_FLAGS:\s*(.*)")
+_SKIP_RAGGED = (
+    "skipped: XLA:CPU cannot compile ragged_all_to_all (the dry run runs the portable path)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeSetup:
+    """Sizes of what the section exchanges, per rank.
+
+    Attributes:
+      rows: token rows each rank sends (tokens x top-k), balanced over the ranks.
+      d_model, d_ff: D of a token row; D and F of an expert (w_gate, w_up [D, F], w_down [F, D]).
+      masters: E_m, experts each rank masters.
+      slots: S <= E_m replica slots per rank, every one filled (from the next rank's masters).
+      capacity_factor: receive-buffer rows per rank, x ``rows`` (the layer's).
+      dtype: of tokens and weights.
+      check_rows: rows per rank of the gradient checks and of the replica step.
+      kernel: the replica step's expert kernel (`ultraep_jax.experts.KERNELS`).
+      repeats, inner: timed samples (medians), and back-to-back calls per sample.
+    """
+
+    rows: int
+    d_model: int
+    d_ff: int
+    masters: int
+    slots: int
+    capacity_factor: float
+    dtype: str
+    check_rows: int
+    kernel: str
+    repeats: int
+    inner: int
+
+    def __post_init__(self):
+        if not 1 <= self.slots <= self.masters:
+            raise ValueError(f"ExchangeSetup: slots must be in [1, masters], got {self.slots}")
+
+    @property
+    def capacity(self) -> int:
+        """C, receive-buffer rows per rank."""
+        return math.ceil(self.capacity_factor * self.rows)
+
+
+#: DeepSeek-V3 at EP64: 8192 tokens x top-8 per rank of D=7168 bf16; 256 / 64 = 4 experts per
+#: rank of F=2048, 2 slots.
+DEEPSEEK_V3 = ExchangeSetup(65536, 7168, 2048, 4, 2, 1.05, "bfloat16", 8192, "auto", 15, 4)
+#: The dry run's: tiny, float32 (XLA:CPU has no fast bf16 path), XLA's ragged_dot for the experts
+#: so that the compiled step holds matmul instructions to find.
+DRY = ExchangeSetup(48, 16, 8, 2, 2, 1.25, "float32", 40, "ragged_dot", 2, 1)
+
+
+# -- the exchanges, as the layer runs them ---------------------------------------------------
+
+
+def balanced_sizes(R: int, rows: int) -> np.ndarray:
+    """int32 [R(src), R(dst)]: every rank sends its ``rows`` evenly to every rank."""
+    return np.tile(np.diff(np.linspace(0, rows, R + 1).astype(np.int64)), (R, 1)).astype(np.int32)
+
+
+def random_sizes(rng, R: int, rows: int) -> np.ndarray:
+    """int32 [R(src), R(dst)]: each rank sends up to ``rows`` (some unsent) to random peers in
+    random amounts, some blocks empty."""
+    out = np.zeros((R, R), np.int32)
+    for s in range(R):
+        p = rng.random(R) * (rng.random(R) < 0.75)
+        p = p if p.sum() else np.ones(R)
+        out[s] = rng.multinomial(int(rng.integers(rows // 2, rows + 1)), p / p.sum())
+    return out
+
+
+def block_offsets(sizes_RR: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(src_start_RR, dst_start_RR), int32: each sender lays its blocks out in destination order,
+    each receiver its blocks in source order, both from row 0."""
+    src = np.cumsum(sizes_RR, axis=1) - sizes_RR
+    dst = np.cumsum(sizes_RR, axis=0) - sizes_RR
+    return src.astype(np.int32), dst.astype(np.int32)
+
+
+def token_exchange(mesh, send_rows: int, recv_rows: int, backend: str):
+    """jit: (operand [R * send_rows, D] split over the ranks, sizes_RR, src_start_RR,
+    dst_start_RR) -> [R * recv_rows, D]: `comm.ragged_exchange` on every rank with the layer's
+    ``max_chunk`` (``min(send_rows, recv_rows)``)."""
+
+    def per_rank(operand, sizes, src, dst):
+        rank = jax.lax.axis_index(AXIS)
+        chunk = min(send_rows, recv_rows)
+        ex = Exchange(sizes, src, dst, rank, send_rows, recv_rows, chunk)
+        return comm.ragged_exchange(operand, ex, axis_name=AXIS, backend=backend)
+
+    specs = (P(AXIS), P(), P(), P())
+    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=P(AXIS)))
+
+
+def filled_slots(R: int, masters: int, slots: int) -> np.ndarray:
+    """int32 [R, S]: slot s of rank r holds master s of rank r + 1 (mod R; on one rank, its
+    own)."""
+    return np.array(
+        [[((r + 1) % R) * masters + s for s in range(slots)] for r in range(R)], np.int32
+    )
+
+
+def weight_exchange(mesh, backend: str):
+    """jit: (slot_expert_RS, w_gate, w_up, w_down [R * E_m, ...] split over the ranks) -> the slots'
+    weights [R * S, ...]: `transfer.fetch_replica_experts` on every rank, in one hop."""
+
+    def per_rank(slots_RS, *masters):
+        return transfer.fetch_replica_experts(masters, slots_RS, axis_name=AXIS, backend=backend)
+
+    specs = (P(AXIS),) * 3
+    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), *specs), out_specs=specs))
+
+
+def device_copy():
+    """jit: (x, zero) -> x + zero, a runtime zero so that XLA keeps the pass: each device reads
+    and writes its shard once, the bytes a local copy moves."""
+
+    return jax.jit(lambda x, zero: x + zero)
+
+
+def _random(mesh, shape, dtype, seed: int):
+    """A normal array of ``shape`` split over the ranks on its first axis (drawn there)."""
+
+    draw = jax.jit(
+        lambda k: jax.random.normal(k, shape, dtype),
+        out_shardings=NamedSharding(mesh, P(AXIS)),
+    )
+    return draw(jax.random.key(seed))
+
+
+# -- the child: one XLA flag variant ----------------------------------------------------------
+
+
+def _rate(payload: int, seconds: float, copy_seconds: float) -> dict:
+    return {
+        "ms": 1e3 * seconds,
+        "gbps": payload / seconds / 1e9,
+        "x_copy": copy_seconds / seconds,  # throughput relative to the copy of the same bytes
+    }
+
+
+def time_tokens(mesh, s: ExchangeSetup, backends) -> dict:
+    """The token exchange of ``s.rows`` rows per rank, balanced over the ranks, per backend,
+    against a device copy of the same bytes."""
+
+    R = mesh.size
+    sizes = balanced_sizes(R, s.rows)
+    src, dst = block_offsets(sizes)
+    operand = _random(mesh, (R * s.rows, s.d_model), s.dtype, 0)
+    payload = s.rows * s.d_model * jnp.dtype(s.dtype).itemsize
+    zero = jnp.zeros((), s.dtype)
+    copy = device_copy()
+    t_copy = common.median_seconds(lambda: copy(operand, zero), s.repeats, s.inner)
+    out = {
+        "payload_bytes_per_rank": payload,
+        "copy": _rate(payload, t_copy, t_copy),
+        "portable_rows_moved_per_rank": R * min(s.rows, s.capacity),
+    }
+    for backend in backends:
+        fn = token_exchange(mesh, s.rows, s.capacity, backend)
+        seconds = common.median_seconds(
+            lambda fn=fn: fn(operand, sizes, src, dst), s.repeats, s.inner
+        )
+        out[backend] = _rate(payload, seconds, t_copy)
+    return out
+
+
+def random_masters(mesh, s: ExchangeSetup, seed: int) -> tuple:
+    """Random (w_gate, w_up [R * E_m, D, F], w_down [R * E_m, F, D]), split over the ranks."""
+    R, D, F = mesh.size, s.d_model, s.d_ff
+    shapes = [(R * s.masters, D, F), (R * s.masters, D, F), (R * s.masters, F, D)]
+    return tuple(_random(mesh, shape, s.dtype, seed + i) for i, shape in enumerate(shapes))
+
+
+def time_weights(mesh, s: ExchangeSetup, backends) -> dict:
+    """The replica-weight exchange filling ``s.slots`` slots per rank, per backend, against a
+    device copy of the same bytes."""
+
+    R = mesh.size
+    masters = random_masters(mesh, s, 10)
+    slots = filled_slots(R, s.masters, s.slots)
+    expert = 3 * s.d_model * s.d_ff
+    payload = s.slots * expert * jnp.dtype(s.dtype).itemsize
+    same_bytes = _random(mesh, (R * s.slots, expert), s.dtype, 20)
+    zero = jnp.zeros((), s.dtype)
+    copy = device_copy()
+    t_copy = common.median_seconds(lambda: copy(same_bytes, zero), s.repeats, s.inner)
+    out = {"payload_bytes_per_rank": payload, "copy": _rate(payload, t_copy, t_copy)}
+    for backend in backends:
+        fn = weight_exchange(mesh, backend)
+        seconds = common.median_seconds(lambda fn=fn: fn(slots, *masters), s.repeats, s.inner)
+        out[backend] = _rate(payload, seconds, t_copy)
+    return out
+
+
+def _compare(got, want) -> dict:
+    """Bit equality and the largest absolute difference of two lists of arrays."""
+    got = [np.asarray(a, np.float32) for a in got]
+    want = [np.asarray(a, np.float32) for a in want]
+    return {
+        "equal": all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)),
+        "max_abs_diff": max(
+            float(np.max(np.abs(a - b), initial=0.0)) for a, b in zip(got, want, strict=True)
+        ),
+        "finite": all(bool(np.all(np.isfinite(a))) for a in got),
+    }
+
+
+def token_values_and_vjp(mesh, s: ExchangeSetup, backend: str, seed: int = 1):
+    """(output, gradient of sum(output * cotangent) w.r.t. the operand) of one token exchange
+    of random sizes (``s.check_rows`` rows per rank), as NumPy, with the inputs: (out, grad,
+    (operand, cotangent, sizes_RR, recv_rows))."""
+
+    R = mesh.size
+    rng = np.random.default_rng(seed)
+    sizes = random_sizes(rng, R, s.check_rows)
+    src, dst = block_offsets(sizes)
+    recv = int(sizes.sum(axis=0).max()) + 3  # some rows nobody writes
+    operand = _random(mesh, (R * s.check_rows, s.d_model), s.dtype, seed)
+    cot = _random(mesh, (R * recv, s.d_model), s.dtype, seed + 1)
+    fn = token_exchange(mesh, s.check_rows, recv, backend)
+
+    @jax.jit
+    def run(x, c):
+        out, pullback = jax.vjp(lambda x: fn(x, sizes, src, dst), x)
+        return out, pullback(c)[0]
+
+    out, grad = run(operand, cot)
+    return np.asarray(out), np.asarray(grad), (np.asarray(operand), np.asarray(cot), sizes, recv)
+
+
+def weight_cotangents(mesh, s: ExchangeSetup, masters, seed: int) -> list:
+    """Random cotangents of the slots' weights, [R * S, ...] each, split over the ranks."""
+    return [
+        _random(mesh, (mesh.size * s.slots,) + w.shape[1:], s.dtype, seed + 5 + i)
+        for i, w in enumerate(masters)
+    ]
+
+
+def weight_values_and_vjp(mesh, s: ExchangeSetup, backend: str, seed: int = 2):
+    """(slots' weights, gradients of sum(weights * cotangents) w.r.t. the masters), as lists of
+    NumPy arrays."""
+
+    masters = random_masters(mesh, s, seed)
+    slots = filled_slots(mesh.size, s.masters, s.slots)
+    fn = weight_exchange(mesh, backend)
+    cots = weight_cotangents(mesh, s, masters, seed)
+
+    @jax.jit
+    def run(masters, cots):
+        out, pullback = jax.vjp(lambda *m: fn(slots, *m), *masters)
+        return out, pullback(tuple(cots))
+
+    out, grads = run(masters, cots)
+    return [np.asarray(a) for a in out], [np.asarray(g) for g in grads]
+
+
+def check_gradients(mesh, s: ExchangeSetup, dry: bool) -> dict:
+    """The ragged path's values and vjp against the portable path's on the same inputs, for the
+    token exchange (random sizes) and the weight exchange: both only move rows, so they must be
+    bit-equal."""
+    if dry:
+        return {"status": _SKIP_RAGGED}
+    out = {}
+    ragged = token_values_and_vjp(mesh, s, "ragged")
+    portable = token_values_and_vjp(mesh, s, "portable")
+    out["tokens_forward"] = _compare([ragged[0]], [portable[0]])
+    out["tokens_vjp"] = _compare([ragged[1]], [portable[1]])
+    ragged = weight_values_and_vjp(mesh, s, "ragged")
+    portable = weight_values_and_vjp(mesh, s, "portable")
+    out["weights_forward"] = _compare(ragged[0], portable[0])
+    out["weights_vjp"] = _compare(ragged[1], portable[1])
+    out["status"] = "ok" if all(v["equal"] and v["finite"] for v in out.values()) else "MISMATCH"
+    return out
+
+
+def replica_step(mesh, s: ExchangeSetup, backend: str):
+    """(jitted step, its arguments): value and gradients (masters, rows) of the mean square of
+    the balanced experts on ``s.check_rows`` rows per rank, E_m masters and S filled slots
+    (`streaming.experts_with_replicas`, one transfer hop). With this loss the only matmuls that
+    do not depend on the forward transfer are the masters' forward ones."""
+
+    R, groups = mesh.size, s.masters + s.slots
+
+    def per_rank(rows, sizes, slots_RS, *masters):
+        return streaming.experts_with_replicas(
+            rows,
+            masters,
+            slots_RS,
+            sizes,
+            kernel=s.kernel,
+            chunks=1,
+            max_fanout=0,
+            axis_name=AXIS,
+            backend=backend,
+        )
+
+    specs = (P(AXIS), P(AXIS), P(), P(AXIS), P(AXIS), P(AXIS))
+    experts = jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=P(AXIS))
+
+    def loss(masters, rows, sizes, slots):
+        return jnp.mean(jnp.square(experts(rows, sizes, slots, *masters).astype(jnp.float32)))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    sizes = np.tile(np.diff(np.linspace(0, s.check_rows, groups + 1).astype(np.int64)), R)
+    args = (
+        random_masters(mesh, s, 30),
+        _random(mesh, (R * s.check_rows, s.d_model), s.dtype, 40),
+        jax.device_put(sizes.astype(np.int32)),
+        filled_slots(R, s.masters, s.slots),
+    )
+    return step, args
+
+
+def check_replica_step(mesh, s: ExchangeSetup, backends, hlo_path: str | None) -> dict:
+    """Per backend: the replica step's median ms and where each collective of its compiled
+    schedule sits (`hlo_schedule.overlap_report`; the first is the forward transfer); the first
+    call's value and gradients of the ragged path against the portable path's."""
+
+    out, first = {}, {}
+    for backend in backends:
+        step, args = replica_step(mesh, s, backend)
+        value, grads = step(*args)  # the first backward: compared before any other call
+        first[backend] = [np.asarray(value)] + [np.asarray(g) for g in jax.tree.leaves(grads)]
+        text = step.lower(*args).compile().as_text()
+        report = hlo_schedule.overlap_report(text)
+        row = {
+            "ms": 1e3 * common.median_seconds(lambda step=step, args=args: step(*args), s.repeats)
+        }
+        row["schedule"] = report
+        row["verdicts"] = [hlo_schedule.verdict(c) for c in report["collectives"]]
+        if hlo_path:
+            with open(f"{hlo_path}_{backend}.txt", "w") as f:
+                f.write(text)
+        out[backend] = row
+    if len(first) == 2:
+        ragged, portable = first["ragged"], first["portable"]
+        rel = [
+            float(np.linalg.norm(a.astype(np.float32) - b.astype(np.float32)))
+            / max(float(np.linalg.norm(b.astype(np.float32))), 1e-30)
+            for a, b in zip(ragged, portable, strict=True)
+        ]
+        out["first_backward_ragged_vs_portable"] = {
+            **_compare(ragged, portable),
+            "max_rel_diff": max(rel),
+            "ok": max(rel) <= 1e-2 and all(np.all(np.isfinite(a)) for a in ragged),
+        }
+    return out
+
+
+def run_variant(spec: dict) -> dict:
+    """Everything one flag variant measures (in the child process that XLA_FLAGS configured)."""
+
+    s = ExchangeSetup(**spec["setup"])
+    dry = spec["dry"]
+    devices = jax.devices("cpu")[:4] if dry else [d for d in jax.devices() if d.platform == "gpu"]
+    mesh = Mesh(np.array(devices), (AXIS,))
+    backends = ("portable",) if dry else ("ragged", "portable")
+    out = {
+        "variant": spec["variant"],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax": jax.__version__,
+        "ranks": mesh.size,
+        "device_kind": devices[0].device_kind,
+        "setup": dataclasses.asdict(s),
+    }
+    if dry:
+        out["ragged"] = _SKIP_RAGGED
+    parts = {
+        "tokens": lambda: time_tokens(mesh, s, backends),
+        "weights": lambda: time_weights(mesh, s, backends),
+        "grad_check": lambda: check_gradients(mesh, s, dry),
+        "replica_step": lambda: check_replica_step(mesh, s, backends, spec.get("hlo_path")),
+    }
+    for name, part in parts.items():
+        try:
+            out[name] = part()
+        except Exception as e:  # noqa: BLE001 -- reported; the other parts still run
+            traceback.print_exc()
+            out[name] = {"error": repr(e)[:800]}
+        print(f"  exchange[{spec['variant']}] {name}: done", flush=True)
+        common.write_json(spec["out_json"], out)  # what is done so far, should a later part hang
+    return out
+
+
+# -- the parent: one child per variant --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeRun:
+    """What the section runs (the ``--exchange_*`` flags).
+
+    Attributes:
+      variants: name -> XLA flags (space-separated; "" for XLA's defaults).
+      setup: the sizes (`DEEPSEEK_V3`; the dry run uses `DRY`).
+      timeout_s: seconds one variant's child may take.
+      out_dir: where each child's log, JSON and compiled step go (None: a temporary folder).
+    """
+
+    variants: dict
+    setup: ExchangeSetup
+    timeout_s: float
+    out_dir: str | None
+
+
+def parse_variants(entries) -> dict:
+    """name -> flags from ``--exchange_variants`` entries: a name of `VARIANTS`, or flags
+    (``--xla_...=v``, several joined by ``+``), named after themselves."""
+    out = {}
+    for entry in entries:
+        if entry in VARIANTS:
+            out[entry] = VARIANTS[entry]
+        elif entry.startswith("--"):
+            out[entry] = " ".join(entry.split("+"))
+        else:
+            raise ValueError(
+                f"unknown exchange variant {entry!r}; expected one of {list(VARIANTS)}"
+            )
+    return out
+
+
+def _child_env(flags: str, dry: bool) -> dict:
+    env = dict(os.environ)
+    base = env.get("XLA_FLAGS", "")
+    if dry:
+        env["JAX_PLATFORMS"] = "cpu"
+        base = re.sub(r"--xla_force_host_platform_device_count=\d+", "", base)
+        base += " --xla_force_host_platform_device_count=4"
+    else:
+        # The parent process holds GPU memory of its own: take what the child needs, no more.
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env["XLA_FLAGS"] = f"{base} {flags}".strip()
+    return env
+
+
+def file_stem(name: str) -> str:
+    """A variant's name as a file name (a raw flag's dashes and "=" replaced)."""
+    return re.sub(r"[^\w.]+", "_", name).strip("_")
+
+
+def run_child(name: str, flags: str, spec: dict, folder: str, dry: bool, timeout_s: float) -> dict:
+    """One variant in a child process: its JSON, or a status saying why there is none."""
+    spec_path = os.path.join(folder, f"exchange_{file_stem(name)}_spec.json")
+    log_path = os.path.join(folder, f"exchange_{file_stem(name)}.log")
+    common.write_json(spec_path, spec)
+    cmd = [sys.executable, "-m", "experiments.bench.gpu_exchange", spec_path]
+    try:
+        done = subprocess.run(
+            cmd, env=_child_env(flags, dry), capture_output=True, text=True, timeout=timeout_s
+        )
+        log, rc = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = f"{e.stdout or ''}{e.stderr or ''}", None
+        log = log.decode() if isinstance(log, bytes) else log
+    with open(log_path, "w") as f:
+        f.write(log)
+    unknown = _UNKNOWN_FLAG.search(log)
+    result = {}
+    if os.path.exists(spec["out_json"]):
+        with open(spec["out_json"]) as f:
+            result = json.load(f)
+    if unknown:
+        status = f"flag not known to this jaxlib ({unknown.group(1).strip()})"
+        return {"status": status, "xla_flags": flags}
+    if rc is None:
+        status = f"timed out after {timeout_s:g} s (parts done: {sorted(result)})"
+    elif rc != 0:
+        status = f"failed (exit {rc}): {log.strip().splitlines()[-1][:300] if log.strip() else ''}"
+    else:
+        status = "ok"
+    return {**result, "status": status, "xla_flags": flags}
+
+
+def section_exchange(device, dry: bool, run: ExchangeRun) -> dict:
+    """Every variant of ``run`` in a child process (see the module docstring)."""
+    del device  # the children use every GPU (or, dry, 4 CPU devices)
+    setup = DRY if dry else run.setup
+    out = {"setup": dataclasses.asdict(setup), "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = run.out_dir or tmp
+        os.makedirs(folder, exist_ok=True)
+        for name, flags in run.variants.items():
+            stem = file_stem(name)
+            spec = {
+                "setup": dataclasses.asdict(setup),
+                "dry": dry,
+                "variant": name,
+                "out_json": os.path.join(folder, f"exchange_{stem}.json"),
+                "hlo_path": os.path.join(folder, f"replica_step_hlo_{stem}")
+                if run.out_dir
+                else None,
+            }
+            if os.path.exists(spec["out_json"]):
+                os.remove(spec["out_json"])
+            print(f"  exchange variant {name}: XLA_FLAGS += {flags!r}", flush=True)
+            out["variants"][name] = run_child(name, flags, spec, folder, dry, run.timeout_s)
+            print(f"  exchange variant {name}: {out['variants'][name]['status']}", flush=True)
+    return out
+
+
+def _rate_text(r) -> str:
+    if isinstance(r, str):
+        return r.split(":")[0]  # "skipped"
+    if not isinstance(r, dict) or "gbps" not in r:
+        return "-"
+    return f"{r['ms']:.3g} ms {r['gbps']:.3g} GB/s ({r['x_copy']:.2f}x copy)"
+
+
+def exchange_lines(d: dict) -> list[str]:
+    """The exchange section's results as table lines."""
+    s = d["setup"]
+    lines = [
+        f"(e) exchanges per rank: tokens {s['rows']} x D={s['d_model']} {s['dtype']}; replica "
+        f"weights {s['slots']} slots x (D={s['d_model']}, F={s['d_ff']}); GB/s = payload bytes "
+        "per rank / time; 'x copy' = throughput / a device copy's of the same bytes"
+    ]
+    for name, v in d["variants"].items():
+        lines.append(f"   [{name}] {v.get('xla_flags') or '(XLA defaults)'}: {v['status']}")
+        for part in ("tokens", "weights"):
+            p = v.get(part)
+            if isinstance(p, dict) and "copy" in p:
+                ragged = _rate_text(p.get("ragged", v.get("ragged")))
+                lines.append(
+                    f"      {part:<8} copy {_rate_text(p['copy'])} | ragged {ragged} | "
+                    f"portable {_rate_text(p.get('portable'))}"
+                )
+        g = v.get("grad_check")
+        if isinstance(g, dict):
+            lines.append(f"      gradients ragged vs portable: {g.get('status', g.get('error'))}")
+        step = v.get("replica_step", {})
+        for backend in ("ragged", "portable"):
+            row = step.get(backend) if isinstance(step, dict) else None
+            if row:
+                first = row["verdicts"][0] if row["verdicts"] else "no collective in the schedule"
+                lines.append(
+                    f"      replica step {backend}: {row['ms']:.2f} ms; forward transfer: {first}"
+                )
+        if isinstance(step, dict) and "first_backward_ragged_vs_portable" in step:
+            c = step["first_backward_ragged_vs_portable"]
+            lines.append(
+                f"      replica step first backward ragged vs portable: max rel diff "
+                f"{c['max_rel_diff']:.2e} ({'ok' if c['ok'] else 'MISMATCH'})"
+            )
+    return lines
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        run_variant(json.load(f))

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# Every GPU figure of issue 19, in one command (README, "GPU"):
+#
+#   bash experiments/gpu_all.sh                          # every part, on a GPU machine
+#   bash experiments/gpu_all.sh --parts=setup,tests      # some parts (each <= 10 minutes)
+#   bash experiments/gpu_all.sh --dry_run                # every part at tiny shapes on CPU
+#
+# Parts, in order, with their expected time on one H100 (estimates: tests measured 137 s before):
+#   setup           pip install of this checkout (builds ffi/, the CUDA planner where nvcc is),
+#                   then env.txt: commit, date, nvidia-smi, nvcc, jax / jaxlib    1-2 min, then s
+#   tests           JAX_PLATFORMS=cuda,cpu pytest tests/test_gpu.py -> tests_gpu.log      ~3 min
+#   gpu_check       gpu_check --sections=env,planner,moe -> gpu_check/                  ~3 min
+#   exchange        gpu_check --sections=env,exchange (5 XLA flag variants) -> exchange/  ~6 min
+#   replay_train    replay, --shape=deepseek_v3, DeepSeek-R1 at EP64, train, Mosaic GPU
+#                   kernels, bf16 -> replay_train.json / .log                           ~8 min
+#   replay_prefill  the same, prefill -> replay_prefill.json / .log                       ~4 min
+#   gmm             gpu_check --sections=env,gmm, a reduced sweep -> gmm/ (no bar)       ~5 min
+#   tests_cpu       the whole test suite on the host's CPU -> tests_cpu.log (optional)  ~10 min
+# summary.md (python -m experiments.bench.gpu_summary) is rewritten at the end of every run.
+# Default --parts: setup,tests,gpu_check,exchange,replay_train,replay_prefill,gmm.
+# The device tool allows 10 minutes a command and 30 a session: run it as
+#   --parts=setup,tests,gpu_check   then   --parts=setup,exchange
+#   then --parts=setup,replay_train   then (time left) --parts=setup,replay_prefill,gmm
+# and unpack $OUT/gpu_all.tar.gz into experiments/results/ after each.
+#
+# Options: --parts=LIST, --out=DIR (default experiments/results/gpu_<UTC date>; dry run:
+# runs/gpu_all_dry), --dry_run. Environment: PYTHON (default python3), GPU_ALL_COMMIT (the commit to
+# record where the tree has no .git), REPLAY_MATRICES (1), REPLAY_EP (64), PART_TIMEOUT (seconds a
+# part may take, default 570), OUT (set by the device tool: DIR is packed into
+# $OUT/gpu_all.tar.gz after each part, so that finished parts come back even if a later one is
+# cut off).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+DRY=0
+PARTS=setup,tests,gpu_check,exchange,replay_train,replay_prefill,gmm
+DIR=""
+for arg in "$@"; do
+  case $arg in
+    --dry_run) DRY=1 ;;
+    --parts=*) PARTS=${arg#--parts=} ;;
+    --out=*) DIR=${arg#--out=} ;;
+    *) echo "gpu_all.sh: unknown argument $arg (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+if [ -z "$DIR" ]; then
+  if [ $DRY = 1 ]; then DIR=runs/gpu_all_dry; else DIR=experiments/results/gpu_$(date -u +%Y%m%d); fi
+fi
+mkdir -p "$DIR"
+TIMEOUT=${PART_TIMEOUT:-570}
+MATRICES=${REPLAY_MATRICES:-1}
+EP=${REPLAY_EP:-64}
+if [ $DRY = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  DRYFLAG=--dry_run
+else
+  DRYFLAG=""
+  # CMake finds nvcc on the PATH (the CUDA planner handler is built only then).
+  if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export PATH=$PATH:/usr/local/cuda/bin
+  fi
+fi
+export PYTHONUNBUFFERED=1
+
+pack() {  # finished parts travel back with the device tool even if a later part is cut off
+  if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+    tar czf "$OUT/gpu_all.tar.gz" -C "$(dirname "$DIR")" "$(basename "$DIR")"
+  fi
+}
+
+run_part() {  # run_part NAME LOG COMMAND...: runs it under the part timeout, records it
+  local name=$1 log=$2
+  shift 2
+  echo "== $name: $*"
+  local start=$SECONDS
+  timeout "$TIMEOUT" "$@" >"$log" 2>&1
+  local rc=$?
+  local took=$((SECONDS - start))
+  tail -n 25 "$log"
+  [ $rc = 124 ] && echo "== $name: TIMED OUT after $TIMEOUT s (partial output in $log)"
+  echo "== $name: exit $rc, $took s"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$took" "$*" >>"$DIR/commands.tsv"
+  pack
+}
+
+record_env() {
+  {
+    echo "commit: ${GPU_ALL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}$(
+      git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo ' (uncommitted changes)')"
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "dry_run: $DRY"
+    echo "host: $(hostname) ($(nproc) cores)"
+    echo "python: $($PY --version 2>&1) ($PY)"
+    $PY - <<'EOF'
+import importlib.metadata as md
+import jax
+for pkg in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "triton"):
+    try:
+        print(f"{pkg}: {md.version(pkg)}")
+    except md.PackageNotFoundError:
+        pass
+print(f"jax.__version__: {jax.__version__}")
+print(f"devices: {jax.devices()}")
+try:
+    from ultraep_jax import _native
+    print(f"cuda_planner_handler: {'built' if _native.has_cuda_handler() else 'MISSING'}")
+except ImportError as e:
+    print(f"cuda_planner_handler: unknown ({e})")
+EOF
+    echo "nvcc: $(command -v nvcc >/dev/null && nvcc --version | tail -n 2 | tr '\n' ' ' || echo 'not found')"
+    echo "== nvidia-smi"
+    nvidia-smi 2>&1 || echo "(no nvidia-smi)"
+  } >"$DIR/env.txt" 2>&1
+  cat "$DIR/env.txt"
+}
+
+part_setup() {
+  if [ $DRY = 1 ] && $PY -c "from ultraep_jax import _native; _native.cpu_library()" 2>/dev/null; then
+    echo "== setup: installed already (dry run: no reinstall)"
+  else
+    # No network on the device machine: its image has the build requirements.
+    run_part setup "$DIR/setup.log" \
+      $PY -m pip install -q --no-index --no-build-isolation --no-deps -e .
+  fi
+  record_env
+  if [ $DRY = 0 ] && ! grep -q "cuda_planner_handler: built" "$DIR/env.txt"; then
+    echo "!! the CUDA planner handler is MISSING (no nvcc when ffi/ was built?): the planner"
+    echo "!! section reports 'skipped'; no CPU planner time is reported as the GPU's."
+  fi
+  pack
+}
+
+replay_args() {  # replay_args MODE
+  local mode=$1
+  if [ $DRY = 1 ]; then
+    echo "--workloads=deepseek-r1 --ep_sizes=4 --mode=$mode --matrices=1 --d_model=16 --d_ff=8" \
+      "--pairs_per_rank=512 --prefill_pairs_per_rank=512 --repeats=1 --refine=0" \
+      "--refine_rounds=1 --bookkeeping_ranks=1 --cpu_core=-1"
+  else
+    # Wall clock on the GPU: little noise, so fewer refinement rounds than on a shared CPU.
+    echo "--shape=deepseek_v3 --kernel=mgpu --workloads=deepseek-r1 --ep_sizes=$EP --mode=$mode" \
+      "--matrices=$MATRICES --repeats=3 --refine_rounds=9 --cpu_core=-1"
+  fi
+}
+
+IFS=, read -ra WANT <<<"$PARTS"
+for part in "${WANT[@]}"; do
+  case $part in
+    setup) part_setup ;;
+    tests)
+      run_part tests "$DIR/tests_gpu.log" env JAX_PLATFORMS="$([ $DRY = 1 ] && echo cpu || echo cuda,cpu)" \
+        $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+    tests_cpu)
+      run_part tests_cpu "$DIR/tests_cpu.log" env JAX_PLATFORMS=cpu \
+        $PY -m pytest -q -p no:cacheprovider tests/ ;;
+    gpu_check)
+      run_part gpu_check "$DIR/gpu_check.log" $PY -m experiments.bench.gpu_check $DRYFLAG \
+        --out="$DIR/gpu_check" --sections=env,planner,moe ;;
+    exchange)
+      # The dry run's variants: XLA's defaults, and a flag no jaxlib knows (the reporting path).
+      variants=$([ $DRY = 1 ] && echo "default,--xla_ultraep_no_such_flag=true" ||
+        echo "default,decomposer,one_shot_off,device_kernel,latency_hiding")
+      run_part exchange "$DIR/exchange.log" $PY -m experiments.bench.gpu_check $DRYFLAG \
+        --out="$DIR/exchange" --sections=env,exchange --exchange_variants="$variants" \
+        --exchange_timeout=150 ;;
+    replay_train | replay_prefill)
+      mode=${part#replay_}
+      # shellcheck disable=SC2046
+      run_part "$part" "$DIR/$part.log" $PY -m experiments.bench.replay $(replay_args "$mode") \
+        --json_out="$DIR/$part.json" ;;
+    gmm)
+      run_part gmm "$DIR/gmm.log" $PY -m experiments.bench.gpu_check $DRYFLAG --out="$DIR/gmm" \
+        --sections=env,gmm --gmm_groups=8 --gmm_sizes=16384,65536 \
+        --gmm_configs=128x128x64w4s3 --mgpu_configs=128x128x64c4g4,128x128x64c5g4 ;;
+    summary) ;;
+    *) echo "gpu_all.sh: unknown part $part" >&2; exit 2 ;;
+  esac
+done
+
+$PY -m experiments.bench.gpu_summary --dir="$DIR" >/dev/null && echo "== summary: $DIR/summary.md"
+cat "$DIR/summary.md"
+pack
