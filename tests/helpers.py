@@ -1,9 +1,11 @@
 """What several test files build the same way: the meshes of the 8 simulated devices, the layer
-with given parameter values, a batch placed on a mesh, the layer's values and gradients, and the
-replica transfer with its gradient (`transfer.fetch_replica_experts` over the "expert" axis)."""
+with given parameter values, skewed inputs and parameter values to write in, a batch placed on a
+mesh, the layer's values and gradients, and the replica transfer with its gradient
+(`transfer.fetch_replica_experts` over the "expert" axis)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -50,6 +52,28 @@ def build_layer(mesh, params: Mapping[str, np.ndarray] | None = None, **options)
     for name, value in (params or {}).items():
         set_param(getattr(layer, name), value)
     return layer
+
+
+def draw_routed_inputs(rng, batch, seq, d_model, d_ff, num_experts, skew, hot=(0, 1)):
+    """float32 x [batch, seq, D] and the routed experts' parameter values (``router_kernel`` [D,
+    E], ``w_gate``, ``w_up`` [E, D, F], ``w_down`` [E, F, D]) drawn from ``rng``; ``skew`` makes
+    the ``hot`` experts take most tokens (a shared direction ``u`` in x that their router
+    columns align with)."""
+    D, F, E = d_model, d_ff, num_experts
+    u = rng.normal(size=D)
+    u /= np.linalg.norm(u)
+    x = rng.normal(size=(batch, seq, D))
+    router = 0.7 * rng.normal(size=(D, E))
+    if skew:
+        x += 2.0 * u
+        router[:, list(hot)] += 3.0 * u[:, None]
+    params = {
+        "router_kernel": router,
+        "w_gate": rng.normal(size=(E, D, F)) / math.sqrt(D),
+        "w_up": rng.normal(size=(E, D, F)) / math.sqrt(D),
+        "w_down": rng.normal(size=(E, F, D)) / math.sqrt(F),
+    }
+    return x.astype(np.float32), {k: v.astype(np.float32) for k, v in params.items()}
 
 
 def place_batch(mesh, x):

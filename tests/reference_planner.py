@@ -397,15 +397,21 @@ def reference_plan_info(
     master_keep_tokens: int = 1,
     capacity: int = 0,
 ):
-    """Like ``reference_plan`` but returns ``(plan, info)``.
+    """The plan of PLANNER.md for ``loads[R, E]`` (``capacity`` 0: unbounded) and how the
+    search reached it: ``(plan, info)``.
+
+    ``plan``: a dict of int32 NumPy arrays: ``slot_expert [R,S]`` (-1 empty), ``slot_quota
+    [R,S]`` (0 empty), ``master_quota [E]``, ``rank_load [R]``.
 
     ``info``: ``tau`` (the winning threshold; ``Lmax`` when the search found nothing better or
     short-circuited), ``tau0``, ``delta`` (None when the search short-circuited or ended before
-    it needed one), ``replicas``
-    (``(expert, target, quota)`` in creation order), ``probes`` (the evaluated thresholds, in
-    order), ``how`` (which attempt of the winning ``try`` made the replicas: ``(pass, f, rule,
-    order)`` as in ``oracle_info``; None without replicas), ``load_e`` and ``L`` (lists of Python
-    ints), ``T``, ``Lmax``.
+    it needed one), ``replicas`` (``(expert, target, quota)`` in creation order), ``probes``
+    (the evaluated thresholds, in order), ``how`` (which attempt of the winning ``try`` made the
+    replicas: ``(pass, f, rule, order)`` as in ``oracle_info``; None without replicas),
+    ``load_e`` and ``L`` (lists of Python ints), ``T``, ``Lmax``.
+
+    Raises ValueError on invalid input (negative loads, ``load_e`` or ``L`` above 2^31 - 1,
+    ``E % R != 0``, bad parameters).
     """
     arr = _as_loads(loads)
     R, E = arr.shape
@@ -501,23 +507,9 @@ def reference_plan_info(
     return plan, info
 
 
-def reference_plan(
-    loads,
-    slots_per_rank: int,
-    min_tokens_per_replica: int,
-    balance_eps: float,
-    master_keep_tokens: int = 1,
-    capacity: int = 0,
-) -> dict:
-    """The plan of PLANNER.md for ``loads[R, E]`` (``capacity`` 0: unbounded).
-
-    Returns a dict of int32 NumPy arrays: ``slot_expert [R,S]`` (-1 empty), ``slot_quota [R,S]``
-    (0 empty), ``master_quota [E]``, ``rank_load [R]``. Raises ValueError on invalid input
-    (negative loads, ``load_e`` or ``L`` above 2^31 - 1, ``E % R != 0``, bad parameters).
-    """
-    plan, _ = reference_plan_info(
-        loads, slots_per_rank, min_tokens_per_replica, balance_eps, master_keep_tokens, capacity
-    )
+def reference_plan(*args, **kwargs) -> dict:
+    """The plan of `reference_plan_info` (the same arguments) alone."""
+    plan, _ = reference_plan_info(*args, **kwargs)
     return plan
 
 

@@ -117,29 +117,11 @@ def balancer_config(mesh, num_experts, slots, **kwargs) -> uep.BalancerConfig:
     )
 
 
-def make_inputs(rng, batch, seq, num_experts, top_k, skew, hot=None):
-    """x [batch, seq, D] and parameter values; ``skew`` makes the ``hot`` experts take most
-    tokens (a shared direction ``u`` in x that the hot experts' router columns align with).
-
-    Draws again until every token's top-k choice has a clear logit margin.
-    """
-    hot = [0, 1] if hot is None else hot
+def make_inputs(rng, batch, seq, num_experts, top_k, skew, hot=(0, 1)):
+    """x [batch, seq, D] and parameter values of this file's widths (`helpers.draw_routed_inputs`),
+    drawn again until every token's top-k choice has a clear logit margin."""
     for _ in range(50):
-        u = rng.normal(size=D)
-        u /= np.linalg.norm(u)
-        x = rng.normal(size=(batch, seq, D))
-        router = 0.7 * rng.normal(size=(D, num_experts))
-        if skew:
-            x += 2.0 * u
-            router[:, hot] += 3.0 * u[:, None]
-        params = {
-            "router_kernel": router,
-            "w_gate": rng.normal(size=(num_experts, D, F)) / math.sqrt(D),
-            "w_up": rng.normal(size=(num_experts, D, F)) / math.sqrt(D),
-            "w_down": rng.normal(size=(num_experts, F, D)) / math.sqrt(F),
-        }
-        x = x.astype(np.float32)
-        params = {k: v.astype(np.float32) for k, v in params.items()}
+        x, params = helpers.draw_routed_inputs(rng, batch, seq, D, F, num_experts, skew, hot)
         if routing_margin(x, params["router_kernel"], top_k) > 1e-3:
             return x, params
     raise AssertionError("could not draw inputs with a clear routing margin")

@@ -67,21 +67,17 @@ CONFIGS = [
 ]
 
 
-def _config(R, E, S, F, K, eps) -> uep.BalancerConfig:
-    """The balancer of a case, in the reference planner's argument names."""
+def _config(S, F, K, eps) -> uep.BalancerConfig:
+    """The balancer of a case, in the reference planner's argument names (E and R: `uep.plan`
+    reads them from the loads' shape)."""
     return uep.BalancerConfig(
-        num_experts=E,
-        ep_size=R,
-        slots_per_rank=S,
-        min_tokens_per_replica=F,
-        master_keep_tokens=K,
-        balance_eps=eps,
+        slots_per_rank=S, min_tokens_per_replica=F, master_keep_tokens=K, balance_eps=eps
     )
 
 
 @pytest.mark.parametrize("R, E, S, F, K, eps", CONFIGS)
 def test_ffi_equals_reference_on_random_batches(R, E, S, F, K, eps):
-    cfg = _config(R, E, S, F, K, eps)
+    cfg = _config(S, F, K, eps)
     rng = np.random.default_rng(R * 1000 + E + S)
     kinds = ["uniform", "hot", "zipf", "one", "equal"]
     scales = [1, 7, 1000, 200_000]
@@ -117,7 +113,7 @@ def test_ffi_equals_reference_property(
     E = R * experts_per_rank
     rng = np.random.default_rng(seed)
     loads = _random_loads(rng, R, E, kind, scale // E + 1 if scale > 100_000 else scale)
-    cfg = _config(R, E, S, F, K, eps)
+    cfg = _config(S, F, K, eps)
     # capacity as a multiple of the mean rank load (below, at and above it)
     cap = None if capacity is None else max(1, int(capacity * loads.sum(dtype=np.int64) / R))
     got = uep.plan(loads, cfg, capacity=cap)

@@ -167,6 +167,15 @@ def test_hand_fallback_refine_wins():
 
 
 HOT8 = [100, 10, 10, 10, 10, 10, 10, 10]
+# HOT8 on R=4, S=2 planned at threshold 43 by attempt(43, 1, loose), worked out in
+# test_hand_r4_e8_s2_one_hot_expert: e0's replicas (expert, target, quota), and the plan.
+HOT8_AT_43_REPLICAS = [(0, 1, 23), (0, 2, 23), (0, 3, 21)]
+HOT8_AT_43 = {
+    "slot_expert": [[-1, -1], [0, -1], [0, -1], [0, -1]],
+    "slot_quota": [[0, 0], [23, 0], [23, 0], [21, 0]],
+    "master_quota": [33, 10, 10, 10, 10, 10, 10, 10],
+    "rank_load": [43, 43, 43, 41],
+}
 
 
 def test_hand_r4_e8_s2_one_hot_expert():
@@ -189,14 +198,8 @@ def test_hand_r4_e8_s2_one_hot_expert():
     loads = loads_from_expert_totals(HOT8, 4, rows)
     plan, info = reference_plan_info(loads, 2, 1, 0.0, 1)
     assert info["tau"] == 43 and info["probes"] == [43]
-    assert info["replicas"] == [(0, 1, 23), (0, 2, 23), (0, 3, 21)]
-    assert_plan(
-        plan,
-        [[-1, -1], [0, -1], [0, -1], [0, -1]],
-        [[0, 0], [23, 0], [23, 0], [21, 0]],
-        [33, 10, 10, 10, 10, 10, 10, 10],
-        [43, 43, 43, 41],
-    )
+    assert info["replicas"] == HOT8_AT_43_REPLICAS
+    assert_plan(plan, **HOT8_AT_43)
     check_plan_invariants(loads, plan, 2)
 
 
@@ -240,14 +243,8 @@ def test_hand_exact_mode_falls_back_to_floor_one():
     loads = loads_from_expert_totals(HOT8, 4)
     plan, info = reference_plan_info(loads, 2, 30, 0.0, 1)
     assert info["probes"] == [43] and info["tau"] == 43
-    assert info["replicas"] == [(0, 1, 23), (0, 2, 23), (0, 3, 21)]
-    assert_plan(
-        plan,
-        [[-1, -1], [0, -1], [0, -1], [0, -1]],
-        [[0, 0], [23, 0], [23, 0], [21, 0]],
-        [33, 10, 10, 10, 10, 10, 10, 10],
-        [43, 43, 43, 41],
-    )
+    assert info["replicas"] == HOT8_AT_43_REPLICAS
+    assert_plan(plan, **HOT8_AT_43)
     check_plan_invariants(loads, plan, 2)
     # The floor only gives way in exact mode: the attempts at floor 30 fail on their own.
     assert attempt(43, HOT8, [110, 20, 20, 20], 2, 30, 1, False) == (False, [])
@@ -591,8 +588,8 @@ def test_hand_capacity_window_gives_up_the_floor():
     assert info["tau"] == 50 and plan["rank_load"].tolist() == [50, 50, 50, 20]
     plan, info = reference_plan_info(loads, 2, 30, 0.01, 1, capacity=45)
     assert info["probes"] == [43] and info["tau"] == 43
-    assert info["replicas"] == [(0, 1, 23), (0, 2, 23), (0, 3, 21)]
-    assert plan["rank_load"].tolist() == [43, 43, 43, 41]
+    assert info["replicas"] == HOT8_AT_43_REPLICAS
+    assert plan["rank_load"].tolist() == HOT8_AT_43["rank_load"]
 
 
 def test_hand_capacity_where_eps_alone_plans_nothing():
@@ -605,7 +602,7 @@ def test_hand_capacity_where_eps_alone_plans_nothing():
     assert info["tau0"] == 110 and info["probes"] == [] and info["replicas"] == []
     plan, info = reference_plan_info(loads, 2, 1, 1e17, 1, capacity=43)
     assert info["tau0"] == 110 and info["delta"] == 110 and info["probes"] == [43]
-    assert plan["rank_load"].tolist() == [43, 43, 43, 41]
+    assert plan["rank_load"].tolist() == HOT8_AT_43["rank_load"]
 
 
 # --- the IEEE-double formulas -----------------------------------------------------------------

@@ -24,7 +24,13 @@ import pytest
 from flax import nnx
 
 import ultraep_jax as uep
-from tests.helpers import build_layer, layer_value_and_grads, make_mesh, place_batch
+from tests.helpers import (
+    build_layer,
+    draw_routed_inputs,
+    layer_value_and_grads,
+    make_mesh,
+    place_batch,
+)
 from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, update_bias
 
 D, F, FS = 8, 8, 8  # model width, expert hidden width, shared expert hidden width
@@ -335,24 +341,13 @@ def draw_layer_inputs(rng, spec: Spec, batch, seq, skew=True, bias_scale=0.0):
     router columns align with). Every decision has a clear margin and a nonzero bias changes at
     least one token's choice."""
     for _ in range(200):
-        u = rng.normal(size=D)
-        u /= np.linalg.norm(u)
-        x = rng.normal(size=(batch, seq, D))
-        router = 0.7 * rng.normal(size=(D, E))
-        if skew:
-            x += 2.0 * u
-            router[:, [0, 1]] += 3.0 * u[:, None]
-        params = {
-            "router_kernel": router,
-            "w_gate": rng.normal(size=(E, D, F)) / math.sqrt(D),
-            "w_up": rng.normal(size=(E, D, F)) / math.sqrt(D),
-            "w_down": rng.normal(size=(E, F, D)) / math.sqrt(F),
+        x, params = draw_routed_inputs(rng, batch, seq, D, F, E, skew)
+        shared = {
             "shared_gate": rng.normal(size=(D, FS)) / math.sqrt(D),
             "shared_up": rng.normal(size=(D, FS)) / math.sqrt(D),
             "shared_down": rng.normal(size=(FS, D)) / math.sqrt(FS),
         }
-        x = x.astype(np.float32)
-        params = {k: v.astype(np.float32) for k, v in params.items()}
+        params |= {k: v.astype(np.float32) for k, v in shared.items()}
         bias = (bias_scale * rng.normal(size=E)).astype(np.float32)
         logits = x.reshape(-1, D).astype(np.float64) @ params["router_kernel"].astype(np.float64)
         experts, margin = ref_select(logits, spec, bias)

@@ -362,27 +362,43 @@ def test_resume_with_another_model_ends_with_one_line(tmp_path):
     assert _checkpoint_steps(workdir) == [1]
 
 
-def test_ctrl_c_saves_and_resume_continues(tmp_path, capsys):
-    workdir = tmp_path / "run"
-    args = [f"--workdir={workdir}", *SMALL_FLAGS, "--steps=100000", "--print_every=1"]
-    args += ["--checkpoint_every=100000", "--eval_every=100000"]
+#: Steps, and checkpoint and eval intervals, that a run stopped by a signal never reaches.
+_ENDLESS = 100000
+
+
+def _signalled_run(workdir, signum, from_step: int, resend_on: str | None = None):
+    """`experiments.train` in a subprocess for `_ENDLESS` steps (a line per step, no checkpoint
+    or eval but the first) sent ``signum`` once it prints step ``from_step``; with
+    ``resend_on``, at every step line from there on until it prints a line starting with
+    ``resend_on``, and once more then. Returns its exit code and output (stdout and stderr)."""
+    args = [f"--workdir={workdir}", *SMALL_FLAGS, f"--steps={_ENDLESS}", "--print_every=1"]
+    args += [f"--checkpoint_every={_ENDLESS}", f"--eval_every={_ENDLESS}"]
     proc = _python(args, merge_stderr=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step") and int(line.split()[1]) >= 3:
-            proc.send_signal(signal.SIGINT)
+        if line.startswith("step") and int(line.split()[1]) >= from_step:
+            proc.send_signal(signum)
+            if resend_on is None:
+                break
+        if resend_on is not None and line.startswith(resend_on):
+            proc.send_signal(signum)
             break
     rest, _ = proc.communicate(timeout=300)
-    out = "".join(lines) + rest
-    assert proc.returncode == 130, out[-3000:]
+    return proc.returncode, "".join(lines) + rest
+
+
+def test_ctrl_c_saves_and_resume_continues(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    returncode, out = _signalled_run(workdir, signal.SIGINT, from_step=3)
+    assert returncode == 130, out[-3000:]
     assert "Traceback" not in out
     records = _records(workdir)
     stopped = records[-1]["step"]
-    assert 3 <= stopped < 100000
+    assert 3 <= stopped < _ENDLESS
     assert [r["step"] for r in records] == list(range(1, stopped + 1))
     assert _checkpoint_steps(workdir)[-1] == stopped  # orbax also keeps its first save, step 1
-    assert f"stopped by SIGINT after step {stopped} of 100000" in out
+    assert f"stopped by SIGINT after step {stopped} of {_ENDLESS}" in out
     assert f"workdir {workdir}" in out and f"files in {workdir}" in out
     assert (workdir / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     summary = _summary(workdir)
@@ -390,7 +406,7 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path, capsys):
     assert not summary["finished"] and summary["final_loss"] == records[-1]["loss"]
 
     capsys.readouterr()
-    _run(tmp_path, "run", steps=stopped + 2, checkpoint_every=100000)
+    _run(tmp_path, "run", steps=stopped + 2, checkpoint_every=_ENDLESS)
     assert f"resuming after step {stopped}" in capsys.readouterr().out
     assert [r["step"] for r in _records(workdir)] == list(range(1, stopped + 3))
     assert _checkpoint_steps(workdir)[-2:] == [stopped, stopped + 2]
@@ -401,20 +417,9 @@ def test_sigterm_twice_still_saves(tmp_path):
     """`timeout` signals the run and then its whole process group: the second SIGTERM, arriving
     while the run saves, used to kill it (exit -15, nothing saved after the last checkpoint)."""
     workdir = tmp_path / "run"
-    args = [f"--workdir={workdir}", *SMALL_FLAGS, "--steps=100000", "--print_every=1"]
-    args += ["--checkpoint_every=100000", "--eval_every=100000"]
-    proc = _python(args, merge_stderr=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("step") and int(line.split()[1]) >= 2:
-            proc.send_signal(signal.SIGTERM)
-        if line.startswith("SIGTERM: stopping"):  # the first one is handled: send another
-            proc.send_signal(signal.SIGTERM)
-            break
-    rest, _ = proc.communicate(timeout=300)
-    out = "".join(lines) + rest
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    # Another SIGTERM once the run says it handles the first one (while it saves).
+    returncode, out = _signalled_run(workdir, signal.SIGTERM, 2, resend_on="SIGTERM: stopping")
+    assert returncode == 128 + signal.SIGTERM, out[-3000:]
     stopped = _records(workdir)[-1]["step"]
     assert _checkpoint_steps(workdir)[-1] == stopped >= 2
     assert _summary(workdir)["stopped_by"] == "SIGTERM"

@@ -50,9 +50,8 @@ class MoE(nnx.Module):
       d_ff: F, each expert's hidden width.
       num_experts: E; must be divisible by the size of the EP axis.
       top_k: experts per token, 1 <= top_k <= E.
-      mesh, balancer, capacity_factor, expert_axis, comm_backend, expert_kernel,
-        transfer_chunks: see `ExpertParallel` (the layer keeps one as ``self.ep``);
-        ``transfer_chunks`` at most ``d_ff``.
+      mesh, balancer, capacity_factor: see `ExpertParallel` (the layer keeps one as
+        ``self.ep``).
       router: a router of `ultraep_jax.routers` with this ``top_k`` (default
         ``SoftmaxTopK(top_k)``). With `SigmoidTopK` the layer keeps a `RouterBias`
         ``router_bias`` [E]; call `update_router_bias` with each step's stats to move it.
@@ -61,6 +60,8 @@ class MoE(nnx.Module):
         runs outside the expert exchange, so XLA may overlap the two.
       param_dtype: dtype of the parameters (router math is float32 whatever it is).
       rngs: initialisation randomness.
+      **ep_options: more `ExpertParallel` keywords, with its defaults: ``expert_axis``,
+        ``comm_backend``, ``expert_kernel`` and ``transfer_chunks`` (at most ``d_ff``).
 
     Parameters: ``router_kernel`` [D, E] (replicated); ``w_gate``, ``w_up`` [E, D, F] and
     ``w_down`` [E, F, D], split over the EP axis; with shared experts ``shared_gate``,
@@ -80,29 +81,17 @@ class MoE(nnx.Module):
         balancer: BalancerConfig | None = None,
         capacity_factor: float | None = 1.25,
         *,
-        expert_axis: str = "expert",
-        comm_backend: str = "auto",
-        expert_kernel: str = "auto",
-        transfer_chunks: int = 1,
         router: SoftmaxTopK | SigmoidTopK | None = None,
         shared_d_ff: int = 0,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
+        **ep_options,
     ):
         d_model, d_ff, top_k = (
             check_positive_int("MoE", name, value)
             for name, value in (("d_model", d_model), ("d_ff", d_ff), ("top_k", top_k))
         )
-        self.ep = ExpertParallel(
-            mesh=mesh,
-            num_experts=num_experts,
-            balancer=balancer,
-            capacity_factor=capacity_factor,
-            expert_axis=expert_axis,
-            comm_backend=comm_backend,
-            expert_kernel=expert_kernel,
-            transfer_chunks=transfer_chunks,
-        )
+        self.ep = ExpertParallel(mesh, num_experts, balancer, capacity_factor, **ep_options)
         if self.ep.transfer_chunks > d_ff:
             raise ValueError(
                 f"MoE: transfer_chunks={self.ep.transfer_chunks} exceeds d_ff={d_ff} (a chunk is "
