@@ -113,6 +113,12 @@ struct WarpState {
 };
 
 // ---------------------------------------------------------------------------------------------
+// The lanes' interface (HostLanes here, DeviceLanes in plan_cuda.cu): for_each, max_key and sum
+// over an index range split across the lanes, leader() (the lane that writes a value all lanes
+// computed) and sync(). Every lane runs the scalar code with the same values, since each
+// reduction ends in every lane. A lane overwrites warp state only after every lane has read what
+// it overwrites: a reduction or a sync() lies between (on the device lanes are not in lockstep).
+//
 // The host's lanes and block. A warp's lanes run in a loop: lane l takes the indices l, l + 32,
 // ... of a range, and a reduction combines the lanes' values in the device's butterfly order
 // (xor over lane distances 16, 8, 4, 2, 1; max and integer sums give the same in any order).
@@ -270,18 +276,21 @@ UEP_HD Probe probe_at(const Lanes& lanes, const Shared& sh, int64_t tau) {
   return Probe{tau, excess, n_over};
 }
 
-// The plain order D into ws.order: the first n_over ranks of the rank order.
+// The plain order D into ws.order: the first n_over ranks of the rank order. (The first sync: a
+// lane may still be reading the order a repair left, with no reduction in between.)
 template <class Lanes>
 UEP_HD void plain_order(const Lanes& lanes, const Shared& sh, WarpState& ws, const Probe& p) {
+  lanes.sync();
   lanes.for_each(p.n_over,
                  [&](int64_t i) { ws.order[i] = static_cast<int32_t>(sh.rank_order[i]); });
   lanes.sync();
 }
 
 // A repair's move: `failed` to the front of ws.order, the others keeping their order (rare, so
-// one lane does it).
+// one lane does it, once every lane has read ws.order[0] for the repair's test).
 template <class Lanes>
 UEP_HD void move_to_front(const Lanes& lanes, WarpState& ws, int64_t failed) {
+  lanes.sync();
   if (lanes.leader()) {
     int64_t p = 0;
     while (ws.order[p] != failed) ++p;
