@@ -213,11 +213,12 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
             _, ms = cuda_bench(cfg, base[s : s + 1], reps, parallel=parallel)
             singles.append(float(np.median(ms)) * 1e3)
         _, ms = cuda_bench(cfg, base[np.arange(plan_batch) % 6], 10, parallel=parallel)
-        t[f"event_us_single_by_target_{kernel}"] = singles
-        t[f"event_us_per_plan_batched_{kernel}"] = float(np.median(ms)) * 1e3 / plan_batch
+        # key prefixes name the kernel (experiments.bench.gpu_summary reads them so)
+        t[f"{kernel}_event_us_single_by_target"] = singles
+        t[f"{kernel}_event_us_per_plan_batched"] = float(np.median(ms)) * 1e3 / plan_batch
         print(
             f"  planner time ({kernel} kernel): {singles} us single, "
-            f"{t[f'event_us_per_plan_batched_{kernel}']:.2f} us/plan batched",
+            f"{t[f'{kernel}_event_us_per_plan_batched']:.2f} us/plan batched",
             flush=True,
         )
 
