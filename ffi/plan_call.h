@@ -80,17 +80,21 @@ inline ffi::Error check_options(const PlanOptions& o) {
   return ffi::Error::Success();
 }
 
-// The body of both handlers, whose parameters are those of BindPlanCall (after the context):
-// checks that loads is [..., R, E], that every output has the elements of [..., R, S], [..., E],
-// [..., R], [..., 2 * workspace_elems] for the same leading dimensions, and the attributes, then
-// returns run(call) for the checked call (Run: ffi::Error(const PlanCall&)). A failed check is one
-// line that says what is wrong.
+// int64 workspace elements per plan of one form of the planner (workspace_elems for the
+// sequential core, par::parallel_workspace_elems for the parallel form).
+using WorkspaceElems = int64_t (*)(const PlanDims&);
+
+// The body of every handler, whose parameters after `workspace_of` are those of BindPlanCall
+// (after the context): checks that loads is [..., R, E], that every output has the elements of
+// [..., R, S], [..., E], [..., R], [..., 2 * workspace_of(dims)] for the same leading dimensions,
+// and the attributes, then returns run(call) for the checked call (Run: ffi::Error(const
+// PlanCall&)). A failed check is one line that says what is wrong.
 template <class Run>
-ffi::Error HandlePlanCall(const Run& run, Int32In loads, int64_t slots_per_rank,
-                          int64_t min_tokens_per_replica, int64_t master_keep_tokens,
-                          double balance_eps, int64_t capacity, Int32Out slot_expert,
-                          Int32Out slot_quota, Int32Out master_quota, Int32Out rank_load,
-                          Int32Out workspace) {
+ffi::Error HandlePlanCall(const Run& run, WorkspaceElems workspace_of, Int32In loads,
+                          int64_t slots_per_rank, int64_t min_tokens_per_replica,
+                          int64_t master_keep_tokens, double balance_eps, int64_t capacity,
+                          Int32Out slot_expert, Int32Out slot_quota, Int32Out master_quota,
+                          Int32Out rank_load, Int32Out workspace) {
   auto ld = loads.dimensions();
   if (ld.size() < 2)
     return ffi::Error::InvalidArgument("ultraep_plan: loads must be [..., R, E], got " +
@@ -105,7 +109,7 @@ ffi::Error HandlePlanCall(const Run& run, Int32In loads, int64_t slots_per_rank,
   int64_t count = 1;
   for (size_t i = 0; i + 2 < ld.size(); ++i) count *= ld[i];
   const PlanDims d{R, E, S};
-  const int64_t ws_elems = workspace_elems(d);
+  const int64_t ws_elems = workspace_of(d);
   struct Want {
     const char* name;
     size_t got;

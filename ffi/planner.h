@@ -445,10 +445,15 @@ UEP_HD inline int64_t ladder_probes(Search& search, int64_t tau0, int64_t delta,
   return -1;
 }
 
-// PLANNER.md "The threshold search": the winning threshold (Lmax when no probe succeeds), with the
-// winner's replicas left in ws (ws.rep_*, ws.exported) and their count in *nrep.
-UEP_HD inline int64_t search_threshold(const PlanDims& d, const PlanOptions& o, Workspace& ws,
-                                       int64_t total, int64_t lmax, int64_t* nrep) {
+// The search's starting points (PLANNER.md "Derived quantities"): M, tau0 and delta.
+struct SearchStart {
+  int64_t mean_ceil;  // M = ceil(T / R)
+  int64_t tau0;       // the first threshold of the ladder
+  int64_t delta;      // the ladder's step
+};
+
+UEP_HD inline SearchStart search_start(const PlanDims& d, const PlanOptions& o, int64_t total,
+                                       int64_t lmax) {
   // The largest integer threshold within (1 + eps) of the mean, but never below the mean's ceiling.
   const int64_t mean_ceil = (total + d.R - 1) / d.R;
   const int64_t tau0 = max64(
@@ -456,6 +461,19 @@ UEP_HD inline int64_t search_threshold(const PlanDims& d, const PlanOptions& o, 
       clamp_floor(static_cast<double>(total) * (1.0 + o.eps) / static_cast<double>(d.R), lmax));
   const int64_t delta = max64(
       1, clamp_ceil(static_cast<double>(total) * o.eps / static_cast<double>(d.R) / 2.0, lmax));
+  return SearchStart{mean_ceil, tau0, delta};
+}
+
+// Whether the search runs its capacity step (PLANNER.md: 0 < C < Lmax and C >= M).
+UEP_HD inline bool capacity_applies(const PlanOptions& o, int64_t lmax, int64_t mean_ceil) {
+  return o.capacity > 0 && o.capacity < lmax && o.capacity >= mean_ceil;
+}
+
+// PLANNER.md "The threshold search": the winning threshold (Lmax when no probe succeeds), with the
+// winner's replicas left in ws (ws.rep_*, ws.exported) and their count in *nrep.
+UEP_HD inline int64_t search_threshold(const PlanDims& d, const PlanOptions& o, Workspace& ws,
+                                       int64_t total, int64_t lmax, int64_t* nrep) {
+  const SearchStart st = search_start(d, o, total, lmax);
   const bool exact = is_exact_mode(o.eps);
   *nrep = 0;
   int64_t tau = -1;
@@ -463,11 +481,11 @@ UEP_HD inline int64_t search_threshold(const PlanDims& d, const PlanOptions& o, 
   bool won_any_floor = exact;  // the winning probe's floors
   if (total > 0 && d.S > 0 && d.R > 1) {
     Search search{d, o, ws, lmax, nrep, exact};
-    if (o.capacity > 0 && o.capacity < lmax && o.capacity >= mean_ceil) {
-      tau = capacity_probes(search, tau0, mean_ceil, delta, o.capacity, &have);
+    if (capacity_applies(o, lmax, st.mean_ceil)) {
+      tau = capacity_probes(search, st.tau0, st.mean_ceil, st.delta, o.capacity, &have);
       if (tau >= 0) won_any_floor = true;
     }
-    if (tau < 0 && tau0 < lmax) tau = ladder_probes(search, tau0, delta, lmax, &have);
+    if (tau < 0 && st.tau0 < lmax) tau = ladder_probes(search, st.tau0, st.delta, lmax, &have);
   }
   if (tau < 0) {
     tau = lmax;

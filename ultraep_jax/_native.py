@@ -10,6 +10,9 @@ import pathlib
 import jax
 
 PLAN_TARGET = "ultraep_plan"
+#: The parallel form of the planner (ffi/planner_parallel.h): the same plans; on CUDA a block of
+#: warps per plan, on the CPU the same code with the lanes emulated in loops.
+PLAN_PARALLEL_TARGET = "ultraep_plan_parallel"
 
 _CPU_LIB = "libultraep_ffi_cpu.so"
 _CUDA_LIB = "libultraep_ffi_cuda.so"
@@ -52,16 +55,22 @@ def cpu_library() -> ctypes.CDLL:
             "install the package with `pip install .` so that ffi/ gets built"
         )
     lib = ctypes.cdll.LoadLibrary(str(path))
-    lib.ultraep_workspace_elems.restype = ctypes.c_int64
-    lib.ultraep_workspace_elems.argtypes = [ctypes.c_int64] * 3
-    jax.ffi.register_ffi_target(PLAN_TARGET, jax.ffi.pycapsule(lib.UltraepPlanCpu), platform="cpu")
+    for name in ("ultraep_workspace_elems", "ultraep_parallel_workspace_elems"):
+        getattr(lib, name).restype = ctypes.c_int64
+        getattr(lib, name).argtypes = [ctypes.c_int64] * 3
+    lib.ultraep_parallel_warps.restype = ctypes.c_int64
+    lib.ultraep_parallel_warps.argtypes = [ctypes.c_int64] * 3
+    handlers = {PLAN_TARGET: "UltraepPlan", PLAN_PARALLEL_TARGET: "UltraepPlanParallel"}
+    for target, handler in handlers.items():
+        fn = getattr(lib, handler + "Cpu")
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
     cuda_path = _find(_CUDA_LIB)
     if cuda_path is not None:
         # Loading needs no GPU (the CUDA runtime is linked statically and finds the driver lazily).
         cuda = ctypes.cdll.LoadLibrary(str(cuda_path))
-        jax.ffi.register_ffi_target(
-            PLAN_TARGET, jax.ffi.pycapsule(cuda.UltraepPlanCuda), platform="CUDA"
-        )
+        for target, handler in handlers.items():
+            fn = getattr(cuda, handler + "Cuda")
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="CUDA")
     return lib
 
 
@@ -70,6 +79,17 @@ def has_cuda_handler() -> bool:
     return _find(_CUDA_LIB) is not None
 
 
-def workspace_elems(ep_size: int, num_experts: int, slots_per_rank: int) -> int:
-    """int64 workspace elements one plan needs (the C++ core's own formula)."""
-    return int(cpu_library().ultraep_workspace_elems(ep_size, num_experts, slots_per_rank))
+def workspace_elems(
+    ep_size: int, num_experts: int, slots_per_rank: int, parallel: bool = False
+) -> int:
+    """int64 workspace elements one plan needs (the C++ code's own formula), for the sequential
+    core or, with ``parallel``, for the parallel form (the same on CPU and CUDA)."""
+    lib = cpu_library()
+    fn = lib.ultraep_parallel_workspace_elems if parallel else lib.ultraep_workspace_elems
+    return int(fn(ep_size, num_experts, slots_per_rank))
+
+
+def parallel_warps(ep_size: int, num_experts: int, slots_per_rank: int) -> int:
+    """Warps the parallel form runs per plan (probes at once); 0 where it runs the sequential
+    core instead (warp state too large for a block's shared memory)."""
+    return int(cpu_library().ultraep_parallel_warps(ep_size, num_experts, slots_per_rank))

@@ -81,7 +81,9 @@ def _check_capacity(capacity) -> int:
     return int(capacity)
 
 
-def plan(loads, config: BalancerConfig, capacity: int | None = None) -> Plan:
+def plan(
+    loads, config: BalancerConfig, capacity: int | None = None, *, parallel: bool = False
+) -> Plan:
     """Plans replicas and quotas for one expert-load matrix.
 
     Args:
@@ -97,6 +99,11 @@ def plan(loads, config: BalancerConfig, capacity: int | None = None) -> Plan:
             would tolerate more. When it finds none (for instance ``capacity < M``), the plan is
             the one without a capacity, and the caller detects that as ``max(plan.rank_load) >
             capacity``. None: no bound.
+        parallel: run the parallel form of the planner (``ffi/planner_parallel.h``), which gives
+            the same plan bit for bit: on CUDA one block of warps per plan (threshold probes on
+            separate warps, the argmaxes as warp reductions); on the CPU the same code with the
+            lanes emulated in loops (slower than the default; it is there to test that code).
+            Opt-in until it has been timed and checked on a GPU.
 
     Returns:
         The `Plan`. The planner is a pure, deterministic function of ``loads``. Every plan is valid
@@ -117,6 +124,8 @@ def plan(loads, config: BalancerConfig, capacity: int | None = None) -> Plan:
     """
     loads, config = _check_loads(loads, config)
     cap = _check_capacity(capacity)
+    if not isinstance(parallel, bool):
+        raise TypeError(f"plan: parallel must be a bool, got {type(parallel).__name__}")
     _native.cpu_library()  # registers the FFI targets once
     R, E, S = config.ep_size, config.num_experts, config.slots_per_rank
     i32 = jnp.int32
@@ -125,10 +134,11 @@ def plan(loads, config: BalancerConfig, capacity: int | None = None) -> Plan:
         jax.ShapeDtypeStruct((R, S), i32),
         jax.ShapeDtypeStruct((E,), i32),
         jax.ShapeDtypeStruct((R,), i32),
-        # int64 scratch for the C++ core, as int32 pairs (so it works without jax_enable_x64).
-        jax.ShapeDtypeStruct((2 * _native.workspace_elems(R, E, S),), i32),
+        # int64 scratch for the C++ code, as int32 pairs (so it works without jax_enable_x64).
+        jax.ShapeDtypeStruct((2 * _native.workspace_elems(R, E, S, parallel),), i32),
     )
-    call = jax.ffi.ffi_call(_native.PLAN_TARGET, out_types, vmap_method="broadcast_all")
+    target = _native.PLAN_PARALLEL_TARGET if parallel else _native.PLAN_TARGET
+    call = jax.ffi.ffi_call(target, out_types, vmap_method="broadcast_all")
     slot_expert, slot_quota, master_quota, rank_load, _ = call(
         loads,
         slots_per_rank=np.int64(S),

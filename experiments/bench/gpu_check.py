@@ -12,13 +12,15 @@ planner  (a) the CUDA planner's plans equal the CPU handler's, bit for bit, on r
          of several configurations (chosen so that every branch of the threshold search is taken:
          fast path, coarse probes, refine probes, none) and on the EP64/E256/S2 reference
          workloads (``workloads.rank_zipf_loads(64, 256, 8192, 8, target, seed)``, targets
-         1.5 / 2 / 3); through JAX (``jit(vmap(plan))`` on the GPU vs on the CPU) and through the
-         CUDA library's benchmark hook (its one kernel: the core of planner.h on one thread).
-         (b) time per plan at EP64/E256/S2: kernel time by CUDA events (the hook: median over
-         --repeats launches of one plan, and of a batch of --plan_batch plans divided by the
-         batch), and through JAX: a chain of 64 dependent plans in one jitted function (the
-         difference to a chain of 8, per plan; includes one tiny fused add per plan), single-plan
-         wall latency, batched ``jit(vmap(plan))``.
+         1.5 / 2 / 3); through JAX (``jit(vmap(plan))`` on the GPU vs on the CPU, and the same
+         with ``parallel=True``) and through the CUDA library's benchmark hook, with each of its
+         kernels (the core of planner.h on one thread; the parallel form of planner_parallel.h,
+         a block of warps per plan).
+         (b) time per plan at EP64/E256/S2: kernel time by CUDA events for each kernel (the hook:
+         median over --repeats launches of one plan, and of a batch of --plan_batch plans divided
+         by the batch), and through JAX (the default kernel): a chain of 64 dependent plans in one
+         jitted function (the difference to a chain of 8, per plan; includes one tiny fused add
+         per plan), single-plan wall latency, batched ``jit(vmap(plan))``.
 gmm      (c) grouped matmul, bf16, DeepSeek-V3's expert shape: K = 7168 (d_model), N = 2048
          (expert d_ff): TFLOP/s of our Pallas (Triton) kernel (each of --gmm_configs), of JAX's
          Hopper Mosaic GPU ragged-dot kernels (each of --mgpu_configs), of ``jax.lax.ragged_dot``

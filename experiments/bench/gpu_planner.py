@@ -1,5 +1,6 @@
-"""The GPU check's planner section: the CUDA planner's plans against the CPU handler's, bit for
-bit, and the time per plan (see `experiments.bench.gpu_check`)."""
+"""The GPU check's planner section: the CUDA planner's plans (both kernels: the sequential core's
+and the parallel form's) against the CPU handler's, bit for bit, and the time per plan (see
+`experiments.bench.gpu_check`)."""
 
 from __future__ import annotations
 
@@ -88,12 +89,19 @@ def _cpu_plans(cfg, loads) -> list[np.ndarray]:
     return _plan_arrays(planner(jax.device_put(loads, jax.devices("cpu")[0])))
 
 
+def _parallel_plans(cfg, loads, device) -> list[np.ndarray]:
+    """``jit(vmap(uep.plan(..., parallel=True)))`` on ``device`` (the parallel kernel on CUDA)."""
+    planner = jax.jit(jax.vmap(lambda x: uep.plan(x, cfg, parallel=True)))
+    return _plan_arrays(planner(jax.device_put(loads, device)))
+
+
 def _bench_lib():
     path = _native._find(_native._CUDA_LIB)
     lib = ctypes.cdll.LoadLibrary(str(path))
     fn = lib.ultraep_plan_cuda_bench
     i64, i32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
     fn.argtypes = [
+        ctypes.c_int,  # parallel (0: the sequential core's kernel)
         i64,  # R
         i64,  # E
         i64,  # S
@@ -114,9 +122,12 @@ def _bench_lib():
     return fn
 
 
-def cuda_bench(cfg, loads: np.ndarray, iters: int, capacity: int | None = None):
+def cuda_bench(
+    cfg, loads: np.ndarray, iters: int, capacity: int | None = None, parallel: bool = False
+):
     """Runs the CUDA library's hook: (plans as 4 int32 arrays, per-launch ms of ``iters``
-    launches of the whole batch). ``capacity`` as in ``uep.plan`` (None: unbounded)."""
+    launches of the whole batch). ``capacity`` and ``parallel`` (the kernel of the parallel
+    form, else the sequential core's) as in ``uep.plan`` (None: unbounded)."""
     fn = _bench_lib()
     loads = np.ascontiguousarray(loads, np.int32)
     n, R, E = loads.shape
@@ -133,6 +144,7 @@ def cuda_bench(cfg, loads: np.ndarray, iters: int, capacity: int | None = None):
         return a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
 
     err = fn(
+        int(parallel),
         R,
         E,
         S,
@@ -152,8 +164,9 @@ def cuda_bench(cfg, loads: np.ndarray, iters: int, capacity: int | None = None):
 
 
 def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
-    """(a) the CUDA planner's plans equal the CPU handler's; (b) time per plan at EP64/E256/S2
-    (``repeats`` samples; batches of ``plan_batch`` plans). ``dry``: the checks on CPU only."""
+    """(a) the CUDA planner's plans, with either kernel, equal the CPU handler's; (b) time per plan
+    at EP64/E256/S2 with either kernel (``repeats`` samples; batches of ``plan_batch`` plans).
+    ``dry``: the checks on CPU only (the parallel form's host emulation against the core)."""
     if not _native.has_cuda_handler() and not dry:
         return {"status": "skipped: the CUDA planner handler is not built into this install"}
     out = {"check": {}, "time": {}}
@@ -162,9 +175,13 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
         want = _cpu_plans(cfg, loads)
         got = _plan_arrays(common.batched_planner(cfg)(jax.device_put(loads, device)))
         row = {"matrices": int(loads.shape[0]), "jax_equal": all(map(np.array_equal, want, got))}
+        got = _parallel_plans(cfg, loads, device)
+        row["jax_parallel_equal"] = all(map(np.array_equal, want, got))
         if not dry:
             plans, _ = cuda_bench(cfg, loads, 0)
             row["hook_equal"] = all(map(np.array_equal, want, plans))
+            plans, _ = cuda_bench(cfg, loads, 0, parallel=True)
+            row["hook_parallel_equal"] = all(map(np.array_equal, want, plans))
         ok &= all(v for k, v in row.items() if k.endswith("_equal"))
         out["check"][name] = row
         print(f"  planner {name}: {row}", flush=True)
@@ -173,10 +190,12 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
         cfg = uep.BalancerConfig(64, 8, 2, min_tokens_per_replica=16)
         bad = random_loads(np.random.default_rng(5), 4, 8, 64)
         bad[1, 3, 7] = -5
-        plans, _ = cuda_bench(cfg, bad, 0)
-        neg = all(np.all(p[1] == -1) for p in plans) and all(np.all(p[0] >= 0) for p in plans[3:])
-        out["check"]["negative_load_gives_minus_one"] = neg
-        ok &= bool(neg)
+        for parallel in (False, True):
+            plans, _ = cuda_bench(cfg, bad, 0, parallel=parallel)
+            neg = all(np.all(p[1] == -1) for p in plans)
+            neg &= all(np.all(p[0] >= 0) for p in plans[3:])
+            out["check"][f"negative_load_gives_minus_one{'_parallel' * parallel}"] = neg
+            ok &= bool(neg)
     out["status"] = "ok" if ok else "MISMATCH"
     if dry:
         return out
@@ -188,18 +207,20 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
     t = out["time"]
     t["setup"] = "EP64/E256/S2, rank_zipf_loads 8192 tokens x top-8, targets 1.5/2/3"
     reps = max(repeats, 50)
-    singles = []
-    for s in range(3):
-        _, ms = cuda_bench(cfg, base[s : s + 1], reps)
-        singles.append(float(np.median(ms)) * 1e3)
-    _, ms = cuda_bench(cfg, base[np.arange(plan_batch) % 6], 10)
-    t["event_us_single_by_target"] = singles
-    t["event_us_per_plan_batched"] = float(np.median(ms)) * 1e3 / plan_batch
-    print(
-        f"  planner time: {singles} us single, "
-        f"{t['event_us_per_plan_batched']:.2f} us/plan batched",
-        flush=True,
-    )
+    for kernel, parallel in (("core", False), ("parallel", True)):
+        singles = []
+        for s in range(3):
+            _, ms = cuda_bench(cfg, base[s : s + 1], reps, parallel=parallel)
+            singles.append(float(np.median(ms)) * 1e3)
+        _, ms = cuda_bench(cfg, base[np.arange(plan_batch) % 6], 10, parallel=parallel)
+        # key prefixes name the kernel (experiments.bench.gpu_summary reads them so)
+        t[f"{kernel}_event_us_single_by_target"] = singles
+        t[f"{kernel}_event_us_per_plan_batched"] = float(np.median(ms)) * 1e3 / plan_batch
+        print(
+            f"  planner time ({kernel} kernel): {singles} us single, "
+            f"{t[f'{kernel}_event_us_per_plan_batched']:.2f} us/plan batched",
+            flush=True,
+        )
 
     one = jax.device_put(base[0], device)
 

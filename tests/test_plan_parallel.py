@@ -1,0 +1,300 @@
+"""The parallel form of the planner (ffi/planner_parallel.h) against the sequential core and the
+NumPy reference, bit for bit.
+
+On the CPU the parallel form runs as its host emulation: the same header code the CUDA kernel
+runs, with the warps one after the other and each warp's lanes in a loop. It is reached two ways:
+``uep.plan(..., parallel=True)`` (the FFI target ``ultraep_plan_parallel``, with the device's
+number of warps), and the library's test hook with any number of warps, so that the boundaries of
+the probe rounds fall everywhere in the search's probe lists.
+"""
+
+import ctypes
+import functools
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from conftest import skip_without_traces
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ultraep_jax as uep
+from experiments.loads import workloads
+from experiments.loads.exact import random_cases
+from tests.reference_planner import check_plan_invariants, reference_plan, reference_plan_info
+from tests.test_plan_vs_reference import CONFIGS, _random_loads
+from ultraep_jax import _native
+
+FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
+KINDS = ["uniform", "hot", "zipf", "one", "equal"]
+
+
+def _config(R, E, S, F, K, eps) -> uep.BalancerConfig:
+    return uep.BalancerConfig(E, R, S, F, eps, K)
+
+
+def _batched(cfg, batch, capacity=None, parallel=False) -> dict:
+    """Plans of batch [N, R, E] as a dict of NumPy arrays [N, ...]."""
+    fn = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg, capacity=capacity, parallel=parallel)))
+    got = fn(batch)
+    return {n: np.asarray(getattr(got, n)) for n in FIELDS}
+
+
+def _host_hook():
+    lib = _native.cpu_library()
+    fn = lib.ultraep_plan_parallel_host
+    i64, i32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
+    # R, E, S, F, K, eps, capacity, warps, loads [R, E], the four outputs
+    fn.argtypes = [i64] * 5 + [ctypes.c_double, i64, i64] + [i32p] * 5
+    fn.restype = ctypes.c_int32
+    return fn
+
+
+def host_plan(loads, S, F, eps, K=1, capacity=0, warps=1) -> dict:
+    """The host form on ``warps`` warps through the test hook (raises on a nonzero status)."""
+    loads = np.ascontiguousarray(loads, np.int32)
+    R, E = loads.shape
+    outs = {
+        "slot_expert": np.zeros((R, S), np.int32),
+        "slot_quota": np.zeros((R, S), np.int32),
+        "master_quota": np.zeros(E, np.int32),
+        "rank_load": np.zeros(R, np.int32),
+    }
+    ptrs = [a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)) for a in (loads, *outs.values())]
+    status = _host_hook()(R, E, S, F, K, float(eps), capacity, warps, *ptrs)
+    if status != 0:
+        raise ValueError(f"ultraep_plan_parallel_host: status {status}")
+    return outs
+
+
+def _assert_same(got, want, context):
+    for name in FIELDS:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} differs: {context}")
+
+
+def _item(plans, i):
+    return {n: plans[n][i] for n in FIELDS}
+
+
+# -- uep.plan(..., parallel=True): the FFI target with the device's warps -----------------------
+
+
+@pytest.mark.parametrize("R, E, S, F, K, eps", CONFIGS)
+def test_parallel_equals_core_and_reference_on_random_batches(R, E, S, F, K, eps):
+    # The core's own fuzz configurations and load kinds (tests/test_plan_vs_reference.py); the
+    # reference on every matrix up to EP16 and on four of the EP64 ones (it is slow there).
+    cfg = _config(R, E, S, F, K, eps)
+    rng = np.random.default_rng(R * 1000 + E + S + 1)
+    batch = np.stack([_random_loads(rng, R, E, k, s) for k in KINDS for s in (1, 7, 1000, 200_000)])
+    core, par = _batched(cfg, batch), _batched(cfg, batch, parallel=True)
+    replicas = 0
+    for i, loads in enumerate(batch):
+        _assert_same(_item(par, i), _item(core, i), f"{cfg}, item {i} (core)")
+        if R <= 16 or i % 5 == 1:
+            _assert_same(_item(par, i), reference_plan(loads, S, F, eps, K), f"item {i} (ref)")
+        check_plan_invariants(loads, _item(par, i), S)
+        replicas += int((par["slot_expert"][i] >= 0).sum())
+    if S > 0 and R > 1:
+        assert replicas > 0  # the batch made replicas, not only trivial plans
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    R=st.sampled_from([2, 4, 8]),
+    experts_per_rank=st.integers(1, 4),
+    S=st.integers(0, 3),
+    F=st.sampled_from([1, 5, 64, 4096]),
+    K=st.sampled_from([0, 1, 7]),
+    eps=st.sampled_from([0.0, -0.0, 5e-324, 0.003, 0.01, 0.25, 1e17, 1e300]),
+    seed=st.integers(0, 2**31),
+    kind=st.sampled_from(KINDS),
+    scale=st.sampled_from([3, 500, 60_000, 4_000_000]),
+    capacity=st.one_of(st.none(), st.floats(0.9, 1.5)),
+    warps=st.integers(1, 16),
+)
+def test_parallel_equals_core_and_reference_property(
+    R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, warps
+):
+    E = R * experts_per_rank
+    loads = _random_loads(
+        np.random.default_rng(seed), R, E, kind, scale // E + 1 if scale > 100_000 else scale
+    )
+    cap = None if capacity is None else max(1, int(capacity * loads.sum(dtype=np.int64) / R))
+    cfg = _config(R, E, S, F, K, eps)
+    core = uep.plan(loads, cfg, capacity=cap)
+    par = uep.plan(loads, cfg, capacity=cap, parallel=True)
+    want = reference_plan(loads, S, F, eps, K, capacity=cap or 0)
+    context = f"{cfg}, capacity {cap}"
+    _assert_same({n: np.asarray(getattr(par, n)) for n in FIELDS}, want, context)
+    _assert_same({n: np.asarray(getattr(core, n)) for n in FIELDS}, want, context)
+    _assert_same(host_plan(loads, S, F, eps, K, cap or 0, warps), want, f"{context}, {warps} warps")
+
+
+@pytest.mark.parametrize("mean_frac", [1.0, 1.02, 0.9])
+@pytest.mark.parametrize("eps", [0.0, 0.01])
+def test_parallel_equals_core_with_capacity(eps, mean_frac):
+    # The capacity window at, just above and below (unreachable) the mean rank load.
+    R, E, S, F = 16, 64, 2, 256
+    cfg = uep.BalancerConfig(E, R, S, F, eps)
+    rng = np.random.default_rng(12)
+    batch = np.stack([workloads.rank_zipf_loads(R, E, 4096, 4, 2.5, s) for s in range(6)])
+    batch = np.concatenate([batch, np.stack([_random_loads(rng, R, E, "hot", 5000)] * 2)])
+    cap = int(mean_frac * -(-int(batch[0].sum(dtype=np.int64)) // R))
+    core = _batched(cfg, batch, capacity=cap)
+    par = _batched(cfg, batch, capacity=cap, parallel=True)
+    for i, loads in enumerate(batch):
+        want = reference_plan(loads, S, F, eps, 1, capacity=cap)
+        _assert_same(_item(par, i), want, f"item {i}, capacity {cap}")
+        _assert_same(_item(core, i), want, f"item {i}, capacity {cap}")
+
+
+def test_negative_and_overflowing_loads_are_reported_as_by_the_core():
+    cfg = uep.BalancerConfig(num_experts=16, ep_size=4, slots_per_rank=2)
+    loads = np.ones((4, 16), np.int32)
+    loads[2, 5] = -3
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"loads\[0\]\[2, 5\] = -3"):
+        jax.block_until_ready(uep.plan(loads, cfg, parallel=True))
+    big = np.zeros((4, 16), np.int32)
+    big[:, 0] = 2**30  # expert 0's total is 2^32
+    with pytest.raises(jax.errors.JaxRuntimeError, match="exceeds int32"):
+        jax.block_until_ready(uep.plan(big, cfg, parallel=True))
+    with pytest.raises(TypeError, match="parallel must be a bool"):
+        uep.plan(loads, cfg, parallel=1)
+
+
+# -- the probe rounds: the host form on few warps ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "S, F, eps, capacity", [(1, 1, 0.0, 0), (2, 3, 0.0, 0), (1, 2, 0.05, 40), (1, 1, 0.5, 40)]
+)
+def test_host_form_on_few_warps_where_repairs_and_windows_run(S, F, eps, capacity):
+    # Small loads and one or two slots (the exact solver's cases, R 3..4): plain attempts fail,
+    # the repairs and the capacity step's second window decide. On 1, 2 and 3 warps a search of
+    # more probes than warps spans several rounds.
+    rng = np.random.default_rng(S * 10 + F + 7)
+    probes = []
+    for R, load_e, K in random_cases(rng, 300, ranks=(3, 4), experts_per_rank=(2, 3)):
+        if capacity and load_e.sum() > 0:
+            load_e = np.round(load_e * (36 * R / load_e.sum())).astype(np.int32)
+            K += 8
+        loads = np.zeros((R, len(load_e)), np.int32)
+        loads[0] = load_e
+        want, info = reference_plan_info(loads, S, F, eps, K, capacity=capacity)
+        for warps in (1, 2, 3):
+            got = host_plan(loads, S, F, eps, K, capacity, warps)
+            _assert_same(got, want, f"{load_e}, K {K}, {warps} warps")
+        probes.append(len(info["probes"]))
+    probes = np.asarray(probes)
+    assert (probes > 1).sum() >= 1  # searches that took several rounds on one warp
+    if capacity:  # and on three warps (both windows, their coarse probes)
+        assert (probes > 3).sum() >= 5, np.bincount(probes)
+
+
+def test_host_form_on_few_warps_through_coarse_and_refine_probes():
+    # Masters that must keep most of their tokens (K = 200..1000 of one hot expert's ~1100):
+    # thresholds near the mean cannot be reached, so the ladder goes on to its coarse probes and
+    # refines. Cut into rounds of 1, 2, 5 and 16 warps, every list ends at the same winner.
+    rng = np.random.default_rng(3)
+    probes = []
+    for _ in range(24):
+        load_e = rng.integers(50, 200, size=8)
+        load_e[0] += 1000
+        K = int(rng.integers(200, 1000))
+        loads = np.zeros((4, 8), np.int32)
+        loads[1] = load_e
+        want, info = reference_plan_info(loads, 1, 16, 0.01, K)
+        for warps in (1, 2, 5, 16):
+            _assert_same(host_plan(loads, 1, 16, 0.01, K, 0, warps), want, f"{warps} warps")
+        probes.append(len(info["probes"]))
+    # searches whose coarse and refine lists span several rounds of 5 warps (and of 16)
+    assert sum(p > 4 + 5 for p in probes) >= 10 and sum(p > 4 + 16 for p in probes) >= 5, probes
+
+
+# -- ties: the packed keys' order is the core's tie rule -----------------------------------------
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["core", "parallel"])
+def test_target_ties_go_to_the_smallest_rank(parallel):
+    # Hand-worked (R = 3, one expert per rank, S = 1, F = 1, K = 1). Rank 0 has excess 3 over
+    # tau, ranks 1 and 2 the same slack: the tie must go to rank 1.
+    # Best fit: L = [23, 15, 15], eps 0.15: tau0 = floor(53 * 1.15 / 3) = 20, slacks 5 and 5 both
+    # take the 3 tokens, so rank 1 gets all of them and rank 2 none.
+    cfg = uep.BalancerConfig(3, 3, 1, 1, 0.15)
+    plan = uep.plan(np.diag([23, 15, 15]).astype(np.int32), cfg, parallel=parallel)
+    assert np.asarray(plan.slot_expert).tolist() == [[-1], [0], [-1]]
+    assert np.asarray(plan.slot_quota).tolist() == [[0], [3], [0]]
+    assert np.asarray(plan.rank_load).tolist() == [20, 18, 15]
+    # Most slack: L = [23, 18, 18], exact mode, tau = 20: slacks 2 and 2 cannot take 3, so the
+    # most slack wins, tie to rank 1 (2 tokens); rank 2 then fits the last token.
+    cfg = uep.BalancerConfig(3, 3, 1, 1, 0.0)
+    plan = uep.plan(np.diag([23, 18, 18]).astype(np.int32), cfg, parallel=parallel)
+    assert np.asarray(plan.slot_quota).tolist() == [[0], [2], [1]]
+    assert np.asarray(plan.master_quota).tolist() == [20, 18, 18]
+    assert np.asarray(plan.rank_load).tolist() == [20, 20, 19]
+
+
+# -- EP64/E256/S2 and the traces -------------------------------------------------------------
+
+
+@functools.cache
+def _ep64_batch() -> np.ndarray:
+    """int32 [3, 64, 256]: UltraEP's reference setup at initial max/mean 1.5, 2 and 3."""
+    return np.stack([workloads.rank_zipf_loads(64, 256, 8192, 8, t, 0) for t in (1.5, 2.0, 3.0)])
+
+
+@pytest.mark.parametrize("eps, capacity", [(0.01, None), (0.0, None), (0.01, 1.0), (0.0, 1.001)])
+def test_parallel_equals_core_and_reference_at_ep64(eps, capacity):
+    # EP64/E256/S2 runs on parallel_warps = 14 warps.
+    R, E, S, F = 64, 256, 2, 1024
+    assert _native.parallel_warps(R, E, S) == 14
+    batch = _ep64_batch()
+    cap = None if capacity is None else int(capacity * batch[0].sum(dtype=np.int64) / R)
+    cfg = uep.BalancerConfig(E, R, S, F, eps)
+    core = _batched(cfg, batch, cap)
+    par = _batched(cfg, batch, cap, parallel=True)
+    for i, loads in enumerate(batch):
+        _assert_same(_item(par, i), _item(core, i), f"item {i}")
+        _assert_same(_item(par, i), reference_plan(loads, S, F, eps, 1, cap or 0), f"item {i}")
+
+
+@functools.cache
+def _trace_batch(trace: str, ep_size: int) -> np.ndarray:
+    """int32 [N, R, E]: the first 120 layers of a trace as the benchmarks plan them."""
+    try:
+        rows = itertools.islice(workloads.trace_workloads(trace, ep_size, 8192, 8, 0), 120)
+        return np.stack([loads for _, loads in rows])
+    except FileNotFoundError as err:
+        skip_without_traces(f"traces not available: {err}")
+
+
+@pytest.mark.parametrize(
+    "trace, ep_size, eps",
+    [
+        ("deepseek-r1", 64, 0.01),
+        ("deepseek-r1", 64, 0.0),
+        ("qwen1.5-moe", 12, 0.01),
+        ("switch-base-128", 64, 0.01),
+    ],
+)
+def test_parallel_equals_core_on_traces(trace, ep_size, eps):
+    batch = _trace_batch(trace, ep_size)
+    cfg = uep.BalancerConfig(batch.shape[2], ep_size, 2, 1024, eps)
+    core, par = _batched(cfg, batch), _batched(cfg, batch, parallel=True)
+    for name in FIELDS:
+        np.testing.assert_array_equal(par[name], core[name], err_msg=f"{trace}: {name}")
+    assert (par["slot_expert"] >= 0).sum() > len(batch)  # the layers were balanced
+
+
+def test_sizes_beyond_the_shared_memory_budget_run_the_core():
+    # EP512/E512/S8: one warp's state (58 KB) exceeds a block's shared memory, so the parallel
+    # target runs the sequential core (the same plan by definition); smaller sizes do not.
+    assert _native.parallel_warps(512, 512, 8) == 0
+    assert _native.parallel_warps(256, 256, 4) == 2
+    assert _native.parallel_warps(8, 64, 2) == 16
+    loads = workloads.rank_zipf_loads(512, 512, 64, 2, 2.0, 0)
+    cfg = uep.BalancerConfig(512, 512, 8, 16)
+    core, par = uep.plan(loads, cfg), uep.plan(loads, cfg, parallel=True)
+    for name in FIELDS:
+        np.testing.assert_array_equal(getattr(par, name), getattr(core, name), err_msg=name)
