@@ -36,30 +36,33 @@ def _load(folder: str, name: str):
         return json.load(f)
 
 
+def _lines(folder: str, name: str) -> list[str]:
+    """The lines of ``folder/name`` without their newlines; none when the file is missing."""
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return f.read().splitlines()
+
+
 def commands(folder: str) -> dict:
     """part -> (exit code, seconds, command) of the latest run of each part."""
     out = {}
-    path = os.path.join(folder, "commands.tsv")
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                part, rc, seconds, command = line.rstrip("\n").split("\t", 3)
-                out[part] = (rc, seconds, command)
+    for line in _lines(folder, "commands.tsv"):
+        part, rc, seconds, command = line.split("\t", 3)
+        out[part] = (rc, seconds, command)
     return out
 
 
 def environment(folder: str) -> dict:
     """``key: value`` lines of env.txt (before its nvidia-smi block)."""
     out = {}
-    path = os.path.join(folder, "env.txt")
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if line.startswith("=="):
-                    break
-                key, sep, value = line.partition(": ")
-                if sep:
-                    out[key.strip()] = value.strip()
+    for line in _lines(folder, "env.txt"):
+        if line.startswith("=="):
+            break
+        key, sep, value = line.partition(": ")
+        if sep:
+            out[key.strip()] = value.strip()
     return out
 
 
