@@ -126,6 +126,11 @@ def plan(
     cap = _check_capacity(capacity)
     if not isinstance(parallel, bool):
         raise TypeError(f"plan: parallel must be a bool, got {type(parallel).__name__}")
+    return _ffi_plan(loads, config, cap, parallel)
+
+
+def _ffi_plan(loads, config: BalancerConfig, cap: int, parallel: bool) -> Plan:
+    """The planner custom call on checked ``loads`` [R, E] and a sized ``config`` (`plan`)."""
     _native.cpu_library()  # registers the FFI targets once
     R, E, S = config.ep_size, config.num_experts, config.slots_per_rank
     i32 = jnp.int32
