@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure of issue 19, in one command (README, "GPU"):
+# Every GPU figure (planner, exchanges, overlap, replay, GPU tests) in one command (README, "GPU"):
 #
 #   bash experiments/gpu_all.sh                          # every part, on a GPU machine
 #   bash experiments/gpu_all.sh --parts=setup,tests      # some parts (each <= 10 minutes)

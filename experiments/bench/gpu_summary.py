@@ -1,6 +1,6 @@
-"""summary.md of a `experiments/gpu_all.sh` run: each bar of issue 19 that needs a GPU, the figure
-that answers it (read from the run's JSON and logs), whether it is met, and the command that
-produced it.
+"""summary.md of a `experiments/gpu_all.sh` run: each figure that needs a GPU (planner,
+exchanges, overlap, replay, GPU tests), read from the run's JSON and logs, whether its target is
+met, and the command that produced it.
 
         python -m experiments.bench.gpu_summary --dir=experiments/results/gpu_20261124
 
@@ -238,7 +238,7 @@ def summary_lines(folder: str) -> list[str]:
         _load(folder, "exchange/gpu_results.json"),
     )
     lines = [
-        "# GPU figures (issue 19)",
+        "# GPU figures",
         "",
         f"commit {env.get('commit', '?')}, {env.get('date', '?')}; {env.get('devices', '?')}; "
         f"jax {env.get('jax', '?')}, jaxlib {env.get('jaxlib', '?')}; CUDA planner handler: "
