@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
@@ -29,6 +29,29 @@ def expert_mesh(ep: int = 8, dp: int = 1) -> jax.sharding.Mesh:
     if dp == 1:
         return jax.make_mesh((ep,), ("expert",), devices=devices)
     return jax.make_mesh((dp, ep), ("data", "expert"), devices=devices)
+
+
+def gpu_mesh(axis_sizes, axis_names, axis_types=None) -> AbstractMesh:
+    """An abstract mesh of H100s (axes Explicit unless given, as from `jax.make_mesh`), to export
+    for CUDA on a host without a GPU: since jax 0.11 the CUDA lowering of a Pallas (Triton) kernel
+    reads the GPU's kind from the mesh's abstract device, and fails when it finds none."""
+    h100 = AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+    types = (AxisType.Explicit,) * len(axis_names) if axis_types is None else axis_types
+    return AbstractMesh(axis_sizes, axis_names, axis_types=types, abstract_device=h100)
+
+
+def gpu_expert_mesh(ep: int = 8, dp: int = 1) -> AbstractMesh:
+    """`expert_mesh`'s axes over abstract H100s (`gpu_mesh`)."""
+    if dp == 1:
+        return gpu_mesh((ep,), ("expert",))
+    return gpu_mesh((dp, ep), ("data", "expert"))
+
+
+def abstract_batch(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
+    """A batch of ``shape`` placed as `place_batch` places it, without the values."""
+    return jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    )
 
 
 def make_mesh(kind: str) -> jax.sharding.Mesh:

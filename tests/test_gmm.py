@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.helpers import gpu_mesh
 from ultraep_jax import gmm_pallas
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -132,9 +133,9 @@ def test_inside_shard_map_under_jit():
 
 def test_lowers_to_triton_for_cuda():
     """Forward and backward inside `shard_map` (check_vma=True) under `jit`, exported for CUDA
-    on this CPU-only machine: Pallas' Triton lowering emits the kernels as Triton custom calls,
-    with no `ragged_dot` left."""
-    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,))
+    on this CPU-only machine (over abstract H100s): Pallas' Triton lowering emits the kernels as
+    Triton custom calls, with no `ragged_dot` left."""
+    mesh = gpu_mesh((2,), ("x",), axis_types=(AxisType.Auto,))
     M, K, N, G = 256, 128, 256, 4
 
     def loss(lhs, rhs, gs):

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 import ultraep_jax as uep
 from experiments.loads import workloads
+from tests.helpers import abstract_batch, gpu_expert_mesh
 from ultraep_jax import _native, gmm_mgpu, gmm_pallas, relay
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -329,10 +329,14 @@ ALLOWED_CALLS = {"ultraep_plan", "__gpu$xla.gpu.triton", "mosaic_gpu_v2", "ragge
 
 
 def _exported_training_step(balanced: bool, max_fanout: int = 0):
-    # CPU devices (conftest.py forces 8), also on a GPU machine: export needs no GPU.
-    mesh = jax.make_mesh((2, 4), ("data", "expert"), devices=jax.devices("cpu")[:8])
+    # Abstract H100s, also on a GPU machine: export needs no GPU, only the GPU's kind.
+    mesh = gpu_expert_mesh(4, 2)
     E, D, F = 8, 128, 128
-    layer = _layer(mesh, E, D, F, jnp.bfloat16, "auto", balancer=balanced, max_fanout=max_fanout)
+    layer = nnx.eval_shape(
+        lambda: _layer(
+            mesh, E, D, F, jnp.bfloat16, "auto", balancer=balanced, max_fanout=max_fanout
+        )
+    )
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def step(params, x):
@@ -344,9 +348,7 @@ def _exported_training_step(balanced: bool, max_fanout: int = 0):
         value, (grads, dx) = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
         return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), dx
 
-    x = jax.ShapeDtypeStruct(
-        (8, 64, D), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "expert")))
-    )
+    x = abstract_batch(mesh, (8, 64, D), jnp.bfloat16)
     exported = jax.export.export(
         jax.jit(step),
         platforms=["cuda"],

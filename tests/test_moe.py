@@ -507,7 +507,10 @@ def test_cpu_lowering_has_planner_custom_call_no_callback_no_ragged():
 
 
 def _cuda_text(balanced: bool) -> str:
-    _, layer, x = _hlo_layer(balanced)
+    mesh = helpers.gpu_expert_mesh(8)
+    balancer = balancer_config(mesh, 8, slots=2) if balanced else None
+    layer = nnx.eval_shape(lambda: build_layer(mesh, 8, 2, balancer, 1.25))
+    x = helpers.abstract_batch(mesh, (8, 8, D), jnp.float32)
     fn, params, rest = _pure_forward(layer)
     exported = jax.export.export(
         jax.jit(fn),

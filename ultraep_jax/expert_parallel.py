@@ -22,7 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ultraep_jax import comm, dispatch, relay, reroute, streaming
@@ -145,7 +145,10 @@ class ExpertParallel:
     Attributes:
       mesh: the device mesh; it must have ``expert_axis``. Tokens are split over every mesh
         axis; the indices of the other axes are independent EP groups (data parallelism). Stored
-        with every axis in Auto mode (`shard_map` does the splitting).
+        with every axis in Auto mode (`shard_map` does the splitting). An `AbstractMesh` traces
+        and exports for the devices its ``abstract_device`` names, which this host may lack (build
+        the layer under `nnx.eval_shape`: such a mesh holds no arrays); since jax 0.11 the CUDA
+        lowering of the Pallas kernel with no GPU attached needs it, for the GPU's kind.
       num_experts: E; divisible by the EP size (an int; NumPy integers accepted).
       balancer: a `BalancerConfig`, or None for plain expert parallelism. Stored with E and the
         EP size filled in (leave them out of it; if it states them, they must agree).
@@ -163,7 +166,7 @@ class ExpertParallel:
         overlap transfer and compute (`streaming`; ffi/TRANSFER.md). 1: one transfer.
     """
 
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh
     num_experts: int
     balancer: BalancerConfig | None = None
     capacity_factor: float | None = 1.25
@@ -173,9 +176,10 @@ class ExpertParallel:
     transfer_chunks: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.mesh, Mesh):
+        if not isinstance(self.mesh, Mesh | AbstractMesh):
             raise TypeError(
-                f"MoE: mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}"
+                "MoE: mesh must be a jax.sharding.Mesh or AbstractMesh, got "
+                f"{type(self.mesh).__name__}"
             )
         if self.expert_axis not in self.mesh.axis_names:
             raise ValueError(
@@ -209,10 +213,7 @@ class ExpertParallel:
             "transfer_chunks",
             check_positive_int("MoE", "transfer_chunks", self.transfer_chunks),
         )
-        auto = (AxisType.Auto,) * len(self.mesh.axis_names)
-        object.__setattr__(
-            self, "mesh", Mesh(self.mesh.devices, self.mesh.axis_names, axis_types=auto)
-        )
+        object.__setattr__(self, "mesh", _auto_axes_mesh(self.mesh))
 
     @property
     def ep_size(self) -> int:
@@ -237,6 +238,16 @@ class ExpertParallel:
     def expert_sharding(self) -> NamedSharding:
         """Where expert weights [E, ...] live: split over the EP axis."""
         return NamedSharding(self.mesh, P(self.expert_axis))
+
+
+def _auto_axes_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
+    """``mesh`` with every axis in Auto mode (its devices, or its abstract device, kept)."""
+    auto = (AxisType.Auto,) * len(mesh.axis_names)
+    if isinstance(mesh, Mesh):
+        return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+    return AbstractMesh(
+        mesh.axis_sizes, mesh.axis_names, axis_types=auto, abstract_device=mesh.abstract_device
+    )
 
 
 def routed_experts(
@@ -269,6 +280,14 @@ def routed_experts(
     return with_auto_axes(functools.partial(_moe_call, ep, capacity), ep, *args)
 
 
+def check_dtype(name: str, a, want=jnp.floating) -> None:
+    """Raises (one line naming the value) unless ``a``'s dtype is of the kind ``want``
+    (`jnp.floating`: real floating point; `jnp.integer`)."""
+    if not jnp.issubdtype(a.dtype, want):
+        kind = "an integer" if want is jnp.integer else "a real floating-point"
+        raise TypeError(f"MoE: {name} must have {kind} dtype, got {a.dtype}")
+
+
 def _check_inputs(x, experts, weights, params, ep) -> None:
     """Raises (one line naming the value) unless `routed_experts` can run on these arguments."""
     if not isinstance(ep, ExpertParallel):
@@ -283,10 +302,7 @@ def _check_inputs(x, experts, weights, params, ep) -> None:
     for name, a in named.items():
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
             raise TypeError(f"MoE: {name} must be an array, got {type(a).__name__}")
-        want = jnp.integer if name == "experts" else jnp.floating
-        if not jnp.issubdtype(a.dtype, want):
-            kind = "an integer" if want is jnp.integer else "a real floating-point"
-            raise TypeError(f"MoE: {name} must have {kind} dtype, got {a.dtype}")
+        check_dtype(name, a, jnp.integer if name == "experts" else jnp.floating)
     w_gate, w_up, w_down = params
     if x.ndim != 3:
         raise ValueError(f"MoE: x must be [batch, seq, d_model], got shape {tuple(x.shape)}")

@@ -16,6 +16,7 @@ from ultraep_jax.config import BalancerConfig
 from ultraep_jax.expert_parallel import (
     ExpertParallel,
     MoEStats,
+    check_dtype,
     place,
     routed_experts,
     with_auto_axes,
@@ -144,6 +145,8 @@ class MoE(nnx.Module):
             )
         if 0 in x.shape:
             raise ValueError(f"MoE: batch and seq must be >= 1, got x of shape {tuple(x.shape)}")
+        # Before the router casts x to float32: jax deprecates casting complex to real.
+        check_dtype("x", x)
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         bias = self.router_bias[...] if self.router.uses_bias else None
         shared = None
