@@ -16,12 +16,13 @@ D, F = 8, 12
 
 # (rows C, group starts, group sizes, tile): empty groups, groups straddling tiles, a group
 # starting mid-buffer, rows before, between and after the groups, a buffer that is not a multiple
-# of the tile, a tile larger than the buffer.
+# of the tile, a tile larger than the buffer, a group shorter than a tile at the buffer's end.
 CASES = {
     "contiguous": (64, [0, 16, 16, 53], [16, 0, 37, 11], 16),
     "gaps": (70, [3, 20, 50], [10, 25, 19], 16),
     "one_row_groups": (40, [0, 1, 2, 39], [1, 1, 1, 1], 8),
     "tile_past_end": (13, [2, 7], [4, 6], 32),
+    "short_group_at_end": (40, [0, 33], [30, 7], 16),
     "empty": (24, [0, 0], [0, 0], 8),
 }
 
@@ -56,7 +57,7 @@ def test_forward_equals_reference(case):
     np.testing.assert_allclose(out, _reference(x, wg, wu, wd, starts, sizes), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["contiguous", "gaps", "tile_past_end"])
+@pytest.mark.parametrize("case", ["contiguous", "gaps", "tile_past_end", "short_group_at_end"])
 def test_gradients_equal_autodiff_of_dense_reference(case):
     C, starts, sizes, tile = CASES[case]
     x, wg, wu, wd = _inputs(C, len(sizes), seed=1)
@@ -115,36 +116,37 @@ def test_parts_gradients_equal_one_stack(split):
 
 
 def test_group_tiles_by_hand():
-    """Tiles of 16 then 8 rows from each group's first row; the last size rounds up."""
-    starts, sizes = jnp.asarray([3, 20, 20, 50]), jnp.asarray([10, 25, 0, 19])
-    assert tiled_experts.tile_sizes(16) == (16, 8)
-    (c16, f16), (c8, f8) = tiled_experts.group_tiles(starts, sizes, (16, 8))
-    assert np.asarray(c16).tolist() == [0, 1, 0, 1] and np.asarray(f16).tolist() == [3, 20, 20, 50]
-    assert np.asarray(c8).tolist() == [2, 2, 0, 1] and np.asarray(f8).tolist() == [3, 36, 20, 66]
+    """Whole tiles from each group's first row; the rest in one tile ending at the group's end, or,
+    for a group shorter than a tile, starting at its first row, moved back inside the buffer."""
+    starts, sizes = jnp.asarray([3, 20, 20, 50, 69]), jnp.asarray([10, 25, 0, 19, 3])
+    full, offset, first_new = tiled_experts.group_tiles(starts, sizes, 72, 16)
+    assert np.asarray(full).tolist() == [0, 1, 0, 1, 0]
+    assert np.asarray(offset).tolist() == [3, 29, 20, 53, 56]
+    assert np.asarray(first_new).tolist() == [3, 36, 20, 66, 69]
 
 
 def test_group_tiles_cover_each_group_once():
-    """Every row of every group in exactly one tile, whole tiles inside their group, fewer than 8
-    rows past a group's end, at most one tile of each smaller size per group."""
+    """Every row of every group in exactly one tile's added rows; whole tiles inside their group;
+    the last tile inside the buffer, and inside its group when the group holds a whole tile."""
     rng = np.random.default_rng(7)
-    sizes = rng.integers(0, 300, size=12)
+    C, tile = 1200, 64
+    sizes = rng.integers(0, 150, size=12)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) + rng.integers(0, 3, size=12).cumsum()
-    levels = tiled_experts.tile_sizes(64)
-    assert levels == (64, 32, 16, 8)
-    pieces = tiled_experts.group_tiles(jnp.asarray(starts), jnp.asarray(sizes), levels)
+    sizes[-1] = min(sizes[-1], C - starts[-1])  # the last group ends inside the buffer
+    full, offset, first_new = (
+        np.asarray(a)
+        for a in tiled_experts.group_tiles(jnp.asarray(starts), jnp.asarray(sizes), C, tile)
+    )
+    assert (sizes % tile != 0).any() and (sizes < tile).any() and (sizes > tile).any()
     for g, (a, n) in enumerate(zip(starts, sizes, strict=True)):
-        covered = []
-        for i, (m, (count, first)) in enumerate(zip(levels, pieces, strict=True)):
-            assert i == 0 or int(count[g]) <= (2 if m == levels[-1] else 1)
-            for j in range(int(count[g])):
-                rows = list(range(int(first[g]) + j * m, int(first[g]) + (j + 1) * m))
-                if i < len(levels) - 1:
-                    assert rows[-1] < a + n, f"group {g}: whole tile past the end"
-                covered += rows
-        assert len(covered) == len(set(covered))
-        inside = [r for r in covered if r < a + n]
-        assert inside == list(range(a, a + n)), f"group {g}"
-        assert len(covered) - len(inside) < 8
+        added = [r for j in range(full[g]) for r in range(a + j * tile, a + (j + 1) * tile)]
+        assert all(r < a + n for r in added), f"group {g}: whole tile past the end"
+        if n % tile:
+            assert 0 <= offset[g] and offset[g] + tile <= C, f"group {g}: last tile off the buffer"
+            assert n < tile or a <= offset[g], f"group {g}: last tile leaves the group"
+            assert offset[g] <= first_new[g] < a + n
+            added += list(range(first_new[g], a + n))
+        assert added == list(range(a, a + n)), f"group {g}"
 
 
 def test_bfloat16_close_to_float32():

@@ -4,19 +4,20 @@ its VJP.
 `jax.lax.ragged_dot` on XLA:CPU is a masked dense product: every group multiplies every row of
 the buffer, so its cost is groups x buffer rows whatever the real group sizes are. Here a loop
 visits each group once (its weights are sliced once) and runs the whole SwiGLU MLP on the group's
-rows in tiles laid from the group's first row: ``size // tile`` full tiles of ``tile`` rows, then
-the last ``size % tile`` rows in tiles of halving size down to ``REMAINDER_TILE`` rows (rows past
-the group's end are masked). Trip counts are runtime values, so the cost tracks the rows actually
-present, and a group wastes fewer than ``REMAINDER_TILE`` rows. (A tile grid shared by all
-groups, as before, wastes up to a whole tile at every group boundary and slices a group's weights
-once per tile: 10 groups of ~410 rows in 64-row tiles cost 1.13x 8 tile-aligned groups of the
-same rows, which a balanced rank's extra replica groups paid.) A group's w_gate and w_up sit side
-by side, so a tile runs one matmul for both, and one for their input and weight gradients (10 %
-off a training call at D=128, F=64, 64-row tiles). The backward pass is a loop of the same shape
-(custom VJP) that recomputes the hidden activations per tile instead of storing them and sums
-each group's weight gradients in the loop carry. Both loops visit only the groups that have rows:
-an empty group (an unused replica slot, an expert no token chose) would otherwise still pay its
-per-group set-up, which cost a training call at D=64, F=128 with two empty slots 5 % of its time.
+rows in tiles of ``tile`` rows laid from the group's first row; the rows a group has past its
+last whole tile take one more tile, which ends at the group's end and recomputes rows of the tile
+before it, their results masked off (`group_tiles`). Trip counts are runtime values, so the cost
+tracks the rows actually present, and every tile has one static shape. (Covering the rest in tiles
+of halving size, as before, cost a training call 2.5-3 % more for 8-10 groups of unaligned sizes
+than for tile-aligned ones at D=128, F=64: every small tile and every loop that runs pays a fixed
+cost, and a balanced rank's groups have unaligned sizes where the force-balanced ideal's do not.
+With one tile for the rest, both cost the same within 1 %.) A group's w_gate and w_up sit side by
+side, so a tile runs one matmul for both, and one for their input and weight gradients (10 % off a
+training call at D=128, F=64, 64-row tiles). The backward pass is a loop of the same shape (custom
+VJP) that recomputes the hidden activations per tile instead of storing them and sums each group's
+weight gradients in the loop carry. Both loops visit only the groups that have rows: an empty group
+(an unused replica slot, an expert no token chose) would otherwise still pay its per-group set-up,
+which cost a training call at D=64, F=128 with two empty slots 5 % of its time.
 
 Groups are given by explicit row ranges ``[start[g], start[g] + size[g])`` so that one buffer can
 be split between two calls (master experts, then replica slots) without shifting rows.
@@ -34,46 +35,30 @@ import numpy as np
 
 from ultraep_jax._vma import vary, varying_axes
 
-#: Rows of the tiles that cover a group's last ``size % tile`` rows.
-REMAINDER_TILE = 8
-
 
 def default_tile(num_rows: int) -> int:
-    """Rows per full tile: 64, or fewer (a multiple of 8) for small buffers."""
+    """Rows per tile: 64, or fewer (a multiple of 8) for small buffers."""
     return max(8, min(64, -(-num_rows // 32) * 8))
 
 
-def tile_sizes(tile: int) -> tuple[int, ...]:
-    """Rows of the tiles a group is cut into, largest first: ``tile``, then halves down to
-    ``REMAINDER_TILE`` (or ``tile`` alone when it is not larger)."""
-    sizes = [tile]
-    while sizes[-1] // 2 >= REMAINDER_TILE:
-        sizes.append(sizes[-1] // 2)
-    return tuple(sizes)
-
-
-def group_tiles(
-    group_start: jax.Array, group_size: jax.Array, sizes: tuple[int, ...]
-) -> list[tuple[jax.Array, jax.Array]]:
-    """How each group's rows are cut into tiles, from its first row on.
+def group_tiles(start, size, num_rows: int, tile: int):
+    """How groups of rows ``[start, start + size)`` of a ``num_rows``-row buffer are cut into
+    tiles of ``tile`` rows (``tile <= num_rows``).
 
     Args:
-      group_start, group_size: int32 [G], each group's rows ``[start, start + size)``.
-      sizes: tile rows, largest first (`tile_sizes`).
+      start, size: int32 arrays of one shape (e.g. [G]), each group's rows.
 
     Returns:
-      Per entry of ``sizes``, (count_G, first_G), int32 [G]: group g has ``count_G[g]`` tiles of
-      that size at rows ``first_G[g] + j * size``. Each size takes as many whole tiles as fit in
-      the rows the larger ones left; the last size also takes the final partial tile, which may
-      reach up to ``sizes[-1] - 1`` rows past the group's end.
+      (full, offset, first_new), int32 of that shape: ``full`` whole tiles at rows
+      ``start + j * tile``, then, when ``size`` is not a multiple of ``tile``, one more tile at
+      rows ``[offset, offset + tile)`` that adds rows ``[first_new, start + size)``. That tile
+      ends at the group's end when the group holds a whole tile (it stays inside the group and
+      recomputes rows of the tile before it), else it starts at the group's first row, moved back
+      as far as it must be to end inside the buffer.
     """
-    out = []
-    first, left = group_start, group_size
-    for i, m in enumerate(sizes):
-        count = -(-left // m) if i == len(sizes) - 1 else left // m
-        out.append((count, first))
-        first, left = first + count * m, left - count * m
-    return out
+    full = size // tile
+    offset = jnp.where(full > 0, start + size - tile, jnp.minimum(start, num_rows - tile))
+    return full, offset, start + full * tile
 
 
 def _dot(a, b, contract):
@@ -102,28 +87,17 @@ def _over_groups(group_size, body, carry):
     return _repeat(count, lambda j, c: body(order[j], c), carry)
 
 
-def _over_tiles(g, group_start, group_size, tile, tile_fn, carry):
-    """``tile_fn(offset, m, mask, carry)`` on each tile of group ``g`` (`group_tiles`), largest
-    first; ``mask`` is None for whole tiles and bool [m, 1] (rows inside the group) for the last
-    size, whose final tile may reach past the group's end."""
-    sizes = tile_sizes(tile)
-    end = group_start[g] + group_size[g]
-    pieces = group_tiles(group_start, group_size, sizes)
-    for m, (count_G, first_G) in zip(sizes, pieces, strict=True):
-        masked = m == sizes[-1]
-
-        def one(j, c, m=m, first=first_G[g], masked=masked):
-            offset = first + j * m
-            mask = (offset + jnp.arange(m, dtype=jnp.int32) < end)[:, None] if masked else None
-            return tile_fn(offset, m, mask, c)
-
-        carry = _repeat(count_G[g], one, carry)
-    return carry
-
-
-def _pad_rows(tile: int) -> int:
-    """Rows appended to the buffer so that no partial tile's slice is clamped."""
-    return tile_sizes(tile)[-1]
+def _over_tiles(g, group_start, group_size, num_rows, tile, tile_fn, carry):
+    """``tile_fn(offset, mask, carry)`` on each tile of group ``g`` (`group_tiles`): ``mask``
+    None for whole tiles, bool [tile, 1] (the rows it adds) for the last one."""
+    start, size = group_start[g], group_size[g]
+    full, offset, first_new = group_tiles(start, size, num_rows, tile)
+    carry = _repeat(full, lambda j, c: tile_fn(start + j * tile, None, c), carry)
+    rows = offset + jnp.arange(tile, dtype=jnp.int32)
+    mask = ((rows >= first_new) & (rows < start + size))[:, None]
+    # A loop of 0 or 1 trips, not a `lax.cond`: a conditional copies the buffers it carries.
+    rest = (size > full * tile).astype(jnp.int32)
+    return _repeat(rest, lambda j, c: tile_fn(offset, mask, c), carry)
 
 
 def _part_offsets(parts) -> np.ndarray:
@@ -149,9 +123,7 @@ def _group_weights(parts, g):
 
 def _forward(x, parts, group_start, group_size, tile):
     C, D = x.shape
-    pad = _pad_rows(tile)
-    xp = jnp.pad(x, ((0, pad), (0, 0)))
-    out = vary(jnp.zeros((C + pad, D), x.dtype), varying_axes(xp))
+    out = vary(jnp.zeros((C, D), x.dtype), varying_axes(x))
 
     # One loop over every part's groups: a collective that XLA scheduled between two loops would
     # make the rank running a replica slot wait for its expert's master rank to finish the master
@@ -160,19 +132,18 @@ def _forward(x, parts, group_start, group_size, tile):
         wgu, wd = _group_weights(parts, g)
         F = wd.shape[0]
 
-        def tile_fn(offset, m, mask, out):
-            rows = jax.lax.dynamic_slice_in_dim(xp, offset, m, axis=0)
+        def tile_fn(offset, mask, out):
+            rows = jax.lax.dynamic_slice_in_dim(x, offset, tile, axis=0)
             gate_up = _dot(rows, wgu, (1, 0))
             h = (jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:]).astype(x.dtype)
             y = _dot(h, wd, (1, 0)).astype(out.dtype)
             if mask is not None:
-                y = jnp.where(mask, y, jax.lax.dynamic_slice_in_dim(out, offset, m, axis=0))
+                y = jnp.where(mask, y, jax.lax.dynamic_slice_in_dim(out, offset, tile, axis=0))
             return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
 
-        return _over_tiles(g, group_start, group_size, tile, tile_fn, out)
+        return _over_tiles(g, group_start, group_size, C, tile, tile_fn, out)
 
-    out = _over_groups(group_size, group, out)
-    return out[:C]
+    return _over_groups(group_size, group, out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -195,11 +166,11 @@ def _split_parts(grad_gu, grad_d, offsets):
     )
 
 
-def _grads(xp, dp, parts, group_start, group_size, tile):
-    """dx [C + pad, D] (float32) and every part's weight gradients (float32, one [G_i, ...] per
+def _grads(x, dy_all, parts, group_start, group_size, tile):
+    """dx [C, D] (float32) and every part's weight gradients (float32, one [G_i, ...] per
     weight), in one loop over all groups (see `_forward`)."""
-    axes = varying_axes(xp) | varying_axes(dp)
-    f32, dtype = jnp.float32, xp.dtype
+    axes = varying_axes(x) | varying_axes(dy_all)
+    f32, dtype = jnp.float32, x.dtype
     offsets = _part_offsets(parts)
 
     def group(g, carry):
@@ -207,10 +178,10 @@ def _grads(xp, dp, parts, group_start, group_size, tile):
         wgu, wd = _group_weights(parts, g)
         F = wd.shape[0]
 
-        def tile_fn(offset, m, mask, acc):
+        def tile_fn(offset, mask, acc):
             dx, g_gu, g_d = acc
-            rows = jax.lax.dynamic_slice_in_dim(xp, offset, m, axis=0)
-            dy = jax.lax.dynamic_slice_in_dim(dp, offset, m, axis=0)
+            rows = jax.lax.dynamic_slice_in_dim(x, offset, tile, axis=0)
+            dy = jax.lax.dynamic_slice_in_dim(dy_all, offset, tile, axis=0)
             if mask is not None:
                 dy = jnp.where(mask, dy, 0)
             gate_up = _dot(rows, wgu, (1, 0))  # [m, 2F]
@@ -222,7 +193,7 @@ def _grads(xp, dp, parts, group_start, group_size, tile):
             d_gate = dh * up * sig * (1 + gate * (1 - sig))
             d_gate_up = jnp.concatenate([d_gate, dh * act], axis=1).astype(dtype)  # [m, 2F]
             d_rows = _dot(d_gate_up, wgu, (1, 1))
-            old = jax.lax.dynamic_slice_in_dim(dx, offset, m, axis=0)
+            old = jax.lax.dynamic_slice_in_dim(dx, offset, tile, axis=0)
             dx = jax.lax.dynamic_update_slice_in_dim(dx, old + d_rows, offset, axis=0)
             return dx, g_gu + _dot(rows, d_gate_up, (0, 0)), g_d + _dot(h, dy, (0, 0))
 
@@ -230,14 +201,14 @@ def _grads(xp, dp, parts, group_start, group_size, tile):
         zero_gu = vary(jnp.zeros((wg.shape[1], 2 * wg.shape[2]), f32), axes)
         zero_d = vary(jnp.zeros(parts[0][2].shape[1:], f32), axes)
         dx, g_gu, g_d = _over_tiles(
-            g, group_start, group_size, tile, tile_fn, (dx, zero_gu, zero_d)
+            g, group_start, group_size, C, tile, tile_fn, (dx, zero_gu, zero_d)
         )
         grad_gu, grad_d = grads
         return dx, (grad_gu.at[g].set(g_gu), grad_d.at[g].set(g_d))
 
-    C_pad, D = xp.shape
+    C, D = x.shape
     G, F = int(offsets[-1]), parts[0][2].shape[1]
-    dx = vary(jnp.zeros((C_pad, D), f32), axes)
+    dx = vary(jnp.zeros((C, D), f32), axes)
     # Every part's groups in one stack, split once at the end: one in-place update per group.
     zeros = tuple(vary(jnp.zeros(s, f32), axes) for s in ((G, D, 2 * F), (G, F, D)))
     dx, grads = _over_groups(group_size, group, (dx, zeros))
@@ -246,16 +217,12 @@ def _grads(xp, dp, parts, group_start, group_size, tile):
 
 def _swiglu_bwd(tile, res, d_out):
     x, parts, group_start, group_size = res
-    C, D = x.shape
-    pad = _pad_rows(tile)
-    xp = jnp.pad(x, ((0, pad), (0, 0)))
-    dp = jnp.pad(d_out, ((0, pad), (0, 0)))
-    dx, grads = _grads(xp, dp, parts, group_start, group_size, tile)
+    dx, grads = _grads(x, d_out, parts, group_start, group_size, tile)
     grads = tuple(
         tuple(g.astype(w.dtype) for g, w in zip(part_grads, part, strict=True))
         for part_grads, part in zip(grads, parts, strict=True)
     )
-    return dx[:C].astype(x.dtype), grads, None, None
+    return dx.astype(x.dtype), grads, None, None
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
