@@ -256,7 +256,7 @@ def tiled_swiglu_parts(
     axes = frozenset().union(*(varying_axes(a) for a in leaves))
     # A part of no groups takes no rows (its gradient is zero without being computed).
     parts = tuple(tuple(vary(w, axes) for w in part) for part in parts if part[0].shape[0])
-    if not parts:
+    if not parts or rows.shape[0] == 0:  # no weights, or no rows for a tile to read
         return jnp.zeros_like(rows)
     start = vary(group_start.astype(jnp.int32), axes)
     size = vary(group_size.astype(jnp.int32), axes)
