@@ -90,6 +90,34 @@ def test_gradients_equal_autodiff_of_dense_reference(case):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_rows_outside_groups_do_not_reach_values_or_gradients():
+    """inf and NaN in rows of no group (next to a group shorter than a tile, which its tile reads
+    at the buffer's end, and past a group's end) change no value and no gradient."""
+    C, starts, sizes, tile = CASES["short_group_at_end"]
+    starts, sizes = [0, 35], [30, 5]  # rows 30-34 and none after: in no group
+    x, wg, wu, wd = _inputs(C, len(sizes), seed=5)
+    cot = np.random.default_rng(6).normal(size=(C, D)).astype(np.float32)
+    bad = x.copy()
+    bad[30:35] = np.array([np.inf, -np.inf, np.nan, 1e30, -1e30])[:, None]
+
+    def loss(x, wg, wu, wd):
+        out = tiled_experts.tiled_swiglu(
+            x, wg, wu, wd, jnp.asarray(starts), jnp.asarray(sizes), tile
+        )
+        return jnp.sum(jnp.where(jnp.isfinite(out), out, 0) * cot), out
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    (_, want_out), want = run(x, wg, wu, wd)
+    (_, got_out), got = run(bad, wg, wu, wd)
+    np.testing.assert_array_equal(got_out, want_out)
+    np.testing.assert_array_equal(got[0][30:35], 0)
+    for name, g, w in zip(("x", "w_gate", "w_up", "w_down"), got, want, strict=True):
+        keep = np.ones(len(g), bool)
+        if name == "x":
+            keep[30:35] = False
+        np.testing.assert_array_equal(np.asarray(g)[keep], np.asarray(w)[keep], err_msg=name)
+
+
 @pytest.mark.parametrize("split", [(1, 3), (0, 2, 2), (3, 0, 1)])
 def test_parts_gradients_equal_one_stack(split):
     """Weights given as consecutive parts (some empty; the layer's masters and replica slots) give

@@ -183,7 +183,9 @@ def _grads(x, dy_all, parts, group_start, group_size, tile):
             rows = jax.lax.dynamic_slice_in_dim(x, offset, tile, axis=0)
             dy = jax.lax.dynamic_slice_in_dim(dy_all, offset, tile, axis=0)
             if mask is not None:
-                dy = jnp.where(mask, dy, 0)
+                # Rows the tile does not add contribute nothing, even if they hold inf or NaN
+                # (another group's rows, or buffer rows in no group): 0 * inf would be NaN.
+                rows, dy = jnp.where(mask, rows, 0), jnp.where(mask, dy, 0)
             gate_up = _dot(rows, wgu, (1, 0))  # [m, 2F]
             gate, up = gate_up[:, :F], gate_up[:, F:]
             sig = jax.nn.sigmoid(gate)
