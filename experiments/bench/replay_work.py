@@ -25,6 +25,7 @@ import numpy as np
 import ultraep_jax as uep
 from experiments.loads import baselines, traces, workloads
 from ultraep_jax import dispatch, reroute
+from ultraep_jax.layout import Layout
 
 #: The policies compared, in table order (the force-balanced ideal is reported beside them).
 POLICIES = ("none", "eplb_periodic", "eplb_exact", "ultraep", "exact")
@@ -217,8 +218,9 @@ def library_work(
     counts = jax.device_get(_jit_counts(loads, plan, capacity))
     copies = np.zeros((R, R), np.int64)
     slot_expert = np.asarray(plan.slot_expert)
+    master_rank = Layout(E, R).master_rank
     for dst, src_expert in zip(*np.nonzero(slot_expert >= 0), strict=True):
-        copies[slot_expert[dst, src_expert] // (E // R), dst] += 1
+        copies[master_rank(slot_expert[dst, src_expert]), dst] += 1
     return RankWork(
         policy=policy,
         group_rows_RG=np.asarray(counts.group_sizes_RG, np.int64),
@@ -250,11 +252,12 @@ def placement_work(
     expert_load = loads.sum(axis=0)
     token_rows = np.zeros((R, R))
     copies = np.zeros((R, R), np.int64)
+    master_rank = Layout(E, R).master_rank
     for dst, slot in zip(*np.nonzero(layout >= 0), strict=True):
         e = layout[dst, slot]
         if expert_load[e]:
             token_rows[:, dst] += loads[:, e] * quota[dst, slot] / expert_load[e]
-        home = e // (E // R)
+        home = master_rank(e)
         if moves_weights and home != dst:
             copies[home, dst] += 1
     masters_only = jax.device_get(_jit_masters_only(loads.astype(np.int32)))

@@ -32,6 +32,7 @@ import ultraep_jax as uep
 from experiments import common
 from experiments.loads import baselines
 from experiments.loads.baselines import Balanced
+from ultraep_jax.layout import Layout
 
 #: The balancers in table order.
 BASELINE_ORDER = ("none", "eplb_periodic", "eplb_exact", "eplb_plus", "ultraep")
@@ -74,7 +75,7 @@ def off_home_copies(layout, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     layout = np.asarray(layout)
     ep = layout.shape[0]
     rank = np.arange(ep)[:, None]
-    off = (layout >= 0) & (layout // (num_experts // ep) != rank)
+    off = (layout >= 0) & (Layout(num_experts, ep).master_rank(layout) != rank)
     copies = np.bincount(layout[off].astype(np.int64), minlength=num_experts)
     return copies.astype(np.int64), off.sum(axis=1).astype(np.int64)
 

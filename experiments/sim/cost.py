@@ -27,6 +27,7 @@ import numpy as np
 
 from experiments import common
 from experiments.sim.shapes import Cluster, ModelShape
+from ultraep_jax.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +211,7 @@ def held_off_home(layouts, num_experts: int) -> np.ndarray:
     home = np.arange(ranks)[None, :, None]
     earlier = np.tril(np.ones((cols, cols), bool), k=-1)  # [c, c'] with c' < c
     repeat = np.any((layouts[..., :, None] == layouts[..., None, :]) & earlier, axis=-1)
-    off = (layouts >= 0) & (layouts // (num_experts // ranks) != home) & ~repeat
+    off = (layouts >= 0) & (Layout(num_experts, ranks).master_rank(layouts) != home) & ~repeat
     return np.where(off, layouts, -1).astype(np.int32)
 
 
