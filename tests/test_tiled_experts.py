@@ -78,9 +78,7 @@ def test_gradients_equal_autodiff_of_dense_reference(case):
         return jnp.sum(jnp.where(pick, y, 0), axis=0)
 
     def tiled(x, wg, wu, wd):
-        return tiled_experts.tiled_glu(
-            x, wg, wu, wd, jnp.asarray(starts), jnp.asarray(sizes), tile
-        )
+        return tiled_experts.tiled_glu(x, wg, wu, wd, jnp.asarray(starts), jnp.asarray(sizes), tile)
 
     grads = [
         jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
@@ -101,9 +99,7 @@ def test_rows_outside_groups_do_not_reach_values_or_gradients():
     bad[30:35] = np.array([np.inf, -np.inf, np.nan, 1e30, -1e30])[:, None]
 
     def loss(x, wg, wu, wd):
-        out = tiled_experts.tiled_glu(
-            x, wg, wu, wd, jnp.asarray(starts), jnp.asarray(sizes), tile
-        )
+        out = tiled_experts.tiled_glu(x, wg, wu, wd, jnp.asarray(starts), jnp.asarray(sizes), tile)
         return jnp.sum(jnp.where(jnp.isfinite(out), out, 0) * cot), out
 
     run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
