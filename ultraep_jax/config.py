@@ -298,6 +298,26 @@ class ExpertParallel:
         return max(1, min(worst, math.ceil(self.capacity_factor * pairs)))
 
     @property
+    def on_cpu(self) -> bool:
+        """Whether the mesh's devices are CPUs (an abstract mesh's when its device says so)."""
+        if isinstance(self.mesh, Mesh):
+            return self.mesh.devices.flat[0].platform == "cpu"
+        return getattr(self.mesh.abstract_device, "platform", None) == "cpu"
+
+    @property
+    def exchange_backend(self) -> str:
+        """The exchange backend to trace: "auto" resolved now on a CPU mesh (the portable one),
+        else as configured ("auto" then picks per platform at lowering time). Tracing only the
+        branch that runs halves the traced program on CPU."""
+        return "portable" if self.comm_backend == "auto" and self.on_cpu else self.comm_backend
+
+    @property
+    def kernel(self) -> str:
+        """The expert kernel to trace: "auto" resolved now on a CPU mesh ("tiled"), else as
+        configured."""
+        return "tiled" if self.expert_kernel == "auto" and self.on_cpu else self.expert_kernel
+
+    @property
     def token_spec(self) -> P:
         """The partition of a flat token axis [T, ...]: split over the token axes."""
         return P(self.token_axes or None)

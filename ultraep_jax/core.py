@@ -112,16 +112,16 @@ def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, 
                 params,
                 plan.slot_expert,
                 route.group_sizes_G,
-                kernel=ep.expert_kernel,
+                kernel=ep.kernel,
                 chunks=ep.transfer_chunks,
                 max_fanout=balancer.max_fanout,
                 axis_name=ep.expert_axis,
-                backend=ep.comm_backend,
+                backend=ep.exchange_backend,
                 activation=ep.activation,
             )
         else:
             done_CD = local_experts(
-                rows_CD, params, None, route.group_sizes_G, ep.expert_kernel, ep.activation
+                rows_CD, params, None, route.group_sizes_G, ep.kernel, ep.activation
             )
     with jax.named_scope("combine"):
         back_ND = _exchange(dispatch.from_groups(done_CD, route), route.exchange.reversed(), ep)
@@ -144,7 +144,7 @@ def _exchange(operand, exchange, ep: ExpertParallel) -> jax.Array:
     network; XLA's ragged all-to-all over one device is slow on GPU)."""
     if ep.ep_size == 1:
         return comm.local_exchange(operand, exchange)
-    axis, backend = ep.expert_axis, ep.comm_backend
+    axis, backend = ep.expert_axis, ep.exchange_backend
     return comm.ragged_exchange(operand, exchange, axis_name=axis, backend=backend)
 
 
