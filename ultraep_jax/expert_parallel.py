@@ -54,8 +54,7 @@ def routed_experts(
     check_call_inputs(x, experts, weights, params, ep, token_mask)
     T = math.prod(x.shape[:-1])
     pad = -T % ep.token_devices
-    call = functools.partial(_moe_call, ep, pad)
-    return with_auto_axes(call, x, experts, weights, token_mask, *params)
+    return with_auto_axes(_moe_call, (ep, pad), x, experts, weights, token_mask, *params)
 
 
 def _padded(a, pad: int, value):

@@ -163,9 +163,9 @@ class MoE(nnx.Module):
         shared = None
         if self.shared_d_ff:
             shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
-        forward = functools.partial(_forward, self.ep, self.router)
         kernel = self.router_kernel[...]
-        return with_auto_axes(forward, x, token_mask, kernel, bias, experts, shared)
+        statics = (self.ep, self.router)
+        return with_auto_axes(_forward, statics, x, token_mask, kernel, bias, experts, shared)
 
     def update_router_bias(self, stats: MoEStats) -> None:
         """Moves the `SigmoidTopK` bias by `routers.update_bias` from ``stats.expert_load`` (a

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -16,24 +18,40 @@ def place(a, sharding):
 
 
 def explicit_sharding(x) -> NamedSharding | None:
-    """The sharding ``x`` is typed with when it is a traced value on a mesh with Explicit axes
-    (as from `jax.make_mesh`), else None."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
+    """The sharding ``x`` is typed with when it lives on a mesh with Explicit axes (as from
+    `jax.make_mesh`), traced or concrete, else None."""
+    if isinstance(x, jax.core.Tracer):
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    else:
+        sharding = getattr(x, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if isinstance(x, jax.core.Tracer) and AxisType.Explicit in getattr(mesh, "axis_types", ()):
+    if AxisType.Explicit in getattr(mesh, "axis_types", ()):
         return sharding
     return None
 
 
-def with_auto_axes(fn, x, *args):
-    """``fn(x, *args)`` -> (y shaped like x, stats). When ``x`` carries Explicit sharding types,
-    ``fn`` runs with those axes in Auto mode and y comes back typed with x's sharding, the stats
-    replicated; a concrete ``x`` on a `NamedSharding` gets y on that sharding."""
-    typed = explicit_sharding(x)
-    if typed is not None:
-        out = (typed, NamedSharding(typed.mesh, P()))
-        return jax.sharding.auto_axes(fn, out_sharding=out)(x, *args)
-    y, stats = fn(x, *args)
+def with_auto_axes(fn, statics: tuple, x, *args):
+    """``fn(*statics, x, *args)`` -> (y shaped like x, stats), ``statics`` hashable. When ``x`` is
+    on a mesh with Explicit axes, ``fn`` runs with those axes in Auto mode and y comes back with
+    x's sharding, the stats replicated; a concrete ``x`` on a `NamedSharding` gets y on that
+    sharding."""
+    if explicit_sharding(x) is not None:
+        if isinstance(x, jax.core.Tracer):
+            return _auto_axes_call(fn, statics, x, *args)
+        # One compiled program per configuration and input types, not one per eager call.
+        return _jitted_auto_axes_call(fn, statics)(x, *args)
+    y, stats = fn(*statics, x, *args)
     if not isinstance(x, jax.core.Tracer) and isinstance(x.sharding, NamedSharding):
         y = jax.device_put(y, x.sharding)
     return y, stats
+
+
+def _auto_axes_call(fn, statics: tuple, x, *args):
+    typed = explicit_sharding(x)
+    out = (typed, NamedSharding(typed.mesh, P()))
+    return jax.sharding.auto_axes(functools.partial(fn, *statics), out_sharding=out)(x, *args)
+
+
+@functools.cache
+def _jitted_auto_axes_call(fn, statics: tuple):
+    return jax.jit(functools.partial(_auto_axes_call, fn, statics))
