@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure (planner, exchanges, overlap, replay, GPU tests) in one command (README, "GPU"):
+# Every GPU figure (planner, exchanges, overlap, replay, GPU tests) in one command (docs/gpu.md):
 #
 #   bash experiments/gpu_all.sh                          # every part, on a GPU machine
 #   bash experiments/gpu_all.sh --parts=setup,tests      # some parts (each <= 10 minutes)
@@ -18,15 +18,15 @@
 #   tests_cpu       the whole test suite on the host's CPU -> tests_cpu.log (optional)  ~10 min
 # summary.md (python -m experiments.bench.gpu_summary) is rewritten at the end of every run.
 # Default --parts: setup,tests,gpu_check,exchange,replay_train,replay_prefill,gmm.
-# The device tool allows 10 minutes a command and 30 a session: run it as
+# On a machine that allows 10 minutes a command, run
 #   --parts=setup,tests,gpu_check   then   --parts=setup,exchange
-#   then --parts=setup,replay_train   then (time left) --parts=setup,replay_prefill,gmm
+#   then --parts=setup,replay_train   then --parts=setup,replay_prefill,gmm
 # and unpack $OUT/gpu_all.tar.gz into experiments/results/ after each.
 #
 # Options: --parts=LIST, --out=DIR (default experiments/results/gpu_<UTC date>; dry run:
 # runs/gpu_all_dry), --dry_run. Environment: PYTHON (default python3), GPU_ALL_COMMIT (the commit to
 # record where the tree has no .git), REPLAY_MATRICES (1), REPLAY_EP (64), PART_TIMEOUT (seconds a
-# part may take, default 570), OUT (set by the device tool: DIR is packed into
+# part may take, default 570), OUT (a folder copied back from a remote machine: DIR is packed into
 # $OUT/gpu_all.tar.gz after each part, so that finished parts come back even if a later one is
 # cut off).
 set -uo pipefail
@@ -63,7 +63,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 
-pack() {  # finished parts travel back with the device tool even if a later part is cut off
+pack() {  # finished parts come back even if a later part is cut off
   if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
     tar czf "$OUT/gpu_all.tar.gz" -C "$(dirname "$DIR")" "$(basename "$DIR")"
   fi

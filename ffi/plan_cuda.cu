@@ -5,7 +5,7 @@
 // - ultraep_plan (the default): all threads of the block sum the expert totals, then one thread
 //   runs the rest of the sequential core of planner.h (ultraep::plan_from_totals), the workspace
 //   in global memory. Bit-equal by construction (the totals are integer sums, so their order does
-//   not matter). Slow: the core is sequential (README.md, the GPU section).
+//   not matter). Slow: the core is sequential (docs/gpu.md).
 // - ultraep_plan_parallel (opt-in: `uep.plan(..., parallel=True)`): the parallel form of
 //   planner_parallel.h with real warps (DeviceBlock, DeviceLanes below): the set-up over the
 //   block, a round of threshold probes on separate warps, each probe's argmax over masters and

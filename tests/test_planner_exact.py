@@ -4,7 +4,7 @@ holds an expert twice), independent of the planner.
 
 - Where ffi/PLANNER.md promises completeness (R = 2, or S >= E - E / R), exact mode reaches
   M = ceil(T / R) and a capacity C is met whenever some plan does.
-- The two cases of issue 17 that the planner missed, and a fixed sample of small S = 1 cases in
+- Two cases that an earlier planner missed, and a fixed sample of small S = 1 cases in
   which the planner before the repairs missed M (the repairs are a heuristic there, not a promise).
 """
 
@@ -41,7 +41,7 @@ def _mean_ceil(R, load_e):
     return -(-int(np.sum(load_e)) // R)
 
 
-# -- issue 17's cases ---------------------------------------------------------------------------
+# -- two cases an earlier planner missed ----------------------------------------------------------
 
 
 def test_exact_mode_reaches_the_mean_where_a_plan_exists():

@@ -46,7 +46,7 @@ _TFLOPS = flags.DEFINE_float(
     "gpu_tflops",
     550.0,
     "Assumed grouped-matmul rate in TFLOP/s (550: the Mosaic GPU kernel measured on an H100, "
-    "README 'GPU').",
+    "docs/gpu.md).",
 )
 _TRACES_DIR = cli.define_traces_dir()
 _JSON = cli.define_json_out()
