@@ -33,7 +33,7 @@ from ultraep_jax.layout import Layout
 @dataclasses.dataclass(frozen=True)
 class ExpertCost:
     """One rank's expert compute (forward + backward) as measured by the per-rank replay
-    (``python -m experiments.bench.replay --calibration_out``): ``fixed + per_row * rows +
+    (``python -m experiments.replay --calibration_out``): ``fixed + per_row * rows +
     per_group * groups`` seconds at the replay's shape, fitted over every rank it timed.
 
     Attributes:

@@ -1,8 +1,8 @@
-"""summary.md of a `experiments/gpu_all.sh` run: each figure that needs a GPU (planner,
+"""summary.md of a `experiments/gpu/run_all.sh` run: each figure that needs a GPU (planner,
 exchanges, overlap, replay, GPU tests), read from the run's JSON and logs, whether its target is
 met, and the command that produced it.
 
-        python -m experiments.bench.gpu_summary --dir=experiments/results/gpu_20261124
+        python -m experiments.gpu.summary --dir=experiments/results/gpu_20261124
 
 Reads, in ``--dir``: ``commands.tsv`` (part, exit code, seconds, command: one line per part run),
 ``env.txt``, ``tests_gpu.log``, ``gpu_check/gpu_results.json``, ``exchange/gpu_results.json``,

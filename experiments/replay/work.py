@@ -1,5 +1,5 @@
 """What every rank of an EP group does for one load matrix under each balancing policy, for
-`experiments.bench.replay`: the load matrices (trace layers or generated), each rank's received
+`experiments.replay`: the load matrices (trace layers or generated), each rank's received
 rows per local group, the token rows each rank exchanges with each peer and the expert weights
 it sends, and what those exchanges cost at a stated link bandwidth (modelled).
 
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import baselines, traces, workloads
+from experiments.loads import baselines, ranks, traces, workloads
 from ultraep_jax import dispatch, reroute
 from ultraep_jax.layout import Layout
 
@@ -178,8 +178,7 @@ class RankWork:
     @property
     def imbalance(self) -> float:
         """max / mean of the rows each rank runs."""
-        rows = self.rows_R
-        return float(rows.max() / rows.mean()) if rows.sum() else 1.0
+        return ranks.imbalance(self.rows_R)
 
     @property
     def replicas(self) -> int:
@@ -243,9 +242,9 @@ def placement_work(
     """An EPLB placement as rank work: each instance of layout ``[R, C]`` is a group of its rank
     with its quota of rows; each source splits its pairs for an expert over the expert's
     instances in proportion to their quotas (what routing each token to an instance at random
-    gives on average); ``moves_weights``: every instance off its expert's home rank ``e // E_m``
-    is a weight copy this layer (a re-layout planned on this step's loads), else the layout is
-    already in place."""
+    gives on average); ``moves_weights``: every instance off its expert's home rank
+    (`Layout.master_rank`) is a weight copy this layer (a re-layout planned on this step's loads),
+    else the layout is already in place."""
     loads = np.asarray(loads_RE, np.int64)
     R, E = loads.shape
     layout, quota = balanced.layout, balanced.quota

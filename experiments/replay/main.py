@@ -1,9 +1,9 @@
 """Per-rank replay: the step time of expert parallelism at any EP size, from the real kernels
 timed one rank at a time on one device.
 
-        python -m experiments.bench.replay                       # CPU, scaled shapes, minutes
-        python -m experiments.bench.replay --workloads=deepseek-r1 --mode=train --matrices=2
-        python -m experiments.bench.replay --shape=deepseek_v3   # real shapes, for a GPU
+        python -m experiments.replay                       # CPU, scaled shapes, minutes
+        python -m experiments.replay --workloads=deepseek-r1 --mode=train --matrices=2
+        python -m experiments.replay --shape=deepseek_v3   # real shapes, for a GPU
 
 For each load matrix (layers of the real traces, or generated rank-level Zipf), each EP size and
 each policy (none, eplb_periodic, eplb_exact, ultraep at balance_eps 0.01, exact mode at 0), the
@@ -35,12 +35,13 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import ultraep_jax as uep
 from experiments import cli, common
-from experiments.bench import replay_timing, replay_work
 from experiments.loads import traces, workloads
+from experiments.replay import timing as replay_timing
+from experiments.replay import work as replay_work
 
 _SHAPES = {
     # Scaled so that the default replay runs on a 2-core CPU in minutes: rows per rank are
@@ -500,7 +501,7 @@ def provenance() -> dict:
         + (
             " (uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
         ),
-        "command": "python -m experiments.bench.replay " + " ".join(sys.argv[1:]),
+        "command": "python -m experiments.replay " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
     }
@@ -604,7 +605,3 @@ def main(argv):
         common.write_json(_CALIBRATION.value, calibration(cells, settings, clock_name))
         print(f"calibration written to {_CALIBRATION.value}")
     common.write_json(_JSON.value, cells)
-
-
-if __name__ == "__main__":
-    app.run(main)
