@@ -1,6 +1,7 @@
 """The two rules every experiment applies to rank loads, stated once: where an expert's master
 lives (its home rank, `ultraep_jax.layout.Layout.master_rank`) and the imbalance of per-rank
-loads (max / mean). NumPy, host only."""
+loads (max / mean); and what follows from the first: the instances a layout holds off their
+home rank (the weight copies a layer moves). NumPy, host only."""
 
 from __future__ import annotations
 
@@ -36,3 +37,16 @@ def imbalance(rank_load) -> float:
     rank_load = np.asarray(rank_load)
     total = rank_load.sum()
     return float(rank_load.max() * rank_load.size / total) if total > 0 else 1.0
+
+
+def held_off_home(layouts, num_experts: int) -> np.ndarray:
+    """int32 ``[N, R, C]``: the instances of layouts ``[N, R, C]`` that sit off their expert's
+    home rank (each a weight copy; a second instance of an expert on one rank needs no second
+    copy), -1 elsewhere: the held matrix the relay schedule (`ultraep_jax.relay`) moves."""
+    layouts = np.asarray(layouts)
+    ranks, cols = layouts.shape[1:]
+    home = np.arange(ranks)[None, :, None]
+    earlier = np.tril(np.ones((cols, cols), bool), k=-1)  # [c, c'] with c' < c
+    repeat = np.any((layouts[..., :, None] == layouts[..., None, :]) & earlier, axis=-1)
+    off = (layouts >= 0) & (Layout(num_experts, ranks).master_rank(layouts) != home) & ~repeat
+    return np.where(off, layouts, -1).astype(np.int32)

@@ -147,6 +147,8 @@ class RankWork:
         dispatch (the combine sends them back).
       weight_copies_RR: int [R(src), R(dst)], expert weight sets each rank sends each other rank
         for this layer (their gradients return the same way in training).
+      held_RC: int32 [R, C], the experts each rank receives weights of for this layer (-1: none):
+        what the relay schedule moves (`ultraep_jax.relay`).
       dropped: pairs past their destination's capacity.
       plan: the `uep.Plan` whose dispatch bookkeeping the rank runs (EPLB: the masters-only plan,
         the same bookkeeping on the same pairs).
@@ -160,6 +162,7 @@ class RankWork:
     capacity: int
     token_rows_RR: np.ndarray
     weight_copies_RR: np.ndarray
+    held_RC: np.ndarray
     dropped: int
     plan: uep.Plan
     loads_RE: np.ndarray
@@ -226,6 +229,7 @@ def library_work(
         capacity=capacity,
         token_rows_RR=np.asarray(counts.kept_RRG.sum(-1), np.float64),
         weight_copies_RR=copies,
+        held_RC=slot_expert.astype(np.int32),
         dropped=int(counts.routed_RRG.sum() - counts.kept_RRG.sum()),
         plan=jax.device_get(plan),
         loads_RE=loads,
@@ -259,6 +263,7 @@ def placement_work(
         home = master_rank(e)
         if moves_weights and home != dst:
             copies[home, dst] += 1
+    held = ranks.held_off_home(layout[None], E)[0] if moves_weights else np.full_like(layout, -1)
     masters_only = jax.device_get(_jit_masters_only(loads.astype(np.int32)))
     return RankWork(
         policy=policy,
@@ -266,6 +271,7 @@ def placement_work(
         capacity=int(quota.sum(axis=1).max()),
         token_rows_RR=token_rows,
         weight_copies_RR=copies,
+        held_RC=held,
         dropped=0,
         plan=masters_only,
         loads_RE=loads.astype(np.int32),

@@ -26,8 +26,8 @@ import json
 import numpy as np
 
 from experiments import common
+from experiments.loads.ranks import held_off_home
 from experiments.sim.shapes import Cluster, ModelShape
-from ultraep_jax.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,19 +200,6 @@ def copy_seconds(nbytes: float, ep: int, cluster: Cluster, params: CostParams) -
     p_nvl, p_ib = (g - 1) / (ep - 1), (ep - g) / (ep - 1)
     eff = params.link_efficiency * 1e9
     return nbytes * (p_nvl / (cluster.nvlink_gbps * eff) + p_ib / (cluster.ib_gbps * eff))
-
-
-def held_off_home(layouts, num_experts: int) -> np.ndarray:
-    """int32 ``[N, R, C]``: the instances of layouts ``[N, R, C]`` that sit off their expert's
-    home rank ``e // (E / R)`` (each a weight copy; a second instance of an expert on one rank
-    needs no second copy), -1 elsewhere."""
-    layouts = np.asarray(layouts)
-    ranks, cols = layouts.shape[1:]
-    home = np.arange(ranks)[None, :, None]
-    earlier = np.tril(np.ones((cols, cols), bool), k=-1)  # [c, c'] with c' < c
-    repeat = np.any((layouts[..., :, None] == layouts[..., None, :]) & earlier, axis=-1)
-    off = (layouts >= 0) & (Layout(num_experts, ranks).master_rank(layouts) != home) & ~repeat
-    return np.where(off, layouts, -1).astype(np.int32)
 
 
 def transfer_copy_times(layouts, num_experts: int, fanout: int | None) -> np.ndarray:
