@@ -58,12 +58,15 @@ class ExpertCost:
     @classmethod
     def read(cls, path) -> ExpertCost:
         """The training-mode costs of a replay calibration file (ValueError naming the file if it
-        has none)."""
+        has none, or a negative cost: a cost model has no term that pays back time)."""
         with open(path) as f:
             data = json.load(f)
         if "train" not in data:
             raise ValueError(f"{path}: no training-mode costs (run the replay with --mode=train)")
         fit, shape = data["train"], data["shape"]
+        for key in ("seconds_fixed", "seconds_per_row", "seconds_per_group"):
+            if fit[key] < 0:
+                raise ValueError(f"{path}: train {key}={fit[key]} is negative (refit it)")
         return cls(
             fixed_s=fit["seconds_fixed"],
             per_row_s=fit["seconds_per_row"],
