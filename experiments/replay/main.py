@@ -427,6 +427,9 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
         if settings.target:
             row["target_step_x_none"] = sums["none"]["target_step_s"] / s["target_step_s"]
             row["target_exposed_pct_step"] = 100.0 * s["target_exposed_s"] / s["target_step_s"]
+            # Were nothing overlapped: the whole transfer on the step's critical path.
+            serial = s["target_step_s"] - s["target_exposed_s"] + s["target_transfer_s"]
+            row["target_serial_transfer_pct_step"] = 100.0 * s["target_transfer_s"] / serial
         rows[p] = row
     return {
         "workload": workload,
@@ -512,14 +515,16 @@ def target_table(cell: dict) -> list[str]:
         f"{cell['balancer']['max_fanout']}: experts = the measured ratio to the ideal x the "
         "ideal's FLOPs at that rate; the rest modelled",
         f"  {'policy':14s} | {'experts':>8s} {'a2a*':>8s} {'transfer*':>9s} {'exposed*':>8s} | "
-        f"{'step':>8s} {'%ideal':>6s} {'xnone':>5s} {'exposed % step':>14s}",
+        f"{'step':>8s} {'%ideal':>6s} {'xnone':>5s} {'exposed % step':>14s} "
+        f"{'serial: transfer % step':>23s}",
     ]
     for p, r in cell["rows"].items():
         lines.append(
             f"  {p:14s} | {ms * r['target_experts_s']:8.2f} {ms * r['target_tokens_s']:8.2f} "
             f"{ms * r['target_transfer_s']:9.2f} {ms * r['target_exposed_s']:8.2f} | "
             f"{ms * r['target_step_s']:8.2f} {r['target_step_pct_ideal']:6.1f} "
-            f"{r['target_step_x_none']:5.2f} {r['target_exposed_pct_step']:13.1f}%"
+            f"{r['target_step_x_none']:5.2f} {r['target_exposed_pct_step']:13.1f}% "
+            f"{r['target_serial_transfer_pct_step']:22.1f}%"
         )
     return lines
 
@@ -558,17 +563,20 @@ def headline(cells: list[dict]) -> list[str]:
             f"ultraep at {t['name']}'s ratios on {t['gpu']} ({t['gpu_tflops']:g} TFLOP/s, "
             f"{t['link_gbps']:g} GB/s): experts from the measured ratio to the ideal, the "
             "exchanges and the relayed replica copies modelled; exposed = the transfer that "
-            "outlasts the token all-to-all of its pass:",
+            "outlasts the token all-to-all of its pass; serial = the share the whole transfer "
+            "would take were nothing overlapped:",
             f"  {'workload':16s} {'EP':>3s} {'mode':8s} {'step %ideal':>11s} {'x none':>6s} "
-            f"{'exposed transfer % step':>23s} {'transfer ms':>11s} {'exposed ms':>10s}",
+            f"{'exposed transfer % step':>23s} {'serial % step':>13s} {'transfer ms':>11s} "
+            f"{'exposed ms':>10s}",
         ]
         for c in targets:
             u = c["rows"]["ultraep"]
             lines.append(
                 f"  {c['workload']:16s} {c['ep']:3d} {c['mode']:8s} "
                 f"{u['target_step_pct_ideal']:10.1f}% {u['target_step_x_none']:6.2f} "
-                f"{u['target_exposed_pct_step']:22.1f}% {1e3 * u['target_transfer_s']:11.2f} "
-                f"{1e3 * u['target_exposed_s']:10.2f}"
+                f"{u['target_exposed_pct_step']:22.1f}% "
+                f"{u['target_serial_transfer_pct_step']:12.1f}% "
+                f"{1e3 * u['target_transfer_s']:11.2f} {1e3 * u['target_exposed_s']:10.2f}"
             )
     return lines
 
