@@ -41,7 +41,7 @@ for arg in "$@"; do
     --dry_run) DRY=1 ;;
     --parts=*) PARTS=${arg#--parts=} ;;
     --out=*) DIR=${arg#--out=} ;;
-    *) echo "gpu_all.sh: unknown argument $arg (see the header of $0)" >&2; exit 2 ;;
+    *) echo "run_all.sh: unknown argument $arg (see the header of $0)" >&2; exit 2 ;;
   esac
 done
 if [ -z "$DIR" ]; then
@@ -174,7 +174,7 @@ for part in "${WANT[@]}"; do
         --sections=env,gmm --gmm_groups=8 --gmm_sizes=16384,65536 \
         --gmm_configs=128x128x64w4s3 --mgpu_configs=128x128x64c4g4,128x128x64c5g4 ;;
     summary) ;;
-    *) echo "gpu_all.sh: unknown part $part" >&2; exit 2 ;;
+    *) echo "run_all.sh: unknown part $part" >&2; exit 2 ;;
   esac
 done
 

@@ -20,7 +20,7 @@ from absl import flags
 
 from experiments import common
 
-_DIR = flags.DEFINE_string("dir", None, "The gpu_all.sh output folder.", required=True)
+_DIR = flags.DEFINE_string("dir", None, "The run_all.sh output folder.", required=True)
 
 #: The planner bar (us per plan at EP64/E256/S2, one plan, CUDA events).
 PLANNER_BAR_US = 20.0
