@@ -45,7 +45,7 @@ import time
 
 import jax
 import numpy as np
-from absl import flags
+from absl import app, flags
 
 import ultraep_jax as uep
 from experiments import cli, common
@@ -100,6 +100,14 @@ _HISTORY = flags.DEFINE_integer(
     "Other matrices of the same layer that eplb_periodic plans on: for DeepSeek-R1 (one matrix "
     "per layer and serving run) that layer in other serving runs, for Qwen1.5-MoE and Switch the "
     "iterations before it (cyclic); for zipfX, matrices of other seeds.",
+)
+_EXPERTS = flags.DEFINE_enum(
+    "experts",
+    "timed",
+    ["timed", "rows"],
+    "timed: run every rank's experts (the measurement); rows: time nothing, each rank's expert "
+    "time its rows over the mean rows (a model without the kernel's per-group costs or noise, "
+    "for --transfer_model's modelled terms on a machine too busy to time on).",
 )
 _MODE = flags.DEFINE_enum(
     "mode", "both", ["train", "prefill", "both"], "Forward+backward, forward only, or both."
@@ -227,6 +235,7 @@ class Settings:
     bookkeeping_ranks: int
     seed: int
     target: real_ratio.TargetModel | None = None
+    timed: bool = True
 
     def balancer(self, ep: int, num_experts: int, mode: str) -> uep.BalancerConfig:
         """ultraep's `BalancerConfig` at this EP size and mode (its floor scales with the pairs)."""
@@ -348,16 +357,21 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
     for sample, works in zip(samples, every, strict=True):
         start = time.perf_counter()
         works = replay_work.with_buffers(works, buffers)
-        experts, book, noise = time_ranks(works, ep, E // ep, k, mode, settings)
+        if settings.timed:
+            experts, book, noise = time_ranks(works, ep, E // ep, k, mode, settings)
+        else:  # rows over the mean rows, nothing timed (--experts=rows)
+            experts = {p: list(w.rows_R / pairs) for p, w in works.items()}
+            book, noise = dict.fromkeys(names, 0.0), 1.0
         noise_floor += 100.0 / noise / len(samples)
-        planner = {p: works[p].host_plan_seconds for p in names}
+        planner = {p: works[p].host_plan_seconds if settings.timed else 0.0 for p in names}
         for p, eps in (("ultraep", cfg.balance_eps), ("exact", 0.0)):
-            planner[p] = replay_timing.planner_seconds(
-                sample.loads_RE,
-                dataclasses.replace(cfg, balance_eps=eps),
-                capacity,
-                settings.repeats,
-            )
+            if settings.timed:
+                planner[p] = replay_timing.planner_seconds(
+                    sample.loads_RE,
+                    dataclasses.replace(cfg, balance_eps=eps),
+                    capacity,
+                    settings.repeats,
+                )
         for p in names:
             w = works[p]
             tokens = token_a2a * replay_work.exchange_seconds(
@@ -402,10 +416,15 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
                 (p, int(rows), int(groups), w.capacity, t)
                 for rows, groups, t in zip(w.rows_R, w.groups_R, experts[p], strict=True)
             ]
+        noise_line = (
+            f"the ideal timed again reaches {100.0 / noise:.1f} % of itself"
+            if settings.timed
+            else "not timed"
+        )
         print(
             f"  {sample.label}: max/mean none {works['none'].imbalance:.2f} -> ultraep "
-            f"{works['ultraep'].imbalance:.3f}; the ideal timed again reaches "
-            f"{100.0 / noise:.1f} % of itself ({time.perf_counter() - start:.0f} s)",
+            f"{works['ultraep'].imbalance:.3f}; {noise_line} "
+            f"({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
     n = len(samples)
@@ -447,6 +466,7 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
             sum(workloads.initial_imbalance(s.loads_RE) for s in samples) / n
         ),
         "noise_floor_pct": noise_floor,
+        "timed": settings.timed,
         "target": dataclasses.asdict(settings.target) if settings.target else None,
         "rows": rows,
         "points": points,
@@ -512,8 +532,9 @@ def target_table(cell: dict) -> list[str]:
         f"{t['pairs_per_rank'][cell['mode']]} pairs per rank, an expert copy "
         f"{3 * t['d_model'] * t['d_ff'] * t['itemsize'] / 1e6:.1f} MB) on {t['gpu']} at "
         f"{t['gpu_tflops']:g} TFLOP/s, links {t['link_gbps']:g} GB/s, relay f="
-        f"{cell['balancer']['max_fanout']}: experts = the measured ratio to the ideal x the "
-        "ideal's FLOPs at that rate; the rest modelled",
+        f"{cell['balancer']['max_fanout']}: experts = the "
+        + ("measured" if cell.get("timed", True) else "rows-modelled")
+        + " ratio to the ideal x the ideal's FLOPs at that rate; the rest modelled",
         f"  {'policy':14s} | {'experts':>8s} {'a2a*':>8s} {'transfer*':>9s} {'exposed*':>8s} | "
         f"{'step':>8s} {'%ideal':>6s} {'xnone':>5s} {'exposed % step':>14s} "
         f"{'serial: transfer % step':>23s}",
@@ -541,7 +562,10 @@ def headline(cells: list[dict]) -> list[str]:
         "shape's bytes, which are far smaller relative to compute than a real model's (use "
         "--transfer_model). Noise floor = the ideal's own ranks timed again as a policy (what "
         "noise alone takes off a busiest rank); balancer % experts = (planner + bookkeeping) / "
-        "expert time, (added) = less none's bookkeeping. Not an end-to-end throughput:",
+        "expert time, (added) = less none's bookkeeping. Not an end-to-end throughput:"
+        if all(c.get("timed", True) for c in cells)
+        else "Nothing was timed (--experts=rows): each rank's expert time is its rows over the "
+        "mean rows, and the planner and bookkeeping count 0:",
         f"  {'workload':16s} {'EP':>3s} {'mode':8s} {'experts %ideal':>14s} {'x none':>6s} "
         f"{'compute %ideal':>14s} {'x none':>6s} {'step %ideal':>11s} {'x none':>6s} "
         f"{'exact mode: experts %ideal':>26s} {'noise floor':>11s} "
@@ -561,7 +585,9 @@ def headline(cells: list[dict]) -> list[str]:
         t = targets[0]["target"]
         lines += [
             f"ultraep at {t['name']}'s ratios on {t['gpu']} ({t['gpu_tflops']:g} TFLOP/s, "
-            f"{t['link_gbps']:g} GB/s): experts from the measured ratio to the ideal, the "
+            f"{t['link_gbps']:g} GB/s): experts from the "
+            + ("measured" if all(c.get("timed", True) for c in targets) else "rows-modelled")
+            + " ratio to the ideal, the "
             "exchanges and the relayed replica copies modelled; exposed = the transfer that "
             "outlasts the token all-to-all of its pass; serial = the share the whole transfer "
             "would take were nothing overlapped:",
@@ -725,7 +751,10 @@ def main(argv):
             if _TRANSFER_MODEL.value
             else None
         ),
+        timed=_EXPERTS.value == "timed",
     )
+    if not settings.timed and _CALIBRATION.value:
+        raise app.UsageError("--calibration_out needs --experts=timed (it fits timed ranks)")
     modes = replay_timing.MODES if _MODE.value == "both" else (_MODE.value,)
     on_cpu = jax.default_backend() == "cpu"
     clock_name = (
@@ -735,6 +764,8 @@ def main(argv):
         if on_cpu
         else "wall time"
     )
+    if not settings.timed:
+        clock_name = "none: expert time = rows / mean rows (--experts=rows), nothing timed"
     print(
         f"Per-rank replay on {jax.devices()[0].device_kind} ({jax.default_backend()}), clock: "
         f"{clock_name}; shape D={shape.d_model} F={shape.d_ff} {shape.dtype}, kernel "
