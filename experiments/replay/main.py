@@ -501,8 +501,12 @@ def cell_table(cell: dict) -> list[str]:
     lines = [
         f"{cell['workload']} EP{cell['ep']} {cell['mode']}: {len(cell['matrices'])} matrices, "
         f"initial max/mean {cell['initial_imbalance']:.2f}, {cell['pairs_per_rank']} pairs per "
-        f"rank, buffer {cell['capacity']} rows; noise floor: the ideal timed again reaches "
-        f"{cell['noise_floor_pct']:.1f} % of itself",
+        f"rank, buffer {cell['capacity']} rows; "
+        + (
+            f"noise floor: the ideal timed again reaches {cell['noise_floor_pct']:.1f} % of itself"
+            if cell.get("timed", True)
+            else "not timed (--experts=rows)"
+        ),
         f"  {'policy':14s} {'max/mean':>8s} {'moved':>6s} {'drop':>5s} | {'experts':>8s} "
         f"{'%ideal':>6s} {'xnone':>5s} | {'bookk.':>7s} {'planner':>7s} {'compute':>8s} "
         f"{'%ideal':>6s} | {'a2a*':>7s} {'weights*':>8s} | {'step':>8s} {'%ideal':>6s} "
