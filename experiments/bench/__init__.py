@@ -3,6 +3,7 @@
         python -m experiments.bench.moe       # the MoE layer on 8 simulated CPU devices, or EP=2
                                               # as pinned processes (--pinned_ranks=2)
         python -m experiments.bench.compile   # compile time of the training step against depth
+        python -m experiments.bench.compile_layer   # one layer's trace, lower and compile times
         python -m experiments.bench.fanout    # the replica transfer's fan-out on the real traces
 
 The planner's benchmarks are in `experiments.planner`, the per-rank replay in
