@@ -91,7 +91,7 @@ class BalancerConfig:
             replica forwards them to at most f others, in a tree of as few hops as that allows;
             gradients return along the tree, summed at each relay. 0: no bound (every master sends
             every copy itself). The default 2 gave the shortest modelled transfer on the
-            DeepSeek-R1, Qwen1.5-MoE and Switch traces (README, "Replica transfer fan-out"). Not
+            DeepSeek-R1, Qwen1.5-MoE and Switch traces (docs/results.md, "Relay"). Not
             a planner input: the plan is the same for every f.
     """
 
