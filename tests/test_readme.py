@@ -1,4 +1,4 @@
-"""Every ```python block of README.md runs as written (in a fresh interpreter, as a user would
+"""Every ```python block of README.md and docs/integration.md runs as written (in a fresh interpreter, as a user would
 paste it); the README's test command is the one CI runs, and the documentation's relative links
 lead to files that exist."""
 
@@ -12,11 +12,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+PAGES = (README, ROOT / "docs" / "integration.md")
+BLOCKS = [b for page in PAGES for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
 
 
 def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 2
+    assert len(BLOCKS) >= 4
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
