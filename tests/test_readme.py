@@ -1,6 +1,6 @@
-"""Every ```python block of README.md and docs/integration.md runs as written (in a fresh interpreter, as a user would
-paste it); the README's test command is the one CI runs, and the documentation's relative links
-lead to files that exist."""
+"""Every ```python block of README.md and docs/integration.md runs as written (in a fresh
+interpreter, as a user would paste it); the README's test command is the one CI runs, and the
+documentation's relative links lead to files that exist."""
 
 import os
 import pathlib
