@@ -383,8 +383,10 @@ def _moe_shard(x_BLD, experts_BLK, weights_BLK, w_gate, w_up, w_down, *, ep, cap
     experts_N = experts_BLK.reshape(-1)
     axis = ep.expert_axis
     # One rank: nothing to balance, and nothing crosses the network (XLA's ragged all-to-all
-    # over one device is slow on GPU; the portable exchange is a copy).
+    # over one device is slow on GPU; the portable exchange is a copy). Below the balancer's
+    # token threshold the layer compiles plain EP (`BalancerConfig.applies`).
     balancer = ep.balancer if ep.ep_size > 1 else None
+    balancer = balancer if balancer and balancer.applies(tokens_TD.shape[0]) else None
     replicas = balancer is not None and balancer.slots_per_rank > 0
     backend = ep.comm_backend if ep.ep_size > 1 else "portable"
     masters = (w_gate, w_up, w_down)
