@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
+import ultraep_jax as uep
 from experiments.serve import engine
 from experiments.serve.prompts import Prompt, pad_batch
 from experiments.train import trainer
@@ -175,3 +176,26 @@ def test_prompt_longer_than_max_seq_len(tmp_path, workdir):
     long.write_bytes(b"x" * (MAX_SEQ_LEN + 1))
     proc = _serve(f"--workdir={workdir}", f"--prompts={long}")
     _one_error_line(proc, str(long), f"{MAX_SEQ_LEN + 1} tokens", f"max_seq_len={MAX_SEQ_LEN}")
+
+
+def test_decode_compiles_the_fallback(workdir):
+    """The decode steps' program has no planner call; the prefill's, balanced, has one."""
+    _, train_cfg = engine.read_train_config(str(workdir))
+    mesh = jax.make_mesh((1, 8), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    state, _ = engine.restore(train_cfg, workdir, mesh)
+    balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=2)
+    tokens = np.zeros((8, 16), np.int32)
+    lengths = np.full((8,), 4, np.int32)
+    per_rank = tokens.size // 8
+    fallback = engine.decode_balancer(balancer, per_rank)
+    assert fallback.min_tokens_per_rank == per_rank + 1 and not fallback.applies(per_rank)
+    assert engine.decode_balancer(None, per_rank) is None
+    decode = engine.greedy_step(engine.build(train_cfg, mesh, state, fallback, None), mesh, 2)
+    args = (engine.on_mesh(mesh, tokens, split=False), engine.on_mesh(mesh, lengths, split=False))
+    assert "ultraep_plan" not in decode.func.lower(*decode.args, *args).as_text()
+    prefill = engine.prefill_step(engine.build(train_cfg, mesh, state, balancer, 1.05), mesh)
+    mask = engine.on_mesh(mesh, np.ones_like(tokens, bool), split=True)
+    text = prefill.func.lower(
+        *prefill.args, engine.on_mesh(mesh, tokens, split=True), mask, args[1]
+    )
+    assert "ultraep_plan" in text.as_text()
