@@ -18,6 +18,7 @@ from jax.sharding import AxisType
 
 import ultraep_jax as uep
 from experiments.serve import engine
+from experiments.serve.config import ServeConfig
 from experiments.serve.prompts import Prompt, pad_batch
 from experiments.train import trainer
 from experiments.train.config import TrainConfig
@@ -199,3 +200,27 @@ def test_decode_compiles_the_fallback(workdir):
         *prefill.args, engine.on_mesh(mesh, tokens, split=True), mask, args[1]
     )
     assert "ultraep_plan" in text.as_text()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"workdir": ""}, "--workdir must name a folder"),
+        ({"prompts": ""}, "--prompts must name"),
+        ({"balance": "all"}, "--balance must be one of ultraep, none, both, got 'all'"),
+        ({"new_tokens": -1}, "--new_tokens must be an int >= 0, got -1"),
+        ({"repeats": 0}, "--repeats must be an int >= 1, got 0"),
+        ({"capacity_factor": 0.0}, "--capacity_factor must be a finite number > 0, got 0.0"),
+        ({"capacity_factor": float("inf")}, "--capacity_factor must be a finite number > 0"),
+        ({"balance_eps": -0.5}, "--balance_eps must be finite and >= 0, got -0.5"),
+    ],
+)
+def test_bad_config_raises_one_line(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        ServeConfig(**{"workdir": "w", "prompts": "p", **kwargs})
+    assert "\n" not in str(info.value)
+
+
+def test_config_modes():
+    assert ServeConfig("w", "p").modes == ("ultraep", "none")
+    assert ServeConfig("w", "p", balance="none").modes == ("none",)

@@ -22,8 +22,8 @@ class ServeConfig:
         its newest checkpoint the parameters.
       prompts: the prompts: a file, a folder (every file below it) or a glob; each file is one
         prompt, its bytes the tokens.
-      balance: ultraep (balanced expert parallelism), none (plain), or both: each mode prefills
-        the same batch and the report compares them.
+      balance: expert load balancing: ultraep (balanced), none (plain expert parallelism), or
+        both: each mode prefills the same batch and the report compares them.
       output: JSON file of each prompt's next-token prediction and greedy continuation (empty:
         <workdir>/serve.json).
       new_tokens: greedy continuation length per prompt, as decode steps on the fallback path
