@@ -636,14 +636,14 @@ def test_routed_experts_under_jit_skips_experts_out_of_range(balanced):
 
 def test_routed_experts_rejects_mismatched_shapes():
     x, experts, weights, params, ep = _routed_args()
-    both = r"experts .* and weights .* must both be \[batch, seq, top_k\]"
+    both = r"experts .* and weights .* must both be \[\.\.\., top_k\] with x's leading shape"
     with pytest.raises(ValueError, match=both):
         uep.routed_experts(x, experts, weights[..., :1], params, ep)
     with pytest.raises(ValueError, match=both):
         uep.routed_experts(x, experts[:, :2], weights[:, :2], params, ep)
     with pytest.raises(ValueError, match=both):
         uep.routed_experts(x, experts.reshape(-1, 2), weights.reshape(-1, 2), params, ep)
-    with pytest.raises(ValueError, match=r"x must be \[batch, seq, d_model\]"):
+    with pytest.raises(ValueError, match=both):  # x [T, D] is fine, with ids [T, k]
         uep.routed_experts(x.reshape(-1, D), experts, weights, params, ep)
     bad_params = (params[0], params[1], jnp.zeros((E, F + 1, D)))
     with pytest.raises(ValueError, match="expert weights must be"):
@@ -686,8 +686,8 @@ def _bad_routed_args(kind):
     "kind, error, match",
     [
         ("top_k0", ValueError, r"top_k must be >= 1, got x \(8, 4, 8\) and experts \(8, 4, 0\)"),
-        ("batch0", ValueError, r"batch, seq, d_model and top_k must be >= 1, got x \(0, 4, 8\)"),
-        ("seq0", ValueError, r"batch, seq, d_model and top_k must be >= 1, got x \(8, 0, 8\)"),
+        ("batch0", ValueError, r"tokens, d_model and top_k must be >= 1, got x \(0, 4, 8\)"),
+        ("seq0", ValueError, r"tokens, d_model and top_k must be >= 1, got x \(8, 0, 8\)"),
         ("params2", ValueError, r"params must be \(w_gate, w_up, w_down\), got tuple of 2"),
         ("params_array", ValueError, r"params must be \(w_gate, w_up, w_down\), got ArrayImpl"),
         ("experts_list", TypeError, "experts must be an array, got list"),
