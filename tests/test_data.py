@@ -262,6 +262,27 @@ def test_summarize_reports_the_numbers(tmp_path):
     assert len(text.splitlines()) >= 6 and not math.isnan(median_tps)
 
 
+def test_summarize_leaves_out_each_starts_compiling_step(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    records = []
+    for step in range(1, 7):  # a run of steps 1-3 resumed for steps 4-6
+        record = {"step": step, "loss": 1.0, "tokens_per_s": 100.0 * step, "step_time": step / 8}
+        if step in (1, 4):
+            record["compiling"] = True
+        records.append(record)
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = P.summarize(metrics)
+    # steps 2, 3, 5, 6: tokens/s 200, 300, 500, 600 -> 400; step time 0.25 .. 0.75 s -> 500 ms
+    assert "tokens/s: median 400.0 over 4 steps (left out: steps 1, 4, compiling)" in text
+    assert "step time: median 500.00 ms" in text
+    assert [r["step"] for r in P.timed_records(read_metrics(metrics))] == [2, 3, 5, 6]
+
+    metrics.write_text(json.dumps(records[0]) + "\n")  # a one-step run
+    text = P.summarize(metrics)
+    assert "tokens/s, step time: no timed step (left out: step 1, compiling)" in text
+    assert "median" not in text
+
+
 def test_resumed_run_relogging_a_step_keeps_the_last_record(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     lines = [{"step": 0, "loss": 3.0}, {"step": 5, "loss": 9.0}, {"step": 5, "loss": 2.5}]

@@ -3,7 +3,7 @@
     python -m experiments.train                       # 8 simulated CPU devices, stdlib text
     python -m experiments.train --balance=none --workdir=runs/none
     python -m experiments.train --data='books/*.txt' --steps=2000
-    python -m experiments.train --preset=deepseek_v3 --steps=100 --workdir=runs/deepseek
+    python -m experiments.train --preset=deepseek_v3 --steps=100   # in runs/deepseek_v3
     # EP=2 as two processes pinned to a core each (the wall clock is the busiest rank's):
     python -m experiments.train --pinned_ranks=2 --workdir=runs/pinned
     # two processes x 4 CPU devices on one machine:
@@ -51,15 +51,21 @@ from experiments.common import (
     run_main,
     start_distributed,
 )
-from experiments.train.config import TrainConfig, parse_capacity_factor
+from experiments.train.config import (
+    MODEL_FIELDS,
+    TrainConfig,
+    default_workdir,
+    parse_capacity_factor,
+)
 from models.presets import PRESETS, preset
 
 # Fields whose flag is text that a parser turns into the value (auto, none or a number).
 _PARSERS = {"capacity_factor": parse_capacity_factor}
 cli.define_flags(TrainConfig, _PARSERS)
+_DEFAULT_PRESET = "tiny"
 flags.DEFINE_enum(
     "preset",
-    "tiny",
+    _DEFAULT_PRESET,
     sorted(PRESETS),
     "Model preset (models/presets.py): its ModelConfig and spare slots per rank are the defaults "
     "that the model flags and --slots_per_rank given on the command line override.",
@@ -83,10 +89,14 @@ FLAGS = flags.FLAGS
 
 def config_from_flags() -> TrainConfig:
     """The run's configuration: the flags given on the command line over the defaults, and over
-    the ``--preset``'s model and spare slots. ValueError names a bad flag."""
+    the ``--preset``'s model and spare slots; without ``--workdir``, the model's own
+    (`default_workdir`). ValueError names a bad flag."""
     chosen = preset(FLAGS.preset)
     given = cli.given_values(TrainConfig, _PARSERS)
     given.setdefault("slots_per_rank", chosen.slots_per_rank)
+    if "workdir" not in given:
+        named = None if FLAGS.preset == _DEFAULT_PRESET else FLAGS.preset
+        given["workdir"] = default_workdir(named, {k: given[k] for k in MODEL_FIELDS if k in given})
     return TrainConfig.from_flat(given, chosen.model)
 
 

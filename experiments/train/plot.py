@@ -3,8 +3,9 @@
 ``metrics.jsonl`` holds one JSON object per logged step with at least ``step`` and ``loss``, and
 optionally ``eval_loss``, per-layer lists ``imbalance_before`` / ``imbalance_after`` (max/mean
 rank load before and after balancing), ``balance`` (the mode), ``dropped`` (tokens dropped: a
-number or a per-layer list), ``tokens_per_s`` and ``step_time`` (seconds), as the trainer writes
-them.
+number or a per-layer list), ``tokens_per_s`` and ``step_time`` (seconds), and ``compiling``
+(true on the first step of each start of the run, whose time includes compiling the step), as the
+trainer writes them.
 
 * :func:`plot_metrics` -- one PNG: loss (and eval loss) on top, per-layer imbalance below.
 * :func:`summarize` -- a short multi-line text summary.
@@ -22,7 +23,7 @@ import numpy as np
 
 from experiments.records import read_metrics
 
-__all__ = ["plot_metrics", "summarize"]
+__all__ = ["plot_metrics", "summarize", "timed_records"]
 
 
 def _per_layer(records: list[dict], key: str) -> np.ndarray:
@@ -49,6 +50,15 @@ def _steps_losses(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray
     pairs = [(r["step"], float(r[key])) for r in records if r.get(key) is not None]
     steps = np.array([p[0] for p in pairs], dtype=np.int64)
     return steps, np.array([p[1] for p in pairs], dtype=np.float64)
+
+
+def timed_records(records: list[dict]) -> list[dict]:
+    """The records whose step time and tokens/s count: all but the first step of each start of
+    the run (the first run and every resume), whose time includes compiling the step. Those carry
+    ``"compiling": true``; in a file without that mark, the first record is left out."""
+    if any("compiling" in r for r in records):
+        return [r for r in records if not r.get("compiling")]
+    return records[1:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,8 +177,8 @@ def summarize(metrics_path) -> str:
     Lines: balance mode and logged steps; first and last train loss; last eval loss; for each
     layer the mean and max over logged steps of the imbalance before and after balancing; the
     total dropped (token, choice) pairs over logged steps (if ``dropped`` is logged); the median
-    tokens/s and step time over the logged steps but the first, which includes compiling the
-    step (if logged).
+    tokens/s and step time over the logged steps but each start's first, which includes compiling
+    the step (`timed_records`), or ``no timed step`` when no other step is left.
     """
     records = read_metrics(metrics_path)
     first, last = records[0], records[-1]
@@ -203,14 +213,19 @@ def summarize(metrics_path) -> str:
     dropped = _total_dropped(records)
     if dropped is not None:
         lines.append(f"dropped pairs: {dropped} in total over logged steps")
-    timed = records[1:] or records  # the first logged step compiles
+    timed = timed_records(records)
     throughput = [float(r["tokens_per_s"]) for r in timed if r.get("tokens_per_s") is not None]
+    step_times = [float(r["step_time"]) for r in timed if r.get("step_time") is not None]
+    timed_steps = {r["step"] for r in timed}
+    left_out = [str(r["step"]) for r in records if r["step"] not in timed_steps]
+    left_out = f"left out: step{'s' if len(left_out) > 1 else ''} {', '.join(left_out)}, compiling"
     if throughput:
         lines.append(
             f"tokens/s: median {np.median(throughput):.1f} over {len(throughput)} steps "
-            f"(the first, compiling, left out)"
+            f"({left_out})"
         )
-    step_times = [float(r["step_time"]) for r in timed if r.get("step_time") is not None]
     if step_times:
         lines.append(f"step time: median {1e3 * np.median(step_times):.2f} ms")
+    if not (throughput or step_times) and any("step_time" in r for r in records):
+        lines.append(f"tokens/s, step time: no timed step ({left_out})")
     return "\n".join(lines)
