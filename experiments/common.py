@@ -107,12 +107,31 @@ def write_json(path: str | os.PathLike | None, obj) -> None:
         os.replace(tmp, path)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing with the experiments' conventions: a flag that cannot be parsed ends
-    with one line ``error: ...`` (exit code 2, as for any other unusable flag), and ``--help``,
-    ``--helpshort`` or ``--helpfull`` print the help and exit 0 (absl exits 1)."""
+_HELP_ARGS = ("--help", "-help", "--helpshort", "-helpshort", "-?")
+
+
+def short_help() -> str:
+    """What ``--help`` prints: the program's module doc (its usage line and examples), then the
+    flags of the program with their help, without absl's header naming the module's file."""
     from absl import flags
 
+    doc = (sys.modules["__main__"].__doc__ or "").strip()
+    # absl's listing opens with the file path of the module that defines the flags.
+    listing = [line for line in flags.FLAGS.main_module_help().splitlines() if line[:1].isspace()]
+    return f"{doc}\n\nflags:\n" + "\n".join(listing) + "\n\n--helpfull lists every flag.\n"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing with the experiments' conventions: a flag that cannot be parsed ends
+    with one line ``error: ...`` (exit code 2, as for any other unusable flag); ``--help`` or
+    ``--helpshort`` print `short_help` and ``--helpfull`` absl's full help, and exit 0 (absl
+    exits 1)."""
+    from absl import flags
+
+    args = argv[1 : argv.index("--")] if "--" in argv else argv[1:]
+    if any(arg in _HELP_ARGS for arg in args):
+        sys.stdout.write(short_help())
+        sys.exit(0)
     try:
         return flags.FLAGS(argv)
     except flags.Error as err:

@@ -545,6 +545,30 @@ def test_help_exits_0(module, flag):
     assert ("--steps" if module == "experiments.train" else "--balance_eps") in proc.stdout
 
 
+def test_help_leads_with_usage_and_three_examples():
+    """--help used to open with absl's file path of the module and an RST-quoted header."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    outputs = []
+    for flag in ("--help", "--helpshort", "-?"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.train", "--steps=3", flag],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1] == outputs[2]
+    lines = outputs[0].splitlines()
+    assert lines[0] == "usage: python -m experiments.train [--flag=value ...]"
+    examples = [i for i, line in enumerate(lines) if line.startswith("  python -m ")]
+    assert len(examples) == 3 and examples[-1] < lines.index("flags:")
+    assert all(lines[i].startswith("  python -m experiments.train") for i in examples)
+    assert not [line for line in lines if line.rstrip().endswith(".py:")]
+    assert "``" not in outputs[0] and "  --steps: Training steps" in outputs[0]
+
+
 def test_no_spare_slots_with_balancing_is_an_error():
     with pytest.raises(ValueError, match="--slots_per_rank=0 leaves --balance=ultraep"):
         TrainConfig(slots_per_rank=0)
