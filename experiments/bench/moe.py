@@ -64,9 +64,11 @@ _JSON = cli.define_json_out()
 _PINNED = flags.DEFINE_integer(
     "pinned_ranks",
     0,
-    "EP ranks as this many processes, each pinned to its own core with one CPU device (the wall "
-    "clock is then the busiest rank's); 0: 8 simulated devices in this process.",
+    "EP ranks as this many processes, each pinned to its own core with one CPU device and at "
+    "real-time priority where the system allows it (the wall clock is then the busiest rank's); "
+    "0: 8 simulated devices in this process.",
 )
+_VERBOSE_RANKS = cli.define_verbose_ranks()
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Set by --pinned_ranks.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Set by --pinned_ranks.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "Set by --pinned_ranks.")
@@ -321,7 +323,9 @@ def main(argv):
     process (one of them) and, on the first, prints the tables and writes ``--json_out``."""
     if _PINNED.value and _NUM_PROCESSES.value == 1:
         try:
-            code = common.launch_pinned_ranks(_PINNED.value, "experiments.bench.moe", sys.argv[1:])
+            code = common.launch_pinned_ranks(
+                _PINNED.value, "experiments.bench.moe", sys.argv[1:], _VERBOSE_RANKS.value
+            )
         except ValueError as err:
             _fail(err)
         sys.exit(code)

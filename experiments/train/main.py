@@ -80,9 +80,11 @@ flags.DEFINE_integer(
     "pinned_ranks",
     0,
     "Run as this many processes started by this command, one CPU device each, each pinned to a "
-    "core of its own (so that the step time is the busiest rank's, not the total work); they "
-    "print a calibration line (ranks with equal work at once / one alone). 0: one process.",
+    "core of its own and at real-time priority where the system allows it (so that the step time "
+    "is the busiest rank's, not the total work); they print a calibration line (ranks with equal "
+    "work at once / one alone). 0: one process.",
 )
+_VERBOSE_RANKS = cli.define_verbose_ranks()
 
 FLAGS = flags.FLAGS
 
@@ -120,7 +122,10 @@ def main(argv):
         _fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.pinned_ranks and FLAGS.num_processes == 1:  # this process only starts the ranks
         try:
-            sys.exit(launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.train", sys.argv[1:]))
+            code = launch_pinned_ranks(
+                FLAGS.pinned_ranks, "experiments.train", sys.argv[1:], _VERBOSE_RANKS.value
+            )
+            sys.exit(code)
         except ValueError as err:
             _fail(err)
     if FLAGS.num_processes > 1:
