@@ -232,6 +232,33 @@ def test_plot_metrics_writes_png(tmp_path):
     assert len(blob) > 1000 and blob[:8] == PNG_SIGNATURE
 
 
+def test_marker_indices_never_mark_one_point_for_two_layers():
+    assert list(P.marker_indices(6, 2, 0)) == [0, 2, 4]
+    assert list(P.marker_indices(6, 2, 1)) == [1, 3, 5]
+    for steps, layers in ((200, 2), (200, 3), (50, 24), (7, 1)):
+        marked = [set(P.marker_indices(steps, layers, layer).tolist()) for layer in range(layers)]
+        assert sum(map(len, marked)) == len(set().union(*marked))  # disjoint
+        assert all(i < steps for m in marked for i in m)
+        assert all(len(m) >= min(10, steps // layers) for m in marked), (steps, layers)
+
+
+def test_plot_shows_both_layers_after_balancing_where_they_coincide():
+    """Both layers balanced to 1.01 used to draw one line over the other (and over 1.0)."""
+    records = [
+        {"step": s, "loss": 3.0, "imbalance_before": [2.0, 4.0], "imbalance_after": [1.01, 1.01]}
+        for s in range(1, 201)
+    ]
+    fig = P.metrics_figure(records)
+    assert len(fig.axes) == 3
+    zoomed = fig.axes[2]
+    lines = [line for line in zoomed.get_lines() if len(line.get_xdata()) == len(records)]
+    assert len(lines) == 2 and lines[0].get_marker() != lines[1].get_marker()
+    marked = [set(np.asarray(line.get_xdata())[line.get_markevery()]) for line in lines]
+    assert len(marked[0]) >= 10 and len(marked[1]) >= 10 and not marked[0] & marked[1]
+    lo, hi = zoomed.get_ylim()  # 1.0 and 1.01 far apart on the zoomed axis
+    assert lo < 1.0 < 1.01 < hi and hi - lo < 0.02
+
+
 def test_plot_metrics_without_optional_keys(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 0, "loss": 3.0}\n{"step": 5, "loss": 2.0}\n{"step": 9, "lo')
