@@ -12,10 +12,12 @@
     python -m experiments.train --num_processes=2 --process_id=1 --cpu_devices=4 \\
         --coordinator_address=127.0.0.1:12345
 
-Writes into ``--workdir`` (printed at the start and at the end): ``config.json`` (the run's flags),
-``metrics.jsonl`` (one record per step), orbax checkpoints under ``checkpoints/``, and at the end
-``metrics.png`` and ``summary.json`` (final losses, imbalance before/after balancing, dropped
-pairs, replicas, step time, flags).
+Writes into ``--workdir`` (printed at the start and at the end; default ``runs/default``, or
+``runs/<preset>`` with another ``--preset``, plus ``-<flag>=<value>`` for each model flag given):
+``config.json`` (the run's flags), ``metrics.jsonl`` (one record per step), orbax checkpoints
+under ``checkpoints/``, and at the end ``metrics.png`` and ``summary.json`` (final losses,
+imbalance before/after balancing, dropped pairs, replicas, step time without each start's
+compiling step, flags).
 
 Every field of `TrainConfig` is a flag of the same name, and so is every field of its ``model``
 (`models.moe_lm.ModelConfig`: ``--vocab_size``, ``--d_model``, ``--num_layers``, ``--num_heads``,
@@ -27,10 +29,14 @@ may change (``--steps`` and the intervals silently, the rest, ``--seq_len`` up t
 ``--max_seq_len`` included, with a note). A workdir already at ``--steps`` is left alone: raise
 ``--steps`` to train further.
 
-Ctrl-C (SIGINT) or SIGTERM: the run finishes the current step, saves a checkpoint, the metrics,
-the plot and the summary, says where they are and exits with code 130 (SIGINT) or 143
-(SIGTERM); rerunning the same command continues from there. A second Ctrl-C quits at once; a
-second SIGTERM is ignored (`timeout` signals the process, then its whole process group).
+Ctrl-C (SIGINT) or SIGTERM: the run finishes the current step (the message names it), saves a
+checkpoint, the metrics, the plot and the summary, says where they are and exits with code 130
+(SIGINT) or 143 (SIGTERM); rerunning the same command continues from there. A second Ctrl-C quits
+at once; a second SIGTERM is ignored (`timeout` signals the process, then its whole process
+group). ``timeout --preserve-status -s TERM 600 python -m experiments.train`` exits with the run's
+143 (without ``--preserve-status``, timeout's own 124). A background job started from a shell
+script (``python -m experiments.train &``) starts with SIGINT ignored and keeps it so: stop it
+with SIGTERM (``kill PID``).
 
 Problems with the flags (unparsable ones included), the data or the workdir end with one line
 ``error: ...`` (exit code 2); ``--help`` and ``--helpshort`` exit 0.
