@@ -329,7 +329,8 @@ def test_finished_workdir_is_left_alone(tmp_path, capsys):
 
 def test_stop_request_handler():
     request = stop.StopRequest()
-    previous = signal.getsignal(signal.SIGINT)
+    # As in a terminal, whatever this process inherited (a script's background job ignores it).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     request.install()
     try:
         assert signal.getsignal(signal.SIGINT) is request
@@ -345,7 +346,8 @@ def test_stop_request_handler():
         assert request.signum == signal.SIGTERM and request.agreed()
     finally:
         request.restore()
-    assert signal.getsignal(signal.SIGINT) is previous
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_stop_request_leaves_an_ignored_sigint_ignored():
@@ -369,14 +371,20 @@ def test_stop_request_leaves_an_ignored_sigint_ignored():
 def _python(args, env_extra=None, timeout=600, merge_stderr=False):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(env_extra or {})
-    return subprocess.Popen(
-        [sys.executable, "-m", "experiments.train", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-        text=True,
-    )
+    # SIGINT as in a terminal, also when pytest runs as a script's background job: an ignored
+    # SIGINT would be inherited, and the run keeps an ignored SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "experiments.train", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize(
