@@ -304,6 +304,10 @@ def test_summarize_leaves_out_each_starts_compiling_step(tmp_path):
     assert "step time: median 500.00 ms" in text
     assert [r["step"] for r in P.timed_records(read_metrics(metrics))] == [2, 3, 5, 6]
 
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))  # a two-step run
+    text = P.summarize(metrics)
+    assert "tokens/s: median 200.0 over 1 step (left out: step 1, compiling)" in text
+
     metrics.write_text(json.dumps(records[0]) + "\n")  # a one-step run
     text = P.summarize(metrics)
     assert "tokens/s, step time: no timed step (left out: step 1, compiling)" in text

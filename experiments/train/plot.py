@@ -268,7 +268,8 @@ def summarize(metrics_path) -> str:
     left_out = f"left out: step{'s' if len(left_out) > 1 else ''} {', '.join(left_out)}, compiling"
     if throughput:
         lines.append(
-            f"tokens/s: median {np.median(throughput):.1f} over {len(throughput)} steps "
+            f"tokens/s: median {np.median(throughput):.1f} over {len(throughput)} "
+            f"step{'s' if len(throughput) != 1 else ''} "
             f"({left_out})"
         )
     if step_times:
