@@ -38,6 +38,7 @@ __all__ = [
     "define_flags",
     "define_json_out",
     "define_traces_dir",
+    "define_verbose_ranks",
     "flag_text",
     "given_values",
 ]
@@ -199,6 +200,17 @@ def define_balancer_flags(helps: Mapping[str, str] | None = None, **defaults) ->
     import ultraep_jax as uep
 
     return define_flags(uep.BalancerConfig, only=_BALANCER_FIELDS, defaults=defaults, helps=helps)
+
+
+def define_verbose_ranks() -> flags.FlagHolder:
+    """``--verbose_ranks``: with ``--pinned_ranks``, also show the ranks' libraries' joining lines
+    (`common.is_rank_library_line`)."""
+    return flags.DEFINE_bool(
+        "verbose_ranks",
+        False,
+        "With --pinned_ranks: also show what the ranks' libraries print as they join (gloo's "
+        "connection lines, JAX's distributed-service log).",
+    )
 
 
 def define_json_out() -> flags.FlagHolder:

@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -107,12 +108,31 @@ def write_json(path: str | os.PathLike | None, obj) -> None:
         os.replace(tmp, path)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing with the experiments' conventions: a flag that cannot be parsed ends
-    with one line ``error: ...`` (exit code 2, as for any other unusable flag), and ``--help``,
-    ``--helpshort`` or ``--helpfull`` print the help and exit 0 (absl exits 1)."""
+_HELP_ARGS = ("--help", "-help", "--helpshort", "-helpshort", "-?")
+
+
+def short_help() -> str:
+    """What ``--help`` prints: the program's module doc (its usage line and examples), then the
+    flags of the program with their help, without absl's header naming the module's file."""
     from absl import flags
 
+    doc = (sys.modules["__main__"].__doc__ or "").strip()
+    # absl's listing opens with the file path of the module that defines the flags.
+    listing = [line for line in flags.FLAGS.main_module_help().splitlines() if line[:1].isspace()]
+    return f"{doc}\n\nflags:\n" + "\n".join(listing) + "\n\n--helpfull lists every flag.\n"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing with the experiments' conventions: a flag that cannot be parsed ends
+    with one line ``error: ...`` (exit code 2, as for any other unusable flag); ``--help`` or
+    ``--helpshort`` print `short_help` and ``--helpfull`` absl's full help, and exit 0 (absl
+    exits 1)."""
+    from absl import flags
+
+    args = argv[1 : argv.index("--")] if "--" in argv else argv[1:]
+    if any(arg in _HELP_ARGS for arg in args):
+        sys.stdout.write(short_help())
+        sys.exit(0)
     try:
         return flags.FLAGS(argv)
     except flags.Error as err:
@@ -181,12 +201,36 @@ def _pin(core: int):
     return setup
 
 
-def launch_pinned_ranks(num_ranks: int, module: str, argv: list[str]) -> int:
+#: What the ranks' libraries print as they join (gloo's "[Gloo] Rank 0 is connected to 1 peer
+#: ranks..." on stdout, JAX's distributed-service INFO log on stderr): hidden unless verbose.
+_RANK_LIBRARY_LINE = re.compile(r"\[Gloo\] |I\d{4} [\d:.]+ +\d+ distributed\.py:\d+\] ")
+
+
+def is_rank_library_line(line: str) -> bool:
+    """Whether ``line``, printed by a pinned rank, is one of its libraries' joining lines."""
+    return _RANK_LIBRARY_LINE.match(line) is not None
+
+
+def _forward_lines(source, sink, verbose: bool, lock) -> None:
+    """Copies the lines of the pipe ``source`` to ``sink`` (a text stream) as they come, but the
+    ranks' library lines unless ``verbose``."""
+    for raw in iter(source.readline, b""):
+        line = raw.decode(errors="replace")
+        if verbose or not is_rank_library_line(line):
+            with lock:
+                sink.write(line)
+                sink.flush()
+    source.close()
+
+
+def launch_pinned_ranks(num_ranks: int, module: str, argv: list[str], verbose: bool = False) -> int:
     """Runs ``python -m module *argv`` as ``num_ranks`` processes, process i pinned to core i with
     one CPU device (and real-time priority where allowed, see `_pin`), joined by
     `jax.distributed` over 127.0.0.1 (each gets ``--num_processes``,
-    ``--process_id`` and ``--coordinator_address``). Forwards SIGINT / SIGTERM to them, waits for
-    all, and returns the first non-zero exit code (0 when all succeeded).
+    ``--process_id`` and ``--coordinator_address``). Forwards SIGINT / SIGTERM to them, passes
+    on what they print, but their libraries' joining lines unless ``verbose``
+    (`is_rank_library_line`), waits for all, and returns the first non-zero exit code (0 when all
+    succeeded).
 
     Raises:
       ValueError: fewer usable cores than ``num_ranks``.
@@ -194,6 +238,7 @@ def launch_pinned_ranks(num_ranks: int, module: str, argv: list[str]) -> int:
     import signal
     import subprocess
     import sys
+    import threading
 
     cores = sorted(os.sched_getaffinity(0))
     if not 1 <= num_ranks <= len(cores):
@@ -204,11 +249,19 @@ def launch_pinned_ranks(num_ranks: int, module: str, argv: list[str]) -> int:
     address = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}=1")
     env["JAX_PLATFORMS"] = "cpu"
-    procs = []
+    procs, readers, lock = [], [], threading.Lock()
     for i in range(num_ranks):
         cmd = [sys.executable, "-m", module, *argv, f"--num_processes={num_ranks}"]
         cmd += [f"--process_id={i}", f"--coordinator_address={address}"]
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_pin(cores[i])))
+        pipe = subprocess.PIPE
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_pin(cores[i]), stdout=pipe, stderr=pipe)
+        procs.append(proc)
+        for source, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            reader = threading.Thread(
+                target=_forward_lines, args=(source, sink, verbose, lock), daemon=True
+            )
+            reader.start()
+            readers.append(reader)
 
     def forward(signum, frame):
         del frame
@@ -219,6 +272,8 @@ def launch_pinned_ranks(num_ranks: int, module: str, argv: list[str]) -> int:
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         codes = [p.wait() for p in procs]
+        for reader in readers:
+            reader.join()
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)

@@ -232,6 +232,33 @@ def test_plot_metrics_writes_png(tmp_path):
     assert len(blob) > 1000 and blob[:8] == PNG_SIGNATURE
 
 
+def test_marker_indices_never_mark_one_point_for_two_layers():
+    assert list(P.marker_indices(6, 2, 0)) == [0, 2, 4]
+    assert list(P.marker_indices(6, 2, 1)) == [1, 3, 5]
+    for steps, layers in ((200, 2), (200, 3), (50, 24), (7, 1)):
+        marked = [set(P.marker_indices(steps, layers, layer).tolist()) for layer in range(layers)]
+        assert sum(map(len, marked)) == len(set().union(*marked))  # disjoint
+        assert all(i < steps for m in marked for i in m)
+        assert all(len(m) >= min(10, steps // layers) for m in marked), (steps, layers)
+
+
+def test_plot_shows_both_layers_after_balancing_where_they_coincide():
+    """Both layers balanced to 1.01 used to draw one line over the other (and over 1.0)."""
+    records = [
+        {"step": s, "loss": 3.0, "imbalance_before": [2.0, 4.0], "imbalance_after": [1.01, 1.01]}
+        for s in range(1, 201)
+    ]
+    fig = P.metrics_figure(records)
+    assert len(fig.axes) == 3
+    zoomed = fig.axes[2]
+    lines = [line for line in zoomed.get_lines() if len(line.get_xdata()) == len(records)]
+    assert len(lines) == 2 and lines[0].get_marker() != lines[1].get_marker()
+    marked = [set(np.asarray(line.get_xdata())[line.get_markevery()]) for line in lines]
+    assert len(marked[0]) >= 10 and len(marked[1]) >= 10 and not marked[0] & marked[1]
+    lo, hi = zoomed.get_ylim()  # 1.0 and 1.01 far apart on the zoomed axis
+    assert lo < 1.0 < 1.01 < hi and hi - lo < 0.02
+
+
 def test_plot_metrics_without_optional_keys(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 0, "loss": 3.0}\n{"step": 5, "loss": 2.0}\n{"step": 9, "lo')
@@ -260,6 +287,31 @@ def test_summarize_reports_the_numbers(tmp_path):
     median_ms = 1e3 * np.median([r["step_time"] for r in records[1:]])  # 750.00
     assert f"step time: median {median_ms:.2f} ms" in text
     assert len(text.splitlines()) >= 6 and not math.isnan(median_tps)
+
+
+def test_summarize_leaves_out_each_starts_compiling_step(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    records = []
+    for step in range(1, 7):  # a run of steps 1-3 resumed for steps 4-6
+        record = {"step": step, "loss": 1.0, "tokens_per_s": 100.0 * step, "step_time": step / 8}
+        if step in (1, 4):
+            record["compiling"] = True
+        records.append(record)
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = P.summarize(metrics)
+    # steps 2, 3, 5, 6: tokens/s 200, 300, 500, 600 -> 400; step time 0.25 .. 0.75 s -> 500 ms
+    assert "tokens/s: median 400.0 over 4 steps (left out: steps 1, 4, compiling)" in text
+    assert "step time: median 500.00 ms" in text
+    assert [r["step"] for r in P.timed_records(read_metrics(metrics))] == [2, 3, 5, 6]
+
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))  # a two-step run
+    text = P.summarize(metrics)
+    assert "tokens/s: median 200.0 over 1 step (left out: step 1, compiling)" in text
+
+    metrics.write_text(json.dumps(records[0]) + "\n")  # a one-step run
+    text = P.summarize(metrics)
+    assert "tokens/s, step time: no timed step (left out: step 1, compiling)" in text
+    assert "median" not in text
 
 
 def test_resumed_run_relogging_a_step_keeps_the_last_record(tmp_path):

@@ -1,10 +1,12 @@
 """The replica transfer's slot-column branches, and ranks as pinned processes (the launcher, the
 calibration and the MoE bench in that mode)."""
 
+import io
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,28 @@ def test_launch_pinned_ranks_refuses_more_ranks_than_cores():
         common.launch_pinned_ranks(cores + 1, "experiments.bench.moe", [])
 
 
+# As the ranks print them (two ranks at once interleave them on a shared terminal).
+_GLOO_LINE = (
+    "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+)
+_JAX_LINE = (
+    "I1124 16:30:04.316648 139756629298048 distributed.py:172] Connecting to JAX distributed "
+    "service on 127.0.0.1:52289\n"
+)
+
+
+def test_rank_library_lines_are_left_out_unless_verbose():
+    own = ["calibration: 2 pinned ranks with equal work take 1.6 ms\n", "step     1  loss 6.1\n"]
+    own.append("I see [Gloo] in the middle of a line\n")
+    assert common.is_rank_library_line(_GLOO_LINE) and common.is_rank_library_line(_JAX_LINE)
+    assert not any(common.is_rank_library_line(line) for line in own)
+    text = "".join([_GLOO_LINE, own[0], _JAX_LINE, *own[1:]])
+    for verbose, want in ((False, "".join(own)), (True, text)):
+        sink = io.StringIO()
+        common._forward_lines(io.BytesIO(text.encode()), sink, verbose, threading.Lock())
+        assert sink.getvalue() == want
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_moe_bench_on_two_pinned_ranks(tmp_path):
     out = tmp_path / "moe.json"
@@ -88,6 +112,9 @@ def test_moe_bench_on_two_pinned_ranks(tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "calibration: 2 pinned ranks" in done.stdout
+    # Only the program's own lines: not gloo's nor JAX's as the ranks join.
+    assert "Gloo" not in done.stdout + done.stderr, done.stdout[:2000]
+    assert "distributed.py" not in done.stderr, done.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["config"]["ep_size"] == 2 and res["config"]["devices"] == 2
     assert res["calibration"]["processes"] == 2 and res["calibration"]["ratio"] > 0

@@ -19,7 +19,12 @@ from absl import flags
 
 from experiments import cli
 from experiments.train import stop, trainer
-from experiments.train.config import BALANCED_CAPACITY_FACTOR, TrainConfig, parse_capacity_factor
+from experiments.train.config import (
+    BALANCED_CAPACITY_FACTOR,
+    TrainConfig,
+    default_workdir,
+    parse_capacity_factor,
+)
 from models.moe_lm import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -94,8 +99,14 @@ def test_loss_decreases_and_outputs_are_written(tmp_path):
     assert summary["dropped_pairs"] == sum(sum(r["dropped"]) for r in records)
     replicas = np.mean([sum(r["replicas"]) for r in records])
     assert summary["mean_replicas"] == pytest.approx(replicas, abs=1e-3) and replicas > 0
+    # The first step's time includes compiling it: the medians leave it out.
+    assert [r.get("compiling", False) for r in records] == [True] + [False] * 11
+    assert summary["timed_steps"] == 11
     assert summary["median_step_time_s"] == pytest.approx(
-        np.median([r["step_time"] for r in records]), abs=1e-5
+        np.median([r["step_time"] for r in records[1:]]), abs=1e-5
+    )
+    assert summary["median_tokens_per_s"] == pytest.approx(
+        np.median([r["tokens_per_s"] for r in records[1:]]), abs=0.1
     )
     assert summary["config"]["num_experts"] == SMALL["num_experts"]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -113,12 +124,25 @@ def test_balancing_does_not_change_the_loss(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in balanced], [r["loss"] for r in plain], rtol=1e-5)
 
 
-def test_resume_continues_the_same_trajectory(tmp_path):
+def test_resume_continues_the_same_trajectory(tmp_path, capsys):
     whole = _run(tmp_path, "whole", steps=6, checkpoint_every=3)
     _run(tmp_path, "split", steps=3, checkpoint_every=3)  # "interrupted" after step 3
+    capsys.readouterr()
     resumed = _run(tmp_path, "split", steps=6, checkpoint_every=3)
     assert [r["step"] for r in resumed] == list(range(1, 7))
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in whole], rtol=1e-5)
+    # Each start's first step (1, and 4 after the resume) compiles: the summary times the others.
+    assert [r["step"] for r in resumed if r.get("compiling")] == [1, 4]
+    timed = [r for r in resumed if r["step"] in (2, 3, 5, 6)]
+    summary = _summary(tmp_path / "split")
+    assert summary["timed_steps"] == 4
+    median_s = np.median([r["step_time"] for r in timed])
+    assert summary["median_step_time_s"] == pytest.approx(median_s, abs=1e-5)
+    median_tps = np.median([r["tokens_per_s"] for r in timed])
+    out = capsys.readouterr().out
+    line = f"tokens/s: median {median_tps:.1f} over 4 steps (left out: steps 1, 4, compiling)"
+    assert line in out
+    assert f"step time: median {1e3 * median_s:.2f} ms" in out
 
 
 def test_plain_ep_at_an_explicit_capacity_factor_drops_pairs(tmp_path):
@@ -232,6 +256,43 @@ def test_one_flag_per_field_with_its_default_type_and_help():
         _fresh_flags("--d_model=wide")
 
 
+def test_default_workdir_names_the_model():
+    assert default_workdir(None, {}) == "runs/default"
+    assert default_workdir("deepseek_v3", {}) == "runs/deepseek_v3"
+    # Model flags in ModelConfig's field order, whatever order they were given in.
+    named = default_workdir("mixtral", {"num_layers": 4, "d_model": 32})
+    assert named == "runs/mixtral-d_model=32-num_layers=4"
+    assert default_workdir(None, {"top_k": 1}) == "runs/default-top_k=1"
+    with pytest.raises(ValueError, match="not model fields: steps"):
+        default_workdir(None, {"steps": 3})
+
+
+@pytest.mark.parametrize(
+    "args, workdir",
+    [
+        ([], "runs/default"),
+        (["--preset=tiny", "--steps=3", "--balance=none"], "runs/default"),
+        (["--preset=deepseek_v3"], "runs/deepseek_v3"),
+        (["--preset=deepseek_v3", "--num_layers=1"], "runs/deepseek_v3-num_layers=1"),
+        (["--d_model=32"], "runs/default-d_model=32"),
+        (["--preset=mixtral", "--workdir=elsewhere"], "elsewhere"),
+    ],
+)
+def test_a_preset_or_model_flag_gets_its_own_workdir(args, workdir):
+    """`--preset=deepseek_v3` right after the default run used to resume runs/default's
+    checkpoints of another model (an error)."""
+    code = (
+        "import sys; from absl import flags; from experiments.train import main; "
+        "flags.FLAGS(['train', *sys.argv[1:]]); print(main.config_from_flags().workdir)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == workdir
+
+
 def test_only_flags_given_override_the_base_model():
     values = _fresh_flags(
         "--d_model=32", "--capacity_factor=none", "--steps=5", "--noprofile_loads"
@@ -268,7 +329,8 @@ def test_finished_workdir_is_left_alone(tmp_path, capsys):
 
 def test_stop_request_handler():
     request = stop.StopRequest()
-    previous = signal.getsignal(signal.SIGINT)
+    # As in a terminal, whatever this process inherited (a script's background job ignores it).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     request.install()
     try:
         assert signal.getsignal(signal.SIGINT) is request
@@ -284,20 +346,45 @@ def test_stop_request_handler():
         assert request.signum == signal.SIGTERM and request.agreed()
     finally:
         request.restore()
-    assert signal.getsignal(signal.SIGINT) is previous
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_stop_request_leaves_an_ignored_sigint_ignored():
+    """A background job of a shell script starts with SIGINT ignored; the run keeps it so (the
+    script's Ctrl-C is not for it) and stops on SIGTERM."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    request = stop.StopRequest()
+    try:
+        request.install()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is request
+        request(signal.SIGTERM)
+        assert request.agreed() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        request.restore()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        request.restore()
+        signal.signal(signal.SIGINT, previous)
 
 
 def _python(args, env_extra=None, timeout=600, merge_stderr=False):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(env_extra or {})
-    return subprocess.Popen(
-        [sys.executable, "-m", "experiments.train", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-        text=True,
-    )
+    # SIGINT as in a terminal, also when pytest runs as a script's background job: an ignored
+    # SIGINT would be inherited, and the run keeps an ignored SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "experiments.train", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize(
@@ -351,10 +438,17 @@ def test_unusable_inputs_end_with_one_line(tmp_path, case):
         assert not workdir.exists()  # nothing written for a run that cannot start
 
 
-def test_resume_with_another_model_ends_with_one_line(tmp_path):
+def test_resume_with_another_model_ends_with_one_line(tmp_path, capsys):
     workdir = tmp_path / "run"
     _run(tmp_path, "run", steps=1, checkpoint_every=1)
     assert _checkpoint_steps(workdir) == [1]
+    # A one-step run has only its compiling step: no median step time or tokens/s.
+    summary = _summary(workdir)
+    assert summary["timed_steps"] == 0 and summary["median_step_time_s"] is None
+    assert summary["median_tokens_per_s"] is None
+    out = capsys.readouterr().out
+    assert "tokens/s, step time: no timed step (left out: step 1, compiling)" in out
+    assert "median" not in out
     flags_ = [f"--workdir={workdir}", "--steps=2", *SMALL_FLAGS, "--d_model=16", "--num_layers=2"]
     line = _one_error_line(_python(flags_), "different model")
     assert "--d_model=32 (given: 16)" in line and "--num_layers=1 (given: 2)" in line
@@ -399,6 +493,8 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path, capsys):
     assert [r["step"] for r in records] == list(range(1, stopped + 1))
     assert _checkpoint_steps(workdir)[-1] == stopped  # orbax also keeps its first save, step 1
     assert f"stopped by SIGINT after step {stopped} of {_ENDLESS}" in out
+    # The step the signal came in is the last one: the message names it when the signal comes.
+    assert f"SIGINT: stopping after step {stopped} to save" in out
     assert f"workdir {workdir}" in out and f"files in {workdir}" in out
     assert (workdir / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     summary = _summary(workdir)
@@ -455,6 +551,30 @@ def test_help_exits_0(module, flag):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert ("--steps" if module == "experiments.train" else "--balance_eps") in proc.stdout
+
+
+def test_help_leads_with_usage_and_three_examples():
+    """--help used to open with absl's file path of the module and an RST-quoted header."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    outputs = []
+    for flag in ("--help", "--helpshort", "-?"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.train", "--steps=3", flag],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1] == outputs[2]
+    lines = outputs[0].splitlines()
+    assert lines[0] == "usage: python -m experiments.train [--flag=value ...]"
+    examples = [i for i, line in enumerate(lines) if line.startswith("  python -m ")]
+    assert len(examples) == 3 and examples[-1] < lines.index("flags:")
+    assert all(lines[i].startswith("  python -m experiments.train") for i in examples)
+    assert not [line for line in lines if line.rstrip().endswith(".py:")]
+    assert "``" not in outputs[0] and "  --steps: Training steps" in outputs[0]
 
 
 def test_no_spare_slots_with_balancing_is_an_error():

@@ -66,9 +66,11 @@ _JSON = cli.define_json_out()
 _PINNED = flags.DEFINE_integer(
     "pinned_ranks",
     0,
-    "EP ranks as this many processes, each pinned to its own core with one CPU device (the wall "
-    "clock is then the busiest rank's); 0: 8 simulated devices in this process.",
+    "EP ranks as this many processes, each pinned to its own core with one CPU device and at "
+    "real-time priority where the system allows it (the wall clock is then the busiest rank's); "
+    "0: 8 simulated devices in this process.",
 )
+_VERBOSE_RANKS = cli.define_verbose_ranks()
 _MALLOC = flags.DEFINE_enum(
     "malloc",
     "auto",
@@ -350,7 +352,9 @@ def main(argv):
     process (one of them) and, on the first, prints the tables and writes ``--json_out``."""
     if _PINNED.value and _NUM_PROCESSES.value == 1:
         try:
-            code = common.launch_pinned_ranks(_PINNED.value, "experiments.bench.moe", sys.argv[1:])
+            code = common.launch_pinned_ranks(
+                _PINNED.value, "experiments.bench.moe", sys.argv[1:], _VERBOSE_RANKS.value
+            )
         except ValueError as err:
             _fail(err)
         sys.exit(code)

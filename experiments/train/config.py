@@ -65,6 +65,23 @@ def parse_capacity_factor(text: str) -> float | str | None:
         ) from None
 
 
+def default_workdir(preset: str | None, model_values: Mapping[str, object]) -> str:
+    """The workdir of a run given no ``--workdir``: ``runs/default`` for the default model
+    (``preset`` None), ``runs/<preset>`` for a preset, then ``-<name>=<value>`` for each model
+    flag in ``model_values`` (in `ModelConfig`'s field order). Runs of different models thus get
+    different folders: one model's checkpoints cannot be resumed by another."""
+    unknown = sorted(set(model_values) - set(MODEL_FIELDS))
+    if unknown:
+        raise ValueError(f"not model fields: {', '.join(unknown)}")
+    name = preset or "default"
+    name += "".join(
+        f"-{field}={flag_text(model_values[field])}"
+        for field in MODEL_FIELDS
+        if field in model_values
+    )
+    return f"runs/{name}"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run needs; `experiments.train` builds it from flags.
@@ -73,7 +90,10 @@ class TrainConfig:
     replaced by `auto_capacity_factor` of ``balance``.
 
     Attributes:
-      workdir: output folder (created if needed); rerun with it to continue.
+      workdir: output folder (created if needed); rerun with it to continue. Without it:
+        runs/default, or runs/<preset> for another --preset, plus -<flag>=<value> for each model
+        flag given (runs/deepseek_v3-num_layers=4), so that another model gets a folder of its
+        own.
       balance: expert load balancing: none or ultraep.
       steps: training steps (total, across resumes).
       data: text files: a path, folder or glob (default: the Python standard library's source

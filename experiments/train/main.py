@@ -3,7 +3,7 @@
     python -m experiments.train                       # 8 simulated CPU devices, stdlib text
     python -m experiments.train --balance=none --workdir=runs/none
     python -m experiments.train --data='books/*.txt' --steps=2000
-    python -m experiments.train --preset=deepseek_v3 --steps=100 --workdir=runs/deepseek
+    python -m experiments.train --preset=deepseek_v3 --steps=100   # in runs/deepseek_v3
     # EP=2 as two processes pinned to a core each (the wall clock is the busiest rank's):
     python -m experiments.train --pinned_ranks=2 --workdir=runs/pinned
     # two processes x 4 CPU devices on one machine:
@@ -12,10 +12,12 @@
     python -m experiments.train --num_processes=2 --process_id=1 --cpu_devices=4 \\
         --coordinator_address=127.0.0.1:12345
 
-Writes into ``--workdir`` (printed at the start and at the end): ``config.json`` (the run's flags),
-``metrics.jsonl`` (one record per step), orbax checkpoints under ``checkpoints/``, and at the end
-``metrics.png`` and ``summary.json`` (final losses, imbalance before/after balancing, dropped
-pairs, replicas, step time, flags).
+Writes into ``--workdir`` (printed at the start and at the end; default ``runs/default``, or
+``runs/<preset>`` with another ``--preset``, plus ``-<flag>=<value>`` for each model flag given):
+``config.json`` (the run's flags), ``metrics.jsonl`` (one record per step), orbax checkpoints
+under ``checkpoints/``, and at the end ``metrics.png`` and ``summary.json`` (final losses,
+imbalance before/after balancing, dropped pairs, replicas, step time without each start's
+compiling step, flags).
 
 Every field of `TrainConfig` is a flag of the same name, and so is every field of its ``model``
 (`models.moe_lm.ModelConfig`: ``--vocab_size``, ``--d_model``, ``--num_layers``, ``--num_heads``,
@@ -27,10 +29,14 @@ may change (``--steps`` and the intervals silently, the rest, ``--seq_len`` up t
 ``--max_seq_len`` included, with a note). A workdir already at ``--steps`` is left alone: raise
 ``--steps`` to train further.
 
-Ctrl-C (SIGINT) or SIGTERM: the run finishes the current step, saves a checkpoint, the metrics,
-the plot and the summary, says where they are and exits with code 130 (SIGINT) or 143
-(SIGTERM); rerunning the same command continues from there. A second Ctrl-C quits at once; a
-second SIGTERM is ignored (`timeout` signals the process, then its whole process group).
+Ctrl-C (SIGINT) or SIGTERM: the run finishes the current step (the message names it), saves a
+checkpoint, the metrics, the plot and the summary, says where they are and exits with code 130
+(SIGINT) or 143 (SIGTERM); rerunning the same command continues from there. A second Ctrl-C quits
+at once; a second SIGTERM is ignored (`timeout` signals the process, then its whole process
+group). ``timeout --preserve-status -s TERM 600 python -m experiments.train`` exits with the run's
+143 (without ``--preserve-status``, timeout's own 124). A background job started from a shell
+script (``python -m experiments.train &``) starts with SIGINT ignored and keeps it so: stop it
+with SIGTERM (``kill PID``).
 
 Problems with the flags (unparsable ones included), the data or the workdir end with one line
 ``error: ...`` (exit code 2); ``--help`` and ``--helpshort`` exit 0.
@@ -51,15 +57,21 @@ from experiments.common import (
     run_main,
     start_distributed,
 )
-from experiments.train.config import TrainConfig, parse_capacity_factor
+from experiments.train.config import (
+    MODEL_FIELDS,
+    TrainConfig,
+    default_workdir,
+    parse_capacity_factor,
+)
 from models.presets import PRESETS, preset
 
 # Fields whose flag is text that a parser turns into the value (auto, none or a number).
 _PARSERS = {"capacity_factor": parse_capacity_factor}
 cli.define_flags(TrainConfig, _PARSERS)
+_DEFAULT_PRESET = "tiny"
 flags.DEFINE_enum(
     "preset",
-    "tiny",
+    _DEFAULT_PRESET,
     sorted(PRESETS),
     "Model preset (models/presets.py): its ModelConfig and spare slots per rank are the defaults "
     "that the model flags and --slots_per_rank given on the command line override.",
@@ -74,19 +86,25 @@ flags.DEFINE_integer(
     "pinned_ranks",
     0,
     "Run as this many processes started by this command, one CPU device each, each pinned to a "
-    "core of its own (so that the step time is the busiest rank's, not the total work); they "
-    "print a calibration line (ranks with equal work at once / one alone). 0: one process.",
+    "core of its own and at real-time priority where the system allows it (so that the step time "
+    "is the busiest rank's, not the total work); they print a calibration line (ranks with equal "
+    "work at once / one alone). 0: one process.",
 )
+_VERBOSE_RANKS = cli.define_verbose_ranks()
 
 FLAGS = flags.FLAGS
 
 
 def config_from_flags() -> TrainConfig:
     """The run's configuration: the flags given on the command line over the defaults, and over
-    the ``--preset``'s model and spare slots. ValueError names a bad flag."""
+    the ``--preset``'s model and spare slots; without ``--workdir``, the model's own
+    (`default_workdir`). ValueError names a bad flag."""
     chosen = preset(FLAGS.preset)
     given = cli.given_values(TrainConfig, _PARSERS)
     given.setdefault("slots_per_rank", chosen.slots_per_rank)
+    if "workdir" not in given:
+        named = None if FLAGS.preset == _DEFAULT_PRESET else FLAGS.preset
+        given["workdir"] = default_workdir(named, {k: given[k] for k in MODEL_FIELDS if k in given})
     return TrainConfig.from_flat(given, chosen.model)
 
 
@@ -110,7 +128,10 @@ def main(argv):
         _fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.pinned_ranks and FLAGS.num_processes == 1:  # this process only starts the ranks
         try:
-            sys.exit(launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.train", sys.argv[1:]))
+            code = launch_pinned_ranks(
+                FLAGS.pinned_ranks, "experiments.train", sys.argv[1:], _VERBOSE_RANKS.value
+            )
+            sys.exit(code)
         except ValueError as err:
             _fail(err)
     if FLAGS.num_processes > 1:

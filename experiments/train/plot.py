@@ -3,13 +3,15 @@
 ``metrics.jsonl`` holds one JSON object per logged step with at least ``step`` and ``loss``, and
 optionally ``eval_loss``, per-layer lists ``imbalance_before`` / ``imbalance_after`` (max/mean
 rank load before and after balancing), ``balance`` (the mode), ``dropped`` (tokens dropped: a
-number or a per-layer list), ``tokens_per_s`` and ``step_time`` (seconds), as the trainer writes
-them.
+number or a per-layer list), ``tokens_per_s`` and ``step_time`` (seconds), and ``compiling``
+(true on the first step of each start of the run, whose time includes compiling the step), as the
+trainer writes them.
 
-* :func:`plot_metrics` -- one PNG: loss (and eval loss) on top, per-layer imbalance below.
+* :func:`plot_metrics` -- one PNG: loss (and eval loss) on top, per-layer imbalance below, and
+  the imbalance after balancing zoomed in (`metrics_figure`).
 * :func:`summarize` -- a short multi-line text summary.
 
-matplotlib is imported inside :func:`plot_metrics` only (Agg canvas, no pyplot state).
+matplotlib is imported inside :func:`metrics_figure` only (Agg canvas, no pyplot state).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from experiments.records import read_metrics
 
-__all__ = ["plot_metrics", "summarize"]
+__all__ = ["marker_indices", "metrics_figure", "plot_metrics", "summarize", "timed_records"]
 
 
 def _per_layer(records: list[dict], key: str) -> np.ndarray:
@@ -51,36 +53,74 @@ def _steps_losses(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray
     return steps, np.array([p[1] for p in pairs], dtype=np.float64)
 
 
+def timed_records(records: list[dict]) -> list[dict]:
+    """The records whose step time and tokens/s count: all but the first step of each start of
+    the run (the first run and every resume), whose time includes compiling the step. Those carry
+    ``"compiling": true``; in a file without that mark, the first record is left out."""
+    if any("compiling" in r for r in records):
+        return [r for r in records if not r.get("compiling")]
+    return records[1:]
+
+
 # --------------------------------------------------------------------------------------------
 # Plot
 # --------------------------------------------------------------------------------------------
 
 
 def plot_metrics(metrics_path, png_path) -> pathlib.Path:
-    """Writes one PNG of a run: loss on top, per-layer imbalance before/after below.
-
-    Top panel: train loss vs step (and eval loss where logged). Bottom panel: for each layer, the
-    max/mean rank load before balancing (dashed) and after (solid, same color) vs step, with a
-    horizontal line at 1.0 (perfect balance). The title names the balance mode when the records
-    carry a ``balance`` key.
+    """Writes one PNG of a run (`metrics_figure` of its records).
 
     Returns:
       ``png_path`` as a Path (parent directories are created).
+    """
+    fig = metrics_figure(read_metrics(metrics_path))
+    png_path = pathlib.Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(os.fspath(png_path), dpi=110, format="png")
+    return png_path
+
+
+#: Marker shapes of the layers' lines in the zoomed panel (cycled past ten layers).
+_MARKERS = "osD^v<>pX*"
+
+
+def marker_indices(num_points: int, num_layers: int, layer: int, per_layer: int = 12):
+    """int ``[K]``: the points of layer ``layer``'s line that get a marker. About ``per_layer``
+    evenly spaced ones, shifted per layer so that no two layers mark the same point: lines lying
+    on each other still show every layer's markers."""
+    every = max(1, num_points // (per_layer * num_layers))
+    return np.arange(layer * every, num_points, every * num_layers)
+
+
+def metrics_figure(records: list[dict]):
+    """The figure of a run's metrics records (a matplotlib ``Figure``, Agg canvas).
+
+    Top panel: train loss vs step (and eval loss where logged). Middle panel: for each layer, the
+    max/mean rank load before balancing (dashed) and after (solid, same color) vs step, with a
+    horizontal line at 1.0 (perfect balance). Bottom panel (when any layer has an after value):
+    the after-balancing lines alone on a y-axis zoomed to their range, each layer with markers of
+    its own shape at points no other layer marks, so that layers balanced to the same value stay
+    visible. The title names the balance mode when the records carry a ``balance`` key.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
-    records = read_metrics(metrics_path)
     steps = np.array([r["step"] for r in records], dtype=np.int64)
     losses = np.array([float(r["loss"]) for r in records])
     before = _per_layer(records, "imbalance_before")
     after = _per_layer(records, "imbalance_after")
     num_layers = max(before.shape[1], after.shape[1])
+    zoom = bool(np.isfinite(after).any())
 
-    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    fig = Figure(figsize=(10, 9.5 if zoom else 7.5), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_loss, ax_imb = fig.subplots(2, 1, sharex=True)
+    if zoom:
+        ax_loss, ax_imb, ax_after = fig.subplots(
+            3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 3, 1.8]}
+        )
+    else:
+        ax_loss, ax_imb = fig.subplots(2, 1, sharex=True)
 
     ax_loss.plot(steps, losses, color="C0", label="train loss")
     eval_steps, eval_losses = _steps_losses(records, "eval_loss")
@@ -94,12 +134,25 @@ def plot_metrics(metrics_path, png_path) -> pathlib.Path:
         colors = _layer_colors(num_layers)
         handles = []
         for layer in range(num_layers):
-            color = colors[layer]
+            color, marker = colors[layer], _MARKERS[layer % len(_MARKERS)]
             if layer < before.shape[1]:
                 ax_imb.plot(steps, before[:, layer], "--", color=color, linewidth=1.2)
             if layer < after.shape[1]:
                 ax_imb.plot(steps, after[:, layer], "-", color=color, linewidth=1.5)
-            handles.append(Line2D([], [], color=color, label=f"layer {layer}"))
+                if zoom:
+                    ax_after.plot(
+                        steps,
+                        after[:, layer],
+                        "-",
+                        color=color,
+                        linewidth=1.2,
+                        marker=marker,
+                        markersize=5,
+                        markevery=list(marker_indices(len(steps), num_layers, layer)),
+                    )
+            handles.append(
+                Line2D([], [], color=color, marker=marker if zoom else "", label=f"layer {layer}")
+            )
         handles += [
             Line2D([], [], color="gray", linestyle="--", label="before balancing"),
             Line2D([], [], color="gray", linestyle="-", label="after balancing"),
@@ -116,20 +169,24 @@ def plot_metrics(metrics_path, png_path) -> pathlib.Path:
             0.5, 0.5, "no imbalance data", ha="center", va="center", transform=ax_imb.transAxes
         )
     ax_imb.axhline(1.0, color="black", linewidth=0.8)
-    ax_imb.set_xlabel("step")
     ax_imb.set_ylabel("max / mean rank load")
     ax_imb.grid(alpha=0.3)
+    if zoom:
+        lo = min(1.0, float(np.nanmin(after)))
+        hi = max(1.0, float(np.nanmax(after)))
+        pad = max(0.002, 0.15 * (hi - lo))
+        ax_after.set_ylim(lo - pad, hi + pad)
+        ax_after.axhline(1.0, color="black", linewidth=0.8)
+        ax_after.set_ylabel("after balancing\n(zoomed)")
+        ax_after.grid(alpha=0.3)
+    (ax_after if zoom else ax_imb).set_xlabel("step")
 
     modes = _balance_modes(records)
     title = "MoE LM training" + (f": balance={', '.join(modes)}" if modes else "")
     subtitle = f"{len(records)} logged steps (step {steps[0]} .. {steps[-1]}), "
     subtitle += f"final loss {losses[-1]:.4f}"
     fig.suptitle(f"{title}\n{subtitle}")
-
-    png_path = pathlib.Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(os.fspath(png_path), dpi=110, format="png")
-    return png_path
+    return fig
 
 
 def _layer_colors(num_layers: int) -> list:
@@ -167,8 +224,8 @@ def summarize(metrics_path) -> str:
     Lines: balance mode and logged steps; first and last train loss; last eval loss; for each
     layer the mean and max over logged steps of the imbalance before and after balancing; the
     total dropped (token, choice) pairs over logged steps (if ``dropped`` is logged); the median
-    tokens/s and step time over the logged steps but the first, which includes compiling the
-    step (if logged).
+    tokens/s and step time over the logged steps but each start's first, which includes compiling
+    the step (`timed_records`), or ``no timed step`` when no other step is left.
     """
     records = read_metrics(metrics_path)
     first, last = records[0], records[-1]
@@ -203,14 +260,20 @@ def summarize(metrics_path) -> str:
     dropped = _total_dropped(records)
     if dropped is not None:
         lines.append(f"dropped pairs: {dropped} in total over logged steps")
-    timed = records[1:] or records  # the first logged step compiles
+    timed = timed_records(records)
     throughput = [float(r["tokens_per_s"]) for r in timed if r.get("tokens_per_s") is not None]
+    step_times = [float(r["step_time"]) for r in timed if r.get("step_time") is not None]
+    timed_steps = {r["step"] for r in timed}
+    left_out = [str(r["step"]) for r in records if r["step"] not in timed_steps]
+    left_out = f"left out: step{'s' if len(left_out) > 1 else ''} {', '.join(left_out)}, compiling"
     if throughput:
         lines.append(
-            f"tokens/s: median {np.median(throughput):.1f} over {len(throughput)} steps "
-            f"(the first, compiling, left out)"
+            f"tokens/s: median {np.median(throughput):.1f} over {len(throughput)} "
+            f"step{'s' if len(throughput) != 1 else ''} "
+            f"({left_out})"
         )
-    step_times = [float(r["step_time"]) for r in timed if r.get("step_time") is not None]
     if step_times:
         lines.append(f"step time: median {1e3 * np.median(step_times):.2f} ms")
+    if not (throughput or step_times) and any("step_time" in r for r in records):
+        lines.append(f"tokens/s, step time: no timed step ({left_out})")
     return "\n".join(lines)

@@ -19,12 +19,17 @@ class StopRequest:
     the process at once, whatever it is doing. Later SIGTERMs are absorbed: `timeout` (and other
     supervisors) send SIGTERM to the process and then to its whole process group, so one request
     to stop often arrives twice, and the second must not kill the run while it saves.
+
+    A SIGINT that was ignored when the process started stays ignored (a shell script starts its
+    background jobs so, for the script's Ctrl-C not to reach them): stop such a run with SIGTERM.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.signum: int | None = None
+        #: The step the loop is in (or last finished), for the message; None before the first.
+        self.step: int | None = None
         self._previous: dict = {}
 
     def __call__(self, signum, frame=None):
@@ -32,12 +37,14 @@ class StopRequest:
         if self.signum is not None:  # a repeated SIGTERM: already stopping
             return
         self.signum = signum
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if signal.SIGINT in self._previous:  # not if SIGINT is ignored (see the class doc)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
         name = signal.Signals(signum).name
         # os.write, not print: a handler may run in the middle of another print.
+        when = "before the first step" if self.step is None else f"after step {self.step}"
         os.write(
             2,
-            f"\n{name}: stopping after this step to save a checkpoint, the metrics and the plot "
+            f"\n{name}: stopping {when} to save a checkpoint, the metrics and the plot "
             f"(press Ctrl-C again to quit at once without saving)\n".encode(),
         )
 
@@ -45,6 +52,8 @@ class StopRequest:
         """Installs the handler (only the main thread can; elsewhere this does nothing)."""
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
+                if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue
                 self._previous[sig] = signal.signal(sig, self)
 
     def restore(self):

@@ -10,6 +10,7 @@ import numpy as np
 
 import ultraep_jax as uep
 from experiments.train.config import TrainConfig
+from experiments.train.plot import timed_records
 
 
 def layer_record(stats: uep.MoEStats) -> dict:
@@ -58,8 +59,9 @@ def summarize_run(records: list[dict], cfg: TrainConfig, workdir: pathlib.Path) 
     (``imbalance_before`` / ``imbalance_after`` = ``{"mean": [L], "max": [L]}``);
     ``dropped_pairs`` (total over steps and layers); ``mean_replicas`` (replicas summed over
     layers, mean over steps) and ``mean_replicas_per_layer``; ``median_step_time_s`` and
-    ``median_tokens_per_s`` (the median, because the first step of each start includes
-    compilation); ``metrics_steps`` (steps with a record); ``workdir``; ``config``.
+    ``median_tokens_per_s`` (medians over ``timed_steps`` steps: all but the first step of each
+    start, which includes compiling the step; None when no step is left); ``metrics_steps``
+    (steps with a record); ``workdir``; ``config``.
     """
     last = records[-1]
     evals = [r for r in records if r.get("eval_loss") is not None]
@@ -86,10 +88,12 @@ def summarize_run(records: list[dict], cfg: TrainConfig, workdir: pathlib.Path) 
     summary["mean_replicas_per_layer"] = (
         [round(float(v), 3) for v in replicas.mean(axis=0)] if replicas.size else []
     )
-    times = [r["step_time"] for r in records if "step_time" in r]
-    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    timed = timed_records(records)
+    times = [r["step_time"] for r in timed if "step_time" in r]
+    speeds = [r["tokens_per_s"] for r in timed if "tokens_per_s" in r]
     summary["median_step_time_s"] = round(float(np.median(times)), 5) if times else None
     summary["median_tokens_per_s"] = round(float(np.median(speeds)), 1) if speeds else None
+    summary["timed_steps"] = len(times)
     summary["metrics_steps"] = len(records)
     summary["config"] = cfg.to_json()
     return summary

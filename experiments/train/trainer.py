@@ -193,6 +193,7 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, cali
     step = saved = start
     while step < cfg.steps and not stop.agreed():
         step += 1
+        stop.step = step
         batch = global_batch(data.train_batch(train_bytes, step - 1, cfg.batch_size, cfg.seq_len))
         begin = time.perf_counter()
         loss, stats = train_step(model, optimizer, batch)
@@ -201,6 +202,8 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, cali
         elapsed = time.perf_counter() - begin
         record["step_time"] = round(elapsed, 5)
         record["tokens_per_s"] = round(cfg.batch_size * cfg.seq_len / elapsed, 1)
+        if step == start + 1:  # its time includes compiling the step: the summary leaves it out
+            record["compiling"] = True
         if step % cfg.eval_every == 0 or step == cfg.steps:
             record["eval_loss"] = float(np.mean([float(eval_step(model, b)) for b in eval_set]))
         if lead:
