@@ -90,10 +90,13 @@ def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_n
 
     def first(k):
         def fetch():
-            mine = (sender_RS[:, :k] == me).reshape(-1, 1).astype(dtype)  # [R * k, 1]
+            mine = (sender_RS[:, :k] == me).reshape(-1, 1)  # bool [R * k, 1]
             rows = source_RS[:, :k].reshape(-1)
-            # One fused gather per tensor, scaled to zero where another rank sends the slot.
-            send = jnp.concatenate([w[rows] * mine for w in tables], axis=1)
+            # One fused gather per tensor, zero where another rank sends the slot: a select, not
+            # a product with a 0/1 mask, so that inf or NaN in one expert's weights stays in the
+            # slots of that expert (inf * 0 is NaN, and the sum would spread it to every slot
+            # gathering the same row); its transpose is a select too.
+            send = jnp.concatenate([jnp.where(mine, w[rows], 0) for w in tables], axis=1)
             # Only the sender's row of each slot is non-zero, so summing over senders delivers
             # it: a reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster
             # than an all-to-all).
