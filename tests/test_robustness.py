@@ -11,6 +11,9 @@ argument checks.
 
 from __future__ import annotations
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +24,8 @@ from tests.dispatch_reference import kept_pairs, prefix_transport
 from tests.helpers import expert_mesh, fetch_with_grads
 from tests.reference_planner import reference_plan
 from tests.relay_reference import reference_schedule
-from tests.test_relay import _portable_exchange
+from tests.test_relay import _portable_exchange, random_slots
+from ultraep_jax import relay
 
 D, F = 8, 16
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -317,3 +321,265 @@ def test_nonfinite_weights_of_dropped_pairs_are_ignored(monkeypatch):
     assert_close(gw, rgw, "d/dweights")
     for name, g, rg in zip(("w_gate", "w_up", "w_down"), gp, rgp, strict=True):
         assert_close(g, rg, f"d/d{name}")
+
+
+# -- 3. wide ids -----------------------------------------------------------------------------------
+
+
+def test_int64_ids_outside_the_experts_do_not_wrap_under_x64():
+    """With ``jax_enable_x64``, int64 ids 2**32 + 3, 2**33 and -2**32 + 1 (which an int32 cast
+    would make 3, 0 and 1) are pairs of no expert: counted as invalid and skipped; the output
+    equals the reference without them."""
+    R, E, k, B, L = 8, 8, 2, 8, 4
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    experts = skewed_experts(rng, (B, L), np.arange(E), hot=[0], k=k).astype(np.int64)
+    wide = rng.random(size=experts.shape) < 0.3
+    experts[wide] = rng.choice([2**32 + 3, 2**33, -(2**32) + 1], size=int(wide.sum()))
+    weights = rng.uniform(0.1, 1.0, size=(B, L, k)).astype(np.float32)
+    params = draw_params(rng, E)
+    ep = uep.ExpertParallel(expert_mesh(R), E, capacity_factor=None)
+    with jax.enable_x64(True):
+        ids = jnp.asarray(experts)
+        assert ids.dtype == jnp.int64
+        y, stats = jax.jit(lambda e: uep.routed_experts(x, e, weights, params, ep))(ids)
+        with pytest.raises(ValueError, match=r"experts must be in \[0, 8\), got -4294967295\.\."):
+            uep.routed_experts(x, ids, weights, params, ep)  # eager: checked
+    assert int(stats.invalid) == int(wide.sum()) > 0
+    assert int(stats.expert_load.sum()) == int((~wide).sum())
+    want = reference_moe(
+        jnp.asarray(x),
+        jnp.asarray(np.where(wide, 0, experts).astype(np.int32)),
+        jnp.asarray(weights),
+        tuple(jnp.asarray(w) for w in params),
+        jnp.asarray(~wide),
+    )
+    assert_close(np.asarray(y), want, "y")
+
+
+# -- 4. mixed parameter dtypes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["portable", "ragged"])
+def test_mixed_parameter_dtypes_run_with_replicas(backend, monkeypatch):
+    """w_gate in float16 and the rest float32, with a balancer that makes replicas: the replica
+    transfer carries each tensor in its own dtype, and the output equals the plain layer's and the
+    reference's (float16 values are exact in float32)."""
+    if backend == "ragged":
+        _portable_exchange(monkeypatch)
+    R, E, k, B, L = 8, 8, 2, 8, 8
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    experts = skewed_experts(rng, (B, L), np.arange(E), hot=[0, 1], k=k)
+    weights = rng.uniform(0.1, 1.0, size=(B, L, k)).astype(np.float32)
+    w_gate, w_up, w_down = draw_params(rng, E)
+    params = (w_gate.astype(np.float16), w_up, w_down)
+    balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=1)
+    outs = {}
+    for name, bal in (("balanced", balancer), ("plain", None)):
+        ep = uep.ExpertParallel(
+            expert_mesh(R), E, balancer=bal, capacity_factor=None, comm_backend=backend
+        )
+        y, stats = jax.jit(lambda x, e, w, p, ep=ep: uep.routed_experts(x, e, w, p, ep))(
+            x, experts, weights, params
+        )
+        outs[name] = (np.asarray(y), stats)
+    assert int(outs["balanced"][1].replicas) > 0
+    want = reference_moe(
+        jnp.asarray(x),
+        jnp.asarray(experts),
+        jnp.asarray(weights),
+        tuple(jnp.asarray(w, jnp.float32) for w in params),
+        jnp.ones(experts.shape, bool),
+    )
+    assert_close(outs["balanced"][0], want, "balanced y")
+    assert_close(outs["balanced"][0], outs["plain"][0], "balanced against plain")
+
+
+# -- 5-7. errors: one line, naming the value, where the value is given --------------------------
+
+
+def _one_line(error, match, fn, *args, **kwargs):
+    """Asserts that ``fn(*args, **kwargs)`` raises ``error`` with one line matching ``match``."""
+    with pytest.raises(error, match=match) as info:
+        fn(*args, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_max_fanout_is_bounded_where_the_config_is_built():
+    _one_line(
+        ValueError,
+        r"^BalancerConfig.max_fanout must be <= 2147483647, got 2147483648$",
+        uep.BalancerConfig,
+        max_fanout=2**31,
+    )
+    assert uep.BalancerConfig(max_fanout=np.int64(2**31 - 1)).max_fanout == 2**31 - 1
+
+
+@pytest.mark.parametrize("f", [2**30, 2**31 - 1])
+def test_relay_schedule_of_the_largest_fanouts_equals_reference(f):
+    """A fan-out near 2**31 used to overflow the schedule's int32 level bounds (every slot then
+    received from itself in hop 2)."""
+    rng = np.random.default_rng(9)
+    for R, em, S in ((8, 1, 2), (8, 2, 3), (4, 4, 2)):
+        slots = random_slots(rng, R, em, S, fill=0.8, hot=2)
+        got = relay.relay_schedule(jnp.asarray(slots), em, f)
+        want = reference_schedule(slots, em, f)
+        np.testing.assert_array_equal(np.asarray(got.hop_RS), want["hop"])
+        np.testing.assert_array_equal(np.asarray(got.sender_RS), want["sender"])
+        np.testing.assert_array_equal(np.asarray(got.source_RS), want["source"])
+
+
+def test_largest_max_fanout_sends_every_copy_from_the_master():
+    """max_fanout = 2**31 - 1 runs (it used to overflow in the relay schedule) and sends every
+    copy in the first hop: values equal the reference and the largest send is f = 0's."""
+    R, E, k, B, L = 8, 8, 2, 8, 8
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    experts = skewed_experts(rng, (B, L), np.arange(E), hot=[0, 1], k=k)
+    weights = rng.uniform(0.1, 1.0, size=(B, L, k)).astype(np.float32)
+    params = draw_params(rng, E)
+    sends = {}
+    for f in (0, 2**31 - 1):
+        balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=1, max_fanout=f)
+        ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer, capacity_factor=None)
+        y, stats = jax.jit(lambda x, ep=ep: uep.routed_experts(x, experts, weights, params, ep))(x)
+        assert int(stats.replicas) > 0
+        sends[f] = float(stats.transfer_send_max)
+        want = reference_moe(
+            jnp.asarray(x),
+            jnp.asarray(experts),
+            jnp.asarray(weights),
+            tuple(jnp.asarray(w) for w in params),
+            jnp.ones(experts.shape, bool),
+        )
+        assert_close(np.asarray(y), want, f"y, max_fanout={f}")
+    assert sends[0] == sends[2**31 - 1] > 0
+
+
+def test_plan_of_no_ranks_raises_one_line():
+    for shape in ((0, 8), (4, 0)):
+        _one_line(
+            ValueError,
+            rf"plan: loads must have shape \[ep_size >= 1, num_experts >= 1\], got \[{shape[0]}, "
+            rf"{shape[1]}\]",
+            uep.plan,
+            np.zeros(shape, np.int32),
+            uep.BalancerConfig(),
+        )
+
+
+def test_ragged_backend_on_cpu_devices_raises_at_construction():
+    _one_line(
+        ValueError,
+        r"comm_backend='ragged' cannot run on CPU devices",
+        uep.ExpertParallel,
+        expert_mesh(8),
+        8,
+        comm_backend="ragged",
+    )
+    # One rank exchanges nothing; abstract GPU devices (export for CUDA) may use it.
+    assert uep.ExpertParallel(expert_mesh(1), 8, comm_backend="ragged").comm_backend == "ragged"
+    from tests.helpers import gpu_expert_mesh
+
+    assert uep.ExpertParallel(gpu_expert_mesh(8), 8, comm_backend="ragged").ep_size == 8
+
+
+@pytest.mark.parametrize(
+    "per_device, top_k, factor, match",
+    [
+        (2**30, 8, 1.0, r"^MoE: 8589934592 \(token, choice\) pairs per device exceed 2\*\*31 - 1"),
+        (2**25, 8, None, r"^MoE: a receive buffer of 2147483648 rows per device exceeds 2\*\*31"),
+    ],
+    ids=["pairs", "buffer"],
+)
+def test_sizes_past_int32_raise_one_line(per_device, top_k, factor, match):
+    """Shapes only (nothing is allocated): more pairs on a device, or more receive-buffer rows,
+    than the int32 dispatch indices hold."""
+    R, E = 8, 8
+    ep = uep.ExpertParallel(expert_mesh(R), E, capacity_factor=factor)
+    S = jax.ShapeDtypeStruct
+    x = S((R * per_device, 1, D), jnp.float32)
+    ids, weights = (
+        S((R * per_device, 1, top_k), jnp.int32),
+        S((R * per_device, 1, top_k), jnp.float32),
+    )
+    params = (S((E, D, F), jnp.float32), S((E, D, F), jnp.float32), S((E, F, D), jnp.float32))
+    _one_line(
+        ValueError,
+        match,
+        jax.eval_shape,
+        functools.partial(uep.routed_experts, ep=ep),
+        x,
+        ids,
+        weights,
+        params,
+    )
+
+
+def test_transfer_chunks_beyond_the_width_raise_without_a_balancer():
+    """`routed_experts` refuses what `MoE` refuses, balancer or not."""
+    R, E = 8, 8
+    rng = np.random.default_rng(8)
+    params = draw_params(rng, E)
+    x = rng.normal(size=(R, 2, D)).astype(np.float32)
+    ids = np.zeros((R, 2, 1), np.int32)
+    weights = np.ones((R, 2, 1), np.float32)
+    for balancer in (None, uep.BalancerConfig()):
+        ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer, transfer_chunks=F + 1)
+        _one_line(
+            ValueError,
+            rf"^MoE: transfer_chunks={F + 1} exceeds d_ff={F} ",
+            uep.routed_experts,
+            x,
+            ids,
+            weights,
+            params,
+            ep,
+        )
+
+
+# -- integer arguments: one rule everywhere --------------------------------------------------------
+
+
+def _integer_arguments():
+    """(name, fn(value)) for a sample of integer arguments of the library, the model and the
+    experiments: each must raise TypeError for a non-integer and ValueError below its minimum."""
+    from flax import nnx
+
+    from experiments.loads import workloads
+    from experiments.train import data
+    from models.moe_lm import ModelConfig
+
+    mesh = expert_mesh(8)
+    return [
+        ("BalancerConfig.max_fanout", lambda v: uep.BalancerConfig(max_fanout=v)),
+        ("BalancerConfig.slots_per_rank", lambda v: uep.BalancerConfig(slots_per_rank=v)),
+        ("MoE: transfer_chunks", lambda v: uep.ExpertParallel(mesh, 8, transfer_chunks=v)),
+        ("MoE: num_experts", lambda v: uep.ExpertParallel(mesh, v)),
+        (
+            "MoE: top_k",
+            lambda v: uep.MoE(
+                d_model=D, d_ff=F, num_experts=8, top_k=v, mesh=mesh, rngs=nnx.Rngs(0)
+            ),
+        ),
+        ("SoftmaxTopK: top_k", lambda v: uep.SoftmaxTopK(v)),
+        ("SigmoidTopK: num_groups", lambda v: uep.SigmoidTopK(2, num_groups=v)),
+        ("plan: capacity", lambda v: uep.plan(np.ones((8, 8), np.int32), uep.BalancerConfig(), v)),
+        ("ModelConfig.top_k", lambda v: ModelConfig(top_k=v)),
+        ("ModelConfig.shared_d_ff", lambda v: ModelConfig(shared_d_ff=v)),
+        ("batch_size", lambda v: data.train_batch(np.zeros(64, np.uint8), 0, v, 4)),
+        ("ep_size", lambda v: workloads.rank_zipf_exponent(v, 64, 2, 1.5, 0)),
+    ]
+
+
+def test_integer_arguments_follow_one_rule():
+    """TypeError (one line naming the argument) for a bool, a float (even 2.0) or a string;
+    ValueError for an integer below the minimum; NumPy integers accepted."""
+    for name, fn in _integer_arguments():
+        for bad in (True, np.bool_(False), 2.0, np.float32(3), "2"):
+            _one_line(TypeError, rf"^{re.escape(name)} must be an int, got ", fn, bad)
+        _one_line(
+            ValueError, rf"^{re.escape(name)} must be (a positive int|an int >= 0), got -1$", fn, -1
+        )
+        fn(np.int64(8))  # accepted

@@ -8,31 +8,24 @@ import numbers
 
 import numpy as np
 
+from ultraep_jax._ops import INT64_MAX, check_int
 from ultraep_jax.layout import Layout, check_divisible
 
 # Every integer field reaches the native planner as an int64 FFI attribute.
-_INT64_MAX = 2**63 - 1
+_INT64_MAX = INT64_MAX
 # Loads are int32, so no expert ever has more tokens: a larger floor would mean the same.
 MAX_MIN_TOKENS_PER_REPLICA = 2**31 - 1
 # A rank fills at most num_experts - num_experts / ep_size slots (each foreign expert once); the
 # bound keeps the planner's [ep_size, slots_per_rank] outputs and workspace allocatable.
 MAX_SLOTS_PER_RANK = 4096
+# The relay schedule computes in int32 (`relay`); no plan has that many copies of an expert.
+MAX_FANOUT = 2**31 - 1
 
 
 def _as_int(name: str, value, minimum: int, maximum: int = _INT64_MAX) -> int:
-    """``value`` as a Python int in [minimum, maximum]; NumPy integer scalars are accepted."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"BalancerConfig.{name} must be an int, got {type(value).__name__} {value!r}"
-        )
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"BalancerConfig.{name} must be >= {minimum}, got {value}")
-    if value > _INT64_MAX:
-        raise ValueError(f"BalancerConfig.{name} must fit in int64 (<= 2**63 - 1), got {value}")
-    if value > maximum:
-        raise ValueError(f"BalancerConfig.{name} must be <= {maximum}, got {value}")
-    return value
+    """``value`` as a Python int in [minimum, maximum] (`check_int`: TypeError for a
+    non-integer, ValueError out of range); NumPy integer scalars are accepted."""
+    return check_int(f"BalancerConfig.{name}", value, minimum, maximum)
 
 
 def _as_float(name: str, value) -> float:
@@ -84,7 +77,8 @@ class BalancerConfig:
             replica forwards them to at most f others, in a tree of as few hops as that allows;
             gradients return along the tree, summed at each relay. 0: no bound (every master sends
             every copy itself). The default 2 gave the shortest modelled transfer on the
-            DeepSeek-R1, Qwen1.5-MoE and Switch traces (README, "Replica transfer fan-out"). Not
+            DeepSeek-R1, Qwen1.5-MoE and Switch traces (README, "Replica transfer fan-out"). At
+            most 2**31 - 1 (the schedule computes in int32). Not
             a planner input: the plan is the same for every f.
     """
 
@@ -105,7 +99,7 @@ class BalancerConfig:
             ("slots_per_rank", 0, MAX_SLOTS_PER_RANK),
             ("min_tokens_per_replica", 1, MAX_MIN_TOKENS_PER_REPLICA),
             ("master_keep_tokens", 0, _INT64_MAX),
-            ("max_fanout", 0, _INT64_MAX),
+            ("max_fanout", 0, MAX_FANOUT),
         ):
             if getattr(self, name) is not None or name not in ("num_experts", "ep_size"):
                 value = _as_int(name, getattr(self, name), minimum, maximum)

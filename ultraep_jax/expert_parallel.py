@@ -214,6 +214,8 @@ class ExpertParallel:
             check_positive_int("MoE", "transfer_chunks", self.transfer_chunks),
         )
         object.__setattr__(self, "mesh", _auto_axes_mesh(self.mesh))
+        if self.ep_size > 1:  # with one rank nothing is exchanged (the portable copy)
+            comm.check_platform(self.comm_backend, self.mesh)
 
     @property
     def ep_size(self) -> int:
@@ -276,8 +278,35 @@ def routed_experts(
     _check_inputs(x, experts, weights, params, ep)
     w_gate, w_up, w_down = params
     capacity = ep.capacity(x.shape[0] // ep.mesh.size * x.shape[1], experts.shape[-1])
-    args = (x, experts.astype(jnp.int32), weights, w_gate, w_up, w_down)
+    _check_int32_sizes(x.shape[0] // ep.mesh.size * x.shape[1] * experts.shape[-1], capacity)
+    args = (x, _int32_ids(experts, ep.num_experts), weights, w_gate, w_up, w_down)
     return with_auto_axes(functools.partial(_moe_call, ep, capacity), ep, *args)
+
+
+def _int32_ids(experts: jax.Array, num_experts: int) -> jax.Array:
+    """int32 [...]: ``experts`` (any integer dtype) with every id outside [0, E) made -1 before
+    the cast, so that a wide id (int64 under ``jax_enable_x64``, uint32) cannot wrap into a
+    valid expert (2**32 + 3 would become 3)."""
+    if experts.dtype == jnp.int32:
+        return experts
+    valid = (experts >= 0) & (experts < num_experts)
+    return jnp.where(valid, experts, -1).astype(jnp.int32)
+
+
+def _check_int32_sizes(pairs: int, capacity: int) -> None:
+    """Raises (one line naming the value) unless the pairs on a device and the receive buffer's
+    rows fit the int32 indices of `dispatch`."""
+    limit = 2**31 - 1
+    if pairs > limit:
+        raise ValueError(
+            f"MoE: {pairs} (token, choice) pairs per device exceed 2**31 - 1 (dispatch indexes "
+            "them in int32); split the batch over more devices"
+        )
+    if capacity > limit:
+        raise ValueError(
+            f"MoE: a receive buffer of {capacity} rows per device exceeds 2**31 - 1 (dispatch "
+            "indexes it in int32); set a capacity_factor or split the batch over more devices"
+        )
 
 
 def check_dtype(name: str, a, want=jnp.floating) -> None:
@@ -327,6 +356,11 @@ def _check_inputs(x, experts, weights, params, ep) -> None:
         raise ValueError(
             f"MoE: batch {x.shape[0]} is not divisible by the {ep.mesh.size} devices "
             f"of the mesh {dict(ep.mesh.shape)}"
+        )
+    if ep.transfer_chunks > F:
+        raise ValueError(
+            f"MoE: transfer_chunks={ep.transfer_chunks} exceeds d_ff={F} (a chunk is at least one "
+            "hidden column)"
         )
     if not isinstance(experts, jax.core.Tracer):
         e = np.asarray(experts)

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ultraep_jax._ops import check_int
 from ultraep_jax._vma import vary, varying_axes
 
 
@@ -43,8 +44,9 @@ class _Cfg(NamedTuple):
 
 
 def _check_tile(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
-        raise ValueError(f"grouped_matmul: {name} must be a power of two >= 16, got {value!r}")
+    value = check_int(f"grouped_matmul: {name}", value)
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"grouped_matmul: {name} must be a power of two >= 16, got {value}")
     return value
 
 

@@ -84,7 +84,7 @@ def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_n
     R, S = sender_RS.shape
     me = jax.lax.axis_index(axis_name)
     P_ = sum(w.shape[1] for w in tables)
-    dtype = tables[0].dtype
+    dtype = jnp.result_type(*tables)  # what the concatenation below makes of mixed dtypes
     # Every branch of the switch must have one type: varying over all that any input varies over.
     axes = {axis_name}.union(*(varying_axes(a) for a in (*tables, sender_RS, source_RS)))
 
@@ -194,4 +194,7 @@ def fetch_replica_experts(
     S = slot_expert_RS.shape[1]
     sizes = [int(np.prod(w.shape[1:])) for w in masters]
     parts = jnp.split(received_SP, np.cumsum(sizes)[:-1].tolist(), axis=1)
-    return tuple(p.reshape((S,) + w.shape[1:]) for p, w in zip(parts, masters, strict=True))
+    # Masters of different dtypes travel in their common one (exactly) and come back as their own.
+    return tuple(
+        p.reshape((S,) + w.shape[1:]).astype(w.dtype) for p, w in zip(parts, masters, strict=True)
+    )
