@@ -583,3 +583,51 @@ def test_integer_arguments_follow_one_rule():
             ValueError, rf"^{re.escape(name)} must be (a positive int|an int >= 0), got -1$", fn, -1
         )
         fn(np.int64(8))  # accepted
+
+
+# -- 1 (kernels). a group's inf/NaN stays in its rows ---------------------------------------------
+
+
+def test_pallas_grouped_matmul_keeps_nonfinite_values_in_their_group():
+    """The Pallas kernel (interpreted on CPU) with 16-row tiles and groups that share tiles: inf in
+    group 1's weights, NaN in one of group 1's rows, NaN in the cotangent of another of them.
+    Every other group's rows, their input gradients and every other group's weight gradient equal
+    NumPy's (a product of rows zeroed before it would be 0 * inf = NaN across the shared tile)."""
+    from ultraep_jax import gmm_pallas
+
+    rng = np.random.default_rng(10)
+    M, K, N = 48, 16, 16
+    sizes = np.array([10, 9, 20, 0, 5])  # group 1 spans rows 10..18: tiles 0 and 1
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    lhs = rng.normal(size=(M, K)).astype(np.float32)
+    rhs = rng.normal(size=(len(sizes), K, N)).astype(np.float32)
+    rhs[1, 3, 4] = np.inf
+    lhs[starts[1] + 2, 5] = np.nan
+    cot = rng.normal(size=(M, N)).astype(np.float32)
+    cot[starts[1] + 4, 1] = np.nan
+
+    def loss(lhs, rhs):
+        out = gmm_pallas.grouped_matmul(
+            lhs, rhs, jnp.asarray(sizes, jnp.int32), tile_m=16, tile_n=16, tile_k=16, interpret=True
+        )
+        return jnp.sum(out * cot), out
+
+    (_, out), (d_lhs, d_rhs) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        jnp.asarray(lhs), jnp.asarray(rhs)
+    )
+    out, d_lhs, d_rhs = np.asarray(out), np.asarray(d_lhs), np.asarray(d_rhs)
+    total = int(sizes.sum())
+    lhs64, rhs64, cot64 = (a.astype(np.float64) for a in (lhs, rhs, cot))
+    for m in range(M):
+        g = group[m] if m < total else -1
+        if g == 1:
+            continue
+        want = lhs64[m] @ rhs64[g] if g >= 0 else np.zeros(N)
+        want_dx = cot64[m] @ rhs64[g].T if g >= 0 else np.zeros(K)
+        np.testing.assert_allclose(out[m], want, rtol=1e-5, atol=1e-5, err_msg=f"row {m}")
+        np.testing.assert_allclose(d_lhs[m], want_dx, rtol=1e-5, atol=1e-5, err_msg=f"dx {m}")
+    for g in (0, 2, 3, 4):
+        rows = slice(starts[g], starts[g] + sizes[g])
+        want = lhs64[rows].T @ cot64[rows]
+        np.testing.assert_allclose(d_rhs[g], want, rtol=1e-5, atol=1e-5, err_msg=f"d_rhs {g}")
