@@ -461,8 +461,8 @@ def test_plan_of_no_ranks_raises_one_line():
     for shape in ((0, 8), (4, 0)):
         _one_line(
             ValueError,
-            rf"plan: loads must have shape \[ep_size >= 1, num_experts >= 1\], got \[{shape[0]}, "
-            rf"{shape[1]}\]",
+            rf"^plan: loads \[ep_size, num_experts\] must have both sizes >= 1, got "
+            rf"\[{shape[0]}, {shape[1]}\]$",
             uep.plan,
             np.zeros(shape, np.int32),
             uep.BalancerConfig(),

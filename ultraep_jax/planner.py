@@ -50,12 +50,14 @@ def _check_loads(loads, config: BalancerConfig):
     if not hasattr(loads, "dtype"):
         loads = np.asarray(loads)
     stated = [config.ep_size, config.num_experts]
-    if (
-        loads.ndim != 2
-        or 0 in loads.shape
-        or any(v is not None and v != n for v, n in zip(stated, loads.shape, strict=True))
+    if loads.ndim == 2 and 0 in loads.shape:
+        raise ValueError(
+            f"plan: loads [ep_size, num_experts] must have both sizes >= 1, got {list(loads.shape)}"
+        )
+    if loads.ndim != 2 or any(
+        v is not None and v != n for v, n in zip(stated, loads.shape, strict=True)
     ):
-        want = "[ep_size >= 1, num_experts >= 1]"
+        want = "[ep_size, num_experts]"
         if None not in stated:
             want += f" = {stated} (or leave the sizes out of the BalancerConfig)"
         raise ValueError(f"plan: loads must have shape {want}, got {list(loads.shape)}")
