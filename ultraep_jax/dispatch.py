@@ -82,7 +82,10 @@ def pair_instances(
     N = experts_N.shape[0]
     idx = jnp.arange(I, dtype=jnp.int32)
     # Instances expert-major (instance order within an expert); empty slots last.
-    inst_order = jnp.argsort(jnp.where(inst_expert_I >= 0, inst_expert_I, I) * I + idx)
+    # int32 whatever the default integer (argsort gives int64 under jax_enable_x64).
+    inst_order = jnp.argsort(jnp.where(inst_expert_I >= 0, inst_expert_I, I) * I + idx).astype(
+        jnp.int32
+    )
     bounds = jnp.cumsum(assign_I[inst_order])  # inclusive ends in expert-major order
     pair_order = jnp.argsort(experts_N, stable=True)  # pairs expert-major
     slot = jnp.searchsorted(bounds, jnp.arange(N, dtype=jnp.int32), side="right")
