@@ -53,7 +53,8 @@ class ModelConfig:
       z_loss_coef: weight of the router's z-loss in `next_token_loss` (0: off).
       scan_layers: build the blocks stacked and run them with `nnx.scan`: compile time flat in
         depth, at some step time (on XLA:CPU 2 layers step 1.6x slower scanned); else unrolled.
-      remat: recompute each block's activations in the backward pass (`nnx.remat`).
+      remat: recompute each block's activations in the backward pass (`nnx.remat`), all but the
+        MoE layer's stage results (`uep.remat.NAMES`: plan, dispatch, exchanged rows, replicas).
       param_dtype: the parameters' dtype, "float32" or "bfloat16" (activations follow; router
         math stays float32).
     """
@@ -174,9 +175,11 @@ class Block(nnx.Module):
             rngs=rngs,
         )
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, uep.MoEStats]:
+    def __call__(
+        self, x: jax.Array, token_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, uep.MoEStats]:
         x = x + self.attn(self.attn_norm(x))
-        y, stats = self.moe(self.moe_norm(x))
+        y, stats = self.moe(self.moe_norm(x), token_mask)
         return x + y, stats
 
 
@@ -221,7 +224,12 @@ class MoELM(nnx.Module):
             cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
 
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, uep.MoEStats]:
+    def __call__(
+        self, tokens: jax.Array, token_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, uep.MoEStats]:
+        """Logits [B, T, V] and the stats of ``tokens`` [B, T]; ``token_mask`` bool [B, T] (True
+        for a real token) keeps padding out of every MoE layer's routing, loads and stats (the
+        attention is causal, so right padding never reaches a real token)."""
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(
@@ -230,10 +238,13 @@ class MoELM(nnx.Module):
         x = self.embed(tokens) + self.pos[...][:T]
 
         def run_block(block, x):
-            return block(x)
+            return block(x, token_mask)
 
         if self.cfg.remat:
-            run_block = nnx.remat(run_block)
+            # The MoE layers' plan, dispatch and exchanged rows are kept, so the backward pass
+            # neither re-plans nor redoes the token all-to-alls (`uep.remat`).
+            policy = jax.checkpoint_policies.save_only_these_names(*uep.remat.NAMES)
+            run_block = nnx.remat(run_block, policy=policy)
         if self.cfg.scan_layers:
             scan = nnx.scan(run_block, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
             x, stats = scan(self.blocks, x)

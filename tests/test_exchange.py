@@ -1,7 +1,7 @@
-"""The GPU check's exchange section (`experiments.bench.gpu_exchange`) on the 8 simulated CPU
+"""The GPU check's exchange section (`experiments.gpu.exchange`) on the 8 simulated CPU
 devices: the layer's portable token exchange, values and vjp, against a NumPy rendering of ragged
 all-to-all's contract on the sizes and offsets the section builds (the replica-weight exchange
-has its NumPy check in test_pinned.py); and the schedule reader (`experiments.bench.hlo_schedule`)
+has its NumPy check in test_pinned.py); and the schedule reader (`experiments.gpu.hlo_schedule`)
 on a hand-written schedule."""
 
 import dataclasses
@@ -10,7 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from experiments.bench import gpu_exchange, hlo_schedule
+from experiments.gpu import exchange as gpu_exchange
+from experiments.gpu import hlo_schedule
 
 SETUP = dataclasses.replace(gpu_exchange.DRY, check_rows=40, d_model=8)
 

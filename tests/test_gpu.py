@@ -128,7 +128,7 @@ def test_cuda_planner_hook_equals_cpu_planner(with_capacity, kernel):
     poisons the outputs first, so an unwritten entry shows."""
     if not _native.has_cuda_handler():
         pytest.skip("the CUDA planner handler was not built into this install (no nvcc?)")
-    from experiments.bench.gpu_planner import cuda_bench
+    from experiments.gpu.planner import cuda_bench
 
     for kwargs, (n, R, E, tokens, exponent) in PLANNER_CASES.values():
         cfg = uep.BalancerConfig(**kwargs)
@@ -164,7 +164,7 @@ def test_cuda_parallel_planner_equals_cpu_planner_at_ep64(eps, capacity):
     reference workloads and DeepSeek-R1 layers, against the CPU core."""
     if not _native.has_cuda_handler():
         pytest.skip("the CUDA planner handler was not built into this install (no nvcc?)")
-    from experiments.bench.gpu_planner import reference_loads
+    from experiments.gpu.planner import reference_loads
 
     loads = reference_loads(64, 256, 8192, 6)
     try:

@@ -635,22 +635,16 @@ def test_bad_call_raises_one_line(x, error, match):
     assert "\n" not in str(info.value)
 
 
-def test_mesh_without_expert_axis_raises():
-    mesh = jax.make_mesh((8,), ("data",))
-    with pytest.raises(ValueError, match="expert"):
-        _layer(mesh=mesh, balancer=None)
-
-
 @pytest.mark.parametrize(
     "shape",
-    [(64, D), (8, 8, D + 1), (8, 8, D // 2), (8, 8, 1, D), (4, 16, D), (12, 8, D)],
-    ids=["rank2", "wide", "narrow", "rank4", "batch4", "batch12"],
+    [(64, D), (8, 8, D + 1), (8, 8, D // 2), (8, 8, 1, D)],
+    ids=["rank2", "wide", "narrow", "rank4"],
 )
 def test_bad_input_raises_at_trace_time(shape):
     layer = _layer()
     x = jax.ShapeDtypeStruct(shape, jnp.float32)
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-    with pytest.raises(ValueError, match=r"x must be \[batch, seq, d_model|not divisible"):
+    with pytest.raises(ValueError, match=r"x must be \[batch, seq, d_model"):
         jax.eval_shape(lambda p, r, x: nnx.merge(graphdef, p, r)(x), params, rest, x)
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import ultraep_jax as uep
 from experiments.loads import workloads
-from experiments.loads.exact import random_cases
+from experiments.planner.oracle import random_cases
 from tests.reference_planner import check_plan_invariants, reference_plan, reference_plan_info
 from tests.test_plan_vs_reference import CONFIGS, _random_loads
 from ultraep_jax import _native

@@ -1,10 +1,10 @@
-"""The planner against an exact solver: `exact_plan_exists` (experiments.bench.planner_exact), a
+"""The planner against an exact solver: `exact_plan_exists` (experiments.planner.exact), a
 mixed-integer program over the planner's constraints (S slots per rank, masters keep K, no rank
 holds an expert twice), independent of the planner.
 
 - Where ffi/PLANNER.md promises completeness (R = 2, or S >= E - E / R), exact mode reaches
   M = ceil(T / R) and a capacity C is met whenever some plan does.
-- The two cases of issue 17 that the planner missed, and a fixed sample of small S = 1 cases in
+- Two cases that an earlier planner missed, and a fixed sample of small S = 1 cases in
   which the planner before the repairs missed M (the repairs are a heuristic there, not a promise).
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from experiments.loads.exact import exact_plan_exists, random_cases
+from experiments.planner.oracle import exact_plan_exists, random_cases
 from tests.reference_planner import check_plan_invariants, reference_plan, reference_plan_info
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
@@ -41,7 +41,7 @@ def _mean_ceil(R, load_e):
     return -(-int(np.sum(load_e)) // R)
 
 
-# -- issue 17's cases ---------------------------------------------------------------------------
+# -- two cases an earlier planner missed ----------------------------------------------------------
 
 
 def test_exact_mode_reaches_the_mean_where_a_plan_exists():

@@ -1,5 +1,6 @@
-"""Every ```python block of README.md runs as written (in a fresh interpreter, as a user would
-paste it)."""
+"""Every ```python block of README.md and docs/integration.md runs as written (in a fresh
+interpreter, as a user would paste it); the README's test command is the one CI runs, and the
+documentation's relative links lead to files that exist."""
 
 import os
 import pathlib
@@ -9,12 +10,14 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = (README, ROOT / "docs" / "integration.md")
+BLOCKS = [b for page in PAGES for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
 
 
 def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 2
+    assert len(BLOCKS) >= 4
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
@@ -30,3 +33,24 @@ def test_readme_block_runs(index, tmp_path):
         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_readme_test_command_is_cis():
+    """.ci/run runs the README's test command: one line of each, the same text."""
+    ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines()]
+    ci_cmds = [l for l in ci if l.startswith("pip install") and "pytest" in l]
+    readme = [l.strip() for l in README.read_text().splitlines() if l.startswith("    pip install")]
+    readme_cmds = [l for l in readme if "pytest" in l]
+    assert len(ci_cmds) == 1, ci_cmds
+    assert readme_cmds == ci_cmds
+
+
+def test_doc_links_exist():
+    """Every relative link of README.md, CHANGELOG.md and docs/*.md names an existing file."""
+    pages = [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    missing = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not missing, missing

@@ -1,4 +1,4 @@
-"""The per-rank replay (`experiments.bench.replay_work`) against the layer itself: for load
+"""The per-rank replay (`experiments.replay.work`) against the layer itself: for load
 matrices given exactly (expert ids built to produce them), the rows, groups and replica slots the
 replay gives every rank equal those the layer received on 8 simulated devices (`MoEStats`), and
 those of an independent NumPy rendering of the plan and dispatch rules (`reference_planner`,
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from experiments.bench import replay_work
+from experiments.replay import work as replay_work
 from tests.dispatch_reference import instances, prefix_transport
 from tests.helpers import expert_mesh
 from tests.reference_planner import reference_plan

@@ -347,6 +347,18 @@ def test_calibration_without_training_costs_raises(tmp_path):
         cost.ExpertCost.read(path)
 
 
+def test_calibration_with_a_negative_cost_raises(tmp_path):
+    path = _write_calibration(
+        tmp_path / "cal.json",
+        seconds_fixed=1e-3,
+        seconds_per_row=1e-6,
+        seconds_per_group=-1e-4,
+        pairs_per_rank=1000,
+    )
+    with pytest.raises(ValueError, match="seconds_per_group=-0.0001 is negative"):
+        cost.ExpertCost.read(path)
+
+
 def test_held_off_home_counts_an_expert_once_per_rank():
     """R=2, E=4: rank 0 masters 0, 1 and holds expert 3 twice (one copy); rank 1 masters 2, 3
     and holds expert 0 (one copy)."""

@@ -52,7 +52,7 @@ def _reference(x, wg, wu, wd, starts, sizes):
 def test_forward_equals_reference(case):
     C, starts, sizes, tile = CASES[case]
     x, wg, wu, wd = _inputs(C, len(sizes))
-    run = jax.jit(tiled_experts.tiled_swiglu, static_argnums=6)
+    run = jax.jit(tiled_experts.tiled_glu, static_argnums=6)
     out = run(x, wg, wu, wd, jnp.asarray(starts), jnp.asarray(sizes), tile)
     assert out.shape == (C, D) and out.dtype == jnp.float32
     np.testing.assert_allclose(out, _reference(x, wg, wu, wd, starts, sizes), rtol=1e-5, atol=1e-5)
@@ -78,9 +78,7 @@ def test_gradients_equal_autodiff_of_dense_reference(case):
         return jnp.sum(jnp.where(pick, y, 0), axis=0)
 
     def tiled(x, wg, wu, wd):
-        return tiled_experts.tiled_swiglu(
-            x, wg, wu, wd, jnp.asarray(starts), jnp.asarray(sizes), tile
-        )
+        return tiled_experts.tiled_glu(x, wg, wu, wd, jnp.asarray(starts), jnp.asarray(sizes), tile)
 
     grads = [
         jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
@@ -101,9 +99,7 @@ def test_rows_outside_groups_do_not_reach_values_or_gradients():
     bad[30:35] = np.array([np.inf, -np.inf, np.nan, 1e30, -1e30])[:, None]
 
     def loss(x, wg, wu, wd):
-        out = tiled_experts.tiled_swiglu(
-            x, wg, wu, wd, jnp.asarray(starts), jnp.asarray(sizes), tile
-        )
+        out = tiled_experts.tiled_glu(x, wg, wu, wd, jnp.asarray(starts), jnp.asarray(sizes), tile)
         return jnp.sum(jnp.where(jnp.isfinite(out), out, 0) * cot), out
 
     run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
@@ -130,10 +126,10 @@ def test_parts_gradients_equal_one_stack(split):
 
     def parts_loss(x, wg, wu, wd):
         parts = [(wg[a:b], wu[a:b], wd[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        return jnp.sum(tiled_experts.tiled_swiglu_parts(x, parts, *args) * cot)
+        return jnp.sum(tiled_experts.tiled_glu_parts(x, parts, *args) * cot)
 
     def stack_loss(x, wg, wu, wd):
-        return jnp.sum(tiled_experts.tiled_swiglu(x, wg, wu, wd, *args) * cot)
+        return jnp.sum(tiled_experts.tiled_glu(x, wg, wu, wd, *args) * cot)
 
     got, want = (
         jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
@@ -182,7 +178,7 @@ def test_bfloat16_close_to_float32():
     C, starts, sizes, tile = CASES["gaps"]
     x, wg, wu, wd = _inputs(C, len(sizes), seed=3)
     ref = _reference(x, wg, wu, wd, starts, sizes)
-    out = tiled_experts.tiled_swiglu(
+    out = tiled_experts.tiled_glu(
         *(jnp.asarray(a, jnp.bfloat16) for a in (x, wg, wu, wd)),
         jnp.asarray(starts),
         jnp.asarray(sizes),

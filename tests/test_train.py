@@ -446,7 +446,7 @@ def test_unparsable_flags_end_with_one_line_and_exit_2(tmp_path, args, message):
 
 
 @pytest.mark.parametrize(
-    "module, flag", [("experiments.train", "--helpshort"), ("experiments.bench.planner", "--help")]
+    "module, flag", [("experiments.train", "--helpshort"), ("experiments.planner", "--help")]
 )
 def test_help_exits_0(module, flag):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}

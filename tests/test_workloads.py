@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.loads import traces, workloads
+from experiments.loads import ranks, traces, workloads
 
 R, E, T, K = 64, 256, 8192, 8  # UltraEP reference setup
 TRACES = traces.default_traces_dir()
@@ -45,6 +45,25 @@ def test_master_rank_loads_and_imbalance():
         workloads.initial_imbalance(np.zeros((2, 4), np.int32))
     with pytest.raises(ValueError):
         workloads.master_rank_loads(np.ones((3, 4), np.int32))
+
+
+def test_home_ranks_and_imbalance_rules():
+    """The home-rank rule and max / mean against hand-written values (E=6, R=3: masters {0, 1},
+    {2, 3}, {4, 5})."""
+    np.testing.assert_array_equal(ranks.home_ranks(6, 3), [0, 0, 1, 1, 2, 2])
+    np.testing.assert_array_equal(ranks.masters_of_ranks(6, 3), [[0, 1], [2, 3], [4, 5]])
+    loads = ranks.home_rank_loads(np.array([1, 2, 3, 4, 5, 6]), 3)
+    np.testing.assert_array_equal(loads, [3, 7, 11])
+    assert loads.dtype == np.int64
+    assert ranks.home_rank_loads(np.array([0.5, 1.0, 0.0, 0.0, 2.0, 0.25]), 3).tolist() == [
+        1.5,
+        0.0,
+        2.25,
+    ]
+    assert ranks.imbalance([3, 7, 11]) == pytest.approx(11 / 7)
+    assert ranks.imbalance([0, 0]) == 1.0
+    with pytest.raises(ValueError, match="not divisible"):
+        ranks.home_ranks(5, 3)
 
 
 # ----------------------------------------------------------------------------- rank Zipf

@@ -9,15 +9,19 @@ Axis legend, used in docstrings (``[R, E]``) and as suffixes of array names (``l
   C receive-buffer rows per rank (the capacity)   P weights of one expert, flattened
 """
 
-from ultraep_jax import reroute
-from ultraep_jax.config import BalancerConfig
-from ultraep_jax.expert_parallel import ExpertParallel, MoEStats, routed_experts
+from ultraep_jax import remat, reroute
+from ultraep_jax.activations import ACTIVATIONS
+from ultraep_jax.config import TENSOR_AXIS_NAMES, BalancerConfig, ExpertParallel
+from ultraep_jax.core import routed_experts_local
+from ultraep_jax.expert_parallel import routed_experts
 from ultraep_jax.layer import MoE, RouterBias
 from ultraep_jax.planner import Plan, plan
 from ultraep_jax.routers import Routing, SigmoidTopK, SoftmaxTopK, update_bias
-from ultraep_jax.stats import imbalance
+from ultraep_jax.stats import MoEStats, imbalance
 
 __all__ = [
+    "ACTIVATIONS",
+    "TENSOR_AXIS_NAMES",
     "BalancerConfig",
     "ExpertParallel",
     "MoE",
@@ -25,8 +29,10 @@ __all__ = [
     "Plan",
     "imbalance",
     "plan",
+    "remat",
     "reroute",
     "routed_experts",
+    "routed_experts_local",
     "Routing",
     "RouterBias",
     "SigmoidTopK",

@@ -13,7 +13,14 @@ from ultraep_jax import comm_portable, comm_ragged
 from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.exchange import Exchange
 
-__all__ = ["BACKENDS", "Exchange", "by_backend", "check_platform", "ragged_exchange"]
+__all__ = [
+    "BACKENDS",
+    "Exchange",
+    "by_backend",
+    "check_platform",
+    "local_exchange",
+    "ragged_exchange",
+]
 
 # Each backend's `ragged_all_to_all`-like exchange (operand, output, exchange, *, axis_name).
 EXCHANGES = {"portable": comm_portable.ragged_exchange, "ragged": comm_ragged.ragged_exchange}
@@ -75,3 +82,15 @@ def ragged_exchange(
 
     impls = {name: typed(run) for name, run in EXCHANGES.items()}
     return by_backend(backend, impls, operand, output, exchange)
+
+
+def local_exchange(operand: jax.Array, exchange: Exchange) -> jax.Array:
+    """`ragged_exchange` over an EP axis of one device (or none): [recv_rows, ...], the first
+    ``sizes_RR[0, 0]`` rows of ``operand`` [send_rows, ...] from row 0, zeros after; no
+    collective."""
+    if exchange.sizes_RR.shape != (1, 1):
+        raise ValueError(f"local_exchange: wants one rank, got sizes {exchange.sizes_RR.shape}")
+    rows = jnp.arange(exchange.recv_rows, dtype=jnp.int32)
+    src = exchange.src_start_RR[0, 0] + rows
+    keep = (rows < exchange.sizes_RR[0, 0]).reshape((-1,) + (1,) * (operand.ndim - 1))
+    return jnp.where(keep, operand[jnp.clip(src, 0, operand.shape[0] - 1)], 0)

@@ -1,4 +1,5 @@
-"""Balancer configuration."""
+"""Configuration: what the planner may do (`BalancerConfig`) and how routed experts run over a
+mesh (`ExpertParallel`). Both are frozen and hashable: they key compiled code."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ import math
 import numbers
 
 import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ultraep_jax._ops import INT64_MAX, check_int
+from ultraep_jax import comm
+from ultraep_jax._ops import INT64_MAX, check_finite, check_int, check_positive_int
+from ultraep_jax.activations import ACTIVATIONS
+from ultraep_jax.experts import KERNELS
 from ultraep_jax.layout import Layout, check_divisible
 
 # Every integer field reaches the native planner as an int64 FFI attribute.
@@ -77,7 +83,7 @@ class BalancerConfig:
             replica forwards them to at most f others, in a tree of as few hops as that allows;
             gradients return along the tree, summed at each relay. 0: no bound (every master sends
             every copy itself). The default 2 gave the shortest modelled transfer on the
-            DeepSeek-R1, Qwen1.5-MoE and Switch traces (README, "Replica transfer fan-out"). At
+            DeepSeek-R1, Qwen1.5-MoE and Switch traces (docs/results.md, "Relay"). At
             most 2**31 - 1 (the schedule computes in int32). Not
             a planner input: the plan is the same for every f.
     """
@@ -133,3 +139,201 @@ class BalancerConfig:
                 "read from the loads or the layer; BalancerConfig.sized(E, R, ...) sets them)"
             )
         return Layout(self.num_experts, self.ep_size).experts_per_rank
+
+
+#: Mesh axis names that the default ``ExpertParallel.token_axes`` leaves out: tensor-parallel axes,
+#: over which a layer's tokens are replicated.
+TENSOR_AXIS_NAMES = ("model", "tensor", "tp", "mp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """How routed experts run over a mesh: a frozen, hashable configuration.
+
+    Attributes:
+      mesh: the device mesh (a `Mesh`, or an `AbstractMesh` to trace and export for devices this
+        host may lack; since jax 0.11 the CUDA lowering of the Pallas kernel with no GPU attached
+        needs one, for the GPU's kind: build the layer under `nnx.eval_shape`). Stored with every
+        axis in Auto mode (`shard_map` does the splitting); calls accept arrays typed on the
+        mesh's Explicit form too.
+      num_experts: E; divisible by the EP size (an int; NumPy integers accepted).
+      balancer: a `BalancerConfig`, or None for plain expert parallelism. Stored with E and the
+        EP size filled in (leave them out of it; if it states them, they must agree). Ignored
+        when the EP size is 1 (nothing to balance).
+      capacity_factor: receive-buffer rows per rank as a multiple of the pairs a rank routes
+        (``top_k * tokens per device``; a finite number > 0, NumPy scalars accepted); pairs
+        beyond it are dropped and counted. None sizes the buffer for the worst case (every pair
+        to one rank) so that nothing is ever dropped.
+      expert_axis: the name of the EP mesh axis. A mesh without it (or with it of size 1) runs
+        every expert on every device: plain local experts, no exchange, no balancing.
+      token_axes: the mesh axes tokens are split over (the EP axis among them when the mesh has
+        it); on the other axes every device sees the same tokens. Each index of the token axes
+        other than the EP axis is an independent EP group with its own plan. None (default):
+        every mesh axis except those named in `TENSOR_AXIS_NAMES` ("model", "tensor", "tp",
+        "mp").
+      comm_backend: "auto" (fixed-size collectives on CPU, `ragged_all_to_all` elsewhere),
+        "portable" or "ragged"; see `comm.ragged_exchange`. With EP size 1 nothing is exchanged.
+      expert_kernel: one of `experts.KERNELS` ("auto": Mosaic GPU on Hopper where the shapes
+        suit it, else Pallas/Triton, on CUDA; the tiled loop elsewhere).
+      transfer_chunks: n >= 1 (at most d_ff): the replica weights move as n transfers of d_ff / n
+        hidden columns each, and each chunk's slot matmuls read only that chunk, so XLA may
+        overlap transfer and compute (`streaming`; ffi/TRANSFER.md). 1: one transfer.
+      activation: the experts' gated activation, a name of `activations.ACTIVATIONS`: "silu"
+        (SwiGLU, default), "gelu" (GeGLU, exact GELU), "gelu_tanh", "relu" (ReGLU).
+    """
+
+    mesh: Mesh | AbstractMesh
+    num_experts: int
+    balancer: BalancerConfig | None = None
+    capacity_factor: float | None = 1.25
+    expert_axis: str = "expert"
+    comm_backend: str = "auto"
+    expert_kernel: str = "auto"
+    transfer_chunks: int = 1
+    token_axes: tuple[str, ...] | None = None
+    activation: str = "silu"
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh | AbstractMesh):
+            raise TypeError(
+                "MoE: mesh must be a jax.sharding.Mesh or AbstractMesh, got "
+                f"{type(self.mesh).__name__}"
+            )
+        if not isinstance(self.expert_axis, str):
+            raise TypeError(f"MoE: expert_axis must be a str, got {self.expert_axis!r}")
+        object.__setattr__(self, "token_axes", self._checked_token_axes())
+        object.__setattr__(
+            self, "num_experts", check_positive_int("MoE", "num_experts", self.num_experts)
+        )
+        E, R = self.num_experts, self.ep_size
+        check_divisible(E, R, f"MoE (mesh axis {self.expert_axis!r})")
+        b = self.balancer
+        if b is not None and not isinstance(b, BalancerConfig):
+            raise TypeError(
+                f"MoE: balancer must be a BalancerConfig or None, got {type(b).__name__}"
+            )
+        if b is not None:
+            object.__setattr__(self, "balancer", b.sized(E, R, "the layer and its mesh"))
+        if self.capacity_factor is not None:
+            cf = check_finite("MoE", "capacity_factor", self.capacity_factor, positive=True)
+            object.__setattr__(self, "capacity_factor", cf)
+        if self.comm_backend not in comm.BACKENDS:
+            raise ValueError(
+                f"MoE: comm_backend must be one of {comm.BACKENDS}, got {self.comm_backend!r}"
+            )
+        if self.expert_kernel not in KERNELS:
+            raise ValueError(
+                f"MoE: expert_kernel must be one of {KERNELS}, got {self.expert_kernel!r}"
+            )
+        if not isinstance(self.activation, str) or self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"MoE: activation must be one of {tuple(ACTIVATIONS)}, got {self.activation!r}"
+            )
+        object.__setattr__(
+            self,
+            "transfer_chunks",
+            check_positive_int("MoE", "transfer_chunks", self.transfer_chunks),
+        )
+        object.__setattr__(self, "mesh", _auto_axes_mesh(self.mesh))
+        if self.ep_size > 1:  # with one rank nothing is exchanged (the portable copy)
+            comm.check_platform(self.comm_backend, self.mesh)
+
+    def _checked_token_axes(self) -> tuple[str, ...]:
+        """``token_axes`` as a tuple of mesh axes in mesh order (the default when None); raises
+        one line for an unknown or repeated axis, or one that leaves out the EP axis."""
+        names = tuple(self.mesh.axis_names)
+        if self.token_axes is None:
+            return tuple(a for a in names if a not in TENSOR_AXIS_NAMES)
+        axes = (self.token_axes,) if isinstance(self.token_axes, str) else self.token_axes
+        axes = tuple(axes)
+        unknown = [a for a in axes if a not in names]
+        if unknown or len(set(axes)) != len(axes):
+            raise ValueError(
+                f"MoE: token_axes must be distinct axes of the mesh {names}, got {axes}"
+            )
+        if self.expert_axis in names and self.expert_axis not in axes:
+            raise ValueError(
+                f"MoE: token_axes {axes} must include the EP axis {self.expert_axis!r} (tokens "
+                "are split over the EP ranks that exchange them)"
+            )
+        return tuple(a for a in names if a in axes)
+
+    @property
+    def has_ep_axis(self) -> bool:
+        """Whether the mesh has the EP axis (of any size)."""
+        return self.expert_axis in self.mesh.axis_names
+
+    @property
+    def ep_size(self) -> int:
+        """R, devices on the EP axis (1 without one)."""
+        return self.mesh.shape[self.expert_axis] if self.has_ep_axis else 1
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The token axes other than the EP axis: each of their indices is one EP group."""
+        return tuple(a for a in self.token_axes if a != self.expert_axis)
+
+    @property
+    def token_devices(self) -> int:
+        """Devices that tokens are split over: the product of the token axes' sizes."""
+        return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+    @property
+    def active_balancer(self) -> BalancerConfig | None:
+        """The balancer that runs: None with one EP rank (nothing to balance)."""
+        return self.balancer if self.ep_size > 1 else None
+
+    def capacity(self, tokens_per_device: int, top_k: int) -> int:
+        """C, receive-buffer rows per rank for ``tokens_per_device`` tokens choosing ``top_k``
+        experts on each device."""
+        pairs = top_k * tokens_per_device
+        worst = self.ep_size * pairs
+        if self.capacity_factor is None:
+            return worst
+        return max(1, min(worst, math.ceil(self.capacity_factor * pairs)))
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the mesh's devices are CPUs (an abstract mesh's when its device says so)."""
+        if isinstance(self.mesh, Mesh):
+            return self.mesh.devices.flat[0].platform == "cpu"
+        return getattr(self.mesh.abstract_device, "platform", None) == "cpu"
+
+    @property
+    def exchange_backend(self) -> str:
+        """The exchange backend to trace: "auto" resolved now on a CPU mesh (the portable one),
+        else as configured ("auto" then picks per platform at lowering time). Tracing only the
+        branch that runs halves the traced program on CPU."""
+        return "portable" if self.comm_backend == "auto" and self.on_cpu else self.comm_backend
+
+    @property
+    def kernel(self) -> str:
+        """The expert kernel to trace: "auto" resolved now on a CPU mesh ("tiled"), else as
+        configured."""
+        return "tiled" if self.expert_kernel == "auto" and self.on_cpu else self.expert_kernel
+
+    @property
+    def token_spec(self) -> P:
+        """The partition of a flat token axis [T, ...]: split over the token axes."""
+        return P(self.token_axes or None)
+
+    @property
+    def expert_spec(self) -> P:
+        """The partition of expert weights [E, ...]: split over the EP axis (replicated without
+        one)."""
+        return P(self.expert_axis) if self.has_ep_axis else P()
+
+    @property
+    def expert_sharding(self) -> NamedSharding:
+        """Where expert weights [E, ...] live: split over the EP axis."""
+        return NamedSharding(self.mesh, self.expert_spec)
+
+
+def _auto_axes_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
+    """``mesh`` with every axis in Auto mode (its devices, or its abstract device, kept)."""
+    auto = (AxisType.Auto,) * len(mesh.axis_names)
+    if isinstance(mesh, Mesh):
+        return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+    return AbstractMesh(
+        mesh.axis_sizes, mesh.axis_names, axis_types=auto, abstract_device=mesh.abstract_device
+    )

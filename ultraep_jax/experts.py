@@ -1,4 +1,5 @@
-"""The experts: SwiGLU feed-forward networks applied to rows grouped by expert.
+"""The experts: gated feed-forward networks (SwiGLU by default; `activations`) applied to rows
+grouped by expert.
 
 Every kernel runs rows through the groups of one or more weight stacks, laid out one after the
 other from row 0 (a rank's masters, then its slots). `_KERNELS` maps each kernel's name to its
@@ -15,13 +16,21 @@ import jax.numpy as jnp
 
 from ultraep_jax import gmm_mgpu, gmm_pallas
 from ultraep_jax._ops import exclusive_cumsum
-from ultraep_jax.tiled_experts import tiled_swiglu_parts
+from ultraep_jax.activations import activation_fn
+from ultraep_jax.tiled_experts import tiled_glu_parts
 
 
-def dense_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """[..., D]: one SwiGLU expert on every token: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``
+def dense_glu(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    activation: str = "silu",
+) -> jax.Array:
+    """[..., D]: one gated expert on every token: ``(act(x @ w_gate) * (x @ w_up)) @ w_down``
     with w_gate, w_up [D, F] and w_down [F, D] (a shared expert)."""
-    h = jax.nn.silu(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
+    act = activation_fn(activation)
+    h = act(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
     return h @ w_down.astype(x.dtype)
 
 
@@ -37,19 +46,21 @@ def _cuda_grouped(lhs, rhs, group_sizes):
     return gmm_pallas.grouped_matmul(lhs, rhs, group_sizes)
 
 
-def _tiled(rows, stacks, starts, group_sizes):
+def _tiled(rows, stacks, starts, group_sizes, activation):
     """The tiled loop (`tiled_experts`: its cost tracks the rows present) over every given stack
     at once: on a CPU nothing can overlap, and one loop has half the fixed cost of two."""
     first, last = stacks[0][1], stacks[-1][2]  # the given stacks' groups are consecutive
     parts = [stack for stack, _, _ in stacks]
-    return tiled_swiglu_parts(rows, parts, starts[first:last], group_sizes[first:last])
+    sizes = group_sizes[first:last]
+    return tiled_glu_parts(rows, parts, starts[first:last], sizes, activation=activation)
 
 
 def _by_matmul(grouped):
     """The experts as three calls of ``grouped`` (``ragged_dot(lhs, rhs, group_sizes)``
     semantics) per stack, so that one stack's work does not wait for another's weights."""
 
-    def run(rows, stacks, starts, group_sizes):
+    def run(rows, stacks, starts, group_sizes, activation):
+        act = activation_fn(activation)
         out = None
         for (w_gate, w_up, w_down), first, last in stacks:
             sizes = group_sizes[first:last]
@@ -59,7 +70,7 @@ def _by_matmul(grouped):
             shifted = jnp.roll(rows, -starts[first], axis=0) if first else rows
             gate = grouped(shifted, w_gate, sizes)
             up = grouped(shifted, w_up, sizes)
-            part = grouped(jax.nn.silu(gate) * up, w_down, sizes).astype(rows.dtype)
+            part = grouped(act(gate) * up, w_down, sizes).astype(rows.dtype)
             part = jnp.roll(part, starts[first], axis=0) if first else part
             out = part if out is None else out + part
         return out
@@ -67,8 +78,8 @@ def _by_matmul(grouped):
     return run
 
 
-# Each kernel: (rows [C, D], stacks, starts [G], group_sizes [G]) -> [C, D], where ``stacks``
-# lists (weights, first group, end group) of the stacks to run.
+# Each kernel: (rows [C, D], stacks, starts [G], group_sizes [G], activation) -> [C, D], where
+# ``stacks`` lists (weights, first group, end group) of the stacks to run.
 _KERNELS = {
     "tiled": _tiled,
     "ragged_dot": _by_matmul(jax.lax.ragged_dot),
@@ -81,13 +92,14 @@ _AUTO = {"cuda": _by_matmul(_cuda_grouped), "default": _tiled}
 KERNELS = ("auto", *_KERNELS)
 
 
-def grouped_swiglu(
+def grouped_glu(
     rows: jax.Array,
     stacks: list[tuple[jax.Array, jax.Array, jax.Array] | None],
     group_sizes: jax.Array,
     kernel: str = "auto",
+    activation: str = "silu",
 ) -> jax.Array:
-    """[C, D]: ``(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for each row's group g.
+    """[C, D]: ``(act(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for each row's group g.
 
     Args:
       rows: [C, D], grouped from row 0: the first ``group_sizes[0]`` rows belong to group 0, and
@@ -105,7 +117,9 @@ def grouped_swiglu(
         where the shapes suit it, else Pallas; tiled elsewhere; chosen per platform at lowering
         time. The matmul kernels run each stack as its own calls, so that the masters' work does
         not wait for the replica weights to arrive.
+      activation: a name of `activations.ACTIVATIONS` (default "silu": SwiGLU).
     """
+    activation_fn(activation)
     if kernel != "auto" and kernel not in _KERNELS:
         raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
     sizes = group_sizes.astype(jnp.int32)
@@ -118,8 +132,9 @@ def grouped_swiglu(
         first += count
     starts = exclusive_cumsum(sizes, 0)
     if kernel != "auto":
-        return _KERNELS[kernel](rows, given, starts, sizes)
-    branches = {p: functools.partial(run, rows, given, starts, sizes) for p, run in _AUTO.items()}
+        return _KERNELS[kernel](rows, given, starts, sizes, activation)
+    args = (rows, given, starts, sizes, activation)
+    branches = {p: functools.partial(run, *args) for p, run in _AUTO.items()}
     return jax.lax.platform_dependent(**branches)
 
 
@@ -129,16 +144,17 @@ def local_experts(
     replicas: tuple[jax.Array, jax.Array, jax.Array] | None,
     group_sizes: jax.Array,
     kernel: str = "auto",
+    activation: str = "silu",
 ) -> jax.Array:
     """[C, D]: every received row through its local instance: the E_m masters' groups first,
-    then the S replica slots' groups (`grouped_swiglu` of the two stacks).
+    then the S replica slots' groups (`grouped_glu` of the two stacks).
 
     Args:
       rows: [C, D], grouped by local instance from row 0.
       masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts.
       replicas: the same for the S slots ([S, ...]), or None when there are no slots.
       group_sizes: int32 [E_m + S].
-      kernel: see `grouped_swiglu`.
+      kernel, activation: see `grouped_glu`.
     """
     stacks = [masters] if replicas is None else [masters, replicas]
-    return grouped_swiglu(rows, stacks, group_sizes, kernel)
+    return grouped_glu(rows, stacks, group_sizes, kernel, activation)

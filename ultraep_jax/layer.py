@@ -12,17 +12,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ultraep_jax._ops import check_positive_int
-from ultraep_jax.config import BalancerConfig
-from ultraep_jax.expert_parallel import (
-    ExpertParallel,
-    MoEStats,
-    check_dtype,
-    place,
-    routed_experts,
-    with_auto_axes,
-)
-from ultraep_jax.experts import dense_swiglu
+from ultraep_jax.checks import check_dtype
+from ultraep_jax.config import BalancerConfig, ExpertParallel
+from ultraep_jax.expert_parallel import routed_experts
+from ultraep_jax.experts import dense_glu
 from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
+from ultraep_jax.sharding import place, with_auto_axes
+from ultraep_jax.stats import MoEStats
 
 
 class RouterBias(nnx.Variable):
@@ -44,7 +40,8 @@ def _checked_router(router, top_k: int, num_experts: int):
 
 
 class MoE(nnx.Module):
-    """A top-k MoE layer of SwiGLU experts, expert-parallel over ``mesh``, optionally balanced.
+    """A top-k MoE layer of gated experts (SwiGLU by default), expert-parallel over ``mesh``,
+    optionally balanced.
 
     Args:
       d_model: D, the token width.
@@ -62,14 +59,18 @@ class MoE(nnx.Module):
       param_dtype: dtype of the parameters (router math is float32 whatever it is).
       rngs: initialisation randomness.
       **ep_options: more `ExpertParallel` keywords, with its defaults: ``expert_axis``,
-        ``comm_backend``, ``expert_kernel`` and ``transfer_chunks`` (at most ``d_ff``).
+        ``token_axes``, ``activation`` ("silu", "gelu", "gelu_tanh", "relu"; the shared expert
+        uses it too), ``comm_backend``, ``expert_kernel`` and ``transfer_chunks`` (at most
+        ``d_ff``).
 
     Parameters: ``router_kernel`` [D, E] (replicated); ``w_gate``, ``w_up`` [E, D, F] and
     ``w_down`` [E, F, D], split over the EP axis; with shared experts ``shared_gate``,
     ``shared_up`` [D, F_s] and ``shared_down`` [F_s, D] (replicated).
 
-    Calling it on x [batch, seq, D] returns ``(y, stats)``: y [batch, seq, D] and a `MoEStats`
-    whose ``aux_loss`` and ``z_loss`` are the router's (add them to the loss to use them).
+    Calling it on x [batch, seq, D] (optionally with ``token_mask`` bool [batch, seq], True for
+    a real token) returns ``(y, stats)``: y [batch, seq, D] (0 at masked tokens, which are
+    routed nowhere and count in no load, loss or gradient) and a `MoEStats` whose ``aux_loss``
+    and ``z_loss`` are the router's over the real tokens (add them to the loss to use them).
     """
 
     def __init__(
@@ -138,7 +139,9 @@ class MoE(nnx.Module):
         """Receive-buffer rows per rank for ``tokens_per_device`` tokens on each device."""
         return self.ep.capacity(tokens_per_device, self.top_k)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+    def __call__(
+        self, x: jax.Array, token_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, MoEStats]:
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"MoE: x must be [batch, seq, d_model={self.d_model}], got shape {tuple(x.shape)}"
@@ -147,12 +150,22 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: batch and seq must be >= 1, got x of shape {tuple(x.shape)}")
         # Before the router casts x to float32: jax deprecates casting complex to real.
         check_dtype("x", x)
+        if token_mask is not None and (
+            getattr(token_mask, "dtype", None) != jnp.bool_ or token_mask.shape != x.shape[:2]
+        ):
+            raise ValueError(
+                f"MoE: token_mask must be bool [batch, seq] = {tuple(x.shape[:2])}, got "
+                f"{getattr(token_mask, 'dtype', type(token_mask).__name__)} "
+                f"{tuple(getattr(token_mask, 'shape', ()))}"
+            )
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         bias = self.router_bias[...] if self.router.uses_bias else None
         shared = None
         if self.shared_d_ff:
             shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
-        return _forward(self.ep, self.router, x, self.router_kernel[...], bias, experts, shared)
+        kernel = self.router_kernel[...]
+        statics = (self.ep, self.router)
+        return with_auto_axes(_forward, statics, x, token_mask, kernel, bias, experts, shared)
 
     def update_router_bias(self, stats: MoEStats) -> None:
         """Moves the `SigmoidTopK` bias by `routers.update_bias` from ``stats.expert_load`` (a
@@ -168,18 +181,16 @@ class MoE(nnx.Module):
 
 # Jitted so that the layer called outside `jax.jit` compiles once per shape; inlined in a step.
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _forward(ep, router, x, router_kernel, bias, experts, shared):
-    def forward(x, router_kernel, bias, experts, shared):
-        B, L, D = x.shape
-        with jax.named_scope("route"):
-            routing = router(router_logits(x.reshape(-1, D), router_kernel), bias)
-        shape = (B, L, router.top_k)
-        y, stats = routed_experts(
-            x, routing.experts.reshape(shape), routing.weights.reshape(shape), experts, ep
-        )
-        if shared is not None:
-            with jax.named_scope("shared_experts"):
-                y = y + dense_swiglu(x, *shared)
-        return y, dataclasses.replace(stats, aux_loss=routing.aux_loss, z_loss=routing.z_loss)
-
-    return with_auto_axes(forward, ep, x, router_kernel, bias, experts, shared)
+def _forward(ep, router, x, token_mask, router_kernel, bias, experts, shared):
+    B, L, D = x.shape
+    mask_T = None if token_mask is None else token_mask.reshape(-1)
+    with jax.named_scope("route"):
+        routing = router(router_logits(x.reshape(-1, D), router_kernel), bias, mask_T)
+    shape = (B, L, router.top_k)
+    ids, weights = routing.experts.reshape(shape), routing.weights.reshape(shape)
+    y, stats = routed_experts(x, ids, weights, experts, ep, token_mask)
+    if shared is not None:
+        with jax.named_scope("shared_experts"):
+            s = dense_glu(x, *shared, activation=ep.activation)
+            y = y + (s if token_mask is None else jnp.where(token_mask[..., None], s, 0))
+    return y, dataclasses.replace(stats, aux_loss=routing.aux_loss, z_loss=routing.z_loss)

@@ -1,7 +1,8 @@
 """Routers: from router logits to each token's experts and weights, plus opt-in router losses.
 
-A router is a small frozen dataclass called as ``router(logits_TE, bias_E)`` that returns a
-`Routing`. Two are provided:
+A router is a small frozen dataclass called as ``router(logits_TE, bias_E, mask_T)`` that
+returns a `Routing` (``mask_T``: bool [T], True for a real token, or None; padding tokens count
+in neither loss). Two are provided:
 
 - `SoftmaxTopK`: softmax over the experts, the top k, weights optionally renormalised to sum 1
   (Mixtral, Qwen-MoE, Switch).
@@ -44,13 +45,19 @@ class Routing:
     z_loss: jax.Array
 
 
-def _losses(logits_TE, probs_TE, experts_TK):
-    """(aux_loss, z_loss) of one routing; ``probs_TE`` rows sum to 1."""
+def _losses(logits_TE, probs_TE, experts_TK, mask_T=None):
+    """(aux_loss, z_loss) of one routing over the real tokens (``mask_T`` True; all when None);
+    ``probs_TE`` rows sum to 1."""
     T, E = logits_TE.shape
     K = experts_TK.shape[-1]
-    count_E = jax.lax.stop_gradient(expert_loads(experts_TK, E)).astype(jnp.float32)
-    aux = E / (K * T) * jnp.sum(count_E * jnp.mean(probs_TE, axis=0))
-    z = jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2)
+    real_T = jnp.ones((T,), bool) if mask_T is None else mask_T
+    # Masked tokens choose no expert (id E counts nowhere) and weigh 0 in the means.
+    chosen = jnp.where(real_T[:, None], experts_TK, E)
+    count_E = jax.lax.stop_gradient(expert_loads(chosen, E)).astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(real_T, dtype=jnp.float32), 1.0)
+    mean_probs_E = jnp.sum(jnp.where(real_T[:, None], probs_TE, 0), axis=0) / n
+    aux = E / (K * n) * jnp.sum(count_E * mean_probs_E)
+    z = jnp.sum(jnp.where(real_T, jax.nn.logsumexp(logits_TE, axis=-1) ** 2, 0)) / n
     return aux, z
 
 
@@ -80,7 +87,9 @@ class SoftmaxTopK:
         if self.top_k > num_experts:
             raise ValueError(f"SoftmaxTopK: top_k={self.top_k} exceeds num_experts={num_experts}")
 
-    def __call__(self, logits_TE: jax.Array, bias_E: jax.Array | None = None) -> Routing:
+    def __call__(
+        self, logits_TE: jax.Array, bias_E: jax.Array | None = None, mask_T: jax.Array | None = None
+    ) -> Routing:
         del bias_E
         self.check_experts(logits_TE.shape[-1])
         logits_TE = logits_TE.astype(jnp.float32)
@@ -89,7 +98,7 @@ class SoftmaxTopK:
         if self.renormalize:
             weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
         experts_TK = experts_TK.astype(jnp.int32)
-        return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK))
+        return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK, mask_T))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +157,9 @@ class SigmoidTopK:
                 f"groups of {E // self.num_groups}"
             )
 
-    def __call__(self, logits_TE: jax.Array, bias_E: jax.Array | None = None) -> Routing:
+    def __call__(
+        self, logits_TE: jax.Array, bias_E: jax.Array | None = None, mask_T: jax.Array | None = None
+    ) -> Routing:
         T, E = logits_TE.shape
         self.check_experts(E)
         logits_TE = logits_TE.astype(jnp.float32)
@@ -171,7 +182,7 @@ class SigmoidTopK:
         weights_TK = self.scale * chosen_TK / jnp.sum(chosen_TK, axis=-1, keepdims=True)
         experts_TK = experts_TK.astype(jnp.int32)
         probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
-        return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK))
+        return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK, mask_T))
 
 
 def update_bias(bias_E: jax.Array, expert_load_E: jax.Array, rate: float) -> jax.Array:

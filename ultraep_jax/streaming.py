@@ -1,7 +1,8 @@
 """The experts of a balanced rank with the replica weights streamed in chunks of the hidden width.
 
-SwiGLU is a sum over the hidden width F: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` equals the
-sum over column chunks Fc of ``(silu(x @ w_gate[:, Fc]) * (x @ w_up[:, Fc])) @ w_down[Fc]``. With
+A gated MLP is a sum over the hidden width F: ``(act(x @ w_gate) * (x @ w_up)) @ w_down`` equals
+the sum over column chunks Fc of ``(act(x @ w_gate[:, Fc]) * (x @ w_up[:, Fc])) @ w_down[Fc]``
+(the activation is elementwise). With
 ``chunks = n > 1`` the slots' weights move as n transfers, one per chunk (each through the relay
 schedule), and each chunk's slot matmuls read only that chunk, so XLA may run chunk c's matmuls
 while chunk c + 1 is still in flight (ffi/TRANSFER.md, "Streamed transfer").
@@ -12,9 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
-from ultraep_jax import transfer
-from ultraep_jax.experts import grouped_swiglu
+from ultraep_jax import remat, transfer
+from ultraep_jax.experts import grouped_glu
 
 
 def hidden_chunks(d_ff: int, chunks: int) -> list[slice]:
@@ -43,6 +45,7 @@ def experts_with_replicas(
     max_fanout: int,
     axis_name: str,
     backend: str,
+    activation: str = "silu",
 ) -> jax.Array:
     """[C, D]: every received row through its local instance, the slot experts' weights fetched
     from their masters (`transfer.fetch_replica_experts`).
@@ -52,22 +55,24 @@ def experts_with_replicas(
       masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts.
       slot_expert_RS: int32 [R, S], the plan's slots.
       group_sizes: int32 [E_m + S].
-      kernel: see `experts.grouped_swiglu`.
+      kernel, activation: see `experts.grouped_glu`.
       chunks: n >= 1 transfers of F / n columns each; 1: one transfer and one experts call for
         masters and slots.
       max_fanout, axis_name, backend: see `transfer.fetch_replica_experts`.
     """
 
     def fetch(weights):
-        return transfer.fetch_replica_experts(
+        fetched = transfer.fetch_replica_experts(
             weights, slot_expert_RS, axis_name=axis_name, backend=backend, max_fanout=max_fanout
         )
+        return checkpoint_name(fetched, remat.REPLICAS)
 
     if chunks == 1:
-        return grouped_swiglu(rows, [masters, fetch(masters)], group_sizes, kernel)
+        return grouped_glu(rows, [masters, fetch(masters)], group_sizes, kernel, activation)
     # Partial sums over chunks in float32, whatever the rows' dtype.
-    out = grouped_swiglu(rows, [masters, None], group_sizes, kernel).astype(jnp.float32)
+    out = grouped_glu(rows, [masters, None], group_sizes, kernel, activation).astype(jnp.float32)
     for cols in hidden_chunks(masters[0].shape[-1], chunks):
-        part = grouped_swiglu(rows, [None, fetch(weight_chunk(masters, cols))], group_sizes, kernel)
+        chunk = [None, fetch(weight_chunk(masters, cols))]
+        part = grouped_glu(rows, chunk, group_sizes, kernel, activation)
         out = out + part.astype(jnp.float32)
     return out.astype(rows.dtype)

@@ -1,9 +1,9 @@
-"""SwiGLU experts over grouped rows as a loop over groups and, inside each, over row tiles, with
-its VJP.
+"""Gated experts (SwiGLU and its kin) over grouped rows as a loop over groups and, inside each,
+over row tiles, with its VJP.
 
 `jax.lax.ragged_dot` on XLA:CPU is a masked dense product: every group multiplies every row of
 the buffer, so its cost is groups x buffer rows whatever the real group sizes are. Here a loop
-visits each group once (its weights are sliced once) and runs the whole SwiGLU MLP on the group's
+visits each group once (its weights are sliced once) and runs the whole gated MLP on the group's
 rows in tiles of ``tile`` rows laid from the group's first row; the rows a group has past its
 last whole tile take one more tile, which ends at the group's end and recomputes rows of the tile
 before it, their results masked off (`group_tiles`). Trip counts are runtime values, so the cost
@@ -22,6 +22,10 @@ which cost a training call at D=64, F=128 with two empty slots 5 % of its time.
 Groups are given by explicit row ranges ``[start[g], start[g] + size[g])`` so that one buffer can
 be split between two calls (master experts, then replica slots) without shifting rows.
 
+The activation is named (`ACTIVATIONS`) so that it is static and hashable; the backward pass
+takes its elementwise derivative by forward-mode differentiation, so any elementwise activation
+works with the same loop.
+
 Shapes: C rows, D model width, F hidden width, G groups, m = rows of a tile.
 """
 
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax._vma import vary, varying_axes
+from ultraep_jax.activations import ACTIVATIONS, activation_fn, value_and_slope
 
 
 def default_tile(num_rows: int) -> int:
@@ -121,7 +126,7 @@ def _group_weights(parts, g):
     return jnp.concatenate([wg, wu], axis=1), wd
 
 
-def _forward(x, parts, group_start, group_size, tile):
+def _forward(x, parts, group_start, group_size, tile, activation):
     C, D = x.shape
     out = vary(jnp.zeros((C, D), x.dtype), varying_axes(x))
 
@@ -135,7 +140,7 @@ def _forward(x, parts, group_start, group_size, tile):
         def tile_fn(offset, mask, out):
             rows = jax.lax.dynamic_slice_in_dim(x, offset, tile, axis=0)
             gate_up = _dot(rows, wgu, (1, 0))
-            h = (jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:]).astype(x.dtype)
+            h = (ACTIVATIONS[activation](gate_up[:, :F]) * gate_up[:, F:]).astype(x.dtype)
             y = _dot(h, wd, (1, 0)).astype(out.dtype)
             if mask is not None:
                 y = jnp.where(mask, y, jax.lax.dynamic_slice_in_dim(out, offset, tile, axis=0))
@@ -146,13 +151,13 @@ def _forward(x, parts, group_start, group_size, tile):
     return _over_groups(group_size, group, out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _swiglu(x, parts, group_start, group_size, tile):
-    return _forward(x, parts, group_start, group_size, tile)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _glu(x, parts, group_start, group_size, tile, activation):
+    return _forward(x, parts, group_start, group_size, tile, activation)
 
 
-def _swiglu_fwd(x, parts, group_start, group_size, tile):
-    out = _forward(x, parts, group_start, group_size, tile)
+def _glu_fwd(x, parts, group_start, group_size, tile, activation):
+    out = _forward(x, parts, group_start, group_size, tile, activation)
     return out, (x, parts, group_start, group_size)
 
 
@@ -166,7 +171,7 @@ def _split_parts(grad_gu, grad_d, offsets):
     )
 
 
-def _grads(x, dy_all, parts, group_start, group_size, tile):
+def _grads(x, dy_all, parts, group_start, group_size, tile, activation):
     """dx [C, D] (float32) and every part's weight gradients (float32, one [G_i, ...] per
     weight), in one loop over all groups (see `_forward`)."""
     axes = varying_axes(x) | varying_axes(dy_all)
@@ -188,11 +193,10 @@ def _grads(x, dy_all, parts, group_start, group_size, tile):
                 rows, dy = jnp.where(mask, rows, 0), jnp.where(mask, dy, 0)
             gate_up = _dot(rows, wgu, (1, 0))  # [m, 2F]
             gate, up = gate_up[:, :F], gate_up[:, F:]
-            sig = jax.nn.sigmoid(gate)
-            act = gate * sig
+            act, d_act = value_and_slope(activation, gate)
             h = (act * up).astype(dtype)
             dh = _dot(dy, wd, (1, 1))  # [m, F]
-            d_gate = dh * up * sig * (1 + gate * (1 - sig))
+            d_gate = dh * up * d_act
             d_gate_up = jnp.concatenate([d_gate, dh * act], axis=1).astype(dtype)  # [m, 2F]
             d_rows = _dot(d_gate_up, wgu, (1, 1))
             old = jax.lax.dynamic_slice_in_dim(dx, offset, tile, axis=0)
@@ -217,9 +221,9 @@ def _grads(x, dy_all, parts, group_start, group_size, tile):
     return dx, _split_parts(*grads, offsets)
 
 
-def _swiglu_bwd(tile, res, d_out):
+def _glu_bwd(tile, activation, res, d_out):
     x, parts, group_start, group_size = res
-    dx, grads = _grads(x, d_out, parts, group_start, group_size, tile)
+    dx, grads = _grads(x, d_out, parts, group_start, group_size, tile, activation)
     grads = tuple(
         tuple(g.astype(w.dtype) for g, w in zip(part_grads, part, strict=True))
         for part_grads, part in zip(grads, parts, strict=True)
@@ -227,17 +231,18 @@ def _swiglu_bwd(tile, res, d_out):
     return dx.astype(x.dtype), grads, None, None
 
 
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+_glu.defvjp(_glu_fwd, _glu_bwd)
 
 
-def tiled_swiglu_parts(
+def tiled_glu_parts(
     rows: jax.Array,
     parts,
     group_start: jax.Array,
     group_size: jax.Array,
     tile: int | None = None,
+    activation: str = "silu",
 ) -> jax.Array:
-    """[C, D]: ``(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for the rows of each group g,
+    """[C, D]: ``(act(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for the rows of each group g,
     zeros for rows in no group, with the groups' weights in consecutive parts.
 
     Args:
@@ -249,7 +254,9 @@ def tiled_swiglu_parts(
       group_start, group_size: int32 [sum G_i]: group g holds rows ``[start, start + size)``;
         groups must not overlap and must lie inside ``[0, C)``.
       tile: rows per full tile (static; at most C); default `default_tile(C)`.
+      activation: a name of `ACTIVATIONS` (static).
     """
+    activation_fn(activation)
     tile = default_tile(rows.shape[0]) if tile is None else tile
     tile = max(1, min(tile, rows.shape[0]))  # a full tile must fit in the buffer
     # One varying type for every operand, so that the custom VJP's cotangents match its inputs;
@@ -262,10 +269,10 @@ def tiled_swiglu_parts(
         return jnp.zeros_like(rows)
     start = vary(group_start.astype(jnp.int32), axes)
     size = vary(group_size.astype(jnp.int32), axes)
-    return _swiglu(vary(rows, axes), parts, start, size, tile)
+    return _glu(vary(rows, axes), parts, start, size, tile, activation)
 
 
-def tiled_swiglu(
+def tiled_glu(
     rows: jax.Array,
     w_gate: jax.Array,
     w_up: jax.Array,
@@ -273,6 +280,8 @@ def tiled_swiglu(
     group_start: jax.Array,
     group_size: jax.Array,
     tile: int | None = None,
+    activation: str = "silu",
 ) -> jax.Array:
-    """`tiled_swiglu_parts` with one weight stack: w_gate, w_up [G, D, F]; w_down [G, F, D]."""
-    return tiled_swiglu_parts(rows, [(w_gate, w_up, w_down)], group_start, group_size, tile)
+    """`tiled_glu_parts` with one weight stack: w_gate, w_up [G, D, F]; w_down [G, F, D]."""
+    parts = [(w_gate, w_up, w_down)]
+    return tiled_glu_parts(rows, parts, group_start, group_size, tile, activation)

@@ -1,15 +1,11 @@
-"""Benchmarks, each a command:
+"""Benchmarks of the layer, each a command:
 
-        python -m experiments.bench.planner         # planner quality and time; the baseline table
-        python -m experiments.bench.planner_exact   # exact mode's misses against an exact solver
-        python -m experiments.bench.moe             # the MoE layer on 8 simulated CPU devices
-        python -m experiments.bench.replay          # per-rank replay: every rank's work at EP
-                                                    # 32/64, timed one rank at a time on one device
-        python -m experiments.bench.gpu_check       # the GPU path on one GPU (--dry_run: on CPU)
+        python -m experiments.bench.moe       # the MoE layer on 8 simulated CPU devices, or EP=2
+                                              # as pinned processes (--pinned_ranks=2)
+        python -m experiments.bench.compile   # compile time of the training step against depth
+        python -m experiments.bench.compile_layer   # one layer's trace, lower and compile times
+        python -m experiments.bench.fanout    # the replica transfer's fan-out on the real traces
 
-Modules: planner (entry), planner_setup (its flags and load matrices), planner_baselines (the
-baseline table); planner_exact (entry); moe; replay (entry: flags, tables, calibration file),
-replay_work (each rank's rows, groups, slots and exchanges per policy, as the layer computes
-them), replay_timing (the timed programs); gpu_check (entry), gpu_planner, gpu_gmm, gpu_moe (its
-sections).
+The planner's benchmarks are in `experiments.planner`, the per-rank replay in
+`experiments.replay`, the GPU checks in `experiments.gpu`.
 """

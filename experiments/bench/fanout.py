@@ -30,7 +30,7 @@ from absl import flags
 
 import ultraep_jax as uep
 from experiments import cli, common
-from experiments.loads import traces, workloads
+from experiments.loads import ranks, traces, workloads
 
 _TRACES = flags.DEFINE_list("traces", list(traces.TRACE_NAMES), "Traces to measure.")
 _EP = flags.DEFINE_list("ep", ["32", "64", "128"], "EP sizes (DeepSeek-R1 and Switch).")
@@ -46,7 +46,7 @@ _TFLOPS = flags.DEFINE_float(
     "gpu_tflops",
     550.0,
     "Assumed grouped-matmul rate in TFLOP/s (550: the Mosaic GPU kernel measured on an H100, "
-    "README 'GPU').",
+    "docs/gpu.md).",
 )
 _TRACES_DIR = cli.define_traces_dir()
 _JSON = cli.define_json_out()
@@ -100,10 +100,10 @@ def max_fanout_of_one_expert(slot_expert_NRS: np.ndarray, num_experts: int) -> n
     return np.stack([np.bincount(s[s >= 0], minlength=num_experts).max() for s in flat])
 
 
-def masters_replicated(slot_expert_RS: np.ndarray, experts_per_rank: int, ep: int) -> int:
+def masters_replicated(slot_expert_RS: np.ndarray, num_experts: int, ep: int) -> int:
     """The most replicated experts one rank masters (a lower bound on its copies sent)."""
     experts = np.unique(slot_expert_RS[slot_expert_RS >= 0])
-    return int(np.bincount(experts // experts_per_rank, minlength=ep).max())
+    return int(np.bincount(ranks.home_ranks(num_experts, ep)[experts], minlength=ep).max())
 
 
 def distribution(values) -> dict:
@@ -139,7 +139,7 @@ def measure(name: str, ep: int, eps: float) -> dict:
         for f in [0] + [int(v) for v in _FANOUTS.value]
     }
     # Any schedule: each rank sends at least one copy of each of its replicated masters.
-    masters = np.stack([masters_replicated(s, cfg.experts_per_rank, ep) for s in slot_expert])
+    masters = np.stack([masters_replicated(s, num_experts, ep) for s in slot_expert])
     return {
         "trace": name,
         "ep": ep,

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
 from experiments import cli
+from experiments.loads import ranks
 
 _D = flags.DEFINE_integer("d_model", 64, "Token width D.")
 _F = flags.DEFINE_integer("d_ff", 128, "Expert hidden width F.")
@@ -88,10 +89,9 @@ def _layer_shape() -> dict:
 def hot_experts(num_experts: int, ep_size: int, count: int, one_rank: bool) -> np.ndarray:
     """The experts the skewed router favours: the first ``count`` of rank 0 (``one_rank``), or
     the first expert of each of ranks 0..count-1."""
-    em = num_experts // ep_size
     if one_rank:
         return np.arange(count)
-    return np.arange(count) * em
+    return ranks.masters_of_ranks(num_experts, ep_size)[:count, 0]
 
 
 def _skewed_inputs(mesh, rng, one_rank: bool):

@@ -2,8 +2,8 @@
 
 Our own implementations, written from the published descriptions of each method (no code copied):
 
-  * :func:`none` -- masters only: expert ``e`` stays on rank ``e // (E // R)`` and keeps all of its
-    tokens.
+  * :func:`none` -- masters only: every expert stays on its home rank (`ranks.home_ranks`) and
+    keeps all of its tokens.
   * :func:`eplb_exact` -- DeepSeek's EPLB greedy (as described in the deepseek-ai/EPLB README):
     (1) replicate: while physical slots remain (``R * (E/R + S)`` in all), give one more replica to
     the logical expert with the highest load per replica; (2) pack: visit the physical experts from
@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 from experiments import common
+from experiments.loads import ranks
 
 __all__ = [
     "Balanced",
@@ -87,9 +88,7 @@ class Balanced:
     @property
     def imbalance(self) -> float:
         """``max / mean`` of :attr:`rank_load` (1.0 when there are no tokens)."""
-        load = self.rank_load
-        total = load.sum()
-        return float(load.max() * load.size / total) if total > 0 else 1.0
+        return ranks.imbalance(self.rank_load)
 
     @property
     def num_replicas(self) -> int:
@@ -141,8 +140,8 @@ def expert_loads(loads) -> np.ndarray:
 
 
 def master_layout(num_ranks: int, num_experts: int) -> np.ndarray:
-    """int32 ``[R, E/R]``: the master experts of each rank (``e`` on rank ``e // (E/R)``)."""
-    return np.arange(num_experts, dtype=np.int32).reshape(num_ranks, num_experts // num_ranks)
+    """int32 ``[R, E/R]``: the master experts of each rank."""
+    return ranks.masters_of_ranks(num_experts, num_ranks)
 
 
 def split_evenly(layout, expert_load) -> np.ndarray:
@@ -363,7 +362,7 @@ def eplb_plus(loads, slots_per_rank: int) -> Balanced:
     load = expert_loads(loads).astype(np.float64)
     count = np.ones(num_experts, dtype=np.float64)
     held = held_matrix(masters, num_experts)
-    rank_load = load.reshape(num_ranks, -1).sum(axis=1)
+    rank_load = ranks.home_rank_loads(load, num_ranks)
     free = np.full(num_ranks, slots_per_rank, dtype=np.int64)
     slots = np.full((num_ranks, slots_per_rank), -1, dtype=np.int32)
     for _ in range(num_ranks * slots_per_rank):

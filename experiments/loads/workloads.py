@@ -2,10 +2,10 @@
 
 Every generator here returns ``loads``: an int32 matrix of shape ``[R, E]`` where ``loads[r, e]``
 is the number of (token, choice) pairs on source rank ``r`` that the router sent to expert ``e``.
-``R`` is the EP size, ``E`` the number of logical experts, and expert ``e`` is a master on rank
-``e // (E // R)``. Each top-k choice counts once, so a source rank that holds
-``tokens_per_rank`` tokens contributes ``tokens_per_rank * top_k`` pairs and every row of a
-generated matrix sums to exactly that.
+``R`` is the EP size, ``E`` the number of logical experts, and expert ``e``'s master is on its
+home rank (`experiments.loads.ranks.home_ranks`). Each top-k choice counts once, so a source rank
+that holds ``tokens_per_rank`` tokens contributes ``tokens_per_rank * top_k`` pairs and every row
+of a generated matrix sums to exactly that.
 
 Generated workloads:
   * :func:`rank_zipf_loads` -- UltraEP-style rank-level Zipf, with the exponent solved so the
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from experiments.loads import traces
+from experiments.loads import ranks, traces
 from ultraep_jax._ops import check_int
 
 __all__ = [
@@ -82,16 +82,14 @@ def master_rank_loads(loads) -> np.ndarray:
 
     Returns:
       int64 ``[R]``: ``L_d`` = sum of ``load_e = sum_r loads[r, e]`` over the ``E // R`` masters of
-      rank ``d`` (experts ``d*E//R .. (d+1)*E//R - 1``), i.e. the load each rank carries when
-      nothing is replicated.
+      rank ``d``, i.e. the load each rank carries when nothing is replicated.
     """
     loads = np.asarray(loads)
     if loads.ndim != 2:
         raise ValueError(f"loads must be 2-D [R, E], got shape {loads.shape}")
     num_ranks, num_experts = loads.shape
     _check_layout(num_ranks, num_experts)
-    expert_load = loads.sum(axis=0, dtype=np.int64)
-    return expert_load.reshape(num_ranks, num_experts // num_ranks).sum(axis=1)
+    return ranks.home_rank_loads(loads.sum(axis=0, dtype=np.int64), num_ranks)
 
 
 def initial_imbalance(loads) -> float:
@@ -101,10 +99,9 @@ def initial_imbalance(loads) -> float:
     pair on one rank). Raises ValueError when the matrix holds no pairs.
     """
     rank_load = master_rank_loads(loads)
-    total = int(rank_load.sum())
-    if total <= 0:
+    if int(rank_load.sum()) <= 0:
         raise ValueError("loads holds no (token, choice) pairs; imbalance is undefined")
-    return float(rank_load.max()) * rank_load.size / total
+    return ranks.imbalance(rank_load)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,7 +167,7 @@ def _rank_level_counts(R: int, n_pairs: int, target: float, uniforms_seed) -> tu
 
     def realised(exponent: float) -> tuple[float, np.ndarray]:
         counts = rank_counts(exponent)
-        return counts.sum(axis=0).max() / n_pairs, counts  # mean rank load is n_pairs
+        return ranks.imbalance(counts.sum(axis=0)), counts
 
     best_s, (best_f, best_counts) = 0.0, realised(0.0)
     if best_f < target:

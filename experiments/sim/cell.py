@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import workloads
+from experiments.loads import ranks, workloads
 from experiments.sim.balancers import BalancerFn, Costed
 from experiments.sim.cost import (
     CostParams,
@@ -90,7 +90,7 @@ def _rows(name: str, results, ideal: float, mean: int, step) -> dict:
         rows[label] = {
             "step_s": seconds,
             "pct_ideal": 100.0 * ideal / seconds,
-            "final_imbalance": float(np.mean([b.rank_load.max() / mean for b in flat])),
+            "final_imbalance": float(np.mean([ranks.imbalance(b.rank_load) for b in flat])),
             "peak_rows": int(max(b.rank_load.max() for b in flat)),
             "replicas": float(np.mean([b.copies.sum() for b in flat])),
             "plan_ms": 1e3 * float(np.mean([b.plan_seconds for b in flat])),

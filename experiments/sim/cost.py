@@ -26,14 +26,14 @@ import json
 import numpy as np
 
 from experiments import common
+from experiments.loads.ranks import held_off_home
 from experiments.sim.shapes import Cluster, ModelShape
-from ultraep_jax.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertCost:
     """One rank's expert compute (forward + backward) as measured by the per-rank replay
-    (``python -m experiments.bench.replay --calibration_out``): ``fixed + per_row * rows +
+    (``python -m experiments.replay --calibration_out``): ``fixed + per_row * rows +
     per_group * groups`` seconds at the replay's shape, fitted over every rank it timed.
 
     Attributes:
@@ -58,12 +58,15 @@ class ExpertCost:
     @classmethod
     def read(cls, path) -> ExpertCost:
         """The training-mode costs of a replay calibration file (ValueError naming the file if it
-        has none)."""
+        has none, or a negative cost: a cost model has no term that pays back time)."""
         with open(path) as f:
             data = json.load(f)
         if "train" not in data:
             raise ValueError(f"{path}: no training-mode costs (run the replay with --mode=train)")
         fit, shape = data["train"], data["shape"]
+        for key in ("seconds_fixed", "seconds_per_row", "seconds_per_group"):
+            if fit[key] < 0:
+                raise ValueError(f"{path}: train {key}={fit[key]} is negative (refit it)")
         return cls(
             fixed_s=fit["seconds_fixed"],
             per_row_s=fit["seconds_per_row"],
@@ -200,19 +203,6 @@ def copy_seconds(nbytes: float, ep: int, cluster: Cluster, params: CostParams) -
     p_nvl, p_ib = (g - 1) / (ep - 1), (ep - g) / (ep - 1)
     eff = params.link_efficiency * 1e9
     return nbytes * (p_nvl / (cluster.nvlink_gbps * eff) + p_ib / (cluster.ib_gbps * eff))
-
-
-def held_off_home(layouts, num_experts: int) -> np.ndarray:
-    """int32 ``[N, R, C]``: the instances of layouts ``[N, R, C]`` that sit off their expert's
-    home rank ``e // (E / R)`` (each a weight copy; a second instance of an expert on one rank
-    needs no second copy), -1 elsewhere."""
-    layouts = np.asarray(layouts)
-    ranks, cols = layouts.shape[1:]
-    home = np.arange(ranks)[None, :, None]
-    earlier = np.tril(np.ones((cols, cols), bool), k=-1)  # [c, c'] with c' < c
-    repeat = np.any((layouts[..., :, None] == layouts[..., None, :]) & earlier, axis=-1)
-    off = (layouts >= 0) & (Layout(num_experts, ranks).master_rank(layouts) != home) & ~repeat
-    return np.where(off, layouts, -1).astype(np.int32)
 
 
 def transfer_copy_times(layouts, num_experts: int, fanout: int | None) -> np.ndarray:

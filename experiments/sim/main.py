@@ -36,7 +36,7 @@ _JSON = cli.define_json_out()
 _CALIBRATION = flags.DEFINE_string(
     "calibration",
     None,
-    "A per-rank replay calibration file (python -m experiments.bench.replay --calibration_out): "
+    "A per-rank replay calibration file (python -m experiments.replay --calibration_out): "
     "the experts' measured fixed, per-row and per-group costs replace their FLOP model.",
 )
 _TRACES = cli.define_traces_dir()

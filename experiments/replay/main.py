@@ -1,9 +1,10 @@
-"""Per-rank replay: the step time of expert parallelism at any EP size, from the real kernels
-timed one rank at a time on one device.
+"""Per-rank replay: expert parallelism at any EP size, each rank's work timed one rank at a time
+on one device with the layer's kernels.
 
-        python -m experiments.bench.replay                       # CPU, scaled shapes, minutes
-        python -m experiments.bench.replay --workloads=deepseek-r1 --mode=train --matrices=2
-        python -m experiments.bench.replay --shape=deepseek_v3   # real shapes, for a GPU
+        python -m experiments.replay                       # CPU, scaled shapes, minutes
+        python -m experiments.replay --workloads=deepseek-r1 --mode=train --matrices=2
+        python -m experiments.replay --transfer_model=deepseek_v3   # + the layer at real ratios
+        python -m experiments.replay --shape=deepseek_v3   # real shapes, for a GPU
 
 For each load matrix (layers of the real traces, or generated rank-level Zipf), each EP size and
 each policy (none, eplb_periodic, eplb_exact, ultraep at balance_eps 0.01, exact mode at 0), the
@@ -17,8 +18,17 @@ and the replica weight transfer (and the gradients' return in training), from th
 per rank at ``--link_gbps`` per direction. The force-balanced ideal is plain EP with every rank at
 the mean rows (same kernel, E_m groups, the layer's buffer), timed the same way.
 
+What the headline measures is the busiest rank's expert kernel time at the replayed shape against
+the ideal's: at the CPU shape (D=128, F=64) an expert's weights are 98 KB against 88 MB for a bf16
+DeepSeek-V3 expert, so the exchanges modelled at that shape's bytes are far smaller relative to
+compute than on real hardware, and "step" adds only those. It is not an end-to-end throughput.
+``--transfer_model`` also charges each layer at a real model's bytes against its compute on a
+stated GPU (`experiments.replay.real_ratio`) and prints the exposed transfer as a share of the
+step.
+
 ``--calibration_out`` writes the experts' cost per row and per group (a least-squares fit over
-every timed rank) with its provenance, for ``python -m experiments.sim --calibration``.
+every timed rank, constrained to non-negative costs) with its provenance, for
+``python -m experiments.sim --calibration``.
 """
 
 from __future__ import annotations
@@ -39,8 +49,10 @@ from absl import app, flags
 
 import ultraep_jax as uep
 from experiments import cli, common
-from experiments.bench import replay_timing, replay_work
 from experiments.loads import traces, workloads
+from experiments.replay import real_ratio
+from experiments.replay import timing as replay_timing
+from experiments.replay import work as replay_work
 
 _SHAPES = {
     # Scaled so that the default replay runs on a 2-core CPU in minutes: rows per rank are
@@ -57,8 +69,15 @@ _SHAPES = {
         "prefill_pairs": 65536,
     },
 }
-#: UltraEP's reported throughput (arXiv 2606.04101): % of the force-balanced ideal, x none.
-ULTRAEP_PAPER = (94.3, 1.49)
+#: Target models of ``--transfer_model`` (``real_ratio.TargetModel`` without the GPU and link).
+_TARGETS = {
+    "deepseek_v3": {
+        "d_model": 7168,
+        "d_ff": 2048,
+        "itemsize": 2,
+        "pairs_per_rank": {"train": 65536, "prefill": 65536},
+    },
+}
 
 _WORKLOADS = flags.DEFINE_list(
     "workloads",
@@ -76,7 +95,19 @@ _MATRICES = flags.DEFINE_integer(
     "matrices", 2, "Load matrices per workload (trace layers drawn at random, seeded)."
 )
 _HISTORY = flags.DEFINE_integer(
-    "history", 4, "Earlier matrices of the same layer eplb_periodic plans on."
+    "history",
+    4,
+    "Other matrices of the same layer that eplb_periodic plans on: for DeepSeek-R1 (one matrix "
+    "per layer and serving run) that layer in other serving runs, for Qwen1.5-MoE and Switch the "
+    "iterations before it (cyclic); for zipfX, matrices of other seeds.",
+)
+_EXPERTS = flags.DEFINE_enum(
+    "experts",
+    "timed",
+    ["timed", "rows"],
+    "timed: run every rank's experts (the measurement); rows: time nothing, each rank's expert "
+    "time its rows over the mean rows (a model without the kernel's per-group costs or noise, "
+    "for --transfer_model's modelled terms on a machine too busy to time on).",
 )
 _MODE = flags.DEFINE_enum(
     "mode", "both", ["train", "prefill", "both"], "Forward+backward, forward only, or both."
@@ -131,6 +162,25 @@ _SEED = flags.DEFINE_integer(
 )
 _TRACES = cli.define_traces_dir()
 _JSON = cli.define_json_out()
+_TRANSFER_MODEL = flags.DEFINE_enum(
+    "transfer_model",
+    None,
+    list(_TARGETS),
+    "Also charge each layer at this model's bytes against its compute on --gpu "
+    "(experiments.replay.real_ratio): experts from the measured ratio to the ideal, exchanges "
+    "and relayed replica copies modelled; prints the exposed transfer as a share of the step.",
+)
+_GPU = flags.DEFINE_string(
+    "gpu",
+    "H100 SXM, JAX's Mosaic GPU grouped matmul, bf16",
+    "The GPU --gpu_tflops describes (printed with the figures).",
+)
+_GPU_TFLOPS = flags.DEFINE_float(
+    "gpu_tflops",
+    550.0,
+    "Grouped-matmul rate of --gpu in TFLOP/s (550: the Mosaic GPU kernel measured on an H100, "
+    "forward 549-566, docs/gpu.md).",
+)
 _CALIBRATION = flags.DEFINE_string(
     "calibration_out",
     None,
@@ -145,6 +195,7 @@ flags.register_validator("refine", lambda v: v >= 0, "must be >= 0")
 flags.register_validator("refine_rounds", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("bookkeeping_ranks", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("link_gbps", lambda v: v > 0, "must be > 0")
+flags.register_validator("gpu_tflops", lambda v: v > 0, "must be > 0")
 flags.register_validator("capacity_factor", lambda v: v >= 1, "must be >= 1")
 flags.register_validator(
     "ep_sizes", lambda v: all(s.isdigit() and int(s) >= 2 for s in v), "each must be an int >= 2"
@@ -183,6 +234,8 @@ class Settings:
     refine_rounds: int
     bookkeeping_ranks: int
     seed: int
+    target: real_ratio.TargetModel | None = None
+    timed: bool = True
 
     def balancer(self, ep: int, num_experts: int, mode: str) -> uep.BalancerConfig:
         """ultraep's `BalancerConfig` at this EP size and mode (its floor scales with the pairs)."""
@@ -293,9 +346,10 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
     cfg = settings.balancer(ep, E, mode)
     capacity = replay_work.layer_capacity(settings.capacity_factor, pairs)
     shape = settings.shape
-    token_a2a, weight_moves = (4, 2) if mode == "train" else (2, 1)
+    token_a2a, weight_moves = real_ratio.EXCHANGES[mode]
     names = (*replay_work.POLICIES, "ideal")
-    sums = {p: dict.fromkeys(_SUMMED, 0.0) for p in names}
+    summed = _SUMMED + (_TARGET_SUMMED if settings.target else ())
+    sums = {p: dict.fromkeys(summed, 0.0) for p in names}
     points = []
     every = [replay_work.policy_work(s, cfg, pairs, capacity) for s in samples]
     noise_floor = 0.0
@@ -303,16 +357,21 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
     for sample, works in zip(samples, every, strict=True):
         start = time.perf_counter()
         works = replay_work.with_buffers(works, buffers)
-        experts, book, noise = time_ranks(works, ep, E // ep, k, mode, settings)
+        if settings.timed:
+            experts, book, noise = time_ranks(works, ep, E // ep, k, mode, settings)
+        else:  # rows over the mean rows, nothing timed (--experts=rows)
+            experts = {p: list(w.rows_R / pairs) for p, w in works.items()}
+            book, noise = dict.fromkeys(names, 0.0), 1.0
         noise_floor += 100.0 / noise / len(samples)
-        planner = {p: works[p].host_plan_seconds for p in names}
+        planner = {p: works[p].host_plan_seconds if settings.timed else 0.0 for p in names}
         for p, eps in (("ultraep", cfg.balance_eps), ("exact", 0.0)):
-            planner[p] = replay_timing.planner_seconds(
-                sample.loads_RE,
-                dataclasses.replace(cfg, balance_eps=eps),
-                capacity,
-                settings.repeats,
-            )
+            if settings.timed:
+                planner[p] = replay_timing.planner_seconds(
+                    sample.loads_RE,
+                    dataclasses.replace(cfg, balance_eps=eps),
+                    capacity,
+                    settings.repeats,
+                )
         for p in names:
             w = works[p]
             tokens = token_a2a * replay_work.exchange_seconds(
@@ -334,26 +393,48 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
                 "replicas": w.replicas,
                 "dropped": w.dropped,
             }
+            if settings.target:
+                at = real_ratio.layer_at_target(
+                    max(experts[p]),
+                    max(experts["ideal"]),
+                    w.token_rows_RR,
+                    real_ratio.transfer_length(w.held_RC, E, cfg.max_fanout),
+                    pairs,
+                    settings.target,
+                    mode,
+                )
+                add |= {
+                    "target_experts_s": at.experts_s,
+                    "target_tokens_s": at.tokens_s,
+                    "target_transfer_s": at.transfer_s,
+                    "target_exposed_s": at.exposed_s,
+                    "target_step_s": at.step_s,
+                }
             for key, value in add.items():
                 sums[p][key] += value
             points += [
                 (p, int(rows), int(groups), w.capacity, t)
                 for rows, groups, t in zip(w.rows_R, w.groups_R, experts[p], strict=True)
             ]
+        noise_line = (
+            f"the ideal timed again reaches {100.0 / noise:.1f} % of itself"
+            if settings.timed
+            else "not timed"
+        )
         print(
             f"  {sample.label}: max/mean none {works['none'].imbalance:.2f} -> ultraep "
-            f"{works['ultraep'].imbalance:.3f}; the ideal timed again reaches "
-            f"{100.0 / noise:.1f} % of itself ({time.perf_counter() - start:.0f} s)",
+            f"{works['ultraep'].imbalance:.3f}; {noise_line} "
+            f"({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
     n = len(samples)
     rows = {}
     for p in names:
         s = sums[p]
-        row = {key: s[key] for key in _SUMMED}
+        row = {key: s[key] for key in summed}
         for key in ("imbalance", "replicas", "dropped"):
             row[key] = s[key] / n
-        for part in ("experts", "compute", "step"):
+        for part in ("experts", "compute", "step") + (("target_step",) if settings.target else ()):
             row[f"{part}_pct_ideal"] = 100.0 * sums["ideal"][f"{part}_s"] / s[f"{part}_s"]
             row[f"{part}_x_none"] = sums["none"][f"{part}_s"] / s[f"{part}_s"]
         # The balancer's own cost against the expert time it balances: planner and bookkeeping,
@@ -362,6 +443,12 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
         row["balancer_pct_experts"] = 100.0 * own / s["experts_s"]
         added = own - sums["none"]["bookkeeping_s"]
         row["balancer_added_pct_experts"] = 100.0 * added / s["experts_s"]
+        if settings.target:
+            row["target_step_x_none"] = sums["none"]["target_step_s"] / s["target_step_s"]
+            row["target_exposed_pct_step"] = 100.0 * s["target_exposed_s"] / s["target_step_s"]
+            # Were nothing overlapped: the whole transfer on the step's critical path.
+            serial = s["target_step_s"] - s["target_exposed_s"] + s["target_transfer_s"]
+            row["target_serial_transfer_pct_step"] = 100.0 * s["target_transfer_s"] / serial
         rows[p] = row
     return {
         "workload": workload,
@@ -379,6 +466,8 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
             sum(workloads.initial_imbalance(s.loads_RE) for s in samples) / n
         ),
         "noise_floor_pct": noise_floor,
+        "timed": settings.timed,
+        "target": dataclasses.asdict(settings.target) if settings.target else None,
         "rows": rows,
         "points": points,
     }
@@ -396,6 +485,14 @@ _SUMMED = (
     "replicas",
     "dropped",
 )
+#: The per-layer seconds of ``--transfer_model`` (`real_ratio.LayerAtTarget`), summed likewise.
+_TARGET_SUMMED = (
+    "target_experts_s",
+    "target_tokens_s",
+    "target_transfer_s",
+    "target_exposed_s",
+    "target_step_s",
+)
 
 
 def cell_table(cell: dict) -> list[str]:
@@ -404,8 +501,12 @@ def cell_table(cell: dict) -> list[str]:
     lines = [
         f"{cell['workload']} EP{cell['ep']} {cell['mode']}: {len(cell['matrices'])} matrices, "
         f"initial max/mean {cell['initial_imbalance']:.2f}, {cell['pairs_per_rank']} pairs per "
-        f"rank, buffer {cell['capacity']} rows; noise floor: the ideal timed again reaches "
-        f"{cell['noise_floor_pct']:.1f} % of itself",
+        f"rank, buffer {cell['capacity']} rows; "
+        + (
+            f"noise floor: the ideal timed again reaches {cell['noise_floor_pct']:.1f} % of itself"
+            if cell.get("timed", True)
+            else "not timed (--experts=rows)"
+        ),
         f"  {'policy':14s} {'max/mean':>8s} {'moved':>6s} {'drop':>5s} | {'experts':>8s} "
         f"{'%ideal':>6s} {'xnone':>5s} | {'bookk.':>7s} {'planner':>7s} {'compute':>8s} "
         f"{'%ideal':>6s} | {'a2a*':>7s} {'weights*':>8s} | {'step':>8s} {'%ideal':>6s} "
@@ -421,18 +522,54 @@ def cell_table(cell: dict) -> list[str]:
             + f"{ms * r['weights_s']:8.2f} | {ms * r['step_s']:8.2f} "
             + f"{r['step_pct_ideal']:6.1f} {r['step_x_none']:5.2f}"
         )
+    if cell.get("target"):
+        lines += target_table(cell)
+    return lines
+
+
+def target_table(cell: dict) -> list[str]:
+    """The lines of one cell at ``--transfer_model``'s ratios (ms per layer, summed)."""
+    t = cell["target"]
+    ms = 1e3
+    lines = [
+        f"  at {t['name']}'s ratios (D={t['d_model']} F={t['d_ff']}, "
+        f"{t['pairs_per_rank'][cell['mode']]} pairs per rank, an expert copy "
+        f"{3 * t['d_model'] * t['d_ff'] * t['itemsize'] / 1e6:.1f} MB) on {t['gpu']} at "
+        f"{t['gpu_tflops']:g} TFLOP/s, links {t['link_gbps']:g} GB/s, relay f="
+        f"{cell['balancer']['max_fanout']}: experts = the "
+        + ("measured" if cell.get("timed", True) else "rows-modelled")
+        + " ratio to the ideal x the ideal's FLOPs at that rate; the rest modelled",
+        f"  {'policy':14s} | {'experts':>8s} {'a2a*':>8s} {'transfer*':>9s} {'exposed*':>8s} | "
+        f"{'step':>8s} {'%ideal':>6s} {'xnone':>5s} {'exposed % step':>14s} "
+        f"{'serial: transfer % step':>23s}",
+    ]
+    for p, r in cell["rows"].items():
+        lines.append(
+            f"  {p:14s} | {ms * r['target_experts_s']:8.2f} {ms * r['target_tokens_s']:8.2f} "
+            f"{ms * r['target_transfer_s']:9.2f} {ms * r['target_exposed_s']:8.2f} | "
+            f"{ms * r['target_step_s']:8.2f} {r['target_step_pct_ideal']:6.1f} "
+            f"{r['target_step_x_none']:5.2f} {r['target_exposed_pct_step']:13.1f}% "
+            f"{r['target_serial_transfer_pct_step']:22.1f}%"
+        )
     return lines
 
 
 def headline(cells: list[dict]) -> list[str]:
-    """ultraep against the force-balanced ideal in every cell, beside UltraEP's figures."""
-    pct, speed = ULTRAEP_PAPER
+    """ultraep against the force-balanced ideal in every cell: what was measured, and what was
+    modelled."""
+    shape = cells[0]["shape"] if cells else {}
     lines = [
-        "ultraep: busiest-rank expert time and compute (planner + bookkeeping + experts), "
-        "measured; step = compute + the exchanges, modelled; noise floor = the ideal's own ranks "
-        "timed again as a policy (what noise alone takes off a busiest rank); balancer % experts "
-        "= (planner + bookkeeping) / expert time, (added) = less none's bookkeeping. UltraEP "
-        f"reports {pct} % of the ideal and {speed}x over none (measured end to end on GPUs):",
+        "ultraep against the force-balanced ideal. Measured: the busiest rank's expert kernel "
+        f"time at D={shape.get('d_model')} F={shape.get('d_ff')} on "
+        f"{cells[0]['device'] if cells else '?'} (experts), and with the planner and the "
+        "dispatch bookkeeping (compute). Modelled: step = compute + the exchanges at this "
+        "shape's bytes, which are far smaller relative to compute than a real model's (use "
+        "--transfer_model). Noise floor = the ideal's own ranks timed again as a policy (what "
+        "noise alone takes off a busiest rank); balancer % experts = (planner + bookkeeping) / "
+        "expert time, (added) = less none's bookkeeping. Not an end-to-end throughput:"
+        if all(c.get("timed", True) for c in cells)
+        else "Nothing was timed (--experts=rows): each rank's expert time is its rows over the "
+        "mean rows, and the planner and bookkeeping count 0:",
         f"  {'workload':16s} {'EP':>3s} {'mode':8s} {'experts %ideal':>14s} {'x none':>6s} "
         f"{'compute %ideal':>14s} {'x none':>6s} {'step %ideal':>11s} {'x none':>6s} "
         f"{'exact mode: experts %ideal':>26s} {'noise floor':>11s} "
@@ -447,18 +584,63 @@ def headline(cells: list[dict]) -> list[str]:
             f"{x['experts_pct_ideal']:25.1f}% {c['noise_floor_pct']:10.1f}% "
             f"{u['balancer_pct_experts']:16.1f}% ({u['balancer_added_pct_experts']:5.1f}%)"
         )
+    targets = [c for c in cells if c.get("target")]
+    if targets:
+        t = targets[0]["target"]
+        lines += [
+            f"ultraep at {t['name']}'s ratios on {t['gpu']} ({t['gpu_tflops']:g} TFLOP/s, "
+            f"{t['link_gbps']:g} GB/s): experts from the "
+            + ("measured" if all(c.get("timed", True) for c in targets) else "rows-modelled")
+            + " ratio to the ideal, the "
+            "exchanges and the relayed replica copies modelled; exposed = the transfer that "
+            "outlasts the token all-to-all of its pass; serial = the share the whole transfer "
+            "would take were nothing overlapped:",
+            f"  {'workload':16s} {'EP':>3s} {'mode':8s} {'step %ideal':>11s} {'x none':>6s} "
+            f"{'exposed transfer % step':>23s} {'serial % step':>13s} {'transfer ms':>11s} "
+            f"{'exposed ms':>10s}",
+        ]
+        for c in targets:
+            u = c["rows"]["ultraep"]
+            lines.append(
+                f"  {c['workload']:16s} {c['ep']:3d} {c['mode']:8s} "
+                f"{u['target_step_pct_ideal']:10.1f}% {u['target_step_x_none']:6.2f} "
+                f"{u['target_exposed_pct_step']:22.1f}% "
+                f"{u['target_serial_transfer_pct_step']:12.1f}% "
+                f"{1e3 * u['target_transfer_s']:11.2f} {1e3 * u['target_exposed_s']:10.2f}"
+            )
     return lines
 
 
+def nonnegative_least_squares(a: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """float [n]: the ``x >= 0`` that minimises ``||a @ x - t||`` for ``a`` [m, n], ``t`` [m], with
+    few columns (n <= 12): the unconstrained fit on every subset of columns, keeping the best one
+    whose coefficients are all >= 0 (the constrained optimum is the unconstrained fit on its own
+    support, so this finds it)."""
+    a, t = np.asarray(a, np.float64), np.asarray(t, np.float64)
+    n = a.shape[1]
+    if n > 12:
+        raise ValueError(f"nonnegative_least_squares: {n} columns, at most 12")
+    best, best_err = np.zeros(n), float(t @ t)
+    for mask in range(1, 2**n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        x = np.zeros(n)
+        x[cols] = np.linalg.lstsq(a[:, cols], t, rcond=None)[0]
+        err = float(np.sum((a @ x - t) ** 2))
+        if np.all(x >= 0) and err < best_err:
+            best, best_err = x, err
+    return best
+
+
 def fit_costs(points, capacity: int) -> dict:
-    """Least squares ``seconds = fixed[buffer] + per_row * rows + per_group * groups`` over timed
-    ranks ``(policy, rows, groups, buffer rows, seconds)``, one fixed term per buffer size (the
-    tiled kernel's buffer work), reported at the layer's ``capacity``; with R^2 and the median
-    and worst relative error."""
+    """``seconds = fixed[buffer] + per_row * rows + per_group * groups`` fitted by least squares
+    over timed ranks ``(policy, rows, groups, buffer rows, seconds)`` with every cost >= 0 (a cost
+    model: no term may pay back time), one fixed term per buffer size (the tiled kernel's buffer
+    work), reported at the layer's ``capacity``; with R^2 and the median and worst relative
+    error."""
     buffers = sorted({c for *_, c, _ in points})
     a = np.array([[float(c == b) for b in buffers] + [r, g] for _, r, g, c, _ in points])
     t = np.array([s for *_, s in points])
-    coef = np.linalg.lstsq(a, t, rcond=None)[0]
+    coef = nonnegative_least_squares(a, t)
     pred = a @ coef
     rel = np.abs(pred - t) / t
     return {
@@ -500,7 +682,7 @@ def provenance() -> dict:
         + (
             " (uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
         ),
-        "command": "python -m experiments.bench.replay " + " ".join(sys.argv[1:]),
+        "command": "python -m experiments.replay " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
     }
@@ -562,7 +744,21 @@ def main(argv):
         refine_rounds=_REFINE_ROUNDS.value,
         bookkeeping_ranks=_BOOK_RANKS.value,
         seed=_SEED.value,
+        target=(
+            real_ratio.TargetModel(
+                name=_TRANSFER_MODEL.value,
+                **_TARGETS[_TRANSFER_MODEL.value],
+                gpu=_GPU.value,
+                gpu_tflops=_GPU_TFLOPS.value,
+                link_gbps=_LINK.value,
+            )
+            if _TRANSFER_MODEL.value
+            else None
+        ),
+        timed=_EXPERTS.value == "timed",
     )
+    if not settings.timed and _CALIBRATION.value:
+        raise app.UsageError("--calibration_out needs --experts=timed (it fits timed ranks)")
     modes = replay_timing.MODES if _MODE.value == "both" else (_MODE.value,)
     on_cpu = jax.default_backend() == "cpu"
     clock_name = (
@@ -572,6 +768,8 @@ def main(argv):
         if on_cpu
         else "wall time"
     )
+    if not settings.timed:
+        clock_name = "none: expert time = rows / mean rows (--experts=rows), nothing timed"
     print(
         f"Per-rank replay on {jax.devices()[0].device_kind} ({jax.default_backend()}), clock: "
         f"{clock_name}; shape D={shape.d_model} F={shape.d_ff} {shape.dtype}, kernel "
@@ -604,7 +802,3 @@ def main(argv):
         common.write_json(_CALIBRATION.value, calibration(cells, settings, clock_name))
         print(f"calibration written to {_CALIBRATION.value}")
     common.write_json(_JSON.value, cells)
-
-
-if __name__ == "__main__":
-    app.run(main)

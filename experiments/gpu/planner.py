@@ -1,6 +1,6 @@
 """The GPU check's planner section: the CUDA planner's plans (both kernels: the sequential core's
 and the parallel form's) against the CPU handler's, bit for bit, and the time per plan (see
-`experiments.bench.gpu_check`)."""
+`experiments.gpu.check`)."""
 
 from __future__ import annotations
 
@@ -95,8 +95,15 @@ def _parallel_plans(cfg, loads, device) -> list[np.ndarray]:
     return _plan_arrays(planner(jax.device_put(loads, device)))
 
 
+#: The CUDA planner's benchmark library (ffi/plan_cuda_bench.cu), built and installed beside the
+#: handlers' library wherever nvcc is found.
+BENCH_LIB = "libultraep_plan_cuda_bench.so"
+
+
 def _bench_lib():
-    path = _native._find(_native._CUDA_LIB)
+    path = _native._find(BENCH_LIB)
+    if path is None:
+        raise RuntimeError(f"{BENCH_LIB} was not built into this install (no nvcc?)")
     lib = ctypes.cdll.LoadLibrary(str(path))
     fn = lib.ultraep_plan_cuda_bench
     i64, i32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
@@ -213,7 +220,7 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
             _, ms = cuda_bench(cfg, base[s : s + 1], reps, parallel=parallel)
             singles.append(float(np.median(ms)) * 1e3)
         _, ms = cuda_bench(cfg, base[np.arange(plan_batch) % 6], 10, parallel=parallel)
-        # key prefixes name the kernel (experiments.bench.gpu_summary reads them so)
+        # key prefixes name the kernel (experiments.gpu.summary reads them so)
         t[f"{kernel}_event_us_single_by_target"] = singles
         t[f"{kernel}_event_us_per_plan_batched"] = float(np.median(ms)) * 1e3 / plan_batch
         print(

@@ -1,6 +1,6 @@
 """The planner benchmark's flags, and what they select: balancer configs and load matrices.
 
-Shared by `experiments.bench.planner` (the entry) and `experiments.bench.planner_baselines`.
+Shared by `experiments.planner` (the entry) and `experiments.planner.baselines`.
 Generated matrices and trace layers are made once per run (cached).
 """
 

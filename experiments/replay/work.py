@@ -1,5 +1,5 @@
 """What every rank of an EP group does for one load matrix under each balancing policy, for
-`experiments.bench.replay`: the load matrices (trace layers or generated), each rank's received
+`experiments.replay`: the load matrices (trace layers or generated), each rank's received
 rows per local group, the token rows each rank exchanges with each peer and the expert weights
 it sends, and what those exchanges cost at a stated link bandwidth (modelled).
 
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import baselines, traces, workloads
+from experiments.loads import baselines, ranks, traces, workloads
 from ultraep_jax import dispatch, reroute
 from ultraep_jax.layout import Layout
 
@@ -147,6 +147,8 @@ class RankWork:
         dispatch (the combine sends them back).
       weight_copies_RR: int [R(src), R(dst)], expert weight sets each rank sends each other rank
         for this layer (their gradients return the same way in training).
+      held_RC: int32 [R, C], the experts each rank receives weights of for this layer (-1: none):
+        what the relay schedule moves (`ultraep_jax.relay`).
       dropped: pairs past their destination's capacity.
       plan: the `uep.Plan` whose dispatch bookkeeping the rank runs (EPLB: the masters-only plan,
         the same bookkeeping on the same pairs).
@@ -160,6 +162,7 @@ class RankWork:
     capacity: int
     token_rows_RR: np.ndarray
     weight_copies_RR: np.ndarray
+    held_RC: np.ndarray
     dropped: int
     plan: uep.Plan
     loads_RE: np.ndarray
@@ -178,8 +181,7 @@ class RankWork:
     @property
     def imbalance(self) -> float:
         """max / mean of the rows each rank runs."""
-        rows = self.rows_R
-        return float(rows.max() / rows.mean()) if rows.sum() else 1.0
+        return ranks.imbalance(self.rows_R)
 
     @property
     def replicas(self) -> int:
@@ -227,6 +229,7 @@ def library_work(
         capacity=capacity,
         token_rows_RR=np.asarray(counts.kept_RRG.sum(-1), np.float64),
         weight_copies_RR=copies,
+        held_RC=slot_expert.astype(np.int32),
         dropped=int(counts.routed_RRG.sum() - counts.kept_RRG.sum()),
         plan=jax.device_get(plan),
         loads_RE=loads,
@@ -243,9 +246,9 @@ def placement_work(
     """An EPLB placement as rank work: each instance of layout ``[R, C]`` is a group of its rank
     with its quota of rows; each source splits its pairs for an expert over the expert's
     instances in proportion to their quotas (what routing each token to an instance at random
-    gives on average); ``moves_weights``: every instance off its expert's home rank ``e // E_m``
-    is a weight copy this layer (a re-layout planned on this step's loads), else the layout is
-    already in place."""
+    gives on average); ``moves_weights``: every instance off its expert's home rank
+    (`Layout.master_rank`) is a weight copy this layer (a re-layout planned on this step's loads),
+    else the layout is already in place."""
     loads = np.asarray(loads_RE, np.int64)
     R, E = loads.shape
     layout, quota = balanced.layout, balanced.quota
@@ -260,6 +263,7 @@ def placement_work(
         home = master_rank(e)
         if moves_weights and home != dst:
             copies[home, dst] += 1
+    held = ranks.held_off_home(layout[None], E)[0] if moves_weights else np.full_like(layout, -1)
     masters_only = jax.device_get(_jit_masters_only(loads.astype(np.int32)))
     return RankWork(
         policy=policy,
@@ -267,6 +271,7 @@ def placement_work(
         capacity=int(quota.sum(axis=1).max()),
         token_rows_RR=token_rows,
         weight_copies_RR=copies,
+        held_RC=held,
         dropped=0,
         plan=masters_only,
         loads_RE=loads.astype(np.int32),

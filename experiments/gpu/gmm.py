@@ -1,6 +1,6 @@
 """The GPU check's grouped-matmul section: our Pallas (Triton) kernel, JAX's Mosaic GPU ragged-dot
 kernels, ``jax.lax.ragged_dot`` and a dense matmul, bf16, timed and checked against a float32
-reference (see `experiments.bench.gpu_check`)."""
+reference (see `experiments.gpu.check`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Planner benchmark: balance quality on generated and real loads, and time per plan.
 
-        python -m experiments.bench.planner                # everything, a few minutes on 2 cores
-        python -m experiments.bench.planner --seeds=3 --timing_batch=256 --nobaselines
-        python -m experiments.bench.planner --train_loads=/tmp/run/loads.jsonl   # a training run
+        python -m experiments.planner                # everything, a few minutes on 2 cores
+        python -m experiments.planner --seeds=3 --timing_batch=256 --nobaselines
+        python -m experiments.planner --train_loads=/tmp/run/loads.jsonl   # a training run
 
 Quality: final max/mean rank load and replicas on the UltraEP reference setup (EP64, 256 experts,
 2 spare slots per rank, top-8, 8192 tokens per rank, rank-level Zipf at initial 1.5 / 2.0 / 3.0)
@@ -13,9 +13,9 @@ training run recorded with ``--profile_loads`` (``--train_loads``). Time: one `j
 `jax.vmap(plan)` over a batch of load matrices (so dispatch is amortised), median over repeats,
 per plan.
 
-Baselines (``--baselines``, `experiments.bench.planner_baselines`): none, eplb_exact,
+Baselines (``--baselines``, `experiments.planner.baselines`): none, eplb_exact,
 eplb_periodic, eplb_plus and ultraep on the same load matrices. The flags are defined in
-`experiments.bench.planner_setup`.
+`experiments.planner.setup`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from absl import flags
 
 import ultraep_jax as uep
 from experiments import common, records
-from experiments.bench import planner_baselines
-from experiments.bench import planner_setup as setup
 from experiments.loads import workloads
+from experiments.planner import baselines as planner_baselines
+from experiments.planner import setup
 
 flags.adopt_module_key_flags(setup)  # --help lists the benchmark's flags
 
@@ -228,7 +228,3 @@ def main(argv):
         planner_baselines.baseline_table(results)
     _timing_table(results)
     common.write_json(setup.JSON.value, results)
-
-
-if __name__ == "__main__":
-    common.run_main(main)

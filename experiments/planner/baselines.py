@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.bench import planner_setup as setup
 from experiments.loads import baselines, workloads
+from experiments.planner import setup
 
 #: The rows of each workload, in table order.
 ORDER = ("none", "eplb_periodic", "eplb_exact", "eplb_plus", "ultraep")

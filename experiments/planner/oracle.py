@@ -1,16 +1,18 @@
 """The exact side of the planner's comparisons: whether any plan reaches a threshold (a
 mixed-integer program, `scipy.optimize.milp`; scipy comes with the ``test`` extra), and the small
-random cases it is asked about (`experiments.bench.planner_exact`, tests/test_planner_exact.py)."""
+random cases it is asked about (`experiments.planner.exact`, tests/test_planner_exact.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from experiments.loads import ranks
+
 
 def exact_plan_exists(load_e, ep_size: int, slots: int, keep: int, tau: int) -> bool:
-    """Whether some plan puts every rank at or below ``tau``: expert ``e``'s master (rank
-    ``e // (E / R)``) keeps at least ``min(keep, load_e[e])`` of its tokens, and every other rank
-    holds at most ``slots`` replicas, each of a distinct expert, with any quotas.
+    """Whether some plan puts every rank at or below ``tau``: expert ``e``'s master (on its home
+    rank, `ranks.home_ranks`) keeps at least ``min(keep, load_e[e])`` of its tokens, and every
+    other rank holds at most ``slots`` replicas, each of a distinct expert, with any quotas.
 
     A mixed-integer program: binary ``y[t, e]`` (rank ``t`` holds a replica of ``e``) and quotas
     ``q[t, e] >= 0``. Given ``y`` the quotas are a flow problem with integer data, so real quotas
@@ -21,12 +23,12 @@ def exact_plan_exists(load_e, ep_size: int, slots: int, keep: int, tau: int) -> 
 
     load_e = [int(v) for v in load_e]
     E, R = len(load_e), ep_size
-    em = E // R
-    L = [sum(load_e[d * em : (d + 1) * em]) for d in range(R)]
+    home = ranks.home_ranks(E, R).tolist()
+    L = ranks.home_rank_loads(np.asarray(load_e, dtype=np.int64), R).tolist()
     if max(L) <= tau:
         return True
     give = [max(v - keep, 0) for v in load_e]  # what each master may give away
-    pairs = [(t, e) for t in range(R) for e in range(E) if e // em != t and give[e] > 0]
+    pairs = [(t, e) for t in range(R) for e in range(E) if home[e] != t and give[e] > 0]
     if slots == 0 or not pairs:
         return False
     P = len(pairs)  # variables: y[0, P), q[P, 2P)
@@ -47,7 +49,7 @@ def exact_plan_exists(load_e, ep_size: int, slots: int, keep: int, tau: int) -> 
         row([(P + k, 1.0) for k, (_, f) in enumerate(pairs) if f == e], give[e])
     for t in range(R):  # rank load <= tau: L[t] - given away + received
         entries = [(P + k, 1.0) for k, (u, _) in enumerate(pairs) if u == t]
-        entries += [(P + k, -1.0) for k, (_, e) in enumerate(pairs) if e // em == t]
+        entries += [(P + k, -1.0) for k, (_, e) in enumerate(pairs) if home[e] == t]
         row(entries, tau - L[t])
     A = coo_matrix((vals, (rows, cols)), shape=(len(upper), 2 * P)).tocsr()
     result = milp(

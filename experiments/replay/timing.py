@@ -1,4 +1,4 @@
-"""The timed part of `experiments.bench.replay`: one rank's own work, with the layer's code and
+"""The timed part of `experiments.replay`: one rank's own work, with the layer's code and
 kernels, on one device, one rank at a time.
 
 Three parts of a rank's work are timed separately:
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.bench.replay_work import RankWork
+from experiments.replay.work import RankWork
 from ultraep_jax import dispatch
 from ultraep_jax.experts import local_experts
 

@@ -3,10 +3,10 @@ replica-weight exchange (`transfer.fetch_replica_experts`), each timed against a
 copy of the same bytes, for the "ragged" (`jax.lax.ragged_all_to_all`) and "portable" backends,
 under each XLA flag variant; the ragged path's values and gradients against the portable path's;
 and where the replica transfer sits in the compiled schedule of the experts' forward + backward
-(`hlo_schedule`). See `experiments.bench.gpu_check`.
+(`hlo_schedule`). See `experiments.gpu.check`.
 
 XLA reads ``XLA_FLAGS`` once, when its backend starts, and aborts on a flag it does not know, so
-each variant runs in a child process (``python -m experiments.bench.gpu_exchange SPEC.json``); a
+each variant runs in a child process (``python -m experiments.gpu.exchange SPEC.json``); a
 child that dies naming an unknown flag is reported as "flag not known to this jaxlib". The ranks
 are every GPU of the machine (EP = 1 on one GPU still runs the collective kernels); the dry run
 uses 4 CPU devices, where XLA cannot compile ``ragged_all_to_all``: only the portable path runs.
@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments import common
-from experiments.bench import hlo_schedule
+from experiments.gpu import hlo_schedule
 from ultraep_jax import comm, streaming, transfer
 from ultraep_jax.exchange import Exchange
 
@@ -489,7 +489,7 @@ def run_child(name: str, flags: str, spec: dict, folder: str, dry: bool, timeout
     spec_path = os.path.join(folder, f"exchange_{file_stem(name)}_spec.json")
     log_path = os.path.join(folder, f"exchange_{file_stem(name)}.log")
     common.write_json(spec_path, spec)
-    cmd = [sys.executable, "-m", "experiments.bench.gpu_exchange", spec_path]
+    cmd = [sys.executable, "-m", "experiments.gpu.exchange", spec_path]
     try:
         done = subprocess.run(
             cmd, env=_child_env(flags, dry), capture_output=True, text=True, timeout=timeout_s

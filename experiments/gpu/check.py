@@ -1,8 +1,8 @@
 """The GPU check: correctness and timings of the GPU path, on one GPU.
 
-        python -m experiments.bench.gpu_check --out=runs/gpu            # on an H100 / H200
-        python -m experiments.bench.gpu_check --out=runs/gpu --sections=planner,gmm
-        python -m experiments.bench.gpu_check --dry_run    # anywhere: every section on CPU,
+        python -m experiments.gpu.check --out=runs/gpu            # on an H100 / H200
+        python -m experiments.gpu.check --out=runs/gpu --sections=planner,gmm
+        python -m experiments.gpu.check --dry_run    # anywhere: every section on CPU,
                                                            # tiny shapes, kernel interpreted
 
 Sections (``--sections``; a table is printed, ``--out/gpu_results.json`` is rewritten after each):
@@ -34,7 +34,7 @@ exchange (e) the token exchange (8192 tokens x top-8 of D=7168 bf16 per rank) an
          ragged path's values and gradients against the portable path's; the replica step's
          compiled schedule (does the transfer run while the masters' matmuls do?); each under
          every --exchange_variants XLA flag setting, in a child process (a flag this jaxlib does
-         not know is reported as such). `experiments.bench.gpu_exchange`.
+         not know is reported as such). `experiments.gpu.exchange`.
 moe      (d) the MoE layer (uep.MoE) forward + backward on one GPU (EP = 1 mesh), balancer on vs
          off, for each --moe_kernels expert kernel: median step ms and the ratio; the optimized HLO
          of the balanced step (written to --out) and where its replica-weight path sits in the
@@ -43,7 +43,7 @@ moe      (d) the MoE layer (uep.MoE) forward + backward on one GPU (EP = 1 mesh)
 Timings are medians over --repeats samples; a sample times --inner back-to-back calls and
 blocks once (so the host's dispatch overlaps the device's work), divided by --inner.
 Without a GPU (and without --dry_run) it prints one line and exits with code 2. The sections
-are in `experiments.bench.gpu_planner`, `gpu_exchange`, `gpu_gmm` and `gpu_moe`.
+are in `experiments.gpu.planner`, `gpu_exchange`, `gpu_gmm` and `gpu_moe`.
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ import jax
 from absl import flags
 
 from experiments import common
-from experiments.bench import gpu_exchange, gpu_gmm, gpu_moe, gpu_planner
+from experiments.gpu import exchange as gpu_exchange
+from experiments.gpu import gmm as gpu_gmm
+from experiments.gpu import moe as gpu_moe
+from experiments.gpu import planner as gpu_planner
 from ultraep_jax import _native
 
 _OUT = flags.DEFINE_string("out", None, "Folder for gpu_results.json and the HLO dump (created).")

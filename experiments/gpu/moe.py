@@ -2,7 +2,7 @@
 on, with a device profile and where the replica-weight path sits in the optimized HLO's schedule
 (`hlo_schedule`: each collective, and the matmuls scheduled while it is in flight; at EP=1 the
 layer skips the balancer, so the exchange section's replica step is where the transfer shows; see
-`experiments.bench.gpu_check`)."""
+`experiments.gpu.check`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import numpy as np
 
 import ultraep_jax as uep
 from experiments import common
-from experiments.bench import hlo_schedule
+from experiments.gpu import hlo_schedule
 
 _INTERESTING = re.compile(
     r"^(custom-call|all-to-all|ragged-all-to-all|all-gather|all-reduce|collective-permute"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Every GPU figure (planner, exchanges, overlap, replay, GPU tests) in one command (README, "GPU"):
+# Every GPU figure (planner, exchanges, overlap, replay, GPU tests) in one command (docs/gpu.md):
 #
-#   bash experiments/gpu_all.sh                          # every part, on a GPU machine
-#   bash experiments/gpu_all.sh --parts=setup,tests      # some parts (each <= 10 minutes)
-#   bash experiments/gpu_all.sh --dry_run                # every part at tiny shapes on CPU
+#   bash experiments/gpu/run_all.sh                          # every part, on a GPU machine
+#   bash experiments/gpu/run_all.sh --parts=setup,tests      # some parts (each <= 10 minutes)
+#   bash experiments/gpu/run_all.sh --dry_run                # every part at tiny shapes on CPU
 #
 # Parts, in order, with their expected time on one H100 (estimates: tests measured 137 s before):
 #   setup           pip install of this checkout (builds ffi/, the CUDA planner where nvcc is),
@@ -14,23 +14,23 @@
 #   replay_train    replay, --shape=deepseek_v3, DeepSeek-R1 at EP64, train, Mosaic GPU
 #                   kernels, bf16 -> replay_train.json / .log                           ~8 min
 #   replay_prefill  the same, prefill -> replay_prefill.json / .log                       ~4 min
-#   gmm             gpu_check --sections=env,gmm, a reduced sweep -> gmm/ (no bar)       ~5 min
+#   gmm             gpu_check --sections=env,gmm, a reduced sweep -> gmm/ (no target)       ~5 min
 #   tests_cpu       the whole test suite on the host's CPU -> tests_cpu.log (optional)  ~10 min
-# summary.md (python -m experiments.bench.gpu_summary) is rewritten at the end of every run.
+# summary.md (python -m experiments.gpu.summary) is rewritten at the end of every run.
 # Default --parts: setup,tests,gpu_check,exchange,replay_train,replay_prefill,gmm.
-# The device tool allows 10 minutes a command and 30 a session: run it as
+# On a machine that allows 10 minutes a command, run
 #   --parts=setup,tests,gpu_check   then   --parts=setup,exchange
-#   then --parts=setup,replay_train   then (time left) --parts=setup,replay_prefill,gmm
+#   then --parts=setup,replay_train   then --parts=setup,replay_prefill,gmm
 # and unpack $OUT/gpu_all.tar.gz into experiments/results/ after each.
 #
 # Options: --parts=LIST, --out=DIR (default experiments/results/gpu_<UTC date>; dry run:
 # runs/gpu_all_dry), --dry_run. Environment: PYTHON (default python3), GPU_ALL_COMMIT (the commit to
 # record where the tree has no .git), REPLAY_MATRICES (1), REPLAY_EP (64), PART_TIMEOUT (seconds a
-# part may take, default 570), OUT (set by the device tool: DIR is packed into
+# part may take, default 570), OUT (a folder copied back from a remote machine: DIR is packed into
 # $OUT/gpu_all.tar.gz after each part, so that finished parts come back even if a later one is
 # cut off).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PY=${PYTHON:-python3}
 DRY=0
@@ -41,7 +41,7 @@ for arg in "$@"; do
     --dry_run) DRY=1 ;;
     --parts=*) PARTS=${arg#--parts=} ;;
     --out=*) DIR=${arg#--out=} ;;
-    *) echo "gpu_all.sh: unknown argument $arg (see the header of $0)" >&2; exit 2 ;;
+    *) echo "run_all.sh: unknown argument $arg (see the header of $0)" >&2; exit 2 ;;
   esac
 done
 if [ -z "$DIR" ]; then
@@ -63,7 +63,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 
-pack() {  # finished parts travel back with the device tool even if a later part is cut off
+pack() {  # finished parts come back even if a later part is cut off
   if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
     tar czf "$OUT/gpu_all.tar.gz" -C "$(dirname "$DIR")" "$(basename "$DIR")"
   fi
@@ -155,29 +155,29 @@ for part in "${WANT[@]}"; do
       run_part tests_cpu "$DIR/tests_cpu.log" env JAX_PLATFORMS=cpu \
         $PY -m pytest -q -p no:cacheprovider tests/ ;;
     gpu_check)
-      run_part gpu_check "$DIR/gpu_check.log" $PY -m experiments.bench.gpu_check $DRYFLAG \
+      run_part gpu_check "$DIR/gpu_check.log" $PY -m experiments.gpu.check $DRYFLAG \
         --out="$DIR/gpu_check" --sections=env,planner,moe ;;
     exchange)
       # The dry run's variants: XLA's defaults, and a flag no jaxlib knows (the reporting path).
       variants=$([ $DRY = 1 ] && echo "default,--xla_ultraep_no_such_flag=true" ||
         echo "default,decomposer,one_shot_off,device_kernel,latency_hiding")
-      run_part exchange "$DIR/exchange.log" $PY -m experiments.bench.gpu_check $DRYFLAG \
+      run_part exchange "$DIR/exchange.log" $PY -m experiments.gpu.check $DRYFLAG \
         --out="$DIR/exchange" --sections=env,exchange --exchange_variants="$variants" \
         --exchange_timeout=150 ;;
     replay_train | replay_prefill)
       mode=${part#replay_}
       # shellcheck disable=SC2046
-      run_part "$part" "$DIR/$part.log" $PY -m experiments.bench.replay $(replay_args "$mode") \
+      run_part "$part" "$DIR/$part.log" $PY -m experiments.replay $(replay_args "$mode") \
         --json_out="$DIR/$part.json" ;;
     gmm)
-      run_part gmm "$DIR/gmm.log" $PY -m experiments.bench.gpu_check $DRYFLAG --out="$DIR/gmm" \
+      run_part gmm "$DIR/gmm.log" $PY -m experiments.gpu.check $DRYFLAG --out="$DIR/gmm" \
         --sections=env,gmm --gmm_groups=8 --gmm_sizes=16384,65536 \
         --gmm_configs=128x128x64w4s3 --mgpu_configs=128x128x64c4g4,128x128x64c5g4 ;;
     summary) ;;
-    *) echo "gpu_all.sh: unknown part $part" >&2; exit 2 ;;
+    *) echo "run_all.sh: unknown part $part" >&2; exit 2 ;;
   esac
 done
 
-$PY -m experiments.bench.gpu_summary --dir="$DIR" >/dev/null && echo "== summary: $DIR/summary.md"
+$PY -m experiments.gpu.summary --dir="$DIR" >/dev/null && echo "== summary: $DIR/summary.md"
 cat "$DIR/summary.md"
 pack

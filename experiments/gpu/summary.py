@@ -1,8 +1,8 @@
-"""summary.md of a `experiments/gpu_all.sh` run: each figure that needs a GPU (planner,
+"""summary.md of a `experiments/gpu/run_all.sh` run: each figure that needs a GPU (planner,
 exchanges, overlap, replay, GPU tests), read from the run's JSON and logs, whether its target is
 met, and the command that produced it.
 
-        python -m experiments.bench.gpu_summary --dir=experiments/results/gpu_20261124
+        python -m experiments.gpu.summary --dir=experiments/results/gpu_20261124
 
 Reads, in ``--dir``: ``commands.tsv`` (part, exit code, seconds, command: one line per part run),
 ``env.txt``, ``tests_gpu.log``, ``gpu_check/gpu_results.json``, ``exchange/gpu_results.json``,
@@ -20,7 +20,7 @@ from absl import flags
 
 from experiments import common
 
-_DIR = flags.DEFINE_string("dir", None, "The gpu_all.sh output folder.", required=True)
+_DIR = flags.DEFINE_string("dir", None, "The run_all.sh output folder.", required=True)
 
 #: The planner bar (us per plan at EP64/E256/S2, one plan, CUDA events).
 PLANNER_BAR_US = 20.0

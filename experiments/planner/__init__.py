@@ -1,0 +1,9 @@
+"""The planner's benchmarks:
+
+        python -m experiments.planner         # balance, replicas and time per plan; baselines
+        python -m experiments.planner.exact   # exact mode's misses against an exact solver
+
+Modules: main (the entry: flags, tables), setup (its flags and load matrices), baselines (the
+baseline table), exact (entry: the miss rate), oracle (the exact solver, a mixed-integer
+program, and its random cases; the tests use it as the planner's oracle).
+"""

@@ -1,0 +1,381 @@
+"""The layer as a drop-in for other codebases: the per-shard core inside a user's `shard_map`,
+`routed_experts` and `MoE`, on meshes with data, EP and tensor ("model") axes, Explicit and Auto
+axis types, with padding masks, in float32 and bfloat16, with SwiGLU and GeGLU experts: values
+and gradients against a dense one-device reference that drops the masked tokens, and y's
+sharding equal to x's.
+
+The cases cover every pair of levels of the six factors (entry point, mesh, axis type, mask,
+dtype, activation) at least once (`_pairwise_cases`), rather than their full product: each case
+compiles a forward and backward pass, and the full product is 216 compilations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ultraep_jax as uep
+from tests.helpers import set_param
+from ultraep_jax.activations import ACTIVATIONS
+
+D, F, E, K = 16, 8, 8, 2
+B, L = 8, 6  # 48 tokens: 6 per device on 8 token devices, 12 on 4 (with a "model" axis)
+
+MESHES = {
+    "ep8": ((8,), ("expert",)),
+    "dp2ep4": ((2, 4), ("data", "expert")),
+    "dp2ep2tp2": ((2, 2, 2), ("data", "expert", "model")),
+}
+FACTORS = {
+    "entry": ("local", "routed", "layer"),
+    "mesh": tuple(MESHES),
+    "axes": ("explicit", "auto"),
+    "mask": ("none", "random", "all"),
+    "dtype": ("float32", "bfloat16"),
+    "activation": ("silu", "gelu"),
+}
+
+
+def _pairwise_cases() -> list[dict]:
+    """A small list of factor assignments in which every pair of levels of any two factors
+    occurs (greedy: each new case covers the most pairs not yet covered; deterministic)."""
+    names = list(FACTORS)
+    wanted = {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(names, 2)
+        for va in FACTORS[a]
+        for vb in FACTORS[b]
+    }
+    cases = []
+    while wanted:
+        best, best_pairs = None, set()
+        for combo in itertools.product(*(FACTORS[n] for n in names)):
+            case = dict(zip(names, combo, strict=True))
+            pairs = {
+                ((a, case[a]), (b, case[b])) for a, b in itertools.combinations(names, 2)
+            } & wanted
+            if len(pairs) > len(best_pairs):
+                best, best_pairs = case, pairs
+        cases.append(best)
+        wanted -= best_pairs
+    return cases
+
+
+CASES = _pairwise_cases()
+
+
+def _mesh(name: str, axes: str):
+    shape, names = MESHES[name]
+    kind = AxisType.Explicit if axes == "explicit" else AxisType.Auto
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+
+
+def _draw(seed: int, dtype):
+    """x [B, L, D], router kernel [D, E], (w_gate, w_up, w_down), each choice's ids and weights
+    (a skewed routing: most pairs to experts 0 and 1), and a cotangent for y."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(B, L, D))
+    router = rng.normal(size=(D, E))
+    router[:, :2] += 2.0 * x.mean(axis=(0, 1))[:, None]
+    params = (
+        rng.normal(size=(E, D, F)) / math.sqrt(D),
+        rng.normal(size=(E, D, F)) / math.sqrt(D),
+        rng.normal(size=(E, F, D)) / math.sqrt(F),
+    )
+    ids = np.where(
+        rng.random((B, L, K)) < 0.6, rng.integers(0, 2, (B, L, K)), rng.integers(0, E, (B, L, K))
+    )
+    ids[..., 1] = np.where(ids[..., 1] == ids[..., 0], (ids[..., 0] + 1) % E, ids[..., 1])
+    weights = rng.random((B, L, K))
+    cot = rng.normal(size=(B, L, D))
+    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    return (
+        cast(x),
+        jnp.asarray(router, jnp.float32),
+        tuple(cast(w) for w in params),
+        jnp.asarray(ids, jnp.int32),
+        jnp.asarray(weights, jnp.float32),
+        jnp.asarray(cot, jnp.float32),
+    )
+
+
+def _mask(kind: str, seed: int):
+    if kind == "none":
+        return None
+    if kind == "all":
+        return jnp.zeros((B, L), bool)
+    return jnp.asarray(np.random.default_rng(seed + 7).random((B, L)) < 0.7)
+
+
+def dense_reference(x, ids, weights, params, mask, activation):
+    """float32 [B, L, D]: every token through its chosen experts on one device, weighted and
+    summed; 0 for masked tokens."""
+    act = ACTIVATIONS[activation]
+    x32 = x.astype(jnp.float32)
+    wg, wu, wd = (w.astype(jnp.float32) for w in params)
+    hi = jax.lax.Precision.HIGHEST
+    h = act(jnp.einsum("bld,edf->blef", x32, wg, precision=hi)) * jnp.einsum(
+        "bld,edf->blef", x32, wu, precision=hi
+    )
+    out = jnp.einsum("blef,efd->bled", h, wd, precision=hi)  # every expert on every token
+    chosen = jnp.take_along_axis(out, ids[..., None], axis=2)  # [B, L, K, D]
+    y = jnp.einsum("blk,blkd->bld", weights, chosen, precision=hi)
+    return y if mask is None else jnp.where(mask[..., None], y, 0)
+
+
+def _ep(mesh, activation, **kw):
+    balancer = uep.BalancerConfig(slots_per_rank=1, min_tokens_per_replica=1)
+    return uep.ExpertParallel(mesh, E, balancer, capacity_factor=None, activation=activation, **kw)
+
+
+def _put(mesh, ep, x, ids, weights, params, mask):
+    """The arrays placed as a user would: tokens split over the token axes on the batch axis,
+    expert weights over the EP axis."""
+    tok = NamedSharding(mesh, P(ep.token_axes))
+    experts = NamedSharding(mesh, ep.expert_spec)
+    put = jax.device_put
+    return (
+        put(x, tok),
+        put(ids, tok),
+        put(weights, tok),
+        tuple(put(w, experts) for w in params),
+        None if mask is None else put(mask, tok),
+    )
+
+
+def _user_shard_map(mesh, ep):
+    """A user's own EP layer: their `shard_map`, our per-shard core inside."""
+    tok, experts = P(ep.token_axes), ep.expert_spec
+
+    def per_shard(x, ids, weights, mask, *params):
+        return uep.routed_experts_local(x, ids, weights, params, ep, mask)
+
+    def run(x, ids, weights, params, mask):
+        mask_spec = tok if mask is not None else None
+        return jax.shard_map(
+            per_shard,
+            mesh=mesh,
+            in_specs=(tok, tok, tok, mask_spec, experts, experts, experts),
+            out_specs=(tok, P()),
+        )(x, ids, weights, mask, *params)
+
+    return run
+
+
+def _assert_close(actual, desired, dtype: str) -> None:
+    """Elementwise in float32; in bfloat16 (8 significant bits, rounded at every matmul) the
+    relative error of the whole array, which elementwise bounds cannot state for values near 0."""
+    if dtype == "bfloat16":
+        err = np.linalg.norm(actual - desired) / max(np.linalg.norm(desired), 1e-30)
+        assert err < 1.5e-2, err
+    else:
+        np.testing.assert_allclose(actual, desired, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c.values()) for c in CASES])
+def test_values_gradients_and_sharding_equal_dense_reference(case):
+    dtype = jnp.dtype(case["dtype"])
+    mesh = _mesh(case["mesh"], case["axes"])
+    ep = _ep(mesh, case["activation"])
+    x, router, params, ids, weights, cot = _draw(CASES.index(case), dtype)
+    mask = _mask(case["mask"], 3)
+    host_args = jax.device_get((x, ids, weights, params, mask))
+    x, ids, weights, params, mask = _put(mesh, ep, x, ids, weights, params, mask)
+
+    names = ("w_gate", "w_up", "w_down")
+    if case["entry"] == "layer":
+        layer = uep.MoE(
+            D,
+            F,
+            E,
+            K,
+            mesh,
+            ep.balancer,
+            None,
+            activation=case["activation"],
+            param_dtype=dtype,
+            rngs=nnx.Rngs(0),
+        )
+        set_param(layer.router_kernel, np.asarray(router))
+        for name, w in zip(names, host_args[3], strict=True):
+            set_param(getattr(layer, name), w)
+        graphdef, state, rest = nnx.split(layer, nnx.Param, ...)
+        params = state
+
+        def loss(x, weights_unused, state):
+            y, stats = nnx.merge(graphdef, state, rest)(x, mask)
+            return jnp.sum(y.astype(jnp.float32) * cot), (y, stats)
+
+    else:
+        run = (
+            _user_shard_map(mesh, ep)
+            if case["entry"] == "local"
+            else (lambda x, i, w, p, m: uep.routed_experts(x, i, w, p, ep, m))
+        )
+
+        def loss(x, weights, params):
+            y, stats = run(x, ids, weights, params, mask)
+            return jnp.sum(y.astype(jnp.float32) * cot), (y, stats)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, (y, stats)), (gx, gw, gp) = grad(x, weights, params)
+    if case["entry"] == "layer":
+        grads = nnx.merge(graphdef, gp, rest)
+        gp = tuple(getattr(grads, name)[...] for name in names)
+
+    x_h, ids_h, weights_h, params_h, mask_h = host_args
+
+    def ref_loss(x, weights, params):
+        ids = ids_h
+        if case["entry"] == "layer":  # the layer's own router, on the same x
+            routing = uep.SoftmaxTopK(K)(x.reshape(-1, D).astype(jnp.float32) @ router)
+            ids, weights = (a.reshape(B, L, K) for a in (routing.experts, routing.weights))
+        y = dense_reference(x, ids, weights, params, mask_h, case["activation"])
+        return jnp.sum(y * cot), y
+
+    ref_grad = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2), has_aux=True))
+    host = lambda a: np.asarray(jax.device_get(a), np.float32)  # noqa: E731
+    (_, y_ref), (gx_ref, gw_ref, gp_ref) = ref_grad(x_h, weights_h, params_h)
+    close = lambda a, b: _assert_close(host(a), host(b), case["dtype"])  # noqa: E731
+    close(y, y_ref)
+    close(gx, gx_ref)
+    if case["entry"] != "layer":  # the layer's weights come from its router
+        close(gw, gw_ref)
+    for g, g_ref in zip(gp, gp_ref, strict=True):
+        close(g, g_ref)
+
+    real = B * L if mask is None else int(np.sum(mask_h))
+    assert int(stats.masked) == B * L - real
+    assert int(np.sum(stats.expert_load)) == K * real
+    assert int(stats.dropped) == 0 and int(stats.invalid) == 0
+    if mask is not None:
+        np.testing.assert_array_equal(host(y)[~mask_h], 0)
+        np.testing.assert_array_equal(host(gx)[~mask_h], 0)
+    assert y.dtype == x.dtype
+    assert y.sharding.is_equivalent_to(x.sharding, y.ndim), (y.sharding, x.sharding)
+
+
+def _routed_case(mesh, seed=0, dtype=jnp.float32, batch=B, seq=L):
+    """Host arrays of one call: x, router, params, ids, weights, cotangent (`_draw`), cut to
+    ``batch`` x ``seq`` tokens."""
+    x, router, params, ids, weights, cot = _draw(seed, dtype)
+    cut = lambda a: a[:batch, :seq]  # noqa: E731
+    return cut(x), params, cut(ids), cut(weights), cut(cot)
+
+
+@pytest.mark.parametrize(
+    "shape, names", [((8,), ("data",)), ((8, 1), ("data", "expert"))], ids=["no_ep", "ep1"]
+)
+def test_mesh_without_ep_axis_runs_local_experts(shape, names):
+    """No EP axis (or one of size 1): every device runs every expert on its own tokens; no plan,
+    no exchange; values and gradients equal the dense reference."""
+    mesh = jax.make_mesh(shape, names)
+    ep = _ep(mesh, "silu")
+    assert ep.ep_size == 1 and ep.active_balancer is None
+    x, params, ids, weights, cot = _routed_case(mesh)
+    mask = _mask("random", 1)
+
+    def loss(x, params):
+        y, stats = uep.routed_experts(x, ids, weights, params, ep, mask)
+        return jnp.sum(y * cot), (y, stats)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, (y, stats)), (gx, gp) = grad(x, params)
+
+    def ref_loss(x, params):
+        y = dense_reference(x, ids, weights, params, mask, "silu")
+        return jnp.sum(y * cot), y
+
+    (_, y_ref), (gx_ref, gp_ref) = jax.value_and_grad(ref_loss, argnums=(0, 1), has_aux=True)(
+        x, params
+    )
+    for a, b in [(y, y_ref), (gx, gx_ref), *zip(gp, gp_ref, strict=True)]:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+    want = np.bincount(np.asarray(ids)[np.asarray(mask)].ravel(), minlength=E)
+    np.testing.assert_array_equal(stats.expert_load, want)
+    hlo = jax.jit(loss).lower(x, params).as_text()
+    assert "ultraep_plan" not in hlo and "all_to_all" not in hlo
+
+
+def test_token_count_not_divisible_by_devices_is_padded():
+    """15 tokens on 8 devices: padded with masked tokens, which no stat counts."""
+    mesh = jax.make_mesh((8,), ("expert",))
+    ep = _ep(mesh, "silu")
+    x, params, ids, weights, _ = _routed_case(mesh, batch=3, seq=5)
+    y, stats = uep.routed_experts(x, ids, weights, params, ep)
+    y_ref = dense_reference(x, ids, weights, params, None, "silu")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5)
+    assert int(stats.masked) == 0 and int(np.sum(stats.expert_load)) == 15 * K
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_masked_tokens_may_hold_any_id(jit):
+    """Padding tokens' ids are never looked at: -1 or E at masked tokens neither raises eagerly
+    nor counts as invalid under jit, and their weights (even NaN) reach nothing."""
+    mesh = jax.make_mesh((8,), ("expert",))
+    ep = _ep(mesh, "gelu")
+    x, params, ids, weights, _ = _routed_case(mesh)
+    mask = _mask("random", 2)
+    garbage_ids = jnp.where(mask[..., None], ids, jnp.where(jnp.arange(K) == 0, -1, E))
+    nan_weights = jnp.where(mask[..., None], weights, jnp.nan)
+    call = lambda *a: uep.routed_experts(*a, ep, mask)  # noqa: E731
+    y, stats = (jax.jit(call) if jit else call)(x, garbage_ids, nan_weights, params)
+    y_ref = dense_reference(x, ids, weights, params, mask, "gelu")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5)
+    assert int(stats.invalid) == 0 and int(stats.masked) == int(np.sum(~np.asarray(mask)))
+
+
+def _count_calls(jaxpr, want) -> int:
+    """Equations for which ``want(eqn)`` holds in ``jaxpr``, counting each call site of a nested
+    jaxpr (jit, shard_map, checkpoint, cond branches) as often as it is called."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if want(eqn):
+            total += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    total += _count_calls(sub.jaxpr, want)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    total += _count_calls(sub, want)
+    return total
+
+
+def _gradient_counts(fn, *args) -> tuple[int, int]:
+    """(planner FFI calls, all-to-alls) in the program of ``fn``'s gradient, as JAX emits it."""
+    jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(*args).jaxpr
+    plans = _count_calls(jaxpr, lambda e: e.params.get("target_name") == "ultraep_plan")
+    a2a = _count_calls(jaxpr, lambda e: e.primitive.name == "all_to_all")
+    return plans, a2a
+
+
+def test_remat_policy_keeps_plan_and_exchanges():
+    """With ``save_only_these_names(*uep.remat.NAMES)`` the backward pass reuses the plan and the
+    exchanged rows: one planner call per layer (two when nothing is saved) and fewer
+    all-to-alls."""
+    mesh = jax.make_mesh((8,), ("expert",))
+    ep = _ep(mesh, "silu")
+    x, params, ids, weights, cot = _routed_case(mesh)
+
+    def layers(x, params):  # two layers of different routing (XLA would merge equal plans)
+        y, _ = uep.routed_experts(x, ids, weights, params, ep)
+        y, _ = uep.routed_experts(y, (ids + 1) % E, weights, params, ep)
+        return jnp.sum(y * cot)
+
+    kept = jax.checkpoint(
+        layers, policy=jax.checkpoint_policies.save_only_these_names(*uep.remat.NAMES)
+    )
+    none = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable)
+    plans_kept, a2a_kept = _gradient_counts(kept, x, params)
+    plans_none, a2a_none = _gradient_counts(none, x, params)
+    assert plans_kept == 2, plans_kept
+    assert plans_none == 4, plans_none
+    assert a2a_kept < a2a_none, (a2a_kept, a2a_none)

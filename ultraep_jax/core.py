@@ -1,0 +1,199 @@
+"""The per-device core of the balanced expert-parallel MoE, for use inside a `jax.shard_map`.
+
+`routed_experts_local` is what one device runs: its own tokens, their routing and its shard of
+the expert weights in, its tokens' output and the call's stats out. It runs the stages
+
+  plan:     exact loads of this microbatch, all-gathered over the EP axis -> the FFI planner
+  dispatch: reroute counts and offsets (`dispatch.plan_dispatch`) -> token all-to-all
+  experts:  replica weights fetched (`transfer`, relayed, in `streaming` chunks) -> grouped
+            gated MLP over masters and slots
+  combine:  results back (the reversed all-to-all) -> weighted sum per token
+
+`expert_parallel.routed_experts` wraps it in its own `shard_map`; a codebase that already runs
+one calls it directly. The stage results carry `remat` names, so that a
+``save_only_these_names`` policy keeps them for the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from ultraep_jax import comm, dispatch, relay, remat, reroute, streaming
+from ultraep_jax._vma import vary, varying_axes
+from ultraep_jax.checks import check_int32_sizes, check_local_inputs
+from ultraep_jax.config import BalancerConfig, ExpertParallel
+from ultraep_jax.experts import local_experts
+from ultraep_jax.planner import plan as make_plan
+from ultraep_jax.routers import expert_loads
+from ultraep_jax.stats import MoEStats
+
+
+def routed_experts_local(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    params: tuple[jax.Array, jax.Array, jax.Array],
+    ep: ExpertParallel,
+    token_mask: jax.Array | None = None,
+) -> tuple[jax.Array, MoEStats]:
+    """One device's routed experts, balanced by the plan of this call's exact loads.
+
+    Call it inside a `jax.shard_map` over ``ep.mesh`` (or a mesh of the same axis names and
+    sizes) whose in_specs split the tokens over ``ep.token_axes`` and the expert weights over the
+    EP axis (``ep.expert_spec``). Every device of an EP group must call it at the same point.
+
+    Args:
+      x: [..., D], this device's tokens (any leading shape; T tokens in all).
+      experts: int [..., K], each token's experts, in [0, E). Under `jit` an id outside the range
+        cannot be checked: such a pair is skipped (nothing in y or the gradients, in no load) and
+        counted in ``MoEStats.invalid``.
+      weights: [..., K], each choice's weight.
+      params: this device's expert weights: (w_gate [E_m, D, F], w_up [E_m, D, F], w_down
+        [E_m, F, D]) with E_m = E / R (R = ``ep.ep_size``; all E without an EP axis).
+      ep: the configuration (`ExpertParallel`).
+      token_mask: bool [...] (x's leading shape), True for a real token, or None (all real). A
+        masked token is routed nowhere: it is in no load, plan or capacity, its output is 0 and
+        it contributes 0 to every gradient; it is counted in ``MoEStats.masked``.
+
+    Returns:
+      y [..., D] in x's dtype: ``sum_j weights[..., j] * expert_{experts[..., j]}(x)`` (0 for a
+      masked token), and the call's `MoEStats`, summed or maxed over the EP groups so that every
+      device holds the same (typed invariant over the token axes).
+    """
+    check_local_inputs(x, experts, weights, params, ep, token_mask)
+    if ep.has_ep_axis and jax.lax.axis_size(ep.expert_axis) != ep.ep_size:
+        raise ValueError(
+            f"MoE: the shard_map's axis {ep.expert_axis!r} has {jax.lax.axis_size(ep.expert_axis)}"
+            f" devices, the ExpertParallel's mesh {ep.ep_size}"
+        )
+    D, K = x.shape[-1], experts.shape[-1]
+    T = math.prod(x.shape[:-1])
+    mask_T = None if token_mask is None else token_mask.reshape(T)
+    capacity = ep.capacity(T, K)
+    check_int32_sizes(T * K, capacity)
+    y_TD, stats = _pipeline(
+        x.reshape(T, D), experts.reshape(T, K), weights.reshape(T, K), mask_T, params, ep, capacity
+    )
+    return y_TD.reshape(x.shape), stats
+
+
+def pair_experts(experts_TK: jax.Array, mask_T: jax.Array | None, num_experts: int) -> jax.Array:
+    """int32 [T * K]: each pair's expert, E (no expert) for an id outside [0, E) or a masked
+    token; the range is checked before the cast, so a wide id cannot wrap into it."""
+    ok = (experts_TK >= 0) & (experts_TK < num_experts)
+    if mask_T is not None:
+        ok = ok & mask_T[:, None]
+    return jnp.where(ok, experts_TK, num_experts).astype(jnp.int32).reshape(-1)
+
+
+def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, capacity: int):
+    """plan -> dispatch -> experts -> combine -> stats on this device's [T, ...] tokens."""
+    T, K = experts_TK.shape
+    balancer = ep.active_balancer
+    replicas = balancer is not None and balancer.slots_per_rank > 0
+    experts_N = pair_experts(experts_TK, mask_T, ep.num_experts)
+    masked = jnp.int32(0) if mask_T is None else T - jnp.sum(mask_T, dtype=jnp.int32)
+
+    with jax.named_scope("plan"):
+        loads_RE, masked_R, plan = _plan(experts_N, masked, ep, balancer, capacity)
+        loads_RE, masked_R, plan = checkpoint_name((loads_RE, masked_R, plan), remat.PLAN)
+    with jax.named_scope("dispatch"):
+        route = dispatch.plan_dispatch(experts_N, loads_RE, plan, _ep_rank(ep), capacity)
+        route = checkpoint_name(route, remat.DISPATCH)
+        sent_CD = _exchange(x_TD[route.send_order_N // K], route.exchange, ep)
+        rows_CD = checkpoint_name(dispatch.to_groups(sent_CD, route), remat.RECEIVED)
+    with jax.named_scope("experts"):
+        if replicas:
+            done_CD = streaming.experts_with_replicas(
+                rows_CD,
+                params,
+                plan.slot_expert,
+                route.group_sizes_G,
+                kernel=ep.kernel,
+                chunks=ep.transfer_chunks,
+                max_fanout=balancer.max_fanout,
+                axis_name=ep.expert_axis,
+                backend=ep.exchange_backend,
+                activation=ep.activation,
+            )
+        else:
+            done_CD = local_experts(
+                rows_CD, params, None, route.group_sizes_G, ep.kernel, ep.activation
+            )
+    with jax.named_scope("combine"):
+        back_ND = _exchange(dispatch.from_groups(done_CD, route), route.exchange.reversed(), ep)
+        back_ND = checkpoint_name(back_ND, remat.RETURNED)
+        y_TD = dispatch.combine(back_ND, route, weights_TK)
+        if mask_T is not None:
+            y_TD = jnp.where(mask_T[:, None], y_TD, 0)
+    send_max = _transfer_send_max(plan, params, balancer.max_fanout) if replicas else 0.0
+    stats = _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, route, send_max)
+    return y_TD.astype(x_TD.dtype), stats
+
+
+def _ep_rank(ep: ExpertParallel) -> jax.Array:
+    """int32 []: this device's index on the EP axis (0 without one)."""
+    return jax.lax.axis_index(ep.expert_axis) if ep.has_ep_axis else jnp.int32(0)
+
+
+def _exchange(operand, exchange, ep: ExpertParallel) -> jax.Array:
+    """The token exchange over the EP axis; with one EP rank a local copy (nothing crosses the
+    network; XLA's ragged all-to-all over one device is slow on GPU)."""
+    if ep.ep_size == 1:
+        return comm.local_exchange(operand, exchange)
+    axis, backend = ep.expert_axis, ep.exchange_backend
+    return comm.ragged_exchange(operand, exchange, axis_name=axis, backend=backend)
+
+
+def _plan(experts_N, masked, ep: ExpertParallel, balancer: BalancerConfig | None, capacity: int):
+    """(loads [R, E], masked tokens [R], plan) of this EP group: the exact loads and masked
+    counts all-gathered over the EP axis, and their plan (every expert on its master without a
+    balancer)."""
+    local = jnp.append(expert_loads(experts_N, ep.num_experts), masked)
+    # Typed invariant over the EP axis (every rank of the group holds the same matrix), so that
+    # the plan and the stats derived from it are too.
+    if ep.has_ep_axis:
+        gathered = jax.lax.all_gather(local, ep.expert_axis, to="invarying")
+    else:
+        gathered = local[None]
+    loads_RE, masked_R = gathered[:, :-1], gathered[:, -1]
+    if balancer is None:
+        plan = reroute.masters_only_plan(loads_RE)
+    else:
+        plan = make_plan(loads_RE, balancer, capacity=capacity)
+    # The FFI result carries no sharding type: it is identical across the EP group but differs
+    # between EP groups, so it varies over whatever the loads vary over.
+    axes = varying_axes(loads_RE)
+    return loads_RE, masked_R, jax.tree.map(lambda a: vary(a, axes), plan)
+
+
+def _transfer_send_max(plan, masters, max_fanout: int) -> jax.Array:
+    """float32 []: the most bytes one EP rank sends in the replica transfer of ``plan``."""
+    copy_bytes = sum(w[0].size * w.dtype.itemsize for w in masters)
+    em = masters[0].shape[0]
+    return relay.largest_send_bytes(plan.slot_expert, em, max_fanout, copy_bytes)
+
+
+def _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, route, send_max) -> MoEStats:
+    """The call's `MoEStats`, typed invariant over the token axes."""
+    # Pairs of unmasked tokens with ids outside [0, E) are in no load (`expert_loads`) and sent
+    # nowhere (`dispatch`); masked tokens' pairs are neither, and counted apart.
+    masked = jnp.sum(masked_R)
+    invalid = loads_RE.shape[0] * experts_N.shape[0] - jnp.sum(loads_RE) - K * masked
+    stats = MoEStats.of_group(
+        loads_RE,
+        plan,
+        route.dropped,
+        invalid,
+        masked,
+        capacity,
+        route.group_sizes_RG,
+        jnp.float32(send_max),
+    )
+    # Invariant over the EP axis (a function of the gathered loads and the plan); summed or
+    # maxed over the EP groups, then invariant over every token axis.
+    return jax.tree.map(lambda a: vary(a, ep.data_axes), stats).over_groups(ep.data_axes)
