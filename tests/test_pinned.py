@@ -95,6 +95,8 @@ def test_moe_bench_on_two_pinned_ranks(tmp_path):
     pairs = 2 * 2 * 128  # ranks x top_k x tokens per rank
     for run in runs.values():
         assert sum(run["rank_load_before"]) == pairs
+        assert run["temp_mib"] > 0 and run["minor_faults"] >= 0
+    assert res["config"]["malloc"] == "keep"  # pinned ranks keep freed memory by default
     # The hot experts all sit on rank 0; balancing brings it within the buffer, plain EP drops.
     before = runs["balanced_capped"]["rank_load_before"]
     assert before[0] > before[1]

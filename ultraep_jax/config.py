@@ -86,6 +86,11 @@ class BalancerConfig:
             DeepSeek-R1, Qwen1.5-MoE and Switch traces (docs/results.md, "Relay"). At
             most 2**31 - 1 (the schedule computes in int32). Not
             a planner input: the plan is the same for every f.
+        min_tokens_per_rank: the fallback threshold: a layer whose EP ranks each hold fewer
+            tokens than this (a static shape, so decided when the layer is traced) compiles plain
+            expert parallelism, with no planner call, no replica slots and no weight transfer
+            (`applies`). Small batches, such as decode steps padded to fixed buffers, gain too
+            little from balancing to repay the planner and the transfer. 0: always balance.
     """
 
     num_experts: int | None = None
@@ -95,6 +100,7 @@ class BalancerConfig:
     balance_eps: float = 0.01
     master_keep_tokens: int = 1
     max_fanout: int = 2
+    min_tokens_per_rank: int = 0
 
     def __post_init__(self):
         # Normalised in place (the dataclass is frozen), so equal configs hash equal whatever
@@ -106,6 +112,7 @@ class BalancerConfig:
             ("min_tokens_per_replica", 1, MAX_MIN_TOKENS_PER_REPLICA),
             ("master_keep_tokens", 0, _INT64_MAX),
             ("max_fanout", 0, MAX_FANOUT),
+            ("min_tokens_per_rank", 0, _INT64_MAX),
         ):
             if getattr(self, name) is not None or name not in ("num_experts", "ep_size"):
                 value = _as_int(name, getattr(self, name), minimum, maximum)
@@ -129,6 +136,11 @@ class BalancerConfig:
                 f"ep_size out of the BalancerConfig (they are read from {holder})"
             )
         return dataclasses.replace(self, num_experts=num_experts, ep_size=ep_size)
+
+    def applies(self, tokens_per_rank: int) -> bool:
+        """Whether a layer whose EP ranks hold ``tokens_per_rank`` tokens each (static) balances:
+        False below ``min_tokens_per_rank``, where it runs plain expert parallelism."""
+        return tokens_per_rank >= self.min_tokens_per_rank
 
     @property
     def experts_per_rank(self) -> int:

@@ -93,7 +93,9 @@ def pair_experts(experts_TK: jax.Array, mask_T: jax.Array | None, num_experts: i
 def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, capacity: int):
     """plan -> dispatch -> experts -> combine -> stats on this device's [T, ...] tokens."""
     T, K = experts_TK.shape
+    # Below the balancer's token threshold (static: T) the layer compiles plain EP.
     balancer = ep.active_balancer
+    balancer = balancer if balancer and balancer.applies(T) else None
     replicas = balancer is not None and balancer.slots_per_rank > 0
     experts_N = pair_experts(experts_TK, mask_T, ep.num_experts)
     masked = jnp.int32(0) if mask_T is None else T - jnp.sum(mask_T, dtype=jnp.int32)

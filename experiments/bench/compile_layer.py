@@ -5,7 +5,7 @@
 
 On 8 simulated CPU devices (EP8), jits ``value_and_grad`` of one layer call and times each stage
 separately: trace (`jax.jit(...).trace`), lower (to StableHLO) and compile (XLA), fresh each
-repeat (jax's compilation cache off). Variants:
+repeat (jax's compilation cache off), the variants alternating within each round. Variants:
 
   balanced   `uep.routed_experts` with the default `BalancerConfig` (2 slots, relay fan-out 2)
   off        `uep.routed_experts` without a balancer (same dispatch, no plan or replicas)
@@ -118,10 +118,15 @@ def main(argv):
     del argv
     jax.config.update("jax_enable_compilation_cache", False)
     mesh = jax.make_mesh((8,), ("expert",))
-    results = {}
-    for variant in _VARIANTS.value:
-        runs = [stage_seconds(variant, mesh) for _ in range(_REPEATS.value)]
-        results[variant] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    # Variants alternate within each round, so that load on a shared machine hits them alike.
+    runs = {variant: [] for variant in _VARIANTS.value}
+    for _ in range(_REPEATS.value):
+        for variant in _VARIANTS.value:
+            runs[variant].append(stage_seconds(variant, mesh))
+    results = {
+        variant: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        for variant, rs in runs.items()
+    }
     base = sum(results["off"].values()) if "off" in results else None
     print(
         f"compile seconds by stage, T={_TOKENS.value} D={D} F={F} E={E} top-{K}, EP8 on CPU, "

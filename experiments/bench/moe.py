@@ -29,6 +29,7 @@ from experiments import common
 common.force_cpu_devices(8, cpu_only=True)  # before JAX starts a backend (pinned ranks: 1 each)
 
 import math
+import resource
 import sys
 import time
 
@@ -67,6 +68,14 @@ _PINNED = flags.DEFINE_integer(
     0,
     "EP ranks as this many processes, each pinned to its own core with one CPU device (the wall "
     "clock is then the busiest rank's); 0: 8 simulated devices in this process.",
+)
+_MALLOC = flags.DEFINE_enum(
+    "malloc",
+    "auto",
+    ["auto", "keep", "system"],
+    "keep: glibc keeps freed memory (common.keep_freed_memory) so that XLA:CPU's per-call "
+    "buffers do not page-fault in again on every call; system: glibc's defaults; auto: keep in "
+    "pinned rank processes, system otherwise.",
 )
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Set by --pinned_ranks.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Set by --pinned_ranks.")
@@ -158,9 +167,12 @@ def _compile(layer, x, mode: str) -> dict:
     compiled = step.lower(params, rest, x).compile()
     compile_s = time.perf_counter() - start
     stats = _stats_of(jax.block_until_ready(compiled(params, rest, x)), mode)  # warm-up
+    memory = compiled.memory_analysis()
     return {
         "run": lambda: compiled(params, rest, x),
         "compile_s": compile_s,
+        # XLA:CPU allocates this block afresh on every call (one per device's program).
+        "temp_mib": memory.temp_size_in_bytes / 2**20 if memory is not None else None,
         "buffer_rows": layer.capacity(_TOKENS.value),
         "rank_load_before": np.asarray(stats.rank_load_before).tolist(),
         "rank_load_after": np.asarray(stats.rank_load_after).tolist(),
@@ -172,17 +184,22 @@ def _compile(layer, x, mode: str) -> dict:
 
 
 def _time_interleaved(layers: dict, repeats: int) -> None:
-    """Adds ``step_ms`` (median) and ``step_ms_min`` to each entry, timing one step of each layer
-    per round."""
+    """Adds ``step_ms`` (median), ``step_ms_min`` and ``minor_faults`` (this process's minor page
+    faults per step, mean; unlike the clock, other load on the machine does not change them) to
+    each entry, timing one step of each layer per round."""
     times = {name: [] for name in layers}
+    faults = dict.fromkeys(layers, 0)
     for _ in range(repeats):
         for name, r in layers.items():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             jax.block_until_ready(r["run"]())
             times[name].append(time.perf_counter() - start)
+            faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     for name, r in layers.items():
         r["step_ms"] = float(np.median(times[name])) * 1e3
         r["step_ms_min"] = float(np.min(times[name])) * 1e3
+        r["minor_faults"] = faults[name] / repeats
 
 
 NAMES = {
@@ -212,14 +229,19 @@ def _print_report(res: dict) -> None:
         print(common.calibration_line(res["calibration"]))
     print(
         f"\n{'':>20} {'buffer rows':>11} {'dropped':>8} {'compile s':>10} {'step ms':>9} "
-        f"{'(min)':>8}"
+        f"{'(min)':>8} {'temp MiB':>9} {'faults/step':>12}"
     )
     for key, name in NAMES.items():
         r = runs[key]
+        temp = "n/a" if r["temp_mib"] is None else f"{r['temp_mib']:.2f}"
         print(
             f"{name:>20} {r['buffer_rows']:11d} {r['dropped']:8d} {r['compile_s']:10.2f} "
-            f"{r['step_ms']:9.2f} {r['step_ms_min']:8.2f}"
+            f"{r['step_ms']:9.2f} {r['step_ms_min']:8.2f} {temp:>9} {r['minor_faults']:12.0f}"
         )
+    print(
+        f"(temp MiB: XLA:CPU's block of temporaries, allocated on every call; faults/step: minor "
+        f"page faults of this process per step; glibc malloc: {cfg['malloc']})"
+    )
     print("\nStep-time ratios (medians of the same run):")
     for key, (a, b, what) in RATIOS.items():
         print(f"  {NAMES[a]:>20} / {NAMES[b]:<20} {res['ratios'][key]:6.3f}   {what}")
@@ -300,6 +322,7 @@ def run(pinned: bool) -> dict:
             "hot_experts": _HOT.value,
             "skew": _SKEW.value,
             "repeats": _REPEATS.value,
+            "malloc": _malloc_mode(),
         },
         "runs": runs,
         "ratios": {
@@ -309,6 +332,12 @@ def run(pinned: bool) -> dict:
     if calibration is not None:
         res["calibration"] = calibration
     return res
+
+
+def _malloc_mode() -> str:
+    """How glibc's malloc was set up in this process: "keep" or "system"."""
+    keep = _MALLOC.value == "keep" or (_MALLOC.value == "auto" and _NUM_PROCESSES.value > 1)
+    return "keep" if keep else "system"
 
 
 def _fail(err) -> None:
@@ -325,8 +354,8 @@ def main(argv):
         except ValueError as err:
             _fail(err)
         sys.exit(code)
-    if _NUM_PROCESSES.value > 1:
-        common.keep_freed_memory()  # a pinned rank: time the kernels, not the page faults
+    if _MALLOC.value == "keep" or (_MALLOC.value == "auto" and _NUM_PROCESSES.value > 1):
+        common.keep_freed_memory()  # time the kernels, not the page faults
     try:
         common.start_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         if _PINNED.value and jax.device_count() != _PINNED.value:

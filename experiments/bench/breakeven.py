@@ -1,0 +1,192 @@
+"""Below how many tokens per rank does balancing stop paying? Balanced at capacity factor 1.05
+against plain EP (dropless, and at 1.05), busiest rank's step, on pinned rank processes.
+
+    python -m experiments.bench.breakeven                 # the full sweep (tens of minutes)
+    python -m experiments.bench.breakeven --quick         # a smoke test: 2 sizes, 2 skews
+    python -m experiments.bench.breakeven --modes=prefill --tokens=64,512,4096 --skews=0,3
+
+For every mode (train: forward+backward; prefill: forward), router skew (bias toward the hot
+experts, `experiments.bench.moe`'s ``--skew``; 0: none) and tokens per rank, the three layers are
+compiled and timed interleaved (medians of ``--repeats`` rounds) on ``--pinned_ranks`` processes,
+each pinned to a core of its own with one CPU device, so that the wall clock is the busiest
+rank's (a calibration line says how close). The layer shape is `experiments.bench.moe`'s flags
+(default here D=128, F=512, E=8, top-2, all hot experts on rank 0). Prints the table and the
+break-even per mode and skew (`breakeven_report`), writes ``--json_out`` and the plot ``--plot``.
+Needs a quiet machine: other load on the cores changes the clock.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+from absl import flags
+from jax.sharding import AxisType
+
+import ultraep_jax as uep
+from experiments import common
+from experiments.bench import (
+    breakeven_report,
+    moe,  # its flags: the layer's shape, the balancer, the skew
+)
+
+_TOKENS = flags.DEFINE_list(
+    "tokens",
+    [str(2**i) for i in range(6, 14)],
+    "Tokens per rank to measure (multiples of --seq_len).",
+)
+_SKEWS = flags.DEFINE_list("skews", ["0", "1.6", "3"], "Router skews to measure (0: none).")
+_MODES = flags.DEFINE_list("modes", ["train", "prefill"], "train and/or prefill.")
+_QUICK = flags.DEFINE_bool(
+    "quick", False, "A smoke test: tokens 64 and 256, skews 0 and 3, 3 rounds."
+)
+_PLOT = flags.DEFINE_string("plot", "docs/breakeven.png", "Write the plot here (empty: no plot).")
+flags.FLAGS.set_default("d_model", 128)
+flags.FLAGS.set_default("d_ff", 512)
+flags.FLAGS.set_default("num_experts", 8)
+flags.FLAGS.set_default("pinned_ranks", 2)
+flags.FLAGS.set_default("json_out", "docs/breakeven.json")
+
+FLAGS = flags.FLAGS
+LAYERS = {"balanced": "balanced_ms", "dropless": "dropless_ms", "capped": "capped_ms"}
+
+
+def sweep() -> tuple[list[int], list[float], list[str], int]:
+    """(tokens per rank, skews, modes, repeats) of the flags (``--quick``: its small sweep).
+
+    Raises:
+      ValueError: one line naming a bad value.
+    """
+    if _QUICK.value:
+        return [64, 256], [0.0, 3.0], list(_MODES.value), 3
+    try:
+        tokens = [int(t) for t in _TOKENS.value]
+        skews = [float(s) for s in _SKEWS.value]
+    except ValueError as err:
+        raise ValueError(f"--tokens must be integers and --skews numbers: {err}") from None
+    for t in tokens:
+        if t < 1 or t % FLAGS.seq_len:
+            raise ValueError(
+                f"--tokens={t} must be a positive multiple of --seq_len={FLAGS.seq_len}"
+            )
+    for m in _MODES.value:
+        if m not in ("train", "prefill"):
+            raise ValueError(f"--modes: {m!r} is not train or prefill")
+    return tokens, skews, list(_MODES.value), FLAGS.repeats
+
+
+def measure(mesh, mode: str, tokens: int, skew: float, repeats: int) -> dict:
+    """One point: the three layers compiled and timed interleaved (`experiments.bench.moe`)."""
+    FLAGS.mode, FLAGS.tokens_per_device, FLAGS.skew = mode, tokens, skew
+    R = mesh.size
+    x, router = moe._skewed_inputs(mesh, np.random.default_rng(FLAGS.seed), one_rank=True)
+    # Always balance, whatever the layer's default fallback threshold: this finds it.
+    balancer = uep.BalancerConfig(
+        num_experts=FLAGS.num_experts, ep_size=R, min_tokens_per_rank=0, **moe._BALANCER()
+    )
+    cf = FLAGS.capacity_factor
+    layers = {
+        "balanced": moe._build(mesh, balancer, router, cf),
+        "dropless": moe._build(mesh, None, router, None),
+        "capped": moe._build(mesh, None, router, cf),
+    }
+    runs = {name: moe._compile(layer, x, mode) for name, layer in layers.items()}
+    moe._time_interleaved(runs, repeats)
+    point = {"mode": mode, "skew": skew, "tokens": tokens}
+    point.update({key: runs[name]["step_ms"] for name, key in LAYERS.items()})
+    point["capped_dropped"] = runs["capped"]["dropped"]
+    point["imbalance_before"] = runs["balanced"]["imbalance_before"]
+    point["imbalance_after"] = runs["balanced"]["imbalance_after"]
+    point["replicas"] = runs["balanced"]["replicas"]
+    point["minor_faults"] = {name: runs[name]["minor_faults"] for name in LAYERS}
+    return point
+
+
+def run() -> dict:
+    """Every point of the sweep on this run's devices (every process runs it)."""
+    tokens, skews, modes, repeats = sweep()
+    mesh = jax.make_mesh((jax.device_count(),), ("expert",), axis_types=(AxisType.Auto,))
+    moe._check_shape(mesh.size)
+    rows = FLAGS.top_k * max(tokens)
+    calibration = common.concurrency_calibration(rows, FLAGS.d_model, FLAGS.d_ff)
+    if jax.process_index() == 0:
+        print(common.calibration_line(calibration), flush=True)
+    points = []
+    for mode in modes:
+        for skew in skews:
+            for t in tokens:
+                points.append(measure(mesh, mode, t, skew, repeats))
+                if jax.process_index() == 0:
+                    p = points[-1]
+                    print(
+                        f"{mode} skew {breakeven_report.skew_text(skew)} {t} tokens/rank: "
+                        f"balanced {p['balanced_ms']:.3f} ms, dropless {p['dropless_ms']:.3f}, "
+                        f"plain@{FLAGS.capacity_factor:g} {p['capped_ms']:.3f}",
+                        flush=True,
+                    )
+    return {
+        "config": {
+            "ep_size": mesh.size,
+            "pinned_ranks": FLAGS.pinned_ranks,
+            "device": str(jax.devices()[0].device_kind),
+            "d_model": FLAGS.d_model,
+            "d_ff": FLAGS.d_ff,
+            "num_experts": FLAGS.num_experts,
+            "top_k": FLAGS.top_k,
+            "hot_experts": FLAGS.hot_experts,
+            "capacity_factor": FLAGS.capacity_factor,
+            "repeats": repeats,
+            "quick": _QUICK.value,
+            **moe._BALANCER(),
+        },
+        "calibration": calibration,
+        "points": points,
+    }
+
+
+def _fail(err) -> None:
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def main(argv):
+    """Starts the pinned rank processes, or (as one of them) measures; the first prints the table
+    and writes the JSON and the plot."""
+    if len(argv) > 1:
+        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS.pinned_ranks:
+        _fail("--pinned_ranks must be >= 2: the break-even is the busiest rank's clock")
+    try:
+        sweep()
+    except ValueError as err:
+        _fail(err)
+    if FLAGS.num_processes == 1:
+        try:
+            code = common.launch_pinned_ranks(
+                FLAGS.pinned_ranks, "experiments.bench.breakeven", sys.argv[1:]
+            )
+        except ValueError as err:
+            _fail(err)
+        sys.exit(code)
+    common.keep_freed_memory()  # a pinned rank: time the kernels, not the page faults
+    try:
+        common.start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+        res = run()
+    except ValueError as err:
+        _fail(err)
+    if jax.process_index() == 0:
+        print(breakeven_report.table(res["points"]), flush=True)
+        common.write_json(FLAGS.json_out, res)
+        if _PLOT.value:
+            cfg = res["config"]
+            title = (
+                f"EP={cfg['ep_size']} pinned ranks, D={cfg['d_model']} F={cfg['d_ff']} "
+                f"E={cfg['num_experts']} top-{cfg['top_k']}"
+            )
+            breakeven_report.plot(res["points"], _PLOT.value, title)
+        print(f"wrote {FLAGS.json_out}" + (f" and {_PLOT.value}" if _PLOT.value else ""))
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,93 @@
+"""Configuration of a prefill run: a frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from experiments.train.config import BALANCED_CAPACITY_FACTOR
+
+#: ``--balance`` values: one mode, or both (balanced against plain expert parallelism).
+BALANCE_MODES = ("ultraep", "none", "both")
+#: ``--output`` default, inside the workdir.
+OUTPUT_FILE = "serve.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """Everything a prefill run needs; `experiments.serve` builds it from flags.
+
+    Attributes:
+      workdir: a folder written by experiments.train: its config.json gives the model's shape,
+        its newest checkpoint the parameters.
+      prompts: the prompts: a file, a folder (every file below it) or a glob; each file is one
+        prompt, its bytes the tokens.
+      balance: expert load balancing: ultraep (balanced), none (plain expert parallelism), or
+        both: each mode prefills the same batch and the report compares them.
+      output: JSON file of each prompt's next-token prediction and greedy continuation (empty:
+        <workdir>/serve.json).
+      new_tokens: greedy continuation length per prompt, as decode steps on the fallback path
+        (plain expert parallelism, dropless); 0: none.
+      capacity_factor: receive buffer per rank of the balanced prefill, as a multiple of the
+        pairs it routes; pairs beyond it are dropped (and counted). Plain prefill is dropless.
+      slots_per_rank: spare slots per rank (0: the workdir's training value).
+      min_tokens_per_replica: least tokens a replica carries.
+      balance_eps: balance tolerance over the mean.
+      min_tokens_per_rank: balanced prefill compiles plain expert parallelism when each rank
+        holds fewer tokens than this (BalancerConfig.min_tokens_per_rank).
+      repeats: timed prefill calls per mode (the median is reported).
+      ep_size: devices on the expert axis (0: all); the rest is data.
+    """
+
+    workdir: str = ""
+    prompts: str = ""
+    balance: str = "both"
+    output: str = ""
+    new_tokens: int = 16
+    capacity_factor: float = BALANCED_CAPACITY_FACTOR
+    slots_per_rank: int = 0
+    min_tokens_per_replica: int = 8
+    balance_eps: float = 0.01
+    min_tokens_per_rank: int = 0
+    repeats: int = 5
+    ep_size: int = 0
+
+    def __post_init__(self):
+        if not self.workdir:
+            raise ValueError("--workdir must name a folder written by experiments.train")
+        if not self.prompts:
+            raise ValueError("--prompts must name a prompt file, folder or glob")
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(
+                f"--balance must be one of {', '.join(BALANCE_MODES)}, got {self.balance!r}"
+            )
+        for name, minimum in (
+            ("new_tokens", 0),
+            ("slots_per_rank", 0),
+            ("min_tokens_per_replica", 1),
+            ("min_tokens_per_rank", 0),
+            ("repeats", 1),
+            ("ep_size", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"--{name} must be an int >= {minimum}, got {value!r}")
+        cf = self.capacity_factor
+        if (
+            isinstance(cf, bool)
+            or not isinstance(cf, (int, float))
+            or not (math.isfinite(cf) and cf > 0)
+        ):
+            raise ValueError(f"--capacity_factor must be a finite number > 0, got {cf!r}")
+        if not (
+            isinstance(self.balance_eps, (int, float))
+            and math.isfinite(self.balance_eps)
+            and self.balance_eps >= 0
+        ):
+            raise ValueError(f"--balance_eps must be finite and >= 0, got {self.balance_eps!r}")
+        object.__setattr__(self, "capacity_factor", float(cf))
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The balance modes to run, balanced first."""
+        return ("ultraep", "none") if self.balance == "both" else (self.balance,)

@@ -1,0 +1,303 @@
+"""Prefill a batch of prompts with the model of a trained workdir, balanced against plain expert
+parallelism, and show what the model predicts.
+
+    python -m experiments.train --workdir=runs/tiny --steps=200
+    python -m experiments.serve --workdir=runs/tiny --prompts='prompts/*.txt'
+    python -m experiments.serve --workdir=runs/tiny --prompts=prompts/ --balance=ultraep
+    # EP=2 as two processes pinned to a core each (the prefill time is the busiest rank's):
+    python -m experiments.serve --workdir=runs/tiny --prompts=prompts/ --pinned_ranks=2
+
+Each prompt file is one prompt (its bytes are the tokens, as in training). The prompts are padded
+into one batch, at the end of each row and with empty rows up to a multiple of the devices, and
+the token mask routes the padding to no expert: it adds no load, takes no buffer row and changes
+no prediction. For each mode (``--balance=both``: balanced, then plain EP, on the same batch) the
+run prints per MoE layer the max/mean rank load before and after balancing, dropped pairs,
+replicas and masked tokens, the prefill's compile time, median time and tokens/s (with
+``--pinned_ranks`` the wall clock is the busiest rank's, and a calibration line says how close),
+whether both modes predict the same next tokens, and a greedy continuation of every prompt
+(``--new_tokens`` decode steps on the fallback path: plain EP, dropless).
+
+Writes ``--output`` (default ``<workdir>/serve.json``): per prompt its file, length, next-token
+prediction and log-probability in each mode, and the continuation; the figures above.
+
+Problems with the flags, the workdir (missing, not a training run, no checkpoint) or the prompts
+(none, an empty file, a prompt longer than the model's ``max_seq_len``) end with one line
+``error: ...`` (exit code 2).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from absl import flags, logging
+
+from experiments import cli, common
+from experiments.serve.config import OUTPUT_FILE, ServeConfig
+from experiments.serve.prompts import Prompt, as_text, pad_batch, read_prompts
+
+_VALUES = cli.define_flags(ServeConfig)
+flags.DEFINE_integer(
+    "cpu_devices", 8, "Simulated CPU devices per process when there is no accelerator."
+)
+flags.DEFINE_integer(
+    "pinned_ranks",
+    0,
+    "Run as this many processes started by this command, one CPU device each, each pinned to a "
+    "core of its own (so that the prefill time is the busiest rank's); 0: one process.",
+)
+flags.DEFINE_string("coordinator_address", None, "Set by --pinned_ranks.")
+flags.DEFINE_integer("num_processes", 1, "Set by --pinned_ranks.")
+flags.DEFINE_integer("process_id", 0, "Set by --pinned_ranks.")
+
+FLAGS = flags.FLAGS
+
+MODE_NAMES = {"ultraep": "balanced (ultraep)", "none": "plain EP (none)"}
+
+
+def _fail(message) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def main(argv):
+    """Prefills and reports; exits 2 with one line ``error: ...`` when the flags, the workdir or
+    the prompts cannot be used."""
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    if len(argv) > 1:
+        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:  # checked before starting any process: bad input ends with one line
+        cfg = ServeConfig(**_VALUES())
+        workdir, train_cfg = _engine().read_train_config(cfg.workdir)
+        prompts = read_prompts(cfg.prompts, train_cfg.model.max_seq_len)
+    except ValueError as err:  # RunError included
+        _fail(err)
+    if FLAGS.pinned_ranks and FLAGS.num_processes == 1:  # this process only starts the ranks
+        try:
+            sys.exit(
+                common.launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.serve", sys.argv[1:])
+            )
+        except ValueError as err:
+            _fail(err)
+    if FLAGS.num_processes > 1:
+        common.keep_freed_memory()  # a pinned rank: time the prefill, not the page faults
+    try:
+        common.force_cpu_devices(FLAGS.cpu_devices)
+        common.start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+        result = run(cfg, workdir, train_cfg, prompts, pinned=bool(FLAGS.pinned_ranks))
+    except ValueError as err:
+        _fail(err)
+    import jax
+
+    if jax.process_index() == 0:
+        print(report(result), flush=True)
+        output = cfg.output or str(workdir / OUTPUT_FILE)
+        common.write_json(output, result)
+        print(f"wrote {output}", flush=True)
+
+
+def _engine():
+    # Imported late: it imports JAX, which must not start before the devices are set up.
+    from experiments.serve import engine
+
+    return engine
+
+
+def mesh_shape(num_devices: int, ep_size: int, num_experts: int) -> tuple[int, int]:
+    """(data, ep) sizes for ``num_devices``; ValueError when the EP size does not fit."""
+    ep = ep_size or num_devices
+    if num_devices % ep:
+        raise ValueError(f"--ep_size={ep} does not divide the {num_devices} devices")
+    if num_experts % ep:
+        raise ValueError(f"the model's {num_experts} experts are not divisible by the EP size {ep}")
+    return num_devices // ep, ep
+
+
+def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: bool) -> dict:
+    """Prefills ``prompts`` in every mode of ``cfg``, then decodes; the results (see the module
+    doc; every process returns them)."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType
+
+    import ultraep_jax as uep
+
+    engine = _engine()
+    model_cfg = train_cfg.model
+    devices = jax.device_count()
+    data_size, ep = mesh_shape(devices, cfg.ep_size, model_cfg.num_experts)
+    mesh = jax.make_mesh((data_size, ep), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    calibration = None
+    if pinned:
+        rows = model_cfg.top_k * sum(len(p.tokens) for p in prompts) // devices
+        calibration = common.concurrency_calibration(rows, model_cfg.d_model, model_cfg.d_ff)
+    state, step = engine.restore(train_cfg, workdir, mesh)
+    tokens, mask, lengths = pad_batch(prompts, devices)
+    B, T = tokens.shape
+    balancer = uep.BalancerConfig(
+        slots_per_rank=cfg.slots_per_rank or train_cfg.slots_per_rank,
+        min_tokens_per_replica=cfg.min_tokens_per_replica,
+        balance_eps=cfg.balance_eps,
+        min_tokens_per_rank=cfg.min_tokens_per_rank,
+    )
+    args = (
+        engine.on_mesh(mesh, tokens, split=True),
+        engine.on_mesh(mesh, mask, split=True),
+        engine.on_mesh(mesh, lengths, split=False),
+    )
+    real = int(lengths.sum())
+    runs = {}
+    for mode in cfg.modes:
+        balanced = mode == "ultraep"
+        model = engine.build(
+            train_cfg,
+            mesh,
+            state,
+            balancer if balanced else None,
+            cfg.capacity_factor if balanced else None,
+        )
+        prefill = engine.prefill_step(model, mesh)
+        start = time.perf_counter()
+        ids, logp, stats = jax.device_get(jax.block_until_ready(prefill(*args)))
+        compile_s = time.perf_counter() - start
+        seconds = common.median_seconds(lambda prefill=prefill: prefill(*args), cfg.repeats)
+        runs[mode] = {
+            "capacity_factor": cfg.capacity_factor if balanced else None,
+            "compile_s": compile_s,
+            "prefill_ms": seconds * 1e3,
+            "tokens_per_s": real / seconds,
+            "next_token": ids[: len(prompts)].tolist(),
+            "next_logprob": logp[: len(prompts)].tolist(),
+            "imbalance_before": np.asarray(stats.imbalance_before).tolist(),
+            "imbalance_after": np.asarray(stats.imbalance_after).tolist(),
+            "dropped": np.asarray(stats.dropped).tolist(),
+            "replicas": np.asarray(stats.replicas).tolist(),
+            "masked": np.asarray(stats.masked).tolist(),
+        }
+    result = {
+        "workdir": str(workdir),
+        "checkpoint_step": step,
+        "model": {
+            "d_model": model_cfg.d_model,
+            "num_layers": model_cfg.num_layers,
+            "num_experts": model_cfg.num_experts,
+            "top_k": model_cfg.top_k,
+            "max_seq_len": model_cfg.max_seq_len,
+        },
+        "devices": devices,
+        "device": str(jax.devices()[0].device_kind),
+        "mesh": {"data": data_size, "expert": ep},
+        "pinned_ranks": FLAGS.pinned_ranks,
+        "batch": [B, T],
+        "prompt_tokens": real,
+        "balancer": {
+            "slots_per_rank": balancer.slots_per_rank,
+            "min_tokens_per_replica": balancer.min_tokens_per_replica,
+            "balance_eps": balancer.balance_eps,
+            "min_tokens_per_rank": balancer.min_tokens_per_rank,
+        },
+        "runs": runs,
+    }
+    if calibration is not None:
+        result["calibration"] = calibration
+    result["decode"], continuations = _decode(cfg, train_cfg, mesh, state, prompts, balancer)
+    result["prompts"] = [
+        {
+            "file": str(p.path),
+            "tokens": len(p.tokens),
+            "next_token": {m: as_text([r["next_token"][i]]) for m, r in runs.items()},
+            "next_logprob": {m: r["next_logprob"][i] for m, r in runs.items()},
+            "continuation": continuations[i],
+        }
+        for i, p in enumerate(prompts)
+    ]
+    return result
+
+
+def _decode(cfg, train_cfg, mesh, state, prompts, balancer) -> tuple[dict, list[str]]:
+    """``cfg.new_tokens`` greedy decode steps on the fallback path: (figures, continuations)."""
+    import jax
+
+    engine = _engine()
+    if not cfg.new_tokens:
+        return {"steps": 0}, [""] * len(prompts)
+    devices = mesh.size
+    longest = max(len(p.tokens) for p in prompts)
+    window = min(train_cfg.model.max_seq_len, longest + cfg.new_tokens)
+    tokens, _, lengths = pad_batch(prompts, devices, length=window)
+    per_rank = tokens.size // devices
+    use = balancer if "ultraep" in cfg.modes else None
+    model = engine.build(train_cfg, mesh, state, engine.decode_balancer(use, per_rank), None)
+    generate = engine.greedy_step(model, mesh, cfg.new_tokens)
+    args = (engine.on_mesh(mesh, tokens, split=False), engine.on_mesh(mesh, lengths, split=False))
+    start = time.perf_counter()
+    out, ends = jax.device_get(jax.block_until_ready(generate(*args)))
+    seconds = time.perf_counter() - start  # compile included: one call
+    texts = [as_text(out[i, lengths[i] : ends[i]]) for i in range(len(prompts))]
+    figures = {
+        "steps": cfg.new_tokens,
+        "window": [tokens.shape[0], window],
+        "tokens_per_rank": per_rank,
+        "seconds_with_compile": seconds,
+        "path": "fallback (plain EP, dropless)",
+    }
+    return figures, texts
+
+
+def report(res: dict) -> str:
+    """The readable report of `run`'s results."""
+    m = res["model"]
+    B, T = res["batch"]
+    n = len(res["prompts"])
+    lines = [
+        f"prefill of {n} prompts ({res['prompt_tokens']} tokens; batch padded to {B} x {T}, "
+        f"{B * T - res['prompt_tokens']} padding tokens masked) with the step-"
+        f"{res['checkpoint_step']} checkpoint of {res['workdir']}: {m['num_layers']} layers, "
+        f"D={m['d_model']}, E={m['num_experts']} top-{m['top_k']}, EP={res['mesh']['expert']} x "
+        f"data={res['mesh']['data']} on {res['devices']} {res['device']} devices"
+        + (" (pinned processes)" if res["pinned_ranks"] else "")
+    ]
+    if "calibration" in res:
+        lines.append(common.calibration_line(res["calibration"]))
+    clock = "busiest rank's " if res["pinned_ranks"] else ""
+    for mode, r in res["runs"].items():
+        cf = r["capacity_factor"]
+        lines.append(
+            f"\n{MODE_NAMES[mode]}, capacity {'dropless' if cf is None else f'{cf:g}'}: prefill "
+            f"{r['prefill_ms']:.2f} ms ({clock}median), {r['tokens_per_s']:,.0f} tokens/s, "
+            f"compile {r['compile_s']:.1f} s"
+        )
+        lines.append(
+            f"{'layer':>7} {'max/mean before':>16} {'after':>7} {'dropped':>8} {'replicas':>9} "
+            f"{'masked':>7}"
+        )
+        for i in range(len(r["dropped"])):
+            lines.append(
+                f"{i:7d} {r['imbalance_before'][i]:16.3f} {r['imbalance_after'][i]:7.3f} "
+                f"{r['dropped'][i]:8d} {r['replicas'][i]:9d} {r['masked'][i]:7d}"
+            )
+    runs = res["runs"]
+    if len(runs) == 2:
+        bal, plain = runs["ultraep"], runs["none"]
+        same = sum(a == b for a, b in zip(bal["next_token"], plain["next_token"], strict=True))
+        diff = max(
+            abs(a - b) for a, b in zip(bal["next_logprob"], plain["next_logprob"], strict=True)
+        )
+        lines.append(
+            f"\nbalanced / plain prefill time: {bal['prefill_ms'] / plain['prefill_ms']:.3f}; "
+            f"next-token predictions the same for {same} of {n} prompts (largest log-probability "
+            f"difference {diff:.2g})"
+        )
+    dec = res["decode"]
+    if dec["steps"]:
+        lines.append(
+            f"\ngreedy continuations: {dec['steps']} decode steps on the {dec['path']} path "
+            f"({dec['tokens_per_rank']} tokens per rank per step: no KV cache, each step runs the "
+            f"{dec['window'][1]}-token window), {dec['seconds_with_compile']:.1f} s with compile"
+        )
+    for p in res["prompts"]:
+        nxt = " / ".join(f"{m}: {t!r}" for m, t in p["next_token"].items())
+        lines.append(
+            f"  {p['file']} ({p['tokens']} tokens): next {nxt}; continues {p['continuation']!r}"
+        )
+    return "\n".join(lines)

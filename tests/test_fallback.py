@@ -1,0 +1,140 @@
+"""`BalancerConfig.min_tokens_per_rank`: below it the layer compiles plain expert parallelism (no
+planner call, no replica slots), checked on the lowered program, against plain EP and against a
+dense NumPy reference; at or above it the planner is there and replicas are used."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import ultraep_jax as uep
+from tests import helpers
+
+D, F, E, K = 8, 16, 8, 2
+BATCH, SEQ = 16, 4  # 8 tokens per device on the 8 devices
+TOKENS_PER_RANK = BATCH * SEQ // 8
+
+
+def _numpy_moe(x, params):
+    """Dense float64 MoE: softmax top-k renormalised, SwiGLU on every expert, [B, L, D]."""
+    xt = x.reshape(-1, D).astype(np.float64)
+    logits = xt @ params["router_kernel"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1)[:, :K]
+    w = np.take_along_axis(probs, top, axis=-1)
+    w /= w.sum(-1, keepdims=True)
+    out = np.zeros_like(xt)
+    for t in range(xt.shape[0]):
+        for j in range(K):
+            e = top[t, j]
+            g, u = xt[t] @ params["w_gate"][e], xt[t] @ params["w_up"][e]
+            h = g / (1 + np.exp(-g)) * u
+            out[t] += w[t, j] * (h @ params["w_down"][e])
+    return out.reshape(x.shape)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mesh = helpers.expert_mesh(8)
+    rng = np.random.default_rng(5)
+    x, params = helpers.draw_routed_inputs(rng, BATCH, SEQ, D, F, E, skew=True)
+    return mesh, x, params
+
+
+def _layer(mesh, params, balancer):
+    return helpers.build_layer(
+        mesh,
+        params,
+        d_model=D,
+        d_ff=F,
+        num_experts=E,
+        top_k=K,
+        balancer=balancer,
+        capacity_factor=None,
+    )
+
+
+def _forward(layer):
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    return jax.jit(lambda p, r, x: nnx.merge(graphdef, p, r)(x)), params, rest
+
+
+def _run(mesh, x, params, balancer):
+    """(y, stats, lowered text) of the layer on x."""
+    fn, p, r = _forward(_layer(mesh, params, balancer))
+    xs = helpers.place_batch(mesh, x)
+    text = fn.lower(p, r, xs).as_text()
+    y, stats = fn(p, r, xs)
+    return np.asarray(y), jax.tree.map(np.asarray, stats), text
+
+
+def _balancer(threshold: int) -> uep.BalancerConfig:
+    return uep.BalancerConfig(
+        slots_per_rank=2, min_tokens_per_replica=1, min_tokens_per_rank=threshold
+    )
+
+
+def test_below_threshold_compiles_plain_ep(setup):
+    mesh, x, params = setup
+    y_fb, st_fb, text_fb = _run(mesh, x, params, _balancer(TOKENS_PER_RANK + 1))
+    y_plain, st_plain, text_plain = _run(mesh, x, params, None)
+    assert "ultraep_plan" not in text_fb
+    assert "ultraep_plan" not in text_plain
+    # The same program as plain EP: the same result to the bit, nothing replicated.
+    np.testing.assert_array_equal(y_fb, y_plain)
+    assert int(st_fb.replicas) == 0
+    np.testing.assert_array_equal(st_fb.rank_load_after, st_fb.rank_load_before)
+    assert float(st_fb.imbalance_before) > 1.5  # skewed: balancing would have had work to do
+    want = _numpy_moe(x, params)
+    np.testing.assert_allclose(y_fb, want, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(want).max()))
+
+
+def test_at_threshold_balances(setup):
+    mesh, x, params = setup
+    y, stats, text = _run(mesh, x, params, _balancer(TOKENS_PER_RANK))
+    assert "ultraep_plan" in text
+    assert int(stats.replicas) > 0
+    assert float(stats.imbalance_after) < float(stats.imbalance_before)
+    want = _numpy_moe(x, params)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(want).max()))
+
+
+def test_threshold_decided_per_traced_shape(setup):
+    """One layer, two batch sizes: the small one compiles plain, the large one balances."""
+    mesh, x, params = setup
+    layer = _layer(mesh, params, _balancer(TOKENS_PER_RANK))
+    fn, p, r = _forward(layer)
+    small = helpers.place_batch(mesh, x[: BATCH // 2])
+    big = helpers.place_batch(mesh, x)
+    assert "ultraep_plan" not in fn.lower(p, r, small).as_text()
+    assert "ultraep_plan" in fn.lower(p, r, big).as_text()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "threshold", "want"),
+    [(0, 0, True), (63, 64, False), (64, 64, True), (8192, 64, True), (1, 2, False)],
+)
+def test_applies(tokens, threshold, want):
+    assert uep.BalancerConfig(min_tokens_per_rank=threshold).applies(tokens) is want
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (-1, ValueError, r"min_tokens_per_rank must be >= 0, got -1"),
+        (1.5, TypeError, r"min_tokens_per_rank must be an int, got float 1.5"),
+        (True, TypeError, r"min_tokens_per_rank must be an int, got bool"),
+    ],
+)
+def test_bad_threshold_raises_one_line(value, error, match):
+    with pytest.raises(error, match=match):
+        uep.BalancerConfig(min_tokens_per_rank=value)
+
+
+def test_threshold_normalised_from_numpy():
+    cfg = uep.BalancerConfig(min_tokens_per_rank=np.int64(256))
+    assert type(cfg.min_tokens_per_rank) is int and cfg.min_tokens_per_rank == 256
+    assert cfg == uep.BalancerConfig(min_tokens_per_rank=256)

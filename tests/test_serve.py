@@ -1,0 +1,226 @@
+"""`python -m experiments.serve` end to end on a workdir trained here: balanced and plain prefill
+predict the same next tokens (to float rounding), the padded, masked batch predicts what each
+prompt alone predicts, the continuation starts with the prediction, and bad input ends in one
+``error:`` line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import ultraep_jax as uep
+from experiments.serve import engine
+from experiments.serve.config import ServeConfig
+from experiments.serve.prompts import Prompt, pad_batch
+from experiments.train import trainer
+from experiments.train.config import TrainConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MAX_SEQ_LEN = 48
+TINY = {
+    "steps": 4,
+    "batch_size": 8,
+    "seq_len": 32,
+    "d_model": 16,
+    "num_layers": 2,
+    "num_heads": 2,
+    "d_ff": 16,
+    "num_experts": 8,
+    "top_k": 2,
+    "max_seq_len": MAX_SEQ_LEN,
+    "slots_per_rank": 2,
+    "min_tokens_per_replica": 2,
+    "max_corpus_bytes": 100_000,
+    "eval_batches": 1,
+    "learning_rate": 1e-2,
+    "checkpoint_every": 4,
+    "eval_every": 4,
+    "print_every": 100,
+}
+PROMPTS = {
+    "a.txt": b"def main():\n    return ",
+    "b.txt": b"import os\nimport sys\n\nclass Foo:\n    def ",
+    "c.txt": b"for i in range(",
+}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("serve") / "run"
+    trainer.run(TrainConfig.from_flat({"workdir": str(path), **TINY}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompt_dir(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("prompts")
+    for name, text in PROMPTS.items():
+        (path / name).write_bytes(text)
+    return path
+
+
+def _serve(*args, timeout=600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.serve", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def served(workdir, prompt_dir, tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("out") / "serve.json"
+    proc = _serve(
+        f"--workdir={workdir}",
+        f"--prompts={prompt_dir}/*.txt",
+        "--balance=both",
+        "--repeats=1",
+        "--new_tokens=3",
+        f"--output={out}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_balanced_and_plain_predict_the_same(served):
+    res, stdout = served
+    bal, plain = res["runs"]["ultraep"], res["runs"]["none"]
+    assert len(bal["next_token"]) == len(PROMPTS)
+    assert bal["next_token"] == plain["next_token"]
+    np.testing.assert_allclose(bal["next_logprob"], plain["next_logprob"], rtol=0, atol=1e-5)
+    assert sum(bal["dropped"]) == 0 and sum(plain["dropped"]) == 0
+    # The same loads before balancing (padding adds none), no worse after.
+    np.testing.assert_allclose(bal["imbalance_before"], plain["imbalance_before"], rtol=1e-6)
+    after, before = np.array(bal["imbalance_after"]), np.array(bal["imbalance_before"])
+    assert np.all(after <= before + 1e-6)
+    assert plain["replicas"] == [0, 0]
+    B, T = res["batch"]
+    real = sum(len(t) for t in PROMPTS.values())
+    assert res["prompt_tokens"] == real and T == max(len(t) for t in PROMPTS.values())
+    assert B % 8 == 0 and bal["masked"] == [B * T - real] * TINY["num_layers"]
+    assert "next-token predictions the same for 3 of 3 prompts" in stdout
+    assert "tokens/s" in stdout and "max/mean before" in stdout
+
+
+def test_predictions_equal_each_prompt_alone(served, workdir):
+    """Each prompt run by itself (no padding, no mask, plain EP, 8 copies as the batch) predicts
+    what the padded, masked batch predicted, and the continuation starts with it."""
+    res, _ = served
+    _, train_cfg = engine.read_train_config(str(workdir))
+    mesh = jax.make_mesh((1, 8), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    state, step = engine.restore(train_cfg, workdir, mesh)
+    assert step == TINY["steps"] == res["checkpoint_step"]
+    model = engine.build(train_cfg, mesh, state, None, None)
+    by_file = {pathlib.Path(p["file"]).name: p for p in res["prompts"]}
+    for name, text in PROMPTS.items():
+        tokens = np.tile(np.frombuffer(text, np.uint8).astype(np.int32), (8, 1))
+        logits, _ = model(engine.on_mesh(mesh, tokens, split=True))
+        last = np.asarray(logits, np.float64)[0, -1]
+        logp = last - np.log(np.sum(np.exp(last - last.max()))) - last.max()
+        got = by_file[name]
+        assert got["next_token"]["ultraep"] == chr(int(np.argmax(logp))), name
+        np.testing.assert_allclose(got["next_logprob"]["none"], logp.max(), atol=1e-4)
+        assert got["continuation"][:1] == got["next_token"]["none"], name
+        assert 1 <= len(got["continuation"].encode()) <= 3 * 4  # 3 tokens, replacement chars
+
+
+def test_pad_batch_by_hand():
+    prompts = [Prompt(pathlib.Path("x"), np.array([5, 6, 7])), Prompt(pathlib.Path("y"), [9])]
+    tokens, mask, lengths = pad_batch(prompts, rows_multiple=4, length=4)
+    np.testing.assert_array_equal(tokens, [[5, 6, 7, 0], [9, 0, 0, 0], [0] * 4, [0] * 4])
+    np.testing.assert_array_equal(mask, [[1, 1, 1, 0], [1, 0, 0, 0], [0] * 4, [0] * 4])
+    np.testing.assert_array_equal(lengths, [3, 1, 0, 0])
+    with pytest.raises(ValueError, match="length 2 is shorter than the longest prompt"):
+        pad_batch(prompts, 4, length=2)
+
+
+def _one_error_line(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_missing_workdir(tmp_path, prompt_dir):
+    missing = tmp_path / "nothing"
+    proc = _serve(f"--workdir={missing}", f"--prompts={prompt_dir}")
+    _one_error_line(proc, f"--workdir={missing}", "does not exist")
+
+
+def test_workdir_without_a_run(tmp_path, prompt_dir):
+    proc = _serve(f"--workdir={tmp_path}", f"--prompts={prompt_dir}")
+    _one_error_line(proc, "config.json", "not a folder written by experiments.train")
+
+
+def test_empty_prompt_file(tmp_path, workdir):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    proc = _serve(f"--workdir={workdir}", f"--prompts={empty}")
+    _one_error_line(proc, str(empty), "is empty")
+
+
+def test_prompt_longer_than_max_seq_len(tmp_path, workdir):
+    long = tmp_path / "long.txt"
+    long.write_bytes(b"x" * (MAX_SEQ_LEN + 1))
+    proc = _serve(f"--workdir={workdir}", f"--prompts={long}")
+    _one_error_line(proc, str(long), f"{MAX_SEQ_LEN + 1} tokens", f"max_seq_len={MAX_SEQ_LEN}")
+
+
+def test_decode_compiles_the_fallback(workdir):
+    """The decode steps' program has no planner call; the prefill's, balanced, has one."""
+    _, train_cfg = engine.read_train_config(str(workdir))
+    mesh = jax.make_mesh((1, 8), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    state, _ = engine.restore(train_cfg, workdir, mesh)
+    balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=2)
+    tokens = np.zeros((8, 16), np.int32)
+    lengths = np.full((8,), 4, np.int32)
+    per_rank = tokens.size // 8
+    fallback = engine.decode_balancer(balancer, per_rank)
+    assert fallback.min_tokens_per_rank == per_rank + 1 and not fallback.applies(per_rank)
+    assert engine.decode_balancer(None, per_rank) is None
+    decode = engine.greedy_step(engine.build(train_cfg, mesh, state, fallback, None), mesh, 2)
+    args = (engine.on_mesh(mesh, tokens, split=False), engine.on_mesh(mesh, lengths, split=False))
+    assert "ultraep_plan" not in decode.func.lower(*decode.args, *args).as_text()
+    prefill = engine.prefill_step(engine.build(train_cfg, mesh, state, balancer, 1.05), mesh)
+    mask = engine.on_mesh(mesh, np.ones_like(tokens, bool), split=True)
+    text = prefill.func.lower(
+        *prefill.args, engine.on_mesh(mesh, tokens, split=True), mask, args[1]
+    )
+    assert "ultraep_plan" in text.as_text()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"workdir": ""}, "--workdir must name a folder"),
+        ({"prompts": ""}, "--prompts must name"),
+        ({"balance": "all"}, "--balance must be one of ultraep, none, both, got 'all'"),
+        ({"new_tokens": -1}, "--new_tokens must be an int >= 0, got -1"),
+        ({"repeats": 0}, "--repeats must be an int >= 1, got 0"),
+        ({"capacity_factor": 0.0}, "--capacity_factor must be a finite number > 0, got 0.0"),
+        ({"capacity_factor": float("inf")}, "--capacity_factor must be a finite number > 0"),
+        ({"balance_eps": -0.5}, "--balance_eps must be finite and >= 0, got -0.5"),
+    ],
+)
+def test_bad_config_raises_one_line(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        ServeConfig(**{"workdir": "w", "prompts": "p", **kwargs})
+    assert "\n" not in str(info.value)
+
+
+def test_config_modes():
+    assert ServeConfig("w", "p").modes == ("ultraep", "none")
+    assert ServeConfig("w", "p", balance="none").modes == ("none",)
