@@ -12,26 +12,20 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 import ultraep_jax as uep
+from ultraep_jax._ops import check_int
 
 
 def check_positive_ints(config, names, prefix: str) -> None:
-    """Raises ValueError, one line ``<prefix><name> must be a positive int, got <value>``, for the
-    first of ``names`` whose value on the frozen dataclass ``config`` is not an integer >= 1
-    (Python or NumPy; a bool is not one here); stores the others as Python ints."""
+    """Raises, one line naming ``<prefix><name>`` (`check_int`: TypeError for a non-integer,
+    ValueError below 1), for the first of ``names`` whose value on the frozen dataclass
+    ``config`` is not an integer >= 1 (Python or NumPy; a bool is not one); stores the others as
+    Python ints."""
     for name in names:
-        value = getattr(config, name)
-        if (
-            isinstance(value, (bool, np.bool_))
-            or not isinstance(value, numbers.Integral)
-            or value < 1
-        ):
-            raise ValueError(f"{prefix}{name} must be a positive int, got {value!r}")
-        object.__setattr__(config, name, int(value))
+        object.__setattr__(config, name, check_int(f"{prefix}{name}", getattr(config, name)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +101,9 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}"
             )
-        if (
-            isinstance(self.shared_d_ff, bool)
-            or not isinstance(self.shared_d_ff, int)
-            or (self.shared_d_ff < 0)
-        ):
-            raise ValueError(
-                f"ModelConfig.shared_d_ff must be an int >= 0, got {self.shared_d_ff!r}"
-            )
+        object.__setattr__(
+            self, "shared_d_ff", check_int("ModelConfig.shared_d_ff", self.shared_d_ff, 0)
+        )
         for name in ("routed_scale", "bias_rate", "aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
             if not (isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0):

@@ -141,22 +141,30 @@ def test_bad_model_config_raises():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
         (
             dict(router="sigmoid", num_experts=16, num_groups=8, top_groups=1, top_k=3),
+            ValueError,
             "top_k=3 exceeds the experts of 1 groups of 2",
         ),
-        (dict(router="sigmoid", routed_scale=float("inf")), "routed_scale must be finite"),
-        (dict(bias_rate=float("nan")), "bias_rate must be finite and >= 0, got nan"),
-        (dict(top_k=np.float64(2.0)), "ModelConfig.top_k must be a positive int, got"),
+        (
+            dict(router="sigmoid", routed_scale=float("inf")),
+            ValueError,
+            "routed_scale must be finite",
+        ),
+        (dict(bias_rate=float("nan")), ValueError, "bias_rate must be finite and >= 0, got nan"),
+        (dict(top_k=np.float64(2.0)), TypeError, "ModelConfig.top_k must be an int, got float64"),
+        (dict(top_k=0), ValueError, "ModelConfig.top_k must be a positive int, got 0"),
+        (dict(shared_d_ff=True), TypeError, "ModelConfig.shared_d_ff must be an int, got bool"),
     ],
-    ids=["top_k_in_groups", "scale_inf", "rate_nan", "float_top_k"],
+    ids=["top_k_in_groups", "scale_inf", "rate_nan", "float_top_k", "top_k_0", "bool_shared"],
 )
-def test_model_config_refuses_at_construction(kwargs, match):
+def test_model_config_refuses_at_construction(kwargs, error, match):
     """What used to pass construction and fail at the first call (a top_k the chosen groups
-    cannot hold) or give NaN (an infinite scale), refused with one line naming the value."""
-    with pytest.raises(ValueError, match=match) as info:
+    cannot hold) or give NaN (an infinite scale), refused with one line naming the value: a
+    TypeError for a non-integer where an int is wanted, a ValueError for a bad value."""
+    with pytest.raises(error, match=match) as info:
         ModelConfig(**kwargs)
     assert "\n" not in str(info.value)
 

@@ -34,7 +34,7 @@ CFG = uep.BalancerConfig(num_experts=16, ep_size=8, slots_per_rank=2, min_tokens
     "kwargs, error, match",
     [
         ({"num_experts": 10, "ep_size": 4}, ValueError, "not divisible"),
-        ({"num_experts": 8, "ep_size": 0}, ValueError, "ep_size must be >= 1"),
+        ({"num_experts": 8, "ep_size": 0}, ValueError, "ep_size must be a positive int, got 0"),
         ({"num_experts": 8, "ep_size": 4, "slots_per_rank": -1}, ValueError, "slots_per_rank"),
         (
             {"num_experts": 8, "ep_size": 4, "min_tokens_per_replica": 0},
@@ -61,7 +61,7 @@ CFG = uep.BalancerConfig(num_experts=16, ep_size=8, slots_per_rank=2, min_tokens
         (
             {"num_experts": 8, "ep_size": 4, "min_tokens_per_replica": 2**63},
             ValueError,
-            r"min_tokens_per_replica must fit in int64",
+            r"min_tokens_per_replica must be <= 2147483647, got 9223372036854775808$",
         ),
         (
             {"num_experts": 8, "ep_size": 4, "master_keep_tokens": 2**64 + 5},
@@ -161,14 +161,18 @@ def test_config_largest_values_reach_the_planner():
 @pytest.mark.parametrize(
     "capacity, error, match",
     [
-        (0, ValueError, r"capacity must be >= 1"),
-        (-5, ValueError, r"capacity must be >= 1"),
-        (2**63, ValueError, r"capacity must be >= 1 and fit in int64"),
-        (100.0, TypeError, r"capacity must be an int or None, got float"),
-        (True, TypeError, r"capacity must be an int or None, got bool"),
-        (np.bool_(True), TypeError, r"capacity must be an int or None"),
-        ("100", TypeError, r"capacity must be an int or None, got str"),
-        (np.array([100]), TypeError, r"capacity must be an int or None, got ndarray"),
+        (0, ValueError, r"^plan: capacity must be a positive int, got 0$"),
+        (-5, ValueError, r"capacity must be a positive int, got -5"),
+        (
+            2**63,
+            ValueError,
+            r"capacity must fit in int64 \(<= 2\*\*63 - 1\), got 9223372036854775808",
+        ),
+        (100.0, TypeError, r"capacity must be an int, got float"),
+        (True, TypeError, r"capacity must be an int, got bool"),
+        (np.bool_(True), TypeError, r"capacity must be an int"),
+        ("100", TypeError, r"capacity must be an int, got str"),
+        (np.array([100]), TypeError, r"capacity must be an int, got ndarray"),
     ],
 )
 def test_plan_rejects_bad_capacity(capacity, error, match):

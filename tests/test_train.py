@@ -215,7 +215,7 @@ def test_seq_len_fits_the_model_and_model_errors_name_the_field():
     assert TrainConfig(seq_len=256, model=ModelConfig(max_seq_len=256)).seq_len == 256
     with pytest.raises(ValueError, match="--batch_size must be a positive int, got 0"):
         TrainConfig(batch_size=0)
-    with pytest.raises(ValueError, match="ModelConfig.d_ff must be a positive int, got True"):
+    with pytest.raises(TypeError, match="ModelConfig.d_ff must be an int, got bool True"):
         TrainConfig.from_flat({"d_ff": True})
     with pytest.raises(ValueError, match="top_k=3 exceeds num_experts=2"):
         TrainConfig.from_flat({"num_experts": 2, "top_k": 3})

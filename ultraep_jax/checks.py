@@ -84,6 +84,22 @@ def _check_chunks(ep: ExpertParallel, d_ff: int) -> None:
         )
 
 
+def check_int32_sizes(pairs: int, capacity: int) -> None:
+    """Raises (one line naming the value) unless the pairs on a device and the receive buffer's
+    rows fit the int32 indices of `dispatch`."""
+    limit = 2**31 - 1
+    if pairs > limit:
+        raise ValueError(
+            f"MoE: {pairs} (token, choice) pairs per device exceed 2**31 - 1 (dispatch indexes "
+            "them in int32); split the batch over more devices"
+        )
+    if capacity > limit:
+        raise ValueError(
+            f"MoE: a receive buffer of {capacity} rows per device exceeds 2**31 - 1 (dispatch "
+            "indexes it in int32); set a capacity_factor or split the batch over more devices"
+        )
+
+
 def check_call_inputs(x, experts, weights, params, ep, token_mask) -> None:
     """Raises (one line naming the value) unless `expert_parallel.routed_experts` can run on
     these global arrays; concrete expert ids of real tokens are range-checked."""

@@ -13,7 +13,14 @@ from ultraep_jax import comm_portable, comm_ragged
 from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.exchange import Exchange
 
-__all__ = ["BACKENDS", "Exchange", "by_backend", "local_exchange", "ragged_exchange"]
+__all__ = [
+    "BACKENDS",
+    "Exchange",
+    "by_backend",
+    "check_platform",
+    "local_exchange",
+    "ragged_exchange",
+]
 
 # Each backend's `ragged_all_to_all`-like exchange (operand, output, exchange, *, axis_name).
 EXCHANGES = {"portable": comm_portable.ragged_exchange, "ragged": comm_ragged.ragged_exchange}
@@ -21,6 +28,23 @@ EXCHANGES = {"portable": comm_portable.ragged_exchange, "ragged": comm_ragged.ra
 # XLA:CPU cannot compile `ragged_all_to_all`.
 AUTO = {"cpu": "portable", "default": "ragged"}
 BACKENDS = ("auto", *EXCHANGES)
+
+
+def check_platform(backend: str, mesh) -> None:
+    """Raises ValueError (one line naming ``backend``) when ``mesh``'s devices cannot run it:
+    "ragged" on CPU devices (XLA:CPU cannot compile `ragged_all_to_all`). An `AbstractMesh`
+    states its platform only through its abstract device; without one nothing is checked."""
+    if backend != "ragged":
+        return
+    if isinstance(mesh, jax.sharding.Mesh):
+        platform = mesh.devices.flat[0].platform
+    else:
+        platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
+    if platform == "cpu":
+        raise ValueError(
+            "MoE: comm_backend='ragged' cannot run on CPU devices (XLA:CPU has no "
+            "ragged_all_to_all); use 'portable' or 'auto'"
+        )
 
 
 def by_backend(backend: str, impls: dict, *args):

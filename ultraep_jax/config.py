@@ -12,34 +12,26 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ultraep_jax import comm
-from ultraep_jax._ops import check_finite, check_positive_int
+from ultraep_jax._ops import INT64_MAX, check_finite, check_int, check_positive_int
 from ultraep_jax.activations import ACTIVATIONS
 from ultraep_jax.experts import KERNELS
 from ultraep_jax.layout import Layout, check_divisible
 
 # Every integer field reaches the native planner as an int64 FFI attribute.
-_INT64_MAX = 2**63 - 1
+_INT64_MAX = INT64_MAX
 # Loads are int32, so no expert ever has more tokens: a larger floor would mean the same.
 MAX_MIN_TOKENS_PER_REPLICA = 2**31 - 1
 # A rank fills at most num_experts - num_experts / ep_size slots (each foreign expert once); the
 # bound keeps the planner's [ep_size, slots_per_rank] outputs and workspace allocatable.
 MAX_SLOTS_PER_RANK = 4096
+# The relay schedule computes in int32 (`relay`); no plan has that many copies of an expert.
+MAX_FANOUT = 2**31 - 1
 
 
 def _as_int(name: str, value, minimum: int, maximum: int = _INT64_MAX) -> int:
-    """``value`` as a Python int in [minimum, maximum]; NumPy integer scalars are accepted."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"BalancerConfig.{name} must be an int, got {type(value).__name__} {value!r}"
-        )
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"BalancerConfig.{name} must be >= {minimum}, got {value}")
-    if value > _INT64_MAX:
-        raise ValueError(f"BalancerConfig.{name} must fit in int64 (<= 2**63 - 1), got {value}")
-    if value > maximum:
-        raise ValueError(f"BalancerConfig.{name} must be <= {maximum}, got {value}")
-    return value
+    """``value`` as a Python int in [minimum, maximum] (`check_int`: TypeError for a
+    non-integer, ValueError out of range); NumPy integer scalars are accepted."""
+    return check_int(f"BalancerConfig.{name}", value, minimum, maximum)
 
 
 def _as_float(name: str, value) -> float:
@@ -91,7 +83,8 @@ class BalancerConfig:
             replica forwards them to at most f others, in a tree of as few hops as that allows;
             gradients return along the tree, summed at each relay. 0: no bound (every master sends
             every copy itself). The default 2 gave the shortest modelled transfer on the
-            DeepSeek-R1, Qwen1.5-MoE and Switch traces (docs/results.md, "Relay"). Not
+            DeepSeek-R1, Qwen1.5-MoE and Switch traces (docs/results.md, "Relay"). At
+            most 2**31 - 1 (the schedule computes in int32). Not
             a planner input: the plan is the same for every f.
         min_tokens_per_rank: the fallback threshold: a layer whose EP ranks each hold fewer
             tokens than this (a static shape, so decided when the layer is traced) compiles plain
@@ -118,7 +111,7 @@ class BalancerConfig:
             ("slots_per_rank", 0, MAX_SLOTS_PER_RANK),
             ("min_tokens_per_replica", 1, MAX_MIN_TOKENS_PER_REPLICA),
             ("master_keep_tokens", 0, _INT64_MAX),
-            ("max_fanout", 0, _INT64_MAX),
+            ("max_fanout", 0, MAX_FANOUT),
             ("min_tokens_per_rank", 0, _INT64_MAX),
         ):
             if getattr(self, name) is not None or name not in ("num_experts", "ep_size"):
@@ -254,6 +247,8 @@ class ExpertParallel:
             check_positive_int("MoE", "transfer_chunks", self.transfer_chunks),
         )
         object.__setattr__(self, "mesh", _auto_axes_mesh(self.mesh))
+        if self.ep_size > 1:  # with one rank nothing is exchanged (the portable copy)
+            comm.check_platform(self.comm_backend, self.mesh)
 
     def _checked_token_axes(self) -> tuple[str, ...]:
         """``token_axes`` as a tuple of mesh axes in mesh order (the default when None); raises

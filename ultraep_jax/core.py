@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ultraep_jax import comm, dispatch, relay, remat, reroute, streaming
 from ultraep_jax._vma import vary, varying_axes
-from ultraep_jax.checks import check_local_inputs
+from ultraep_jax.checks import check_int32_sizes, check_local_inputs
 from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.experts import local_experts
 from ultraep_jax.planner import plan as make_plan
@@ -74,6 +74,7 @@ def routed_experts_local(
     T = math.prod(x.shape[:-1])
     mask_T = None if token_mask is None else token_mask.reshape(T)
     capacity = ep.capacity(T, K)
+    check_int32_sizes(T * K, capacity)
     y_TD, stats = _pipeline(
         x.reshape(T, D), experts.reshape(T, K), weights.reshape(T, K), mask_T, params, ep, capacity
     )

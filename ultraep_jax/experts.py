@@ -110,8 +110,10 @@ def grouped_glu(
       group_sizes: int32 [G], G = sum of the G_i.
       kernel: one of `KERNELS`: "tiled" (`tiled_experts`: a loop over row tiles whose cost tracks
         the rows present; all stacks in one loop), "ragged_dot" (`jax.lax.ragged_dot`; a masked
-        dense product on CPU), "pallas" (the Pallas/Triton kernel of `gmm_pallas`), "mgpu"
-        (JAX's Hopper Mosaic GPU kernels, `gmm_mgpu`), or "auto": on CUDA Mosaic GPU on Hopper
+        dense product on CPU, in which inf or NaN in one group's weights reaches every row as
+        0 * inf; the tiled and Pallas kernels keep a group's non-finite values in its own rows),
+        "pallas" (the Pallas/Triton kernel of `gmm_pallas`), "mgpu" (JAX's Hopper Mosaic GPU
+        kernels, `gmm_mgpu`), or "auto": on CUDA Mosaic GPU on Hopper
         where the shapes suit it, else Pallas; tiled elsewhere; chosen per platform at lowering
         time. The matmul kernels run each stack as its own calls, so that the masters' work does
         not wait for the replica weights to arrive.

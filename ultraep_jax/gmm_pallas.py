@@ -28,6 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ultraep_jax._ops import check_int
 from ultraep_jax._vma import vary, varying_axes
 
 
@@ -43,8 +44,9 @@ class _Cfg(NamedTuple):
 
 
 def _check_tile(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
-        raise ValueError(f"grouped_matmul: {name} must be a power of two >= 16, got {value!r}")
+    value = check_int(f"grouped_matmul: {name}", value)
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"grouped_matmul: {name} must be a power of two >= 16, got {value}")
     return value
 
 
@@ -127,8 +129,9 @@ def _precision(dtype):
 
 def _gmm_kernel(cfg: _Cfg, nk: int, transpose_rhs: bool, precision):
     """The kernel of `_gmm_call`: program ``(t, j)`` accumulates row tile t times column tile j
-    of every group the tile overlaps (rows outside the group masked to zero), over K in ``nk``
-    chunks, in float32."""
+    of every group the tile overlaps, over K in ``nk`` chunks, in float32, keeping of each
+    group's product only the group's rows (a select after the product, not zeroed rows before
+    it: 0 * inf in another group's weights would put NaN in this group's rows)."""
     from jax.experimental import pallas as pl
 
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
@@ -137,16 +140,14 @@ def _gmm_kernel(cfg: _Cfg, nk: int, transpose_rhs: bool, precision):
         t, j = pl.program_id(0), pl.program_id(1)
         row0 = pl.multiple_of(t * tm, tm)
         col0 = pl.multiple_of(j * tn, tn)
-        rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (tm, tk), 0)
+        rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
 
         def group_body(g, acc):
             start, end = starts_ref[g], ends_ref[g]
-            in_group = (rows >= start) & (rows < end)
 
             def k_body(k, acc):
                 k0 = pl.multiple_of(k * tk, tk)
                 a = lhs_ref[pl.ds(row0, tm), pl.ds(k0, tk)]
-                a = jnp.where(in_group, a, jnp.zeros_like(a))
                 if transpose_rhs:
                     b = rhs_ref[g, pl.ds(col0, tn), pl.ds(k0, tk)]  # [tn, tk]
                     dims = (((1,), (1,)), ((), ()))
@@ -157,7 +158,8 @@ def _gmm_kernel(cfg: _Cfg, nk: int, transpose_rhs: bool, precision):
                     a, b, dims, precision=precision, preferred_element_type=jnp.float32
                 )
 
-            return jax.lax.fori_loop(0, nk, k_body, acc)
+            part = jax.lax.fori_loop(0, nk, k_body, jnp.zeros((tm, tn), jnp.float32))
+            return acc + jnp.where((rows >= start) & (rows < end), part, 0.0)
 
         acc = jax.lax.fori_loop(lo_ref[t], hi_ref[t], group_body, jnp.zeros((tm, tn), jnp.float32))
         out_ref[pl.ds(row0, tm), pl.ds(col0, tn)] = acc.astype(out_ref.dtype)
@@ -231,10 +233,13 @@ def _tgmm_call(
 
         def body(t, acc):
             row0 = pl.multiple_of(t * tm, tm)
-            rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (tm, tk), 0)
+            rows_k = row0 + jax.lax.broadcasted_iota(jnp.int32, (tm, tk), 0)
+            rows_n = row0 + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+            # Both sides selected: 0 * inf (or NaN) in another group's rows of either is NaN.
             a = lhs_ref[pl.ds(row0, tm), pl.ds(k0, tk)]  # [tm, tk]
-            a = jnp.where((rows >= start) & (rows < end), a, jnp.zeros_like(a))
+            a = jnp.where((rows_k >= start) & (rows_k < end), a, jnp.zeros_like(a))
             b = dout_ref[pl.ds(row0, tm), pl.ds(col0, tn)]  # [tm, tn]
+            b = jnp.where((rows_n >= start) & (rows_n < end), b, jnp.zeros_like(b))
             return acc + jax.lax.dot_general(
                 a,
                 b,

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax import _native
+from ultraep_jax._ops import INT64_MAX, check_int
 from ultraep_jax.config import BalancerConfig
 from ultraep_jax.layout import check_divisible
 
@@ -41,9 +42,6 @@ class Plan:
         return jnp.sum(self.slot_expert >= 0, axis=(-2, -1), dtype=jnp.int32)
 
 
-_INT64_MAX = 2**63 - 1
-
-
 def _check_loads(loads, config: BalancerConfig):
     """``loads`` as an array, and ``config`` sized from its shape [R, E]; raises one line for a
     wrong type, shape or dtype, or sizes that ``config`` states otherwise."""
@@ -52,6 +50,10 @@ def _check_loads(loads, config: BalancerConfig):
     if not hasattr(loads, "dtype"):
         loads = np.asarray(loads)
     stated = [config.ep_size, config.num_experts]
+    if loads.ndim == 2 and 0 in loads.shape:
+        raise ValueError(
+            f"plan: loads [ep_size, num_experts] must have both sizes >= 1, got {list(loads.shape)}"
+        )
     if loads.ndim != 2 or any(
         v is not None and v != n for v, n in zip(stated, loads.shape, strict=True)
     ):
@@ -72,13 +74,7 @@ def _check_capacity(capacity) -> int:
     """The FFI attribute for ``capacity``: 0 for None (unbounded), else the validated int."""
     if capacity is None:
         return 0
-    if isinstance(capacity, (bool, np.bool_)) or not isinstance(capacity, (int, np.integer)):
-        raise TypeError(
-            f"plan: capacity must be an int or None, got {type(capacity).__name__} {capacity!r}"
-        )
-    if not 1 <= int(capacity) <= _INT64_MAX:
-        raise ValueError(f"plan: capacity must be >= 1 and fit in int64, got {capacity}")
-    return int(capacity)
+    return check_int("plan: capacity", capacity, 1, INT64_MAX)
 
 
 def plan(

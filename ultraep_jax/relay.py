@@ -132,6 +132,9 @@ def relay_schedule(
         root_N, fanout = jnp.full(n, n + 1, jnp.int32), n + 1
     else:
         root_N = jnp.maximum(1, max_fanout // jnp.maximum(masters_sending_R[master_N], 1))
+        # Capped at n + 1, more than any expert has replicas, so that no level's bounds overflow
+        # int32 for a fan-out near 2**31.
+        root_N = jnp.minimum(root_N, n + 1)
         fanout = max_fanout
     level_N, parent_node_N = _tree_levels(node_N, root_N, fanout, static_hops(R, max_fanout))
 

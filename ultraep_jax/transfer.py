@@ -84,16 +84,19 @@ def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_n
     R, S = sender_RS.shape
     me = jax.lax.axis_index(axis_name)
     P_ = sum(w.shape[1] for w in tables)
-    dtype = tables[0].dtype
+    dtype = jnp.result_type(*tables)  # what the concatenation below makes of mixed dtypes
     # Every branch of the switch must have one type: varying over all that any input varies over.
     axes = {axis_name}.union(*(varying_axes(a) for a in (*tables, sender_RS, source_RS)))
 
     def first(k):
         def fetch():
-            mine = (sender_RS[:, :k] == me).reshape(-1, 1).astype(dtype)  # [R * k, 1]
+            mine = (sender_RS[:, :k] == me).reshape(-1, 1)  # bool [R * k, 1]
             rows = source_RS[:, :k].reshape(-1)
-            # One fused gather per tensor, scaled to zero where another rank sends the slot.
-            send = jnp.concatenate([w[rows] * mine for w in tables], axis=1)
+            # One fused gather per tensor, zero where another rank sends the slot: a select, not
+            # a product with a 0/1 mask, so that inf or NaN in one expert's weights stays in the
+            # slots of that expert (inf * 0 is NaN, and the sum would spread it to every slot
+            # gathering the same row); its transpose is a select too.
+            send = jnp.concatenate([jnp.where(mine, w[rows], 0) for w in tables], axis=1)
             # Only the sender's row of each slot is non-zero, so summing over senders delivers
             # it: a reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster
             # than an all-to-all).
@@ -191,4 +194,7 @@ def fetch_replica_experts(
     S = slot_expert_RS.shape[1]
     sizes = [int(np.prod(w.shape[1:])) for w in masters]
     parts = jnp.split(received_SP, np.cumsum(sizes)[:-1].tolist(), axis=1)
-    return tuple(p.reshape((S,) + w.shape[1:]) for p, w in zip(parts, masters, strict=True))
+    # Masters of different dtypes travel in their common one (exactly) and come back as their own.
+    return tuple(
+        p.reshape((S,) + w.shape[1:]).astype(w.dtype) for p, w in zip(parts, masters, strict=True)
+    )

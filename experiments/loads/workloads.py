@@ -32,6 +32,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from experiments.loads import ranks, traces
+from ultraep_jax._ops import check_int
 
 __all__ = [
     "drifting_stream",
@@ -53,17 +54,9 @@ DEFAULT_DIRICHLET_ALPHA = 1.0
 # --------------------------------------------------------------------------------------------
 
 
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return int(value)
-
-
 def _check_layout(ep_size, num_experts) -> tuple[int, int]:
-    ep_size = _check_positive_int("ep_size", ep_size)
-    num_experts = _check_positive_int("num_experts", num_experts)
+    ep_size = check_int("ep_size", ep_size)
+    num_experts = check_int("num_experts", num_experts)
     if num_experts % ep_size != 0:
         raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
     return ep_size, num_experts
@@ -72,8 +65,8 @@ def _check_layout(ep_size, num_experts) -> tuple[int, int]:
 def _pairs_per_rank(ep_size: int, tokens_per_rank, top_k) -> int:
     """Checked ``tokens_per_rank * top_k``, the pairs each of ``ep_size`` source ranks sends
     (their total must fit int32 loads)."""
-    tokens_per_rank = _check_positive_int("tokens_per_rank", tokens_per_rank)
-    top_k = _check_positive_int("top_k", top_k)
+    tokens_per_rank = check_int("tokens_per_rank", tokens_per_rank)
+    top_k = check_int("top_k", top_k)
     n_pairs = tokens_per_rank * top_k
     if ep_size * n_pairs > np.iinfo(np.int32).max:
         raise ValueError("ep_size * tokens_per_rank * top_k overflows int32 loads")
@@ -206,7 +199,7 @@ def rank_zipf_exponent(
 ) -> float:
     """The Zipf exponent ``s`` that :func:`rank_zipf_loads` finds for these arguments (its
     ``num_experts`` and ``dirichlet_alpha`` do not change it)."""
-    ep_size = _check_positive_int("ep_size", ep_size)
+    ep_size = check_int("ep_size", ep_size)
     n_pairs, target = _rank_zipf_args(ep_size, tokens_per_rank, top_k, target_imbalance)
     return _rank_level_counts(ep_size, n_pairs, target, _rank_zipf_seeds(seed)[2])[1]
 
@@ -354,7 +347,7 @@ def drifting_stream(
     """
     ep_size, num_experts = _check_layout(ep_size, num_experts)
     n_pairs = _pairs_per_rank(ep_size, tokens_per_rank, top_k)
-    steps = _check_positive_int("steps", steps)
+    steps = check_int("steps", steps)
     if not float(exponent) >= 0.0:
         raise ValueError(f"exponent must be >= 0, got {exponent}")
     if not float(drift) >= 0.0:
@@ -435,7 +428,7 @@ def loads_from_expert_counts(
     if counts.ndim != 1:
         raise ValueError(f"counts must be 1-D [E], got shape {counts.shape}")
     num_experts = counts.shape[0]
-    ep_size = _check_positive_int("ep_size", ep_size)
+    ep_size = check_int("ep_size", ep_size)
     if num_experts == 0 or num_experts % ep_size != 0:
         raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
     n_pairs = _pairs_per_rank(ep_size, tokens_per_rank, top_k)
@@ -478,7 +471,7 @@ def trace_workloads(
     """
     if name not in traces.TRACE_NAMES:
         raise ValueError(f"unknown trace {name!r}; expected one of {', '.join(traces.TRACE_NAMES)}")
-    ep_size = _check_positive_int("ep_size", ep_size)
+    ep_size = check_int("ep_size", ep_size)
     num_experts = traces.TRACE_NUM_EXPERTS[name]
     if num_experts % ep_size != 0:
         raise ValueError(f"{name} has {num_experts} experts, not divisible by ep_size={ep_size}")

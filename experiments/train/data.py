@@ -30,6 +30,8 @@ import sysconfig
 
 import numpy as np
 
+from ultraep_jax._ops import check_int
+
 __all__ = [
     "EXCLUDED_DIRS",
     "VOCAB_SIZE",
@@ -52,14 +54,6 @@ _GLOB_CHARS = frozenset("*?[")
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _check_tokens(name: str, data, min_len: int) -> np.ndarray:
@@ -162,7 +156,7 @@ def load_corpus(files, max_bytes: int | None) -> np.ndarray:
       ValueError: the files hold no bytes, or one cannot be read.
     """
     if max_bytes is not None:
-        max_bytes = _check_int("max_bytes", max_bytes, 1)
+        max_bytes = check_int("max_bytes", max_bytes, 1)
     chunks: list[bytes] = []
     total = 0
     for path in files:
@@ -209,7 +203,7 @@ def split_corpus(
     eval_fraction = float(eval_fraction)
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
-    min_len = 1 if seq_len is None else _check_int("seq_len", seq_len, 1) + 1
+    min_len = 1 if seq_len is None else check_int("seq_len", seq_len, 1) + 1
     n = corpus.size
     n_eval = max(math.ceil(eval_fraction * n), min_len)
     if n - n_eval < min_len:
@@ -242,9 +236,9 @@ def train_batch(train: np.ndarray, step: int, batch_size: int, seq_len: int) -> 
     Returns:
       int32 ``[batch_size, seq_len + 1]``.
     """
-    step = _check_int("step", step, 0)
-    batch_size = _check_int("batch_size", batch_size, 1)
-    seq_len = _check_int("seq_len", seq_len, 1)
+    step = check_int("step", step, 0)
+    batch_size = check_int("batch_size", batch_size, 1)
+    seq_len = check_int("seq_len", seq_len, 1)
     train = _check_tokens("train", train, seq_len + 1)
     n = train.size
     start = (step * batch_size * seq_len) % n  # Python ints: no overflow for any step.
@@ -273,9 +267,9 @@ def eval_batches(
       ``min(max_batches, max(1, windows // batch_size))`` int32 arrays
       ``[batch_size, seq_len + 1]``.
     """
-    batch_size = _check_int("batch_size", batch_size, 1)
-    seq_len = _check_int("seq_len", seq_len, 1)
-    max_batches = _check_int("max_batches", max_batches, 0)
+    batch_size = check_int("batch_size", batch_size, 1)
+    seq_len = check_int("seq_len", seq_len, 1)
+    max_batches = check_int("max_batches", max_batches, 0)
     eval = _check_tokens("eval", eval, seq_len + 1)
     width = seq_len + 1
     num_windows = eval.size // width
@@ -300,8 +294,8 @@ def process_slice(batch: np.ndarray, process_index: int, process_count: int) -> 
       ``batch[i * B // P : (i + 1) * B // P]`` (a contiguous block; the blocks of all processes,
       in process order, are the whole batch).
     """
-    process_count = _check_int("process_count", process_count, 1)
-    process_index = _check_int("process_index", process_index, 0)
+    process_count = check_int("process_count", process_count, 1)
+    process_index = check_int("process_index", process_index, 0)
     if process_index >= process_count:
         raise ValueError(f"process_index={process_index} is not < process_count={process_count}")
     batch = np.asarray(batch)

@@ -146,7 +146,7 @@ def main(argv):
 
             cfg.check_devices(jax.device_count())
             data.corpus_files(cfg.data)
-        except ValueError as err:
+        except (ValueError, TypeError) as err:
             _fail(err)
         from experiments.train import trainer
 

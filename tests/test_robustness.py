@@ -1,0 +1,623 @@
+"""Bad values stay where they are, and bad arguments fail early with one line.
+
+The layer (`uep.routed_experts`, routing given explicitly) against a dense one-device reference
+written here: every (token, choice) pair runs its own expert's SwiGLU on the gathered weights, and
+pairs that reach no expert (an id outside [0, E), or dropped for capacity by the rule of
+tests/dispatch_reference.py) are selected out. Covered: inf/NaN in one expert's weights (they
+must not reach tokens or gradients of other experts, through replicas and relays), NaN/inf routing
+weights on skipped pairs, capacity drops together with relays and streamed transfers, and the
+argument checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ultraep_jax as uep
+from tests.dispatch_reference import kept_pairs, prefix_transport
+from tests.helpers import expert_mesh, fetch_with_grads
+from tests.reference_planner import reference_plan
+from tests.relay_reference import reference_schedule
+from tests.test_relay import _portable_exchange, random_slots
+from ultraep_jax import relay
+
+D, F = 8, 16
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# -- the dense reference -------------------------------------------------------------------------
+
+
+def reference_moe(x, experts, weights, params, keep):
+    """[B, L, D]: ``sum_j keep * weights[..., j] * swiglu_{experts[..., j]}(x)``, each pair on its
+    own expert's weights (gathered, so an expert no pair chooses is never read); pairs with
+    ``keep`` False are selected out (ids outside [0, E) are clipped first, then unused)."""
+    w_gate, w_up, w_down = params
+    E = w_gate.shape[0]
+    e = jnp.clip(experts, 0, E - 1)
+    gate = jnp.einsum("bld,blkdf->blkf", x, w_gate[e], precision=HIGHEST)
+    up = jnp.einsum("bld,blkdf->blkf", x, w_up[e], precision=HIGHEST)
+    out = jnp.einsum("blkf,blkfd->blkd", jax.nn.silu(gate) * up, w_down[e], precision=HIGHEST)
+    return jnp.sum(jnp.where(keep, weights, 0)[..., None] * out, axis=2)
+
+
+def value_and_grads(fn, x, weights, params, experts, cot):
+    """y, and the gradients of sum(y * cot) w.r.t. x, weights and params, of ``fn(x, weights,
+    params, experts) -> (y, aux)``, jitted (so the ids are traced, as in training); returns
+    (y, aux, gx, gw, gparams) as NumPy."""
+
+    def loss(x, weights, params, experts):
+        y, aux = fn(x, weights, params, experts)
+        return jnp.sum(y * cot), (y, aux)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, (y, aux)), (gx, gw, gp) = grad(x, weights, params, experts)
+    return np.asarray(y), jax.tree.map(np.asarray, aux), np.asarray(gx), np.asarray(gw), gp
+
+
+def layer_and_reference(x, experts, weights, params, ep, keep, cot):
+    """The layer's and the reference's (y, stats or None, gx, gweights, gparams)."""
+
+    def layer(x, weights, params, experts):
+        return uep.routed_experts(x, experts, weights, params, ep)
+
+    def ref(x, weights, params, experts):
+        return reference_moe(x, experts, weights, params, jnp.asarray(keep)), None
+
+    args = (
+        jnp.asarray(x),
+        jnp.asarray(weights),
+        tuple(jnp.asarray(w) for w in params),
+        jnp.asarray(experts),
+    )
+    return value_and_grads(layer, *args, cot), value_and_grads(ref, *args, cot)
+
+
+def assert_close(got, want, what):
+    """float32-tolerance comparison, absolute tolerance scaled to the reference's magnitude."""
+    want = np.asarray(want)
+    scale = max(1.0, float(np.max(np.abs(want))))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=what)
+
+
+def draw_params(rng, E):
+    """float32 (w_gate, w_up [E, D, F], w_down [E, F, D]) of unit-scale outputs."""
+    return (
+        (rng.normal(size=(E, D, F)) / np.sqrt(D)).astype(np.float32),
+        (rng.normal(size=(E, D, F)) / np.sqrt(D)).astype(np.float32),
+        (rng.normal(size=(E, F, D)) / np.sqrt(F)).astype(np.float32),
+    )
+
+
+def skewed_experts(rng, shape, choices, hot, k):
+    """int32 [*shape, k]: distinct experts per token from ``choices``, ``hot`` ones 20x likelier."""
+    p = np.where(np.isin(choices, hot), 20.0, 1.0)
+    ids = [rng.choice(choices, size=k, replace=False, p=p / p.sum()) for _ in range(np.prod(shape))]
+    return np.asarray(ids, np.int32).reshape(*shape, k)
+
+
+def expected_kept(experts, E, R, capacity, balancer):
+    """bool [B, L, k]: the pairs the layer keeps under the receive buffer ``capacity`` (every id
+    in [0, E)), by the NumPy reference planner and dispatch rules; device r holds the r-th slice
+    of the batch. Also returns the plan."""
+    pairs = np.asarray(experts).reshape(R, -1)  # each source's pairs in pair order
+    loads = np.stack([np.bincount(p, minlength=E) for p in pairs])
+    if balancer is None:
+        load_e = loads.sum(0)
+        plan = {
+            "slot_expert": np.zeros((R, 0), np.int64),
+            "slot_quota": np.zeros((R, 0), np.int64),
+            "master_quota": load_e,
+        }
+    else:
+        plan = reference_plan(
+            loads,
+            balancer.slots_per_rank,
+            balancer.min_tokens_per_replica,
+            balancer.balance_eps,
+            balancer.master_keep_tokens,
+            capacity=capacity,
+        )
+    assign = prefix_transport(loads, plan["slot_expert"], plan["slot_quota"], plan["master_quota"])
+    return kept_pairs(pairs, assign, plan["slot_expert"], capacity).reshape(experts.shape), plan
+
+
+# -- 1. inf/NaN in one expert's weights ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, max_fanout, chunks, backend",
+    [
+        (np.inf, 2, 1, "portable"),
+        (np.nan, 1, 2, "portable"),
+        (np.inf, 0, 1, "ragged"),
+        (-np.inf, 2, 2, "ragged"),
+    ],
+)
+def test_nonfinite_weights_of_a_cold_expert_stay_there(
+    bad, max_fanout, chunks, backend, monkeypatch
+):
+    """E=16 on 8 ranks, every token to expert 0 or experts 4..15 (expert 0 hot, so replicated
+    through relays), one non-finite entry in cold expert 2's w_gate: no token and no gradient of
+    another expert may see it. The replica transfer gathers every master row of a rank, so a
+    0/1 mask product would make inf * 0 = NaN in the slots of other experts."""
+    if backend == "ragged":
+        _portable_exchange(monkeypatch)  # the exchanged hops, through the CPU's exchange
+    R, E, k, B, L = 8, 16, 2, 8, 16
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    experts = skewed_experts(rng, (B, L), np.array([0, *range(4, 16)]), hot=[0], k=k)
+    weights = rng.uniform(0.1, 1.0, size=(B, L, k)).astype(np.float32)
+    params = draw_params(rng, E)
+    params[0][2, 3, 5] = bad
+    cot = rng.normal(size=x.shape).astype(np.float32)
+    balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=1, max_fanout=max_fanout)
+    ep = uep.ExpertParallel(
+        expert_mesh(R),
+        E,
+        balancer=balancer,
+        capacity_factor=None,
+        comm_backend=backend,
+        transfer_chunks=chunks,
+    )
+    keep = np.ones(experts.shape, bool)
+    (y, stats, gx, gw, gp), (ry, _, rgx, rgw, rgp) = layer_and_reference(
+        x, experts, weights, params, ep, keep, cot
+    )
+    assert int(stats.replicas) > 0, "no replica: the transfer was not exercised"
+    assert int(stats.expert_load[2]) == 0
+    assert np.isfinite(y).all(), f"{int((~np.isfinite(y).all(-1)).sum())} tokens not finite"
+    assert_close(y, ry, "y")
+    assert_close(gx, rgx, "d/dx")
+    assert_close(gw, rgw, "d/dweights")
+    for name, g, rg in zip(("w_gate", "w_up", "w_down"), gp, rgp, strict=True):
+        assert np.isfinite(np.asarray(g)).all(), f"d/d{name} not finite"
+        assert_close(g, rg, f"d/d{name}")
+
+
+@pytest.mark.parametrize("backend", ["portable", "ragged"])
+def test_nonfinite_master_reaches_only_its_own_slots(backend, monkeypatch):
+    """The replica transfer alone: one expert's master rows hold inf and NaN; every slot holding
+    another expert gets exactly its weights, and a NaN cotangent on the bad expert's slots reaches
+    only that expert's gradient (the transfer's transpose)."""
+    if backend == "ragged":
+        _portable_exchange(monkeypatch)
+    R, em, S, f = 8, 2, 2, 1
+    E = R * em
+    # Expert 0 relayed through 3 levels; expert 1 (the bad one, same master rank) on 2 ranks.
+    slot_expert = np.array(
+        [[-1, -1], [0, 1], [0, -1], [0, 9], [0, -1], [0, 1], [0, -1], [3, -1]], np.int32
+    )
+    assert reference_schedule(slot_expert, em, f)["hop"].max() >= 3
+    rng = np.random.default_rng(1)
+    master = rng.normal(size=(E, 3, 4)).astype(np.float32)
+    master[1, 0, 0], master[1, 2, 3] = np.inf, np.nan
+    cot = rng.normal(size=(R * S, 3, 4)).astype(np.float32)
+    flat = slot_expert.reshape(-1)
+    cot[flat == 1] = np.nan
+    (got,), (grad,) = fetch_with_grads(
+        expert_mesh(R), [master], slot_expert, [cot], backend=backend, max_fanout=f
+    )
+    got, grad = np.asarray(got), np.asarray(grad)
+    for i, e in enumerate(flat):
+        if e != 1:
+            want = master[e] if e >= 0 else np.zeros_like(master[0])
+            np.testing.assert_array_equal(got[i], want, err_msg=f"slot {i} (expert {e})")
+    want_grad = np.zeros_like(master)
+    for i, e in enumerate(flat):
+        if e >= 0:
+            want_grad[e] += cot[i]
+    others = np.arange(E) != 1
+    np.testing.assert_allclose(grad[others], want_grad[others], rtol=1e-6, atol=1e-6)
+
+
+# -- 2. skipped pairs with NaN/inf weights --------------------------------------------------------
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_nonfinite_weights_of_pairs_of_no_expert_are_ignored(balanced):
+    """Pairs with id -1 or E (possible under jit, where ids cannot be checked) carry NaN, inf and
+    -inf weights: the output and every gradient equal the reference without those pairs, and the
+    weights' gradient is exactly 0 on them."""
+    R, E, k, B, L = 8, 8, 2, 8, 8
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    experts = skewed_experts(rng, (B, L), np.arange(E), hot=[0, 1], k=k)
+    weights = rng.uniform(0.1, 1.0, size=(B, L, k)).astype(np.float32)
+    skipped = rng.random(size=experts.shape) < 0.25
+    experts[skipped] = rng.choice([-1, E], size=int(skipped.sum()))
+    weights[skipped] = rng.choice([np.nan, np.inf, -np.inf], size=int(skipped.sum()))
+    params = draw_params(rng, E)
+    cot = rng.normal(size=x.shape).astype(np.float32)
+    balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=1) if balanced else None
+    ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer, capacity_factor=None)
+    (y, stats, gx, gw, gp), (ry, _, rgx, rgw, rgp) = layer_and_reference(
+        x, experts, weights, params, ep, ~skipped, cot
+    )
+    assert int(stats.invalid) == int(skipped.sum()) > 0
+    assert (int(stats.replicas) > 0) == balanced
+    assert np.isfinite(y).all(), f"{int((~np.isfinite(y).all(-1)).sum())} tokens not finite"
+    assert_close(y, ry, "y")
+    assert_close(gx, rgx, "d/dx")
+    assert np.isfinite(gw).all() and (gw[skipped] == 0).all()
+    assert_close(gw, rgw, "d/dweights")
+    for name, g, rg in zip(("w_gate", "w_up", "w_down"), gp, rgp, strict=True):
+        assert_close(g, rg, f"d/d{name}")
+
+
+# -- 8 (and 2). capacity drops with relays and streamed transfers --------------------------------
+
+
+def capacity_case(seed, max_fanout, chunks, backend, monkeypatch, poison_dropped=False):
+    """E=8, top-2, 16 pairs per device on 8 ranks, skewed to experts 0 and 1, with a receive
+    buffer of 13 rows (capacity factor 0.8: below the mean, so the plan replicates and still
+    drops). Returns the layer's and the reference's results, the kept pairs and the plan."""
+    if backend == "ragged":
+        _portable_exchange(monkeypatch)
+    R, E, k, B, L = 8, 8, 2, 8, 8
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    experts = skewed_experts(rng, (B, L), np.arange(E), hot=[0, 1], k=k)
+    weights = rng.uniform(0.1, 1.0, size=(B, L, k)).astype(np.float32)
+    params = draw_params(rng, E)
+    cot = rng.normal(size=x.shape).astype(np.float32)
+    balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=1, max_fanout=max_fanout)
+    ep = uep.ExpertParallel(
+        expert_mesh(R),
+        E,
+        balancer=balancer,
+        capacity_factor=0.8,
+        comm_backend=backend,
+        transfer_chunks=chunks,
+    )
+    capacity = ep.capacity(B * L // R, k)
+    keep, plan = expected_kept(experts, E, R, capacity, ep.balancer)
+    if poison_dropped:
+        weights[~keep] = rng.choice([np.nan, np.inf], size=int((~keep).sum()))
+    got, ref = layer_and_reference(x, experts, weights, params, ep, keep, cot)
+    return got, ref, keep, plan
+
+
+@pytest.mark.parametrize(
+    "max_fanout, chunks, backend",
+    [(1, 2, "portable"), (2, 3, "ragged"), (3, 4, "portable"), (1, 4, "ragged")],
+)
+def test_capacity_drops_with_relays_and_streaming_equal_reference(
+    max_fanout, chunks, backend, monkeypatch
+):
+    """Pairs dropped for capacity while replica weights move through relays in 2-4 chunks: the
+    drop count and the output and gradients equal the reference with the rule's pairs removed."""
+    (y, stats, gx, gw, gp), (ry, _, rgx, rgw, rgp), keep, plan = capacity_case(
+        3, max_fanout, chunks, backend, monkeypatch
+    )
+    assert int(stats.dropped) == int((~keep).sum()) > 0, "no pair was dropped"
+    assert int(stats.replicas) == int((plan["slot_expert"] >= 0).sum()) > 0, "no replica"
+    if max_fanout == 1:
+        assert reference_schedule(plan["slot_expert"], 1, max_fanout)["hop"].max() >= 2
+    assert_close(y, ry, "y")
+    assert_close(gx, rgx, "d/dx")
+    assert_close(gw, rgw, "d/dweights")
+    for name, g, rg in zip(("w_gate", "w_up", "w_down"), gp, rgp, strict=True):
+        assert_close(g, rg, f"d/d{name}")
+
+
+def test_nonfinite_weights_of_dropped_pairs_are_ignored(monkeypatch):
+    """The pairs dropped for capacity carry NaN and inf weights: nothing of them reaches a token
+    or a gradient (the weights' gradient is exactly 0 on them)."""
+    (y, stats, gx, gw, gp), (ry, _, rgx, rgw, rgp), keep, _ = capacity_case(
+        4, 2, 2, "portable", monkeypatch, poison_dropped=True
+    )
+    assert int(stats.dropped) == int((~keep).sum()) > 0
+    assert np.isfinite(y).all(), f"{int((~np.isfinite(y).all(-1)).sum())} tokens not finite"
+    assert_close(y, ry, "y")
+    assert_close(gx, rgx, "d/dx")
+    assert np.isfinite(gw).all() and (gw[~keep] == 0).all()
+    assert_close(gw, rgw, "d/dweights")
+    for name, g, rg in zip(("w_gate", "w_up", "w_down"), gp, rgp, strict=True):
+        assert_close(g, rg, f"d/d{name}")
+
+
+# -- 3. wide ids -----------------------------------------------------------------------------------
+
+
+def test_int64_ids_outside_the_experts_do_not_wrap_under_x64():
+    """With ``jax_enable_x64``, int64 ids 2**32 + 3, 2**33 and -2**32 + 1 (which an int32 cast
+    would make 3, 0 and 1) are pairs of no expert: counted as invalid and skipped; the output
+    equals the reference without them."""
+    R, E, k, B, L = 8, 8, 2, 8, 4
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    experts = skewed_experts(rng, (B, L), np.arange(E), hot=[0], k=k).astype(np.int64)
+    wide = rng.random(size=experts.shape) < 0.3
+    experts[wide] = rng.choice([2**32 + 3, 2**33, -(2**32) + 1], size=int(wide.sum()))
+    weights = rng.uniform(0.1, 1.0, size=(B, L, k)).astype(np.float32)
+    params = draw_params(rng, E)
+    ep = uep.ExpertParallel(expert_mesh(R), E, capacity_factor=None)
+    with jax.enable_x64(True):
+        ids = jnp.asarray(experts)
+        assert ids.dtype == jnp.int64
+        y, stats = jax.jit(lambda x, e: uep.routed_experts(x, e, weights, params, ep))(
+            jnp.asarray(x), ids
+        )
+        with pytest.raises(ValueError, match=r"experts must be in \[0, 8\), got -4294967295\.\."):
+            uep.routed_experts(jnp.asarray(x), ids, weights, params, ep)  # eager: checked
+    assert int(stats.invalid) == int(wide.sum()) > 0
+    assert int(np.asarray(stats.expert_load).sum()) == int((~wide).sum())
+    want = reference_moe(
+        jnp.asarray(x),
+        jnp.asarray(np.where(wide, 0, experts).astype(np.int32)),
+        jnp.asarray(weights),
+        tuple(jnp.asarray(w) for w in params),
+        jnp.asarray(~wide),
+    )
+    assert_close(np.asarray(y), want, "y")
+
+
+# -- 4. mixed parameter dtypes ---------------------------------------------------------------------
+
+
+def test_mixed_parameter_dtypes_raise_one_line():
+    """w_gate in float16 and the rest float32 used to pass the checks and fail with a long
+    TypeError of the replica transfer's switch, and only with a balancer: now one line, balancer
+    or not."""
+    R, E = 8, 8
+    rng = np.random.default_rng(6)
+    w_gate, w_up, w_down = draw_params(rng, E)
+    params = (w_gate.astype(np.float16), w_up, w_down)
+    x = rng.normal(size=(R, 2, D)).astype(np.float32)
+    ids, weights = np.zeros((R, 2, 1), np.int32), np.ones((R, 2, 1), np.float32)
+    for balancer in (None, uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=1)):
+        ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer)
+        _one_line(
+            TypeError,
+            r"w_gate, w_up and w_down must have one dtype, got float16, float32, float32",
+            uep.routed_experts,
+            x,
+            ids,
+            weights,
+            params,
+            ep,
+        )
+
+
+# -- 5-7. errors: one line, naming the value, where the value is given --------------------------
+
+
+def _one_line(error, match, fn, *args, **kwargs):
+    """Asserts that ``fn(*args, **kwargs)`` raises ``error`` with one line matching ``match``."""
+    with pytest.raises(error, match=match) as info:
+        fn(*args, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_max_fanout_is_bounded_where_the_config_is_built():
+    _one_line(
+        ValueError,
+        r"^BalancerConfig.max_fanout must be <= 2147483647, got 2147483648$",
+        uep.BalancerConfig,
+        max_fanout=2**31,
+    )
+    assert uep.BalancerConfig(max_fanout=np.int64(2**31 - 1)).max_fanout == 2**31 - 1
+
+
+@pytest.mark.parametrize("f", [2**30, 2**31 - 1])
+def test_relay_schedule_of_the_largest_fanouts_equals_reference(f):
+    """A fan-out near 2**31 used to overflow the schedule's int32 level bounds (every slot then
+    received from itself in hop 2)."""
+    rng = np.random.default_rng(9)
+    for R, em, S in ((8, 1, 2), (8, 2, 3), (4, 4, 2)):
+        slots = random_slots(rng, R, em, S, fill=0.8, hot=2)
+        got = relay.relay_schedule(jnp.asarray(slots), em, f)
+        want = reference_schedule(slots, em, f)
+        np.testing.assert_array_equal(np.asarray(got.hop_RS), want["hop"])
+        np.testing.assert_array_equal(np.asarray(got.sender_RS), want["sender"])
+        np.testing.assert_array_equal(np.asarray(got.source_RS), want["source"])
+
+
+def test_largest_max_fanout_sends_every_copy_from_the_master():
+    """max_fanout = 2**31 - 1 runs (it used to overflow in the relay schedule) and sends every
+    copy in the first hop: values equal the reference and the largest send is f = 0's."""
+    R, E, k, B, L = 8, 8, 2, 8, 8
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    experts = skewed_experts(rng, (B, L), np.arange(E), hot=[0, 1], k=k)
+    weights = rng.uniform(0.1, 1.0, size=(B, L, k)).astype(np.float32)
+    params = draw_params(rng, E)
+    sends = {}
+    for f in (0, 2**31 - 1):
+        balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=1, max_fanout=f)
+        ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer, capacity_factor=None)
+        y, stats = jax.jit(lambda x, ep=ep: uep.routed_experts(x, experts, weights, params, ep))(x)
+        assert int(stats.replicas) > 0
+        sends[f] = float(stats.transfer_send_max)
+        want = reference_moe(
+            jnp.asarray(x),
+            jnp.asarray(experts),
+            jnp.asarray(weights),
+            tuple(jnp.asarray(w) for w in params),
+            jnp.ones(experts.shape, bool),
+        )
+        assert_close(np.asarray(y), want, f"y, max_fanout={f}")
+    assert sends[0] == sends[2**31 - 1] > 0
+
+
+def test_plan_of_no_ranks_raises_one_line():
+    for shape in ((0, 8), (4, 0)):
+        _one_line(
+            ValueError,
+            rf"^plan: loads \[ep_size, num_experts\] must have both sizes >= 1, got "
+            rf"\[{shape[0]}, {shape[1]}\]$",
+            uep.plan,
+            np.zeros(shape, np.int32),
+            uep.BalancerConfig(),
+        )
+
+
+def test_ragged_backend_on_cpu_devices_raises_at_construction():
+    _one_line(
+        ValueError,
+        r"comm_backend='ragged' cannot run on CPU devices",
+        uep.ExpertParallel,
+        expert_mesh(8),
+        8,
+        comm_backend="ragged",
+    )
+    # One rank exchanges nothing; abstract GPU devices (export for CUDA) may use it.
+    assert uep.ExpertParallel(expert_mesh(1), 8, comm_backend="ragged").comm_backend == "ragged"
+    from tests.helpers import gpu_expert_mesh
+
+    assert uep.ExpertParallel(gpu_expert_mesh(8), 8, comm_backend="ragged").ep_size == 8
+
+
+@pytest.mark.parametrize(
+    "per_device, top_k, factor, match",
+    [
+        (2**30, 8, 1.0, r"^MoE: 8589934592 \(token, choice\) pairs per device exceed 2\*\*31 - 1"),
+        (2**25, 8, None, r"^MoE: a receive buffer of 2147483648 rows per device exceeds 2\*\*31"),
+    ],
+    ids=["pairs", "buffer"],
+)
+def test_sizes_past_int32_raise_one_line(per_device, top_k, factor, match):
+    """Shapes only (nothing is allocated): more pairs on a device, or more receive-buffer rows,
+    than the int32 dispatch indices hold."""
+    R, E = 8, 8
+    ep = uep.ExpertParallel(expert_mesh(R), E, capacity_factor=factor)
+    S = jax.ShapeDtypeStruct
+    x = S((R * per_device, 1, D), jnp.float32)
+    ids, weights = (
+        S((R * per_device, 1, top_k), jnp.int32),
+        S((R * per_device, 1, top_k), jnp.float32),
+    )
+    params = (S((E, D, F), jnp.float32), S((E, D, F), jnp.float32), S((E, F, D), jnp.float32))
+    _one_line(
+        ValueError,
+        match,
+        jax.eval_shape,
+        functools.partial(uep.routed_experts, ep=ep),
+        x,
+        ids,
+        weights,
+        params,
+    )
+
+
+def test_transfer_chunks_beyond_the_width_raise_without_a_balancer():
+    """`routed_experts` refuses what `MoE` refuses, balancer or not."""
+    R, E = 8, 8
+    rng = np.random.default_rng(8)
+    params = draw_params(rng, E)
+    x = rng.normal(size=(R, 2, D)).astype(np.float32)
+    ids = np.zeros((R, 2, 1), np.int32)
+    weights = np.ones((R, 2, 1), np.float32)
+    for balancer in (None, uep.BalancerConfig()):
+        ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer, transfer_chunks=F + 1)
+        _one_line(
+            ValueError,
+            rf"^MoE: transfer_chunks={F + 1} exceeds d_ff={F} ",
+            uep.routed_experts,
+            x,
+            ids,
+            weights,
+            params,
+            ep,
+        )
+
+
+# -- integer arguments: one rule everywhere --------------------------------------------------------
+
+
+def _integer_arguments():
+    """(name, fn(value)) for a sample of integer arguments of the library, the model and the
+    experiments: each must raise TypeError for a non-integer and ValueError below its minimum."""
+    from flax import nnx
+
+    from experiments.loads import workloads
+    from experiments.train import data
+    from models.moe_lm import ModelConfig
+
+    mesh = expert_mesh(8)
+    return [
+        ("BalancerConfig.max_fanout", lambda v: uep.BalancerConfig(max_fanout=v)),
+        ("BalancerConfig.slots_per_rank", lambda v: uep.BalancerConfig(slots_per_rank=v)),
+        ("MoE: transfer_chunks", lambda v: uep.ExpertParallel(mesh, 8, transfer_chunks=v)),
+        ("MoE: num_experts", lambda v: uep.ExpertParallel(mesh, v)),
+        (
+            "MoE: top_k",
+            lambda v: uep.MoE(
+                d_model=D, d_ff=F, num_experts=8, top_k=v, mesh=mesh, rngs=nnx.Rngs(0)
+            ),
+        ),
+        ("SoftmaxTopK: top_k", lambda v: uep.SoftmaxTopK(v)),
+        ("SigmoidTopK: num_groups", lambda v: uep.SigmoidTopK(2, num_groups=v)),
+        ("plan: capacity", lambda v: uep.plan(np.ones((8, 8), np.int32), uep.BalancerConfig(), v)),
+        ("ModelConfig.top_k", lambda v: ModelConfig(top_k=v)),
+        ("ModelConfig.shared_d_ff", lambda v: ModelConfig(shared_d_ff=v)),
+        ("batch_size", lambda v: data.train_batch(np.zeros(64, np.uint8), 0, v, 4)),
+        ("ep_size", lambda v: workloads.rank_zipf_exponent(v, 64, 2, 1.5, 0)),
+    ]
+
+
+def test_integer_arguments_follow_one_rule():
+    """TypeError (one line naming the argument) for a bool, a float (even 2.0) or a string;
+    ValueError for an integer below the minimum; NumPy integers accepted."""
+    for name, fn in _integer_arguments():
+        for bad in (True, np.bool_(False), 2.0, np.float32(3), "2"):
+            _one_line(TypeError, rf"^{re.escape(name)} must be an int, got ", fn, bad)
+        _one_line(
+            ValueError, rf"^{re.escape(name)} must be (a positive int|an int >= 0), got -1$", fn, -1
+        )
+        fn(np.int64(8))  # accepted
+
+
+# -- 1 (kernels). a group's inf/NaN stays in its rows ---------------------------------------------
+
+
+def test_pallas_grouped_matmul_keeps_nonfinite_values_in_their_group():
+    """The Pallas kernel (interpreted on CPU) with 16-row tiles and groups that share tiles: inf in
+    group 1's weights, NaN in one of group 1's rows, NaN in the cotangent of another of them.
+    Every other group's rows, their input gradients and every other group's weight gradient equal
+    NumPy's (a product of rows zeroed before it would be 0 * inf = NaN across the shared tile)."""
+    from ultraep_jax import gmm_pallas
+
+    rng = np.random.default_rng(10)
+    M, K, N = 48, 16, 16
+    sizes = np.array([10, 9, 20, 0, 5])  # group 1 spans rows 10..18: tiles 0 and 1
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    lhs = rng.normal(size=(M, K)).astype(np.float32)
+    rhs = rng.normal(size=(len(sizes), K, N)).astype(np.float32)
+    rhs[1, 3, 4] = np.inf
+    lhs[starts[1] + 2, 5] = np.nan
+    cot = rng.normal(size=(M, N)).astype(np.float32)
+    cot[starts[1] + 4, 1] = np.nan
+
+    def loss(lhs, rhs):
+        out = gmm_pallas.grouped_matmul(
+            lhs, rhs, jnp.asarray(sizes, jnp.int32), tile_m=16, tile_n=16, tile_k=16, interpret=True
+        )
+        return jnp.sum(out * cot), out
+
+    (_, out), (d_lhs, d_rhs) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        jnp.asarray(lhs), jnp.asarray(rhs)
+    )
+    out, d_lhs, d_rhs = np.asarray(out), np.asarray(d_lhs), np.asarray(d_rhs)
+    total = int(sizes.sum())
+    lhs64, rhs64, cot64 = (a.astype(np.float64) for a in (lhs, rhs, cot))
+    for m in range(M):
+        g = group[m] if m < total else -1
+        if g == 1:
+            continue
+        want = lhs64[m] @ rhs64[g] if g >= 0 else np.zeros(N)
+        want_dx = cot64[m] @ rhs64[g].T if g >= 0 else np.zeros(K)
+        np.testing.assert_allclose(out[m], want, rtol=1e-5, atol=1e-5, err_msg=f"row {m}")
+        np.testing.assert_allclose(d_lhs[m], want_dx, rtol=1e-5, atol=1e-5, err_msg=f"dx {m}")
+    for g in (0, 2, 3, 4):
+        rows = slice(starts[g], starts[g] + sizes[g])
+        want = lhs64[rows].T @ cot64[rows]
+        np.testing.assert_allclose(d_rhs[g], want, rtol=1e-5, atol=1e-5, err_msg=f"d_rhs {g}")
