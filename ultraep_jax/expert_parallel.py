@@ -40,7 +40,9 @@ def routed_experts(
         eager call) are checked; traced ids (under `jit`) cannot be without a trip to the host,
         so there a pair whose id is outside [0, E) is skipped: it contributes nothing to y (nor
         gradients), is in no expert's load, and is counted in ``MoEStats.invalid``.
-      weights: [..., K], each choice's weight (float32 recommended; any router's output).
+      weights: [..., K], each choice's weight (float32 recommended; any router's output). The
+        weight of a pair that reaches no expert is selected out, never multiplied by zero: NaN
+        or inf there reaches neither y nor a gradient.
       params: (w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]), of one dtype.
       ep: where and how the experts run.
       token_mask: bool [...] (x's leading shape), True for a real token; None: all real. Masked

@@ -41,7 +41,9 @@ def with_auto_axes(fn, statics: tuple, x, *args):
         # One compiled program per configuration and input types, not one per eager call.
         return _jitted_auto_axes_call(fn, statics)(x, *args)
     y, stats = fn(*statics, x, *args)
-    if not isinstance(x, jax.core.Tracer) and isinstance(x.sharding, NamedSharding):
+    if not isinstance(x, jax.core.Tracer) and isinstance(
+        getattr(x, "sharding", None), NamedSharding
+    ):
         y = jax.device_put(y, x.sharding)
     return y, stats
 
