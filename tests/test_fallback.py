@@ -124,7 +124,7 @@ def test_applies(tokens, threshold, want):
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [
-        (-1, ValueError, r"min_tokens_per_rank must be >= 0, got -1"),
+        (-1, ValueError, r"min_tokens_per_rank must be an int >= 0, got -1"),
         (1.5, TypeError, r"min_tokens_per_rank must be an int, got float 1.5"),
         (True, TypeError, r"min_tokens_per_rank must be an int, got bool"),
     ],
