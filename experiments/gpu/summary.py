@@ -74,7 +74,7 @@ def _cmd(cmds: dict, part: str) -> str:
 
 
 def tests_bar(folder: str, cmds: dict) -> list[str]:
-    """tests/test_gpu.py passes."""
+    """tests/library/test_gpu.py passes."""
     path = os.path.join(folder, "tests_gpu.log")
     if not os.path.exists(path):
         return ["- not run"]
@@ -247,7 +247,10 @@ def summary_lines(folder: str) -> list[str]:
         "",
     ]
     bars = [
-        ("tests/test_gpu.py passes (and jax " + env.get("jax", "?") + ")", tests_bar(folder, cmds)),
+        (
+            "tests/library/test_gpu.py passes (and jax " + env.get("jax", "?") + ")",
+            tests_bar(folder, cmds),
+        ),
         ("Planner <= 20 us at EP64/E256/S2 (CUDA events, one plan)", planner_bar(check, cmds)),
         ("Exchange throughput against a copy of the same bytes", exchange_bar(exchange, cmds)),
         (

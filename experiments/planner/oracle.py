@@ -1,6 +1,7 @@
 """The exact side of the planner's comparisons: whether any plan reaches a threshold (a
 mixed-integer program, `scipy.optimize.milp`; scipy comes with the ``test`` extra), and the small
-random cases it is asked about (`experiments.planner.exact`, tests/test_planner_exact.py)."""
+random cases it is asked about (`experiments.planner.exact`,
+tests/experiments/test_planner_exact.py)."""
 
 from __future__ import annotations
 

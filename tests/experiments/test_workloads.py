@@ -15,7 +15,7 @@ from experiments.loads import ranks, traces, workloads
 
 R, E, T, K = 64, 256, 8192, 8  # UltraEP reference setup
 TRACES = traces.default_traces_dir()
-CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
+CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

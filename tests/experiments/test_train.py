@@ -27,7 +27,10 @@ from experiments.train.config import (
 )
 from models.moe_lm import ModelConfig
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+# End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Small enough for CPU tests; the corpus is the default one (the stdlib), capped.
 SMALL = {

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import tests.test_moe as tm
+import tests.library.test_moe as tm
 import ultraep_jax as uep
 from tests.helpers import expert_mesh, fetch_with_grads
 from tests.relay_reference import reference_schedule, reference_send_copies

@@ -23,7 +23,10 @@ from experiments.serve.prompts import Prompt, pad_batch
 from experiments.train import trainer
 from experiments.train.config import TrainConfig
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+# End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 48
 TINY = {
     "steps": 4,

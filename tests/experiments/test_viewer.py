@@ -22,7 +22,10 @@ import pytest
 from experiments.records import read_loads
 from experiments.train import viewer
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+# End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
+pytestmark = pytest.mark.slow
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # --------------------------------------------------------------------------------------------
 # A hand-made run: 4 ranks, 8 experts (expert e on rank e // 2), 2 layers, steps 10, 20, 30.

@@ -288,7 +288,7 @@ def test_missing_traces_dir_ends_with_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.sim", f"--traces_dir={tmp_path}"],
         check=False,
-        cwd=pathlib.Path(__file__).resolve().parents[1],
+        cwd=pathlib.Path(__file__).resolve().parents[2],
         env=env,
         capture_output=True,
         text=True,

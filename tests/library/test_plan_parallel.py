@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 import ultraep_jax as uep
 from experiments.loads import workloads
 from experiments.planner.oracle import random_cases
+from tests.library.test_plan_vs_reference import CONFIGS, _random_loads
 from tests.reference_planner import check_plan_invariants, reference_plan, reference_plan_info
-from tests.test_plan_vs_reference import CONFIGS, _random_loads
 from ultraep_jax import _native
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
@@ -82,8 +82,8 @@ def _item(plans, i):
 
 @pytest.mark.parametrize("R, E, S, F, K, eps", CONFIGS)
 def test_parallel_equals_core_and_reference_on_random_batches(R, E, S, F, K, eps):
-    # The core's own fuzz configurations and load kinds (tests/test_plan_vs_reference.py); the
-    # reference on every matrix up to EP16 and on four of the EP64 ones (it is slow there).
+    # The core's own fuzz configurations and load kinds (tests/library/test_plan_vs_reference.py);
+    # the reference on every matrix up to EP16 and on four of the EP64 ones (it is slow there).
     cfg = _config(R, E, S, F, K, eps)
     rng = np.random.default_rng(R * 1000 + E + S + 1)
     batch = np.stack([_random_loads(rng, R, E, k, s) for k in KINDS for s in (1, 7, 1000, 200_000)])

@@ -180,6 +180,7 @@ def _assert_close(actual, desired, dtype: str) -> None:
         np.testing.assert_allclose(actual, desired, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow  # a forward and backward compilation per case
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c.values()) for c in CASES])
 def test_values_gradients_and_sharding_equal_dense_reference(case):
     dtype = jnp.dtype(case["dtype"])

@@ -22,9 +22,9 @@ import pytest
 import ultraep_jax as uep
 from tests.dispatch_reference import kept_pairs, prefix_transport
 from tests.helpers import expert_mesh, fetch_with_grads
+from tests.library.test_relay import _portable_exchange, random_slots
 from tests.reference_planner import reference_plan
 from tests.relay_reference import reference_schedule
-from tests.test_relay import _portable_exchange, random_slots
 from ultraep_jax import relay
 
 D, F = 8, 16

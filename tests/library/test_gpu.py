@@ -3,7 +3,7 @@
 The tests marked ``needs_gpu`` skip without a GPU. conftest.py defaults JAX_PLATFORMS to "cpu",
 so on a GPU machine run
 
-    JAX_PLATFORMS=cuda,cpu python -m pytest tests/test_gpu.py -q
+    JAX_PLATFORMS=cuda,cpu python -m pytest tests/library/test_gpu.py -q
 
 The others run everywhere (CI has no GPU): they export the balanced training step for CUDA with
 `jax.export` and check every custom call and collective it contains.
