@@ -162,7 +162,9 @@ def fetch_replica_experts(
       backend: "portable" (the dense exchange), "ragged" (`ragged_all_to_all`), or "auto":
         dense on CPU, ragged elsewhere, chosen per platform at lowering time.
       max_fanout: the relay bound f (`BalancerConfig.max_fanout`; ffi/TRANSFER.md); 0: every
-        master sends every copy itself, in one exchange.
+        master sends every copy itself, in one exchange. The "portable" (dense) exchange ignores
+        it: there every rank sends the same rows in a hop whoever holds the weights, so it moves
+        every copy in one hop.
 
     Returns:
       One [S, ...] array per input, in the same order (zeros for empty slots).
@@ -175,7 +177,9 @@ def fetch_replica_experts(
             tables = tables if isinstance(tables, tuple) else (tables,)
             return _hop_dense(tables, sender_RS, source_RS, axis_name)
 
-        return _relayed(flat, slot_expert_RS, em, max_fanout, hop, hop)
+        # The dense hop's reduce-scatter has every rank send R * k rows whatever the fan-out, so
+        # a relay would only add hops (bytes, collectives and compile time): one hop here.
+        return _relayed(flat, slot_expert_RS, em, 0, hop, hop)
 
     def exchanged(name):
         def hop(table, sender_RS, source_RS):
