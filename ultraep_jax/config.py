@@ -85,7 +85,8 @@ class BalancerConfig:
             every copy itself). The default 2 gave the shortest modelled transfer on the
             DeepSeek-R1, Qwen1.5-MoE and Switch traces (docs/results.md, "Relay"). At
             most 2**31 - 1 (the schedule computes in int32). Not
-            a planner input: the plan is the same for every f.
+            a planner input: the plan is the same for every f. The portable (CPU) exchange moves
+            every copy in one hop whatever f is: there every rank sends the same rows.
         min_tokens_per_rank: the fallback threshold: a layer whose EP ranks each hold fewer
             tokens than this (a static shape, so decided when the layer is traced) compiles plain
             expert parallelism, with no planner call, no replica slots and no weight transfer
