@@ -76,7 +76,8 @@ def _check_weights(params, num_experts: int, d_model: int, where: str) -> None:
         )
 
 
-def _check_chunks(ep: ExpertParallel, d_ff: int) -> None:
+def check_chunks(ep: ExpertParallel, d_ff: int) -> None:
+    """Raises one line unless ``ep.transfer_chunks`` fits in ``d_ff`` hidden columns."""
     if ep.transfer_chunks > d_ff:
         raise ValueError(
             f"MoE: transfer_chunks={ep.transfer_chunks} exceeds d_ff={d_ff} (a chunk is at "
@@ -105,7 +106,7 @@ def check_call_inputs(x, experts, weights, params, ep, token_mask) -> None:
     these global arrays; concrete expert ids of real tokens are range-checked."""
     _check_arrays(x, experts, weights, params, ep, token_mask)
     _check_weights(params, ep.num_experts, x.shape[-1], "E")
-    _check_chunks(ep, params[0].shape[-1])
+    check_chunks(ep, params[0].shape[-1])
     if isinstance(experts, jax.core.Tracer):
         return
     e = np.asarray(experts)
@@ -122,4 +123,4 @@ def check_local_inputs(x, experts, weights, params, ep, token_mask) -> None:
     device's arrays: the weights are this device's E / R experts."""
     _check_arrays(x, experts, weights, params, ep, token_mask)
     _check_weights(params, ep.num_experts // ep.ep_size, x.shape[-1], "E/R")
-    _check_chunks(ep, params[0].shape[-1])
+    check_chunks(ep, params[0].shape[-1])

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ultraep_jax._ops import check_positive_int
-from ultraep_jax.checks import check_dtype
+from ultraep_jax.checks import check_chunks, check_dtype
 from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.expert_parallel import routed_experts
 from ultraep_jax.experts import dense_glu
@@ -94,11 +94,7 @@ class MoE(nnx.Module):
             for name, value in (("d_model", d_model), ("d_ff", d_ff), ("top_k", top_k))
         )
         self.ep = ExpertParallel(mesh, num_experts, balancer, capacity_factor, **ep_options)
-        if self.ep.transfer_chunks > d_ff:
-            raise ValueError(
-                f"MoE: transfer_chunks={self.ep.transfer_chunks} exceeds d_ff={d_ff} (a chunk is "
-                "at least one hidden column)"
-            )
+        check_chunks(self.ep, d_ff)
         num_experts = self.ep.num_experts
         router = _checked_router(router, top_k, num_experts)
         shared_d_ff = check_positive_int("MoE", "shared_d_ff", shared_d_ff, minimum=0)
