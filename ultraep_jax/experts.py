@@ -92,6 +92,12 @@ _AUTO = {"cuda": _by_matmul(_cuda_grouped), "default": _tiled}
 KERNELS = ("auto", *_KERNELS)
 
 
+def fuses_stacks(kernel: str) -> bool:
+    """Whether ``kernel`` runs every weight stack in one loop ("tiled"), rather than each stack as
+    its own calls ("auto" counts as the latter: it is the matmul kernels on GPU)."""
+    return kernel == "tiled"
+
+
 def grouped_glu(
     rows: jax.Array,
     stacks: list[tuple[jax.Array, jax.Array, jax.Array] | None],

@@ -16,7 +16,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from ultraep_jax import remat, transfer
-from ultraep_jax.experts import grouped_glu
+from ultraep_jax._vma import vary, varying_axes
+from ultraep_jax.experts import fuses_stacks, grouped_glu
 
 
 def hidden_chunks(d_ff: int, chunks: int) -> list[slice]:
@@ -56,9 +57,11 @@ def experts_with_replicas(
       slot_expert_RS: int32 [R, S], the plan's slots.
       group_sizes: int32 [E_m + S].
       kernel, activation: see `experts.grouped_glu`.
-      chunks: n >= 1 transfers of F / n columns each; 1: one transfer and one experts call for
-        masters and slots.
+      chunks: n >= 1 transfers of F / n columns each; 1: one transfer.
       max_fanout, axis_name, backend: see `transfer.fetch_replica_experts`.
+
+    A plan with no replica (no slot filled on any rank) runs the masters alone: no transfer and
+    no slot work, what plain expert parallelism runs.
     """
 
     def fetch(weights):
@@ -67,12 +70,31 @@ def experts_with_replicas(
         )
         return checkpoint_name(fetched, remat.REPLICAS)
 
-    if chunks == 1:
-        return grouped_glu(rows, [masters, fetch(masters)], group_sizes, kernel, activation)
-    # Partial sums over chunks in float32, whatever the rows' dtype.
-    out = grouped_glu(rows, [masters, None], group_sizes, kernel, activation).astype(jnp.float32)
-    for cols in hidden_chunks(masters[0].shape[-1], chunks):
-        chunk = [None, fetch(weight_chunk(masters, cols))]
-        part = grouped_glu(rows, chunk, group_sizes, kernel, activation)
-        out = out + part.astype(jnp.float32)
+    def masters_only():
+        return grouped_glu(rows, [masters, None], group_sizes, kernel, activation)
+
+    def no_slots():
+        return vary(jnp.zeros(rows.shape, jnp.float32), varying_axes(rows))
+
+    def slots():
+        # Partial sums over chunks in float32, whatever the rows' dtype.
+        out = None
+        for cols in hidden_chunks(masters[0].shape[-1], chunks):
+            stacks = [None, fetch(weight_chunk(masters, cols) if chunks > 1 else masters)]
+            part = grouped_glu(rows, stacks, group_sizes, kernel, activation).astype(jnp.float32)
+            out = part if out is None else out + part
+        return out
+
+    # The plan is identical on every rank of the EP group, so every rank takes the same branch:
+    # with no replica nothing moves and the kernel runs the masters alone, as plain EP does.
+    active = transfer.active_slots(slot_expert_RS) > 0
+    if chunks == 1 and fuses_stacks(kernel):
+        # One loop over both stacks costs less than two on a CPU, so the masters are in both
+        # branches.
+        def both():
+            return grouped_glu(rows, [masters, fetch(masters)], group_sizes, kernel, activation)
+
+        return jax.lax.cond(active, both, masters_only)
+    # Each stack runs as its own calls, so the masters' work need not wait for the weights.
+    out = masters_only().astype(jnp.float32) + jax.lax.cond(active, slots, no_slots)
     return out.astype(rows.dtype)

@@ -17,6 +17,7 @@ Needs a quiet machine: other load on the cores changes the clock.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -49,7 +50,15 @@ flags.FLAGS.set_default("pinned_ranks", 2)
 flags.FLAGS.set_default("json_out", "docs/breakeven.json")
 
 FLAGS = flags.FLAGS
-LAYERS = {"balanced": "balanced_ms", "dropless": "dropless_ms", "capped": "capped_ms"}
+LAYERS = {
+    "balanced": "balanced_ms",
+    "dropless": "dropless_ms",
+    "capped": "capped_ms",
+    "no_replica": "no_replica_ms",
+}
+# A tolerance no load exceeds: with dropless buffers (nothing to save from the capacity) the
+# balanced layer's program runs plans with no replica, to set against plain dropless.
+NO_REPLICA_EPS = 1e9
 
 
 def sweep() -> tuple[list[int], list[float], list[str], int]:
@@ -85,11 +94,13 @@ def measure(mesh, mode: str, tokens: int, skew: float, repeats: int) -> dict:
     balancer = uep.BalancerConfig(
         num_experts=FLAGS.num_experts, ep_size=R, min_tokens_per_rank=0, **moe._BALANCER()
     )
+    never = dataclasses.replace(balancer, balance_eps=NO_REPLICA_EPS)
     cf = FLAGS.capacity_factor
     layers = {
         "balanced": moe._build(mesh, balancer, router, cf),
         "dropless": moe._build(mesh, None, router, None),
         "capped": moe._build(mesh, None, router, cf),
+        "no_replica": moe._build(mesh, never, router, None),
     }
     runs = {name: moe._compile(layer, x, mode) for name, layer in layers.items()}
     moe._time_interleaved(runs, repeats)
@@ -99,6 +110,7 @@ def measure(mesh, mode: str, tokens: int, skew: float, repeats: int) -> dict:
     point["imbalance_before"] = runs["balanced"]["imbalance_before"]
     point["imbalance_after"] = runs["balanced"]["imbalance_after"]
     point["replicas"] = runs["balanced"]["replicas"]
+    point["no_replica_replicas"] = runs["no_replica"]["replicas"]
     point["minor_faults"] = {name: runs[name]["minor_faults"] for name in LAYERS}
     return point
 

@@ -138,3 +138,50 @@ def test_threshold_normalised_from_numpy():
     cfg = uep.BalancerConfig(min_tokens_per_rank=np.int64(256))
     assert type(cfg.min_tokens_per_rank) is int and cfg.min_tokens_per_rank == 256
     assert cfg == uep.BalancerConfig(min_tokens_per_rank=256)
+
+
+def _loss_and_grads(layer, xs):
+    """(y, replicas, d loss / d params, d loss / d x) of ``mean(y**2)``, jitted."""
+    graphdef, p, r = nnx.split(layer, nnx.Param, ...)
+
+    def loss(p, x):
+        y, stats = nnx.merge(graphdef, p, r)(x)
+        return (y**2).mean(), (y, stats.replicas)
+
+    (_, (y, replicas)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        p, xs
+    )
+    return np.asarray(y), int(replicas), grads
+
+
+@pytest.mark.parametrize(
+    ("kernel", "chunks"), [("tiled", 1), ("ragged_dot", 1), ("tiled", 2), ("ragged_dot", 2)]
+)
+def test_plan_without_replica_equals_plain_ep(setup, kernel, chunks):
+    """At run time a plan with no replica skips the transfer and the slots' work (one `lax.cond`
+    branch: masters alone, in the fused loop or beside the slots' calls); with replicas the other
+    branch runs. Both give plain EP's values and gradients."""
+    mesh, x, params = setup
+    xs = helpers.place_batch(mesh, x)
+    options = dict(d_model=D, d_ff=F, num_experts=E, top_k=K, capacity_factor=None)
+    options |= dict(expert_kernel=kernel, transfer_chunks=chunks)
+    # Dropless buffers and a tolerance no load exceeds: the planner has nothing to do.
+    never = uep.BalancerConfig(slots_per_rank=2, balance_eps=1e9, min_tokens_per_rank=0)
+    runs = {
+        name: _loss_and_grads(helpers.build_layer(mesh, params, balancer=b, **options), xs)
+        for name, b in (("plain", None), ("no_replica", never), ("balanced", _balancer(0)))
+    }
+    assert runs["no_replica"][1] == 0 and runs["balanced"][1] > 0
+    y0, _, (gp0, gx0) = runs["plain"]
+    for name in ("no_replica", "balanced"):
+        y, _, (gp, gx) = runs[name]
+        np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(gx, gx0, rtol=1e-5, atol=1e-7, err_msg=name)
+        for key in ("w_gate", "w_up", "w_down", "router_kernel"):
+            np.testing.assert_allclose(
+                np.asarray(gp[key][...]),
+                np.asarray(gp0[key][...]),
+                rtol=1e-4,
+                atol=1e-6,
+                err_msg=f"{name} d{key}",
+            )
