@@ -26,6 +26,9 @@ MAX_MIN_TOKENS_PER_REPLICA = 2**31 - 1
 MAX_SLOTS_PER_RANK = 4096
 # The relay schedule computes in int32 (`relay`); no plan has that many copies of an expert.
 MAX_FANOUT = 2**31 - 1
+# Below this many tokens per EP rank a balanced layer cost more than plain dropless EP on every
+# measured load, skewed or not (docs/serving.md, "The small-batch fallback").
+DEFAULT_MIN_TOKENS_PER_RANK = 256
 
 
 def _as_int(name: str, value, minimum: int, maximum: int = _INT64_MAX) -> int:
@@ -90,8 +93,11 @@ class BalancerConfig:
         min_tokens_per_rank: the fallback threshold: a layer whose EP ranks each hold fewer
             tokens than this (a static shape, so decided when the layer is traced) compiles plain
             expert parallelism, with no planner call, no replica slots and no weight transfer
-            (`applies`). Small batches, such as decode steps padded to fixed buffers, gain too
-            little from balancing to repay the planner and the transfer. 0: always balance.
+            (`applies`), at the layer's own buffer (with a capacity factor, it drops what plain
+            EP at that buffer drops, counted in ``MoEStats.dropped``). Small batches, such as
+            decode steps padded to fixed buffers, gain too little from balancing to repay the
+            planner and the transfer. The default, 256, is where balancing began to pay
+            against plain dropless EP on skewed loads (docs/serving.md); 0: always balance.
     """
 
     num_experts: int | None = None
@@ -101,7 +107,7 @@ class BalancerConfig:
     balance_eps: float = 0.01
     master_keep_tokens: int = 1
     max_fanout: int = 2
-    min_tokens_per_rank: int = 0
+    min_tokens_per_rank: int = DEFAULT_MIN_TOKENS_PER_RANK
 
     def __post_init__(self):
         # Normalised in place (the dataclass is frozen), so equal configs hash equal whatever

@@ -3,9 +3,10 @@ the plot, from the measured points alone (no JAX, so that they can be checked on
 
 A point is one dict: ``mode`` ("train" / "prefill"), ``skew`` (the router's bias toward the hot
 experts; 0: none), ``tokens`` (tokens per rank) and the busiest rank's median step in ms of the
-three layers: ``balanced_ms`` (balanced, capacity factor 1.05), ``dropless_ms`` (plain EP,
-dropless) and ``capped_ms`` (plain EP, capacity factor 1.05, which drops ``capped_dropped``
-pairs).
+layers: ``balanced_ms`` (balanced, capacity factor 1.05), ``dropless_ms`` (plain EP,
+dropless), ``capped_ms`` (plain EP, capacity factor 1.05, which drops ``capped_dropped``
+pairs) and, optionally, ``no_replica_ms`` (the balanced layer's program, dropless, on plans with
+no replica: what a run-time plan that replicates nothing costs against plain dropless).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def table(points: list[dict]) -> str:
     lines = [
         f"{'mode':>8} {'skew':>5} {'tokens/rank':>11} {'balanced@1.05':>14} "
         f"{'plain dropless':>15} {'plain@1.05':>11} {'bal/dropless':>13} {'bal/plain@1.05':>15} "
-        f"{'dropped@1.05':>13}"
+        f"{'dropped@1.05':>13} {'no-replica/dropless':>20}"
     ]
     for (mode, skew), ps in groups(points).items():
         for p in ps:
@@ -55,7 +56,12 @@ def table(points: list[dict]) -> str:
                 f"{mode:>8} {skew_text(skew):>5} {p['tokens']:11d} {p['balanced_ms']:11.3f} ms "
                 f"{p['dropless_ms']:12.3f} ms {p['capped_ms']:8.3f} ms "
                 f"{p['balanced_ms'] / p['dropless_ms']:13.3f} "
-                f"{p['balanced_ms'] / p['capped_ms']:15.3f} {p.get('capped_dropped', 0):13d}"
+                f"{p['balanced_ms'] / p['capped_ms']:15.3f} {p.get('capped_dropped', 0):13d} "
+                + (
+                    f"{p['no_replica_ms'] / p['dropless_ms']:20.3f}"
+                    if "no_replica_ms" in p
+                    else f"{'-':>20}"
+                )
             )
     lines.append("\nBreak-even: the fewest tokens per rank from which balanced@1.05 is no slower")
     for (mode, skew), ps in groups(points).items():

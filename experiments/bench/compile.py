@@ -37,7 +37,11 @@ _JSON = cli.define_json_out()
 def compile_seconds(cfg, mesh) -> float:
     """Seconds to lower and compile one balanced training step (loss and gradients)."""
     balancer = uep.BalancerConfig(
-        cfg.num_experts, mesh.shape["expert"], slots_per_rank=2, min_tokens_per_replica=8
+        cfg.num_experts,
+        mesh.shape["expert"],
+        slots_per_rank=2,
+        min_tokens_per_replica=8,
+        min_tokens_per_rank=0,  # compile the balanced program whatever the batch
     )
     model = MoELM(cfg, mesh, balancer, 1.05, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)

@@ -78,7 +78,9 @@ def make_step(variant: str, mesh):
         def layer(x, ids, w, params):
             return minimal_ep(x, ids, w, params, mesh)
     else:
-        balancer = uep.BalancerConfig() if variant == "balanced" else None
+        # min_tokens_per_rank=0: the balanced program, although 128 tokens per rank is below
+        # the default fallback threshold.
+        balancer = uep.BalancerConfig(min_tokens_per_rank=0) if variant == "balanced" else None
         ep = uep.ExpertParallel(mesh, E, balancer, capacity_factor=1.25)
 
         def layer(x, ids, w, params):

@@ -299,7 +299,10 @@ def run(pinned: bool) -> dict:
         rows = _K.value * _TOKENS.value
         calibration = common.concurrency_calibration(rows, _D.value, _F.value)
     x, router = _skewed_inputs(mesh, np.random.default_rng(_SEED.value), one_rank=pinned)
-    balancer = uep.BalancerConfig(num_experts=_E.value, ep_size=R, **_BALANCER())
+    # Always balance (no fallback below the default threshold): this measures balancing.
+    balancer = uep.BalancerConfig(
+        num_experts=_E.value, ep_size=R, min_tokens_per_rank=0, **_BALANCER()
+    )
     layers = {
         "plain_dropless": _build(mesh, None, router, None),
         "plain_capped": _build(mesh, None, router, _CF.value),

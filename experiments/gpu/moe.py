@@ -180,7 +180,7 @@ def section_moe(device, dry: bool, rows: MoeRows) -> dict:
     shape = (rows.tokens // seq, seq, D)
     x = jax.device_put(jax.random.normal(jax.random.key(0), shape, dt), device)
     layer_shape = {"d_model": D, "d_ff": F, "num_experts": E, "top_k": k}
-    balancer = uep.BalancerConfig(E, 1, 2, min_tokens_per_replica=16)
+    balancer = uep.BalancerConfig(E, 1, 2, min_tokens_per_replica=16, min_tokens_per_rank=0)
 
     def make_layer(balanced: bool, kernel: str, comm: str):
         return uep.MoE(

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from experiments.train.config import BALANCED_CAPACITY_FACTOR
+from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK
 
 #: ``--balance`` values: one mode, or both (balanced against plain expert parallelism).
 BALANCE_MODES = ("ultraep", "none", "both")
@@ -34,7 +35,7 @@ class ServeConfig:
       min_tokens_per_replica: least tokens a replica carries.
       balance_eps: balance tolerance over the mean.
       min_tokens_per_rank: balanced prefill compiles plain expert parallelism when each rank
-        holds fewer tokens than this (BalancerConfig.min_tokens_per_rank).
+        holds fewer tokens than this (BalancerConfig.min_tokens_per_rank; 0: always balance).
       repeats: timed prefill calls per mode (the median is reported).
       ep_size: devices on the expert axis (0: all); the rest is data.
     """
@@ -48,7 +49,7 @@ class ServeConfig:
     slots_per_rank: int = 0
     min_tokens_per_replica: int = 8
     balance_eps: float = 0.01
-    min_tokens_per_rank: int = 0
+    min_tokens_per_rank: int = DEFAULT_MIN_TOKENS_PER_RANK
     repeats: int = 5
     ep_size: int = 0
 

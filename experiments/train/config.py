@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from experiments.cli import flag_text
 from models.moe_lm import ModelConfig, check_positive_ints
+from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK
 
 #: ``capacity_factor`` default: resolved on construction by `auto_capacity_factor`.
 AUTO = "auto"
@@ -107,6 +108,9 @@ class TrainConfig:
       slots_per_rank: replica slots per rank (>= 1 with --balance=ultraep).
       min_tokens_per_replica: least tokens a replica carries.
       balance_eps: balance tolerance over the mean.
+      min_tokens_per_rank: with --balance=ultraep, MoE layers whose ranks hold fewer tokens than
+        this run plain expert parallelism at the same buffer (BalancerConfig.min_tokens_per_rank;
+        0: always balance).
       capacity_factor: receive buffer per rank as a multiple of the pairs it routes; pairs beyond
         it are dropped. auto: 1.05 with --balance=ultraep (room for the balanced load), dropless
         with none; none: dropless (worst-case buffers); or a number.
@@ -133,6 +137,7 @@ class TrainConfig:
     slots_per_rank: int = 2
     min_tokens_per_replica: int = 8
     balance_eps: float = 0.01
+    min_tokens_per_rank: int = DEFAULT_MIN_TOKENS_PER_RANK
     capacity_factor: float | str | None = AUTO
     learning_rate: float = 3e-3
     seed: int = 0
@@ -146,8 +151,8 @@ class TrainConfig:
         if self.balance not in ("none", "ultraep"):
             raise ValueError(f"unknown --balance={self.balance!r}; expected none or ultraep")
         check_positive_ints(self, _POSITIVE, "--")
-        if self.slots_per_rank < 0 or self.ep_size < 0:
-            raise ValueError("--slots_per_rank and --ep_size must be >= 0")
+        if self.slots_per_rank < 0 or self.ep_size < 0 or self.min_tokens_per_rank < 0:
+            raise ValueError("--slots_per_rank, --ep_size and --min_tokens_per_rank must be >= 0")
         if self.balance == "ultraep" and self.slots_per_rank == 0:
             # Balancing would plan nothing, and the 1.05x buffer sized for it would drop pairs.
             raise ValueError(

@@ -54,10 +54,24 @@ def build_model(cfg: TrainConfig, mesh) -> MoELM:
             slots_per_rank=cfg.slots_per_rank,
             min_tokens_per_replica=cfg.min_tokens_per_replica,
             balance_eps=cfg.balance_eps,
+            min_tokens_per_rank=cfg.min_tokens_per_rank,
         )
     model = MoELM(cfg.model, mesh, balancer, cfg.capacity_factor, rngs=nnx.Rngs(cfg.seed))
     place_on_mesh(model, mesh)
     return model
+
+
+def fallback_note(cfg: TrainConfig, num_devices: int) -> str:
+    """A note when ``cfg`` balances but its batch gives each rank fewer tokens than
+    ``--min_tokens_per_rank`` (the layers then run plain EP at the balanced buffer), else ""."""
+    per_rank = cfg.batch_size * cfg.seq_len // num_devices
+    if cfg.balance != "ultraep" or per_rank >= cfg.min_tokens_per_rank:
+        return ""
+    return (
+        f"note: {per_rank} tokens per rank is below --min_tokens_per_rank="
+        f"{cfg.min_tokens_per_rank}: the MoE layers run plain expert parallelism (pairs beyond "
+        f"the buffer are dropped); --min_tokens_per_rank=0 balances anyway"
+    )
 
 
 def place_on_mesh(obj, mesh):
@@ -177,6 +191,9 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, cali
             f"{'resuming after' if start else 'starting at'} step {start}",
             flush=True,
         )
+        note = fallback_note(cfg, jax.device_count())
+        if note:
+            print(note, flush=True)
 
     batch_sharding = NamedSharding(mesh, P(("data", "expert")))
 

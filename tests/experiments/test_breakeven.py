@@ -62,9 +62,16 @@ def test_table_lines_and_ratios():
     assert float(fields[9]) == pytest.approx(2.0 / 1.5, abs=1e-3)  # bal/dropless
     assert float(fields[10]) == pytest.approx(2.0 / 1.4, abs=1e-3)  # bal/plain@1.05
     assert int(fields[11]) == 3
+    assert fields[12] == "-"  # no no-replica measurement at this point
     assert any(line.split()[:2] == ["prefill", "none"] for line in lines)
     assert "train, skew    3: than plain dropless from 256; than plain@1.05 from 512" in text
     assert "prefill, skew none: than plain dropless from 512; than plain@1.05 from never" in text
+
+
+def test_table_no_replica_ratio():
+    p = _point("train", 0.0, 64, 2.0, 1.6, 1.5) | {"no_replica_ms": 2.0}
+    row = report.table([p]).splitlines()[1].split()
+    assert float(row[12]) == pytest.approx(2.0 / 1.6, abs=1e-3)
 
 
 def test_plot_writes_a_png(tmp_path):

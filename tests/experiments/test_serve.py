@@ -187,7 +187,7 @@ def test_decode_compiles_the_fallback(workdir):
     _, train_cfg = engine.read_train_config(str(workdir))
     mesh = jax.make_mesh((1, 8), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
     state, _ = engine.restore(train_cfg, workdir, mesh)
-    balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=2)
+    balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=2, min_tokens_per_rank=0)
     tokens = np.zeros((8, 16), np.int32)
     lengths = np.full((8,), 4, np.int32)
     per_rank = tokens.size // 8

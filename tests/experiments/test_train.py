@@ -44,6 +44,7 @@ SMALL = {
     "top_k": 2,
     "slots_per_rank": 2,
     "min_tokens_per_replica": 2,
+    "min_tokens_per_rank": 0,  # 32 tokens per rank: balance anyway (no fallback)
     "max_corpus_bytes": 200_000,
     "eval_batches": 1,
     "learning_rate": 1e-2,

@@ -132,7 +132,7 @@ def dense_reference(x, ids, weights, params, mask, activation):
 
 
 def _ep(mesh, activation, **kw):
-    balancer = uep.BalancerConfig(slots_per_rank=1, min_tokens_per_replica=1)
+    balancer = uep.BalancerConfig(slots_per_rank=1, min_tokens_per_replica=1, min_tokens_per_rank=0)
     return uep.ExpertParallel(mesh, E, balancer, capacity_factor=None, activation=activation, **kw)
 
 

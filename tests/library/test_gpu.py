@@ -257,6 +257,7 @@ def _layer(mesh, E, D, F, dtype, kernel, balancer=True, max_fanout=2):
         slots_per_rank=2,
         min_tokens_per_replica=16,
         max_fanout=max_fanout,
+        min_tokens_per_rank=0,
     )
     return uep.MoE(
         d_model=D,

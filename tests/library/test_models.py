@@ -30,7 +30,9 @@ SMALL = ModelConfig(
 
 
 def _balancer(cfg, slots=2):
-    return uep.BalancerConfig(cfg.num_experts, 8, slots_per_rank=slots, min_tokens_per_replica=1)
+    return uep.BalancerConfig(
+        cfg.num_experts, 8, slots_per_rank=slots, min_tokens_per_replica=1, min_tokens_per_rank=0
+    )
 
 
 def _batch(seed=0, batch=8, seq=16):

@@ -110,8 +110,10 @@ class Case:
 
 
 def balancer_config(mesh, num_experts, slots, **kwargs) -> uep.BalancerConfig:
-    """A balancer for this mesh that replicates readily (tiny token floor)."""
+    """A balancer for this mesh that replicates readily (tiny token floor) and balances at the
+    tests' few tokens per rank (no fallback)."""
     kwargs.setdefault("min_tokens_per_replica", 2)
+    kwargs.setdefault("min_tokens_per_rank", 0)
     return uep.BalancerConfig(
         num_experts=num_experts, ep_size=mesh.shape["expert"], slots_per_rank=slots, **kwargs
     )
@@ -695,7 +697,7 @@ def test_one_expert_rank_equals_reference():
     mesh = helpers.expert_mesh(1, dp=8)
     rng = np.random.default_rng(40)
     x, params = make_inputs(rng, 8, 4, 4, 2, skew=True)
-    balancer = uep.BalancerConfig(num_experts=4, ep_size=1, slots_per_rank=2)
+    balancer = uep.BalancerConfig(num_experts=4, ep_size=1, slots_per_rank=2, min_tokens_per_rank=0)
     layer = build_layer(mesh, 4, 2, balancer, 1.0, params)
     cotangent = rng.normal(size=x.shape).astype(np.float32)
     y, stats, gx, gp = layer_value_and_grads(layer, place_batch(mesh, x), jnp.asarray(cotangent))

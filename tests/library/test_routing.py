@@ -327,7 +327,11 @@ def test_update_bias_hand_example():
 
 def balancer_for(mesh) -> uep.BalancerConfig:
     return uep.BalancerConfig(
-        num_experts=E, ep_size=mesh.shape["expert"], slots_per_rank=1, min_tokens_per_replica=1
+        num_experts=E,
+        ep_size=mesh.shape["expert"],
+        slots_per_rank=1,
+        min_tokens_per_replica=1,
+        min_tokens_per_rank=0,
     )
 
 
