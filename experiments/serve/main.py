@@ -196,6 +196,9 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
             "balance_eps": balancer.balance_eps,
             "min_tokens_per_rank": balancer.min_tokens_per_rank,
         },
+        "tokens_per_rank": B * T // devices,
+        # The balanced prefill compiled plain EP (too few tokens per rank to pay).
+        "fallback": "ultraep" in cfg.modes and not balancer.applies(B * T // devices),
         "runs": runs,
     }
     if calibration is not None:
@@ -260,6 +263,12 @@ def report(res: dict) -> str:
     if "calibration" in res:
         lines.append(common.calibration_line(res["calibration"]))
     clock = "busiest rank's " if res["pinned_ranks"] else ""
+    if "ultraep" in res["runs"]:
+        note = _engine().fallback_note(
+            res["tokens_per_rank"], res["balancer"]["min_tokens_per_rank"]
+        )
+        if note:
+            lines.append(note)
     for mode, r in res["runs"].items():
         cf = r["capacity_factor"]
         lines.append(

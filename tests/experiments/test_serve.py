@@ -91,6 +91,7 @@ def served(workdir, prompt_dir, tmp_path_factory) -> tuple[dict, str]:
         "--balance=both",
         "--repeats=1",
         "--new_tokens=3",
+        "--min_tokens_per_rank=0",  # a few tokens per rank: balance anyway
         f"--output={out}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -115,6 +116,15 @@ def test_balanced_and_plain_predict_the_same(served):
     assert B % 8 == 0 and bal["masked"] == [B * T - real] * TINY["num_layers"]
     assert "next-token predictions the same for 3 of 3 prompts" in stdout
     assert "tokens/s" in stdout and "max/mean before" in stdout
+    assert res["fallback"] is False and "note:" not in stdout
+
+
+def test_fallback_note():
+    """Below --min_tokens_per_rank the report says the balanced prefill ran plain EP."""
+    assert engine.fallback_note(256, 256) == engine.fallback_note(300, 0) == ""
+    note = engine.fallback_note(6, 256)
+    assert note.startswith("note: 6 tokens per rank is below --min_tokens_per_rank=256: the ")
+    assert "runs plain expert parallelism" in note
 
 
 def test_predictions_equal_each_prompt_alone(served, workdir):

@@ -641,3 +641,15 @@ def test_no_references_to_internal_documents():
             if INTERNAL_REFERENCES.search(line):
                 found.append(f"{rel}:{lineno}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_fallback_note_below_the_threshold():
+    """A balanced run whose batch gives each rank fewer tokens than --min_tokens_per_rank says so
+    at start; at or above it, or without balancing, nothing."""
+    below = TrainConfig(workdir="w", batch_size=8, seq_len=32)  # 32 tokens per rank on 8
+    assert below.min_tokens_per_rank == 256
+    note = trainer.fallback_note(below, 8)
+    assert note.startswith("note: 32 tokens per rank is below --min_tokens_per_rank=256")
+    assert trainer.fallback_note(TrainConfig(workdir="w"), 8) == ""  # 16 x 128 / 8 = 256
+    assert trainer.fallback_note(dataclasses.replace(below, min_tokens_per_rank=0), 8) == ""
+    assert trainer.fallback_note(TrainConfig(workdir="w", batch_size=8, balance="none"), 8) == ""
