@@ -335,6 +335,19 @@ def concurrency_calibration(rows: int, d_model: int, d_ff: int, repeats: int = 7
     }
 
 
+def fallback_note(tokens_per_rank: int, threshold: int, subject: str) -> str:
+    """The programs' note when their balanced layers fall back to plain EP: ``tokens_per_rank``
+    below ``threshold`` (``--min_tokens_per_rank``); "" otherwise. ``subject`` names what runs
+    plain EP, with its verb ("the MoE layers run")."""
+    if tokens_per_rank >= threshold:
+        return ""
+    return (
+        f"note: {tokens_per_rank} tokens per rank is below --min_tokens_per_rank={threshold}: "
+        f"{subject} plain expert parallelism at the same buffer (pairs beyond it are dropped); "
+        f"--min_tokens_per_rank=0 balances anyway"
+    )
+
+
 def calibration_line(cal: dict) -> str:
     """One line that tells a reader whether the clock is the busiest rank's."""
     return (

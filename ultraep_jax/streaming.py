@@ -80,7 +80,7 @@ def experts_with_replicas(
         # Partial sums over chunks in float32, whatever the rows' dtype.
         out = None
         for cols in hidden_chunks(masters[0].shape[-1], chunks):
-            stacks = [None, fetch(weight_chunk(masters, cols) if chunks > 1 else masters)]
+            stacks = [None, fetch(weight_chunk(masters, cols))]
             part = grouped_glu(rows, stacks, group_sizes, kernel, activation).astype(jnp.float32)
             out = part if out is None else out + part
         return out

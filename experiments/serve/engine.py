@@ -153,15 +153,3 @@ def decode_balancer(balancer: uep.BalancerConfig | None, tokens_per_rank: int):
         return None
     threshold = max(balancer.min_tokens_per_rank, tokens_per_rank + 1)
     return dataclasses.replace(balancer, min_tokens_per_rank=threshold)
-
-
-def fallback_note(tokens_per_rank: int, threshold: int) -> str:
-    """The report's note when the balanced prefill's ``tokens_per_rank`` is below ``threshold``
-    (`BalancerConfig.min_tokens_per_rank`): it then runs plain EP; "" otherwise."""
-    if tokens_per_rank >= threshold:
-        return ""
-    return (
-        f"note: {tokens_per_rank} tokens per rank is below --min_tokens_per_rank={threshold}: the "
-        f"balanced prefill runs plain expert parallelism at its buffer; --min_tokens_per_rank=0 "
-        f"balances anyway"
-    )

@@ -134,6 +134,7 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
     state, step = engine.restore(train_cfg, workdir, mesh)
     tokens, mask, lengths = pad_batch(prompts, devices)
     B, T = tokens.shape
+    per_rank = B * T // devices
     balancer = uep.BalancerConfig(
         slots_per_rank=cfg.slots_per_rank or train_cfg.slots_per_rank,
         min_tokens_per_replica=cfg.min_tokens_per_replica,
@@ -196,9 +197,9 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
             "balance_eps": balancer.balance_eps,
             "min_tokens_per_rank": balancer.min_tokens_per_rank,
         },
-        "tokens_per_rank": B * T // devices,
+        "tokens_per_rank": per_rank,
         # The balanced prefill compiled plain EP (too few tokens per rank to pay).
-        "fallback": "ultraep" in cfg.modes and not balancer.applies(B * T // devices),
+        "fallback": "ultraep" in cfg.modes and not balancer.applies(per_rank),
         "runs": runs,
     }
     if calibration is not None:
@@ -263,12 +264,10 @@ def report(res: dict) -> str:
     if "calibration" in res:
         lines.append(common.calibration_line(res["calibration"]))
     clock = "busiest rank's " if res["pinned_ranks"] else ""
-    if "ultraep" in res["runs"]:
-        note = _engine().fallback_note(
-            res["tokens_per_rank"], res["balancer"]["min_tokens_per_rank"]
-        )
-        if note:
-            lines.append(note)
+    if res["fallback"]:
+        threshold = res["balancer"]["min_tokens_per_rank"]
+        subject = "the balanced prefill runs"
+        lines.append(common.fallback_note(res["tokens_per_rank"], threshold, subject))
     for mode, r in res["runs"].items():
         cf = r["capacity_factor"]
         lines.append(

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from experiments import records
+from experiments import common, records
 from experiments.common import calibration_line, concurrency_calibration, write_json
 from experiments.train import data, plot, summary
 from experiments.train.checkpoints import Checkpoints
@@ -62,16 +62,12 @@ def build_model(cfg: TrainConfig, mesh) -> MoELM:
 
 
 def fallback_note(cfg: TrainConfig, num_devices: int) -> str:
-    """A note when ``cfg`` balances but its batch gives each rank fewer tokens than
-    ``--min_tokens_per_rank`` (the layers then run plain EP at the balanced buffer), else ""."""
-    per_rank = cfg.batch_size * cfg.seq_len // num_devices
-    if cfg.balance != "ultraep" or per_rank >= cfg.min_tokens_per_rank:
+    """`common.fallback_note` when ``cfg`` balances but its batch gives each rank fewer tokens
+    than ``--min_tokens_per_rank``, else ""."""
+    if cfg.balance != "ultraep":
         return ""
-    return (
-        f"note: {per_rank} tokens per rank is below --min_tokens_per_rank="
-        f"{cfg.min_tokens_per_rank}: the MoE layers run plain expert parallelism (pairs beyond "
-        f"the buffer are dropped); --min_tokens_per_rank=0 balances anyway"
-    )
+    per_rank = cfg.batch_size * cfg.seq_len // num_devices
+    return common.fallback_note(per_rank, cfg.min_tokens_per_rank, "the MoE layers run")
 
 
 def place_on_mesh(obj, mesh):

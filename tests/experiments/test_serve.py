@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
+from experiments import common
 from experiments.serve import engine
 from experiments.serve.config import ServeConfig
 from experiments.serve.prompts import Prompt, pad_batch
@@ -121,8 +122,9 @@ def test_balanced_and_plain_predict_the_same(served):
 
 def test_fallback_note():
     """Below --min_tokens_per_rank the report says the balanced prefill ran plain EP."""
-    assert engine.fallback_note(256, 256) == engine.fallback_note(300, 0) == ""
-    note = engine.fallback_note(6, 256)
+    subject = "the balanced prefill runs"
+    assert common.fallback_note(256, 256, subject) == common.fallback_note(300, 0, subject) == ""
+    note = common.fallback_note(6, 256, subject)
     assert note.startswith("note: 6 tokens per rank is below --min_tokens_per_rank=256: the ")
     assert "runs plain expert parallelism" in note
 

@@ -141,7 +141,7 @@ def test_threshold_normalised_from_numpy():
 
 
 def _loss_and_grads(layer, xs):
-    """(y, replicas, d loss / d params, d loss / d x) of ``mean(y**2)``, jitted."""
+    """(y, replicas, (d loss / d params, d loss / d x)) of ``mean(y**2)``, jitted."""
     graphdef, p, r = nnx.split(layer, nnx.Param, ...)
 
     def loss(p, x):
@@ -173,6 +173,8 @@ def test_plan_without_replica_equals_plain_ep(setup, kernel, chunks):
     }
     assert runs["no_replica"][1] == 0 and runs["balanced"][1] > 0
     y0, _, (gp0, gx0) = runs["plain"]
+    want = _numpy_moe(x, params)
+    np.testing.assert_allclose(y0, want, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(want).max()))
     for name in ("no_replica", "balanced"):
         y, _, (gp, gx) = runs[name]
         np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-6, err_msg=name)
