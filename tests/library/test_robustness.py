@@ -31,6 +31,14 @@ D, F = 8, 16
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def _balancer(max_fanout: int = 2) -> uep.BalancerConfig:
+    """A balancer that replicates readily and balances at these tests' few tokens per rank (no
+    fallback)."""
+    return uep.BalancerConfig(
+        slots_per_rank=2, min_tokens_per_replica=1, max_fanout=max_fanout, min_tokens_per_rank=0
+    )
+
+
 # -- the dense reference -------------------------------------------------------------------------
 
 
@@ -157,9 +165,7 @@ def test_nonfinite_weights_of_a_cold_expert_stay_there(
     params = draw_params(rng, E)
     params[0][2, 3, 5] = bad
     cot = rng.normal(size=x.shape).astype(np.float32)
-    balancer = uep.BalancerConfig(
-        slots_per_rank=2, min_tokens_per_replica=1, max_fanout=max_fanout, min_tokens_per_rank=0
-    )
+    balancer = _balancer(max_fanout)
     ep = uep.ExpertParallel(
         expert_mesh(R),
         E,
@@ -237,11 +243,7 @@ def test_nonfinite_weights_of_pairs_of_no_expert_are_ignored(balanced):
     weights[skipped] = rng.choice([np.nan, np.inf, -np.inf], size=int(skipped.sum()))
     params = draw_params(rng, E)
     cot = rng.normal(size=x.shape).astype(np.float32)
-    balancer = (
-        uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=1, min_tokens_per_rank=0)
-        if balanced
-        else None
-    )
+    balancer = _balancer() if balanced else None
     ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer, capacity_factor=None)
     (y, stats, gx, gw, gp), (ry, _, rgx, rgw, rgp) = layer_and_reference(
         x, experts, weights, params, ep, ~skipped, cot
@@ -273,9 +275,7 @@ def capacity_case(seed, max_fanout, chunks, backend, monkeypatch, poison_dropped
     weights = rng.uniform(0.1, 1.0, size=(B, L, k)).astype(np.float32)
     params = draw_params(rng, E)
     cot = rng.normal(size=x.shape).astype(np.float32)
-    balancer = uep.BalancerConfig(
-        slots_per_rank=2, min_tokens_per_replica=1, max_fanout=max_fanout, min_tokens_per_rank=0
-    )
+    balancer = _balancer(max_fanout)
     ep = uep.ExpertParallel(
         expert_mesh(R),
         E,
@@ -380,10 +380,7 @@ def test_mixed_parameter_dtypes_raise_one_line():
     params = (w_gate.astype(np.float16), w_up, w_down)
     x = rng.normal(size=(R, 2, D)).astype(np.float32)
     ids, weights = np.zeros((R, 2, 1), np.int32), np.ones((R, 2, 1), np.float32)
-    for balancer in (
-        None,
-        uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=1, min_tokens_per_rank=0),
-    ):
+    for balancer in (None, _balancer()):
         ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer)
         _one_line(
             TypeError,
@@ -442,9 +439,7 @@ def test_largest_max_fanout_sends_every_copy_from_the_master():
     params = draw_params(rng, E)
     sends = {}
     for f in (0, 2**31 - 1):
-        balancer = uep.BalancerConfig(
-            slots_per_rank=2, min_tokens_per_replica=1, max_fanout=f, min_tokens_per_rank=0
-        )
+        balancer = _balancer(f)
         ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer, capacity_factor=None)
         y, stats = jax.jit(lambda x, ep=ep: uep.routed_experts(x, experts, weights, params, ep))(x)
         assert int(stats.replicas) > 0
