@@ -57,9 +57,12 @@ def _check_loads(loads, config: BalancerConfig):
     if loads.ndim != 2 or any(
         v is not None and v != n for v, n in zip(stated, loads.shape, strict=True)
     ):
+        names = ("ep_size", "num_experts")
+        given = [f"{name}={v}" for name, v in zip(names, stated, strict=True) if v is not None]
         want = "[ep_size, num_experts]"
-        if None not in stated:
-            want += f" = {stated} (or leave the sizes out of the BalancerConfig)"
+        if given:
+            want += f" with {' and '.join(given)} as the BalancerConfig states"
+            want += " (or leave the sizes out of the BalancerConfig)"
         raise ValueError(f"plan: loads must have shape {want}, got {list(loads.shape)}")
     if loads.dtype != np.int32:
         raise TypeError(

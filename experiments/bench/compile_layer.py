@@ -49,8 +49,8 @@ def minimal_ep(x_TD, ids_TK, w_TK, params, mesh):
         T = x.shape[0]
         cap = math.ceil(1.25 * T * K / E)
         onehot = jax.nn.one_hot(ids.reshape(-1), E, dtype=jnp.int32)  # [T*K, E]
-        pos = jnp.cumsum(onehot, axis=0) * onehot - 1
-        slot = jnp.sum(pos, axis=1)
+        # A pair's slot is its position among its own expert's pairs (0-based).
+        slot = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1
         keep = (slot < cap) & (slot >= 0)
         dest = jnp.where(keep, ids.reshape(-1) * cap + slot, E * cap)
         buf = jnp.zeros((E * cap + 1, x.shape[1]), x.dtype).at[dest].set(jnp.repeat(x, K, 0))
