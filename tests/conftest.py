@@ -1,7 +1,9 @@
-"""Test setup: 8 simulated CPU devices, forced before jax is imported anywhere; and the rule for
-tests that need the real expert-load traces."""
+"""Test setup: 8 simulated CPU devices, forced before jax is imported anywhere; JAX's persistent
+compilation cache, shared by the test processes and the program runs they start; the number of
+parallel test processes; and the rule for tests that need the real expert-load traces."""
 
 import os
+import pathlib
 
 import pytest
 
@@ -10,8 +12,34 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+#: Where compiled programs are kept between tests, test processes and runs. The suite compiles the
+#: same programs many times over (the same layer in several tests, the same training step in every
+#: run of `experiments.train` a test starts), and on 2 cores compiling is most of its time. An entry
+#: is keyed by the whole program, the compile options, the XLA flags and the jax version, so a hit
+#: is the program that would have been compiled. The environment carries the settings to the
+#: subprocesses (an environment variable set by the caller wins; JAX_ENABLE_COMPILATION_CACHE=false
+#: turns it off).
+COMPILATION_CACHE = pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-cache"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(COMPILATION_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+# A bound (least recently used entries go first) also makes JAX lock the folder around each read
+# and write, so that parallel test processes never read an entry while another writes it.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+
+#: Test processes for `-n auto` (pytest-xdist): one per core, at most 4 (each holds 8 simulated
+#: devices and compiles on one core; more than 4 gain little and cost memory).
+MAX_WORKERS = 4
+
 #: Set (to anything but "" or "0") where the trace tests must run: CI sets it in ``.ci/run``.
 REQUIRE_TRACES_ENV = "ULTRAEP_REQUIRE_TRACES"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: the cores this process may use, capped at `MAX_WORKERS`."""
+    del config
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 
 
 def traces_required() -> bool:

@@ -107,15 +107,50 @@ def check_call_inputs(x, experts, weights, params, ep, token_mask) -> None:
     _check_arrays(x, experts, weights, params, ep, token_mask)
     _check_weights(params, ep.num_experts, x.shape[-1], "E")
     check_chunks(ep, params[0].shape[-1])
-    if isinstance(experts, jax.core.Tracer):
-        return
-    e = np.asarray(experts)
-    if token_mask is not None:
-        if isinstance(token_mask, jax.core.Tracer):
-            return
-        e = e[np.asarray(token_mask)]
-    if e.size and (e.min() < 0 or e.max() >= ep.num_experts):
-        raise ValueError(f"MoE: experts must be in [0, {ep.num_experts}), got {e.min()}..{e.max()}")
+    for e in _readable_ids(experts, token_mask):
+        if e.size and (e.min() < 0 or e.max() >= ep.num_experts):
+            raise ValueError(
+                f"MoE: experts must be in [0, {ep.num_experts}), got {e.min()}..{e.max()}"
+            )
+
+
+def _fully_addressable(a) -> bool:
+    """Whether this process holds every value of ``a`` (None and host arrays included)."""
+    return not isinstance(a, jax.Array) or a.is_fully_addressable
+
+
+def _index_key(index: tuple[slice, ...]) -> tuple:
+    """A hashable form of a shard's index (slices are not hashable before Python 3.12)."""
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _readable_ids(experts, token_mask) -> list[np.ndarray]:
+    """The concrete expert ids of real tokens that this process can read, as NumPy arrays: all of
+    them in one process; under `jax.distributed`, for a global array that spans other processes'
+    devices, those of the shards on this process's devices (each process checks its own), where
+    the mask's shard on the same device covers the same tokens. Nothing where the ids or the mask
+    are traced, or where no mask shard lines up: there a pair whose id is outside [0, E) is
+    skipped at run time and counted in ``MoEStats.invalid``."""
+    if isinstance(experts, jax.core.Tracer) or isinstance(token_mask, jax.core.Tracer):
+        return []
+    if _fully_addressable(experts) and _fully_addressable(token_mask):
+        e = np.asarray(experts)
+        return [e if token_mask is None else e[np.asarray(token_mask)]]
+    if _fully_addressable(token_mask):
+        mask = None if token_mask is None else np.asarray(token_mask)
+        return [
+            np.asarray(s.data) if mask is None else np.asarray(s.data)[mask[s.index[:-1]]]
+            for s in experts.addressable_shards
+        ]
+    if not isinstance(experts, jax.Array):
+        return []
+    masks = {(s.device, _index_key(s.index)): s.data for s in token_mask.addressable_shards}
+    ids = []
+    for s in experts.addressable_shards:
+        mask = masks.get((s.device, _index_key(s.index[:-1])))
+        if mask is not None:
+            ids.append(np.asarray(s.data)[np.asarray(mask)])
+    return ids
 
 
 def check_local_inputs(x, experts, weights, params, ep, token_mask) -> None:

@@ -37,7 +37,8 @@ def routed_experts(
       x: [..., D] tokens (e.g. [batch, seq, D]); the T tokens are split over ``ep.token_axes``
         (padded with masked tokens when T is not a multiple of their device count).
       experts: int [..., K], each token's experts, in [0, E). Concrete ids of real tokens (an
-        eager call) are checked; traced ids (under `jit`) cannot be without a trip to the host,
+        eager call) are checked (under `jax.distributed`, each process checks those on its own
+        devices); traced ids (under `jit`) cannot be without a trip to the host,
         so there a pair whose id is outside [0, E) is skipped: it contributes nothing to y (nor
         gradients), is in no expert's load, and is counted in ``MoEStats.invalid``.
       weights: [..., K], each choice's weight (float32 recommended; any router's output). The
