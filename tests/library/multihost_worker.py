@@ -1,7 +1,8 @@
 """One of two JAX processes (4 CPU devices each, gloo collectives) that call `uep.routed_experts`
-on global arrays spanning both processes' devices: eagerly and under `jit`; a jitted function
-that closes over such an array gets JAX's own error. Each process compares the rows it holds with the dense one-device reference of the
-whole batch, and checks that an id outside [0, E) in its own tokens raises the one-line error.
+on global arrays spanning both processes' devices, eagerly and under `jit`. Each process compares
+the rows it holds with the dense one-device reference of the whole batch, and checks that an id
+outside [0, E) in its own tokens raises the one-line error; a jitted function that closes over
+such an array gets JAX's own error.
 
     python tests/library/multihost_worker.py COORDINATOR_ADDRESS PROCESS_ID
 
