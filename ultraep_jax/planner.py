@@ -57,12 +57,10 @@ def _check_loads(loads, config: BalancerConfig):
     if loads.ndim != 2 or any(
         v is not None and v != n for v, n in zip(stated, loads.shape, strict=True)
     ):
-        names = ("ep_size", "num_experts")
-        given = [f"{name}={v}" for name, v in zip(names, stated, strict=True) if v is not None]
         want = "[ep_size, num_experts]"
-        if given:
-            want += f" with {' and '.join(given)} as the BalancerConfig states"
-            want += " (or leave the sizes out of the BalancerConfig)"
+        if stated != [None, None]:  # the sizes the BalancerConfig states, "any" for one it leaves
+            sizes = ", ".join("any" if v is None else str(v) for v in stated)
+            want += f" = [{sizes}] (or leave the sizes out of the BalancerConfig)"
         raise ValueError(f"plan: loads must have shape {want}, got {list(loads.shape)}")
     if loads.dtype != np.int32:
         raise TypeError(

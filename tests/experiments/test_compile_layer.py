@@ -1,5 +1,5 @@
-"""The compile-time benchmark's minimal EP (`experiments.bench.compile_layer.minimal_ep`) computes
-the layer it stands for: where no expert overflows its buffer it equals the dense reference."""
+"""The compile-time benchmark's minimal EP (`experiments.bench.minimal_ep`) computes the layer it
+stands for: where no expert overflows its buffer it equals the dense reference."""
 
 import jax
 import jax.numpy as jnp
@@ -7,13 +7,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments.bench import compile_layer
+from experiments.bench.minimal_ep import minimal_ep
 from tests.helpers import expert_mesh
 from tests.library.test_robustness import reference_moe
 
 
 def test_minimal_ep_equals_dense_reference_without_overflow():
-    D, F, E, K = compile_layer.D, compile_layer.F, compile_layer.E, compile_layer.K
+    D, F, E, K = 16, 8, 8, 2
     mesh = expert_mesh(8)
     T = 8 * 16  # 16 tokens per rank: 32 pairs, 4 per expert against a buffer of 5
     rng = np.random.default_rng(0)
@@ -29,7 +29,7 @@ def test_minimal_ep_equals_dense_reference_without_overflow():
     )
     split = NamedSharding(mesh, P("expert"))
     put = lambda a: jax.device_put(jnp.asarray(a), split)  # noqa: E731
-    got = jax.jit(lambda *a: compile_layer.minimal_ep(*a, mesh))(
+    got = jax.jit(lambda *a: minimal_ep(*a, mesh, num_experts=E, top_k=K))(
         put(x), put(ids), put(w), tuple(put(p) for p in params)
     )
     keep = np.ones((1, T, K), bool)
