@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from experiments.loads import traces, workloads
-from experiments.sim.cost import CostParams
-from experiments.sim.shapes import ModelShape
+from experiments.stepmodel.layer import CostParams
+from experiments.stepmodel.shapes import ModelShape
 
 #: Tokens drawn to turn a top-1 trace row into top-k expert shares.
 TOPK_DRAWS = 16384
