@@ -108,6 +108,9 @@ def relay_copies(held_NRC, num_experts: int, fanout: int | None) -> dict[str, np
     most copies one rank sends or receives in it, the hops one after another) and its hops
     (``hops``). Each float [N]."""
     held = np.asarray(held_NRC, np.int32)
+    if not (held >= 0).any():  # nothing moves (also: no slots, which the schedule cannot take)
+        zeros = np.zeros(held.shape[0])
+        return {"send": zeros, "length": zeros, "hops": zeros}
     ranks = held.shape[1]
     fn = common.batched_transfer(ranks, num_experts // ranks, fanout or 0)
     send, length, hops = (np.asarray(a, np.float64) for a in fn(held))

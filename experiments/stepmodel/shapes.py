@@ -13,6 +13,11 @@ import pathlib
 import tomllib
 
 
+def expert_bytes(d_model: int, d_ff: int, itemsize: int) -> int:
+    """Bytes of one SwiGLU expert's weights (w_gate, w_up [D, F], w_down [F, D])."""
+    return 3 * d_model * d_ff * itemsize
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """A MoE transformer's shape, as far as the step-time model needs it.
@@ -51,7 +56,7 @@ class ModelShape:
 
     def expert_bytes(self, itemsize: int) -> int:
         """Bytes of one routed expert's weights (w_gate, w_up, w_down): 3 x D x F x itemsize."""
-        return 3 * self.hidden * self.expert_ffn * itemsize
+        return expert_bytes(self.hidden, self.expert_ffn, itemsize)
 
     def row_bytes(self, itemsize: int) -> int:
         """Bytes of one token row (D activations)."""
