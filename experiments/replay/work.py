@@ -23,12 +23,12 @@ import jax
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import baselines, ranks, traces, workloads
+from experiments.loads import baselines, policies, ranks, traces, workloads
 from ultraep_jax import dispatch, reroute
 from ultraep_jax.layout import Layout
 
 #: The policies compared, in table order (the force-balanced ideal is reported beside them).
-POLICIES = ("none", "eplb_periodic", "eplb_exact", "ultraep", "exact")
+POLICIES = policies.names(without=("eplb_plus",))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.loads import traces, workloads
+from experiments.loads import drift, traces, workloads
 from experiments.stepmodel.layer import CostParams
 from experiments.stepmodel.shapes import ModelShape
 
@@ -81,7 +81,7 @@ def _zipf_pool(kind: str, value: float, ep: int, experts: int, tokens: int, top_
     if kind == "zipf":
         make = workloads.rank_zipf_loads
     else:
-        make = workloads.expert_zipf_loads
+        make = drift.expert_zipf_loads
     return np.stack([make(ep, experts, tokens, top_k, value, seed) for seed in range(size)])
 
 
