@@ -7,7 +7,6 @@ beyond what this machine runs (sim, replay, bench.fanout, the GPU runbook's summ
   layer         one MoE layer's time from its terms, with one overlap rule; FLOP terms
   calibration   the model's rates in one object (Calibration) and their fit from the per-rank
                 replay (fit, provenance, the calibration file)
-  policies      the balancing policies compared, in one registry, and their adapter to
-                per-rank work
-  timing        the planner's time per plan
+
+The registry of balancing policies is `experiments.loads.policies`.
 """
