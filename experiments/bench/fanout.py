@@ -13,11 +13,11 @@ reported as its distribution over layers (median, p90, max), with the largest fa
 expert, the transfer's modelled length (each hop as long as its busiest link, in copies) and its
 hops beside it.
 
-Modelled, stated in the output: one copy is a bf16 DeepSeek-V3 expert (3 x 7168 x 2048 x 2
-bytes) over ``--link_gbps`` per rank and direction; the expert compute beside it is the forward
-pass of one rank's mean rows (``tokens_per_rank`` x 8 at DeepSeek-V3's top-8) at
-``--gpu_tflops``. Qwen1.5-MoE's 60 experts divide no power of two, so it runs at the EP sizes of
-``--qwen_ep``.
+Modelled by the step model (`experiments.stepmodel`), stated in the output: one copy is an
+expert of the anchor's model (DeepSeek-V3, bf16; `stepmodel.shapes.ANCHOR`) over ``--link_gbps``
+per rank and direction; the expert compute beside it is the forward pass of one rank's mean rows
+(``tokens_per_rank`` x its top-k) at ``--gpu_tflops``. Qwen1.5-MoE's 60 experts divide no
+power of two, so it runs at the EP sizes of ``--qwen_ep``.
 """
 
 from __future__ import annotations
@@ -31,22 +31,28 @@ from absl import flags
 import ultraep_jax as uep
 from experiments import cli, common
 from experiments.loads import ranks, traces, workloads
+from experiments.stepmodel import calibration, layer, links, shapes
 
 _TRACES = flags.DEFINE_list("traces", list(traces.TRACE_NAMES), "Traces to measure.")
 _EP = flags.DEFINE_list("ep", ["32", "64", "128"], "EP sizes (DeepSeek-R1 and Switch).")
 _QWEN_EP = flags.DEFINE_list("qwen_ep", ["30", "60"], "EP sizes of Qwen1.5-MoE (60 experts).")
-_TOKENS = flags.DEFINE_integer("tokens_per_rank", 8192, "Tokens per source rank.")
+_TOKENS = flags.DEFINE_integer(
+    "tokens_per_rank", shapes.ANCHOR.tokens_per_rank, "Tokens per source rank."
+)
 _BALANCER = cli.define_balancer_flags()
 _STRIDE = flags.DEFINE_integer("stride", 1, "Keep every n-th layer of each trace (1: all).")
 _FANOUTS = flags.DEFINE_list(
     "max_fanout", ["1", "2", "3"], "Relay bounds f to compare with the direct transfer (f = 0)."
 )
-_LINK = flags.DEFINE_float("link_gbps", 50.0, "Link bandwidth, GB/s per rank and direction.")
+_LINK = flags.DEFINE_float(
+    "link_gbps",
+    shapes.CLUSTERS["hgx-h100"].ib_gbps,
+    "Link bandwidth, GB/s per rank and direction.",
+)
 _TFLOPS = flags.DEFINE_float(
     "gpu_tflops",
-    550.0,
-    "Assumed grouped-matmul rate in TFLOP/s (550: the Mosaic GPU kernel measured on an H100, "
-    "docs/gpu.md).",
+    calibration.GPU_GMM_TFLOPS,
+    f"Assumed grouped-matmul rate in TFLOP/s ({calibration.GPU_GMM}, docs/gpu.md).",
 )
 _TRACES_DIR = cli.define_traces_dir()
 _JSON = cli.define_json_out()
@@ -68,9 +74,9 @@ for _name in ("ep", "qwen_ep"):
         _name, lambda v: all(s.isdigit() and int(s) > 1 for s in v), "EP sizes must be ints > 1"
     )
 
-#: DeepSeek-V3's expert: D=7168, F=2048; one copy is w_gate, w_up and w_down in bf16.
-D_MODEL, D_FF, WEIGHT_BYTES, TOP_K = 7168, 2048, 2, 8
-COPY_BYTES = 3 * D_MODEL * D_FF * WEIGHT_BYTES
+#: The expert the copies carry: the anchor's model, w_gate, w_up and w_down at its itemsize.
+MODEL = shapes.ANCHOR.shape
+COPY_BYTES = MODEL.expert_bytes(shapes.ANCHOR.itemsize)
 
 
 def trace_top_k(name: str) -> int:
@@ -83,15 +89,6 @@ def trace_batch(name: str, ep: int, tokens: int, stride: int, traces_dir) -> np.
     """int32 [N, R, E]: every ``stride``-th layer of the trace as a load matrix (seed 0)."""
     rows = workloads.trace_workloads(name, ep, tokens, trace_top_k(name), 0, traces_dir)
     return np.stack([loads for i, (_, loads) in enumerate(rows) if i % stride == 0])
-
-
-def transfer_copies(slot_expert_NRS: np.ndarray, experts_per_rank: int, max_fanout: int) -> dict:
-    """Per plan of ``[N, R, S]`` under the relay bound ``max_fanout`` (0: direct, each master
-    sends every copy): the busiest rank's copies sent (``send``), the modelled transfer length in
-    copies (``length``) and the hops it took (``hops``), each int [N]."""
-    fn = common.batched_transfer(slot_expert_NRS.shape[1], experts_per_rank, max_fanout)
-    send, length, hops = (np.asarray(a) for a in fn(slot_expert_NRS))
-    return {"send": send, "length": length, "hops": hops}
 
 
 def max_fanout_of_one_expert(slot_expert_NRS: np.ndarray, num_experts: int) -> np.ndarray:
@@ -117,14 +114,14 @@ def distribution(values) -> dict:
 
 
 def copy_ms(copies: float, link_gbps: float) -> float:
-    """Milliseconds to send ``copies`` DeepSeek-V3 experts over one rank's link."""
-    return 1e3 * copies * COPY_BYTES / (link_gbps * 1e9)
+    """Milliseconds to send ``copies`` experts of `MODEL` over one rank's link (one class)."""
+    return 1e3 * copies * links.copy_seconds(COPY_BYTES, 2, links.Links.single(link_gbps))
 
 
 def expert_forward_ms(tokens_per_rank: int, tflops: float) -> float:
-    """Milliseconds of one rank's expert forward pass at the mean rows (tokens x top-8)."""
-    flops = tokens_per_rank * TOP_K * 3 * 2 * D_MODEL * D_FF
-    return 1e3 * flops / (tflops * 1e12)
+    """Milliseconds of one rank's expert forward pass at the mean rows (tokens x top-k)."""
+    flops = layer.expert_fwd_flops(tokens_per_rank * MODEL.top_k, MODEL.hidden, MODEL.expert_ffn)
+    return 1e3 * layer.compute_seconds(flops, tflops, "prefill")
 
 
 def measure(name: str, ep: int, eps: float) -> dict:
@@ -135,7 +132,7 @@ def measure(name: str, ep: int, eps: float) -> dict:
     plans = common.batched_planner(cfg)(batch)
     slot_expert = np.asarray(plans.slot_expert)
     schedules = {
-        f: transfer_copies(slot_expert, cfg.experts_per_rank, f)
+        f: links.relay_copies(slot_expert, num_experts, f)
         for f in [0] + [int(v) for v in _FANOUTS.value]
     }
     # Any schedule: each rank sends at least one copy of each of its replicated masters.
@@ -222,12 +219,13 @@ def main(argv):
     )
     print("\n".join(relay_table(cells)))
     print(
-        f"\nModelled: one copy = a bf16 DeepSeek-V3 expert, 3 x {D_MODEL} x {D_FF} x "
-        f"{WEIGHT_BYTES} B = {COPY_BYTES / 1e6:.1f} MB, {copy_ms(1, _LINK.value):.2f} ms at "
-        f"{_LINK.value:g} GB/s per rank and direction (the gradients return the same bytes in "
-        f"backward). Expert forward of one rank at the mean rows ({_TOKENS.value} x {TOP_K} = "
-        f"{_TOKENS.value * TOP_K} rows, 3 GEMMs of {D_MODEL} x {D_FF}) at {_TFLOPS.value:g} "
-        f"TFLOP/s: {fwd:.2f} ms (backward 2x that)."
+        f"\nModelled: one copy = an expert of {MODEL.name}, 3 x {MODEL.hidden} x "
+        f"{MODEL.expert_ffn} x {shapes.ANCHOR.itemsize} B = {COPY_BYTES / 1e6:.1f} MB, "
+        f"{copy_ms(1, _LINK.value):.2f} ms at {_LINK.value:g} GB/s per rank and direction (the "
+        f"gradients return the same bytes in backward). Expert forward of one rank at the mean "
+        f"rows ({_TOKENS.value} x {MODEL.top_k} = {_TOKENS.value * MODEL.top_k} rows, 3 GEMMs of "
+        f"{MODEL.hidden} x {MODEL.expert_ffn}) at {_TFLOPS.value:g} TFLOP/s: {fwd:.2f} ms "
+        "(backward 2x that)."
     )
     print(f"({time.perf_counter() - start:.0f} s)")
     common.write_json(

@@ -21,15 +21,17 @@ planner  (a) the CUDA planner's plans equal the CPU handler's, bit for bit, on r
          by the batch), and through JAX (the default kernel): a chain of 64 dependent plans in one
          jitted function (the difference to a chain of 8, per plan; includes one tiny fused add
          per plan), single-plan wall latency, batched ``jit(vmap(plan))``.
-gmm      (c) grouped matmul, bf16, DeepSeek-V3's expert shape: K = 7168 (d_model), N = 2048
-         (expert d_ff): TFLOP/s of our Pallas (Triton) kernel (each of --gmm_configs), of JAX's
-         Hopper Mosaic GPU ragged-dot kernels (each of --mgpu_configs), of ``jax.lax.ragged_dot``
+gmm      (c) grouped matmul, bf16, the anchor's expert shape (DeepSeek-V3's, stepmodel/shapes.toml):
+         K = d_model, N = expert d_ff: TFLOP/s of our Pallas (Triton) kernel (each of
+         --gmm_configs), of JAX's Hopper Mosaic GPU ragged-dot kernels (each of
+         --mgpu_configs), of ``jax.lax.ragged_dot``
          and of a dense [M, K] @ [K, N] matmul of the same FLOPs, forward and forward + backward,
          at M = --gmm_rows, G = 8, balanced; then the fastest of each kind over G in --gmm_groups,
          M in --gmm_sizes, balanced and skewed group sizes (Zipf 1.2 over the groups). Relative
          errors ||out - ref|| / ||ref|| against float32 ``ragged_dot`` of the same bf16 inputs.
-exchange (e) the token exchange (8192 tokens x top-8 of D=7168 bf16 per rank) and the replica-weight
-         exchange (2 slots of D=7168 / F=2048 experts per rank) over every GPU (EP = 1 on one), for
+exchange (e) the token exchange (the anchor's tokens x top-k of D bf16 per rank) and the
+         replica-weight exchange (its slots of D / F experts per rank) over every GPU (EP = 1 on
+         one), for
          the ragged and portable backends, in GB/s against a device copy of the same bytes; the
          ragged path's values and gradients against the portable path's; the replica step's
          compiled schedule (does the transfer run while the masters' matmuls do?); each under
@@ -62,6 +64,7 @@ from absl import flags
 
 from experiments import common
 from experiments.gpu import exchange as gpu_exchange
+from experiments.gpu import exchange_run
 from experiments.gpu import gmm as gpu_gmm
 from experiments.gpu import moe as gpu_moe
 from experiments.gpu import planner as gpu_planner
@@ -96,8 +99,8 @@ _MOE_KERNELS = flags.DEFINE_list(
 )
 _EXCHANGE_VARIANTS = flags.DEFINE_list(
     "exchange_variants",
-    list(gpu_exchange.VARIANTS),
-    f"XLA flag settings of the exchange section: names ({', '.join(gpu_exchange.VARIANTS)}) or "
+    list(exchange_run.VARIANTS),
+    f"XLA flag settings of the exchange section: names ({', '.join(exchange_run.VARIANTS)}) or "
     "flags (--xla_...=v, several joined by +).",
 )
 _EXCHANGE_TIMEOUT = flags.DEFINE_float(
@@ -156,8 +159,8 @@ def _run_section(name: str, device, dry: bool) -> dict:
         )
         return gpu_gmm.section_gmm(device, dry, sweep)
     if name == "exchange":
-        run = gpu_exchange.ExchangeRun(
-            variants=gpu_exchange.parse_variants(_EXCHANGE_VARIANTS.value),
+        run = exchange_run.ExchangeRun(
+            variants=exchange_run.parse_variants(_EXCHANGE_VARIANTS.value),
             setup=dataclasses.replace(
                 gpu_exchange.DEEPSEEK_V3,
                 rows=_EXCHANGE_ROWS.value,
@@ -167,7 +170,7 @@ def _run_section(name: str, device, dry: bool) -> dict:
             timeout_s=_EXCHANGE_TIMEOUT.value,
             out_dir=os.path.join(_OUT.value, "variants") if _OUT.value else None,
         )
-        return gpu_exchange.section_exchange(device, dry, run)
+        return exchange_run.section_exchange(device, dry, run)
     rows = gpu_moe.MoeRows(
         tokens=_MOE_TOKENS.value,
         kernels=tuple(_MOE_KERNELS.value),
@@ -183,7 +186,7 @@ def _run_section(name: str, device, dry: bool) -> dict:
 _LINES = {
     "env": _env_lines,
     "planner": gpu_planner.planner_lines,
-    "exchange": gpu_exchange.exchange_lines,
+    "exchange": exchange_run.exchange_lines,
     "gmm": gpu_gmm.gmm_lines,
     "moe": gpu_moe.moe_lines,
 }

@@ -6,7 +6,8 @@ and where the replica transfer sits in the compiled schedule of the experts' for
 (`hlo_schedule`). See `experiments.gpu.check`.
 
 XLA reads ``XLA_FLAGS`` once, when its backend starts, and aborts on a flag it does not know, so
-each variant runs in a child process (``python -m experiments.gpu.exchange SPEC.json``); a
+each variant runs in a child process (``python -m experiments.gpu.exchange_child SPEC.json``;
+`experiments.gpu.exchange_run` starts the children and reads their results); a
 child that dies naming an unknown flag is reported as "flag not known to this jaxlib". The ranks
 are every GPU of the machine (EP = 1 on one GPU still runs the collective kernels); the dry run
 uses 4 CPU devices, where XLA cannot compile ``ragged_all_to_all``: only the portable path runs.
@@ -15,36 +16,20 @@ uses 4 CPU devices, where XLA cannot compile ``ragged_all_to_all``: only the por
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import re
-import subprocess
-import sys
-import tempfile
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments import common
-from experiments.gpu import hlo_schedule
-from ultraep_jax import comm, streaming, transfer
+from experiments.stepmodel.shapes import ANCHOR
+from ultraep_jax import comm, transfer
 from ultraep_jax.exchange import Exchange
 
 AXIS = "expert"
-#: XLA flag variants the section compares by default: name -> flags (space-separated).
-VARIANTS = {
-    "default": "",
-    "decomposer": "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true",
-    "one_shot_off": "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false",
-    "device_kernel": "--xla_gpu_experimental_ragged_all_to_all_use_device_kernel=true",
-    "latency_hiding": "--xla_gpu_enable_latency_hiding_scheduler=true",
-}
-_UNKNOWN_FLAG = re.compile(r"Unknown flags? in XLA_FLAGS:\s*(.*)")
 _SKIP_RAGGED = (
     "skipped: XLA:CPU cannot compile ragged_all_to_all (the dry run runs the portable path)"
 )
@@ -88,9 +73,21 @@ class ExchangeSetup:
         return math.ceil(self.capacity_factor * self.rows)
 
 
-#: DeepSeek-V3 at EP64: 8192 tokens x top-8 per rank of D=7168 bf16; 256 / 64 = 4 experts per
-#: rank of F=2048, 2 slots.
-DEEPSEEK_V3 = ExchangeSetup(65536, 7168, 2048, 4, 2, 1.05, "bfloat16", 8192, "auto", 15, 4)
+#: The anchor's setup (`experiments.stepmodel.shapes.ANCHOR`: DeepSeek-V3 at EP64, 8192 tokens x
+#: top-8 per rank, bf16, 256 / 64 = 4 experts per rank, 2 slots).
+DEEPSEEK_V3 = ExchangeSetup(
+    ANCHOR.pairs_per_rank,
+    ANCHOR.shape.hidden,
+    ANCHOR.shape.expert_ffn,
+    ANCHOR.experts_per_rank,
+    ANCHOR.slots_per_rank,
+    1.05,
+    "bfloat16",
+    ANCHOR.tokens_per_rank,
+    "auto",
+    15,
+    4,
+)
 #: The dry run's: tiny, float32 (XLA:CPU has no fast bf16 path), XLA's ragged_dot for the experts
 #: so that the compiled step holds matmul instructions to find.
 DRY = ExchangeSetup(48, 16, 8, 2, 2, 1.25, "float32", 40, "ragged_dot", 2, 1)
@@ -318,278 +315,3 @@ def check_gradients(mesh, s: ExchangeSetup, dry: bool) -> dict:
     out["weights_vjp"] = _compare(ragged[1], portable[1])
     out["status"] = "ok" if all(v["equal"] and v["finite"] for v in out.values()) else "MISMATCH"
     return out
-
-
-def replica_step(mesh, s: ExchangeSetup, backend: str):
-    """(jitted step, its arguments): value and gradients (masters, rows) of the mean square of
-    the balanced experts on ``s.check_rows`` rows per rank, E_m masters and S filled slots
-    (`streaming.experts_with_replicas`, one transfer hop). With this loss the only matmuls that
-    do not depend on the forward transfer are the masters' forward ones."""
-
-    R, groups = mesh.size, s.masters + s.slots
-
-    def per_rank(rows, sizes, slots_RS, *masters):
-        return streaming.experts_with_replicas(
-            rows,
-            masters,
-            slots_RS,
-            sizes,
-            kernel=s.kernel,
-            chunks=1,
-            max_fanout=0,
-            axis_name=AXIS,
-            backend=backend,
-        )
-
-    specs = (P(AXIS), P(AXIS), P(), P(AXIS), P(AXIS), P(AXIS))
-    experts = jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=P(AXIS))
-
-    def loss(masters, rows, sizes, slots):
-        return jnp.mean(jnp.square(experts(rows, sizes, slots, *masters).astype(jnp.float32)))
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    sizes = np.tile(np.diff(np.linspace(0, s.check_rows, groups + 1).astype(np.int64)), R)
-    args = (
-        random_masters(mesh, s, 30),
-        _random(mesh, (R * s.check_rows, s.d_model), s.dtype, 40),
-        jax.device_put(sizes.astype(np.int32)),
-        filled_slots(R, s.masters, s.slots),
-    )
-    return step, args
-
-
-def check_replica_step(mesh, s: ExchangeSetup, backends, hlo_path: str | None) -> dict:
-    """Per backend: the replica step's median ms and where each collective of its compiled
-    schedule sits (`hlo_schedule.overlap_report`; the first is the forward transfer); the first
-    call's value and gradients of the ragged path against the portable path's."""
-
-    out, first = {}, {}
-    for backend in backends:
-        step, args = replica_step(mesh, s, backend)
-        value, grads = step(*args)  # the first backward: compared before any other call
-        first[backend] = [np.asarray(value)] + [np.asarray(g) for g in jax.tree.leaves(grads)]
-        text = step.lower(*args).compile().as_text()
-        report = hlo_schedule.overlap_report(text)
-        row = {
-            "ms": 1e3 * common.median_seconds(lambda step=step, args=args: step(*args), s.repeats)
-        }
-        row["schedule"] = report
-        row["verdicts"] = [hlo_schedule.verdict(c) for c in report["collectives"]]
-        if hlo_path:
-            with open(f"{hlo_path}_{backend}.txt", "w") as f:
-                f.write(text)
-        out[backend] = row
-    if len(first) == 2:
-        ragged, portable = first["ragged"], first["portable"]
-        rel = [
-            float(np.linalg.norm(a.astype(np.float32) - b.astype(np.float32)))
-            / max(float(np.linalg.norm(b.astype(np.float32))), 1e-30)
-            for a, b in zip(ragged, portable, strict=True)
-        ]
-        out["first_backward_ragged_vs_portable"] = {
-            **_compare(ragged, portable),
-            "max_rel_diff": max(rel),
-            "ok": max(rel) <= 1e-2 and all(np.all(np.isfinite(a)) for a in ragged),
-        }
-    return out
-
-
-def run_variant(spec: dict) -> dict:
-    """Everything one flag variant measures (in the child process that XLA_FLAGS configured)."""
-
-    s = ExchangeSetup(**spec["setup"])
-    dry = spec["dry"]
-    devices = jax.devices("cpu")[:4] if dry else [d for d in jax.devices() if d.platform == "gpu"]
-    mesh = Mesh(np.array(devices), (AXIS,))
-    backends = ("portable",) if dry else ("ragged", "portable")
-    out = {
-        "variant": spec["variant"],
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "jax": jax.__version__,
-        "ranks": mesh.size,
-        "device_kind": devices[0].device_kind,
-        "setup": dataclasses.asdict(s),
-    }
-    if dry:
-        out["ragged"] = _SKIP_RAGGED
-    parts = {
-        "tokens": lambda: time_tokens(mesh, s, backends),
-        "weights": lambda: time_weights(mesh, s, backends),
-        "grad_check": lambda: check_gradients(mesh, s, dry),
-        "replica_step": lambda: check_replica_step(mesh, s, backends, spec.get("hlo_path")),
-    }
-    for name, part in parts.items():
-        try:
-            out[name] = part()
-        except Exception as e:  # noqa: BLE001 -- reported; the other parts still run
-            traceback.print_exc()
-            out[name] = {"error": repr(e)[:800]}
-        print(f"  exchange[{spec['variant']}] {name}: done", flush=True)
-        common.write_json(spec["out_json"], out)  # what is done so far, should a later part hang
-    return out
-
-
-# -- the parent: one child per variant --------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ExchangeRun:
-    """What the section runs (the ``--exchange_*`` flags).
-
-    Attributes:
-      variants: name -> XLA flags (space-separated; "" for XLA's defaults).
-      setup: the sizes (`DEEPSEEK_V3`; the dry run uses `DRY`).
-      timeout_s: seconds one variant's child may take.
-      out_dir: where each child's log, JSON and compiled step go (None: a temporary folder).
-    """
-
-    variants: dict
-    setup: ExchangeSetup
-    timeout_s: float
-    out_dir: str | None
-
-
-def parse_variants(entries) -> dict:
-    """name -> flags from ``--exchange_variants`` entries: a name of `VARIANTS`, or flags
-    (``--xla_...=v``, several joined by ``+``), named after themselves."""
-    out = {}
-    for entry in entries:
-        if entry in VARIANTS:
-            out[entry] = VARIANTS[entry]
-        elif entry.startswith("--"):
-            out[entry] = " ".join(entry.split("+"))
-        else:
-            raise ValueError(
-                f"unknown exchange variant {entry!r}; expected one of {list(VARIANTS)}"
-            )
-    return out
-
-
-def _child_env(flags: str, dry: bool) -> dict:
-    env = dict(os.environ)
-    base = env.get("XLA_FLAGS", "")
-    if dry:
-        env["JAX_PLATFORMS"] = "cpu"
-        base = re.sub(r"--xla_force_host_platform_device_count=\d+", "", base)
-        base += " --xla_force_host_platform_device_count=4"
-    else:
-        # The parent process holds GPU memory of its own: take what the child needs, no more.
-        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    env["XLA_FLAGS"] = f"{base} {flags}".strip()
-    return env
-
-
-def file_stem(name: str) -> str:
-    """A variant's name as a file name (a raw flag's dashes and "=" replaced)."""
-    return re.sub(r"[^\w.]+", "_", name).strip("_")
-
-
-def run_child(name: str, flags: str, spec: dict, folder: str, dry: bool, timeout_s: float) -> dict:
-    """One variant in a child process: its JSON, or a status saying why there is none."""
-    spec_path = os.path.join(folder, f"exchange_{file_stem(name)}_spec.json")
-    log_path = os.path.join(folder, f"exchange_{file_stem(name)}.log")
-    common.write_json(spec_path, spec)
-    cmd = [sys.executable, "-m", "experiments.gpu.exchange", spec_path]
-    try:
-        done = subprocess.run(
-            cmd, env=_child_env(flags, dry), capture_output=True, text=True, timeout=timeout_s
-        )
-        log, rc = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as e:
-        log, rc = f"{e.stdout or ''}{e.stderr or ''}", None
-        log = log.decode() if isinstance(log, bytes) else log
-    with open(log_path, "w") as f:
-        f.write(log)
-    unknown = _UNKNOWN_FLAG.search(log)
-    result = {}
-    if os.path.exists(spec["out_json"]):
-        with open(spec["out_json"]) as f:
-            result = json.load(f)
-    if unknown:
-        status = f"flag not known to this jaxlib ({unknown.group(1).strip()})"
-        return {"status": status, "xla_flags": flags}
-    if rc is None:
-        status = f"timed out after {timeout_s:g} s (parts done: {sorted(result)})"
-    elif rc != 0:
-        status = f"failed (exit {rc}): {log.strip().splitlines()[-1][:300] if log.strip() else ''}"
-    else:
-        status = "ok"
-    return {**result, "status": status, "xla_flags": flags}
-
-
-def section_exchange(device, dry: bool, run: ExchangeRun) -> dict:
-    """Every variant of ``run`` in a child process (see the module docstring)."""
-    del device  # the children use every GPU (or, dry, 4 CPU devices)
-    setup = DRY if dry else run.setup
-    out = {"setup": dataclasses.asdict(setup), "variants": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = run.out_dir or tmp
-        os.makedirs(folder, exist_ok=True)
-        for name, flags in run.variants.items():
-            stem = file_stem(name)
-            spec = {
-                "setup": dataclasses.asdict(setup),
-                "dry": dry,
-                "variant": name,
-                "out_json": os.path.join(folder, f"exchange_{stem}.json"),
-                "hlo_path": os.path.join(folder, f"replica_step_hlo_{stem}")
-                if run.out_dir
-                else None,
-            }
-            if os.path.exists(spec["out_json"]):
-                os.remove(spec["out_json"])
-            print(f"  exchange variant {name}: XLA_FLAGS += {flags!r}", flush=True)
-            out["variants"][name] = run_child(name, flags, spec, folder, dry, run.timeout_s)
-            print(f"  exchange variant {name}: {out['variants'][name]['status']}", flush=True)
-    return out
-
-
-def _rate_text(r) -> str:
-    if isinstance(r, str):
-        return r.split(":")[0]  # "skipped"
-    if not isinstance(r, dict) or "gbps" not in r:
-        return "-"
-    return f"{r['ms']:.3g} ms {r['gbps']:.3g} GB/s ({r['x_copy']:.2f}x copy)"
-
-
-def exchange_lines(d: dict) -> list[str]:
-    """The exchange section's results as table lines."""
-    s = d["setup"]
-    lines = [
-        f"(e) exchanges per rank: tokens {s['rows']} x D={s['d_model']} {s['dtype']}; replica "
-        f"weights {s['slots']} slots x (D={s['d_model']}, F={s['d_ff']}); GB/s = payload bytes "
-        "per rank / time; 'x copy' = throughput / a device copy's of the same bytes"
-    ]
-    for name, v in d["variants"].items():
-        lines.append(f"   [{name}] {v.get('xla_flags') or '(XLA defaults)'}: {v['status']}")
-        for part in ("tokens", "weights"):
-            p = v.get(part)
-            if isinstance(p, dict) and "copy" in p:
-                ragged = _rate_text(p.get("ragged", v.get("ragged")))
-                lines.append(
-                    f"      {part:<8} copy {_rate_text(p['copy'])} | ragged {ragged} | "
-                    f"portable {_rate_text(p.get('portable'))}"
-                )
-        g = v.get("grad_check")
-        if isinstance(g, dict):
-            lines.append(f"      gradients ragged vs portable: {g.get('status', g.get('error'))}")
-        step = v.get("replica_step", {})
-        for backend in ("ragged", "portable"):
-            row = step.get(backend) if isinstance(step, dict) else None
-            if row:
-                first = row["verdicts"][0] if row["verdicts"] else "no collective in the schedule"
-                lines.append(
-                    f"      replica step {backend}: {row['ms']:.2f} ms; forward transfer: {first}"
-                )
-        if isinstance(step, dict) and "first_backward_ragged_vs_portable" in step:
-            c = step["first_backward_ragged_vs_portable"]
-            lines.append(
-                f"      replica step first backward ragged vs portable: max rel diff "
-                f"{c['max_rel_diff']:.2e} ({'ok' if c['ok'] else 'MISMATCH'})"
-            )
-    return lines
-
-
-if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        run_variant(json.load(f))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
+from experiments.stepmodel.shapes import ANCHOR
 from ultraep_jax import gmm_mgpu, gmm_pallas
 
 
@@ -204,7 +205,8 @@ DRY_SWEEP = GmmSweep(64, ("16x16x16",), (), (4,), (64,), repeats=2, inner=1)
 def section_gmm(device, dry: bool, sweep: GmmSweep) -> dict:
     """(c) every kernel setting at M = ``sweep.rows``, G = 8, then the fastest of each kind over
     the shape sweep, balanced and skewed (``dry``: `DRY_SWEEP` at K = N = 32)."""
-    K, N = (32, 32) if dry else (7168, 2048)
+    # K = D and N = F of the anchor's expert (DeepSeek-V3's).
+    K, N = (32, 32) if dry else (ANCHOR.shape.hidden, ANCHOR.shape.expert_ffn)
     sweep = DRY_SWEEP if dry else sweep
     G, timing = 4 if dry else 8, (sweep.repeats, sweep.inner)
     out = {"shape": {"K": K, "N": N, "dtype": "bfloat16"}, "sweep": [], "shapes": []}

@@ -19,6 +19,7 @@ import re
 from absl import flags
 
 from experiments import common
+from experiments.stepmodel import calibration, layer, shapes
 
 _DIR = flags.DEFINE_string("dir", None, "The run_all.sh output folder.", required=True)
 
@@ -214,20 +215,49 @@ def replay_bar(folder: str, cmds: dict) -> list[str]:
     return lines + [f"- {_cmd(cmds, p)}" for p in ("replay_train", "replay_prefill") if p in cmds]
 
 
-def gmm_bar(folder: str, cmds: dict) -> list[str]:
-    """The grouped matmul's best fwd + bwd TFLOP/s per kind of kernel (no bar; for the record)."""
+def best_gmm(folder: str) -> dict[str, float]:
+    """kind of kernel -> its best forward + backward TFLOP/s in the run (empty: not run)."""
     c = (_load(folder, "gmm/gpu_results.json") or {}).get("gmm")
     if not isinstance(c, dict) or "sweep" not in c:
-        return ["- not run"]
+        return {}
     best: dict[str, float] = {}
     for row in c["sweep"] + c["shapes"]:
         kind = row["impl"].split()[0]
         if "fwd_bwd_tflops" in row:
             best[kind] = max(best.get(kind, 0.0), row["fwd_bwd_tflops"])
+    return best
+
+
+def gmm_bar(folder: str, cmds: dict) -> list[str]:
+    """The grouped matmul's best fwd + bwd TFLOP/s per kind of kernel (no bar; for the record)."""
+    best = best_gmm(folder)
+    if not best:
+        return ["- not run"]
     lines = [
         f"- {kind}: {tf:.3g} TFLOP/s forward + backward (best case)" for kind, tf in best.items()
     ]
     return lines + [f"- {_cmd(cmds, 'gmm')}"]
+
+
+def model_lines(folder: str, cluster: str = "hgx-h100") -> list[str]:
+    """The step model (`experiments.stepmodel`) fed this run's fastest grouped matmul: the
+    anchor's force-balanced layer (forward + backward) on ``cluster``, by term."""
+    best = best_gmm(folder)
+    if not best:
+        return ["- not run (needs the gmm part)"]
+    # The dense matmul is the reference of the same FLOPs, not a grouped kernel the layer runs.
+    grouped = {k: v for k, v in best.items() if k != "dense"} or best
+    kind, tflops = max(grouped.items(), key=lambda kv: kv[1])
+    params = layer.CostParams(calibration=calibration.Calibration(expert_tflops=tflops))
+    setup, hw = shapes.ANCHOR, shapes.CLUSTERS[cluster]
+    t = layer.ideal_layer_time(setup.shape, setup.ep, hw, params)
+    ms = {k: 1e3 * getattr(t, k) for k in ("experts", "a2a", "other")}
+    return [
+        f"- {setup.source} ({setup.model}, EP{setup.ep}, {setup.tokens_per_rank} tokens per "
+        f"rank) on {hw.gpu}, experts at {kind}'s {tflops:.3g} TFLOP/s, the rest at the "
+        f"model's nominal rates: experts {ms['experts']:.2f} ms, all-to-alls {ms['a2a']:.2f} ms, "
+        f"attention and the rest {ms['other']:.2f} ms, layer {1e3 * t.total:.2f} ms (modelled)"
+    ]
 
 
 def summary_lines(folder: str) -> list[str]:
@@ -259,6 +289,7 @@ def summary_lines(folder: str) -> list[str]:
         ),
         ("The replay at DeepSeek-V3 shape (DeepSeek-R1 trace)", replay_bar(folder, cmds)),
         ("Grouped matmul (no bar)", gmm_bar(folder, cmds)),
+        ("The step model at this run's grouped-matmul rate (no bar)", model_lines(folder)),
     ]
     for title, body in bars:
         lines += [f"## {title}", "", *body, ""]

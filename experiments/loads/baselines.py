@@ -17,8 +17,8 @@ Our own implementations, written from the published descriptions of each method 
   * :func:`eplb_plus` -- replication only, masters fixed, every spare slot used: each spare slot
     (taken on the currently least-loaded rank that still has one) goes to the currently heaviest
     expert by load per instance that the rank does not hold yet; tokens split evenly.
-  * :func:`ultraep` / :func:`ultraep_balanced` / :func:`ultraep_batch` -- ours, the FFI planner
-    ``ultraep_jax.plan``.
+  * ours, the FFI planner ``ultraep_jax.plan``, as a :class:`Balanced`: in
+    `experiments.loads.policies`, with the registry of every policy the programs compare.
 
 Every balancer returns a :class:`Balanced`: a physical layout ``[R, C]`` (the logical expert in
 each physical slot of each rank, ``-1`` when empty) and the tokens each instance processes
@@ -43,7 +43,6 @@ import time
 
 import numpy as np
 
-from experiments import common
 from experiments.loads import ranks
 
 __all__ = [
@@ -62,9 +61,6 @@ __all__ = [
     "new_placements",
     "none",
     "split_evenly",
-    "ultraep",
-    "ultraep_balanced",
-    "ultraep_batch",
 ]
 
 
@@ -381,43 +377,3 @@ def eplb_plus(loads, slots_per_rank: int) -> Balanced:
         slots[r, slots_per_rank - free[r]] = e
         free[r] -= 1
     return apply_layout(np.concatenate([masters, slots], axis=1), loads)
-
-
-# --------------------------------------------------------------------------------------------
-# ultraep (ours)
-# --------------------------------------------------------------------------------------------
-
-
-def ultraep_balanced(batch, cfg) -> list[Balanced]:
-    """ultraep's plans for a batch ``[N, R, E]`` (one ``jit(vmap(uep.plan))`` call) as ``N``
-    :class:`Balanced`, layout ``[R, E/R + S]``: the masters, then the spare slots."""
-    batch = np.asarray(batch, dtype=np.int32)
-    plans = common.batched_planner(cfg)(batch)
-    num, num_ranks, num_experts = batch.shape
-    masters = master_layout(num_ranks, num_experts)
-    slot_expert = np.asarray(plans.slot_expert)
-    slot_quota = np.asarray(plans.slot_quota, dtype=np.int64)
-    master_quota = np.asarray(plans.master_quota, dtype=np.int64).reshape(num, num_ranks, -1)
-    return [
-        Balanced(
-            np.concatenate([masters, slot_expert[i]], axis=1),
-            np.concatenate([master_quota[i], slot_quota[i]], axis=1),
-        )
-        for i in range(num)
-    ]
-
-
-def ultraep_batch(batch, cfg, *, repeats: int = 1) -> tuple[list, float]:
-    """:func:`ultraep_balanced` of a batch ``[N, R, E]``, and its planning time.
-
-    Returns:
-      ``(results, seconds)``: ``N`` :class:`Balanced`, and the median wall time of one
-      already-compiled batched call over ``max(1, repeats)`` calls
-      (`experiments.common.time_batched_plan`), so ``seconds / N`` per matrix.
-    """
-    return ultraep_balanced(batch, cfg), common.time_batched_plan(batch, cfg, max(1, repeats))
-
-
-def ultraep(loads, cfg) -> Balanced:
-    """ultraep's plan for one ``loads [R, E]`` as a :class:`Balanced`."""
-    return ultraep_balanced(np.asarray(loads)[None], cfg)[0]

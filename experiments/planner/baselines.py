@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import baselines, workloads
+from experiments.loads import baselines, drift, policies
 from experiments.planner import setup
 
 #: The rows of each workload, in table order.
-ORDER = ("none", "eplb_periodic", "eplb_exact", "eplb_plus", "ultraep")
+ORDER = policies.names(without=("exact",))
 
 
 def trace_series(labels: list) -> list:
@@ -94,7 +94,7 @@ def evaluate(matrices: np.ndarray, series: list, cfg: uep.BalancerConfig, window
         [m for p in periodic for m in p.new_placements],
         [s for p in periodic for s in p.plan_seconds],
     )
-    results, batch_seconds = baselines.ultraep_batch(matrices, cfg, repeats=3)
+    results, batch_seconds = policies.ultraep_batch(matrices, cfg, repeats=3)
     out["ultraep"] = _summary(results, None, [batch_seconds / len(matrices)])
     return out
 
@@ -199,11 +199,11 @@ def _cases() -> Iterator[tuple[str, np.ndarray, list, tuple[int, int], bool]]:
         f"rank-zipf {x:g} EP64 E256": setup.zipf_batch(x, 64, 256, seeds) for x in (1.5, 2.0, 3.0)
     }
     for x in map(float, setup.EXPERT_ZIPF.value):
-        batch = [workloads.expert_zipf_loads(64, 256, tokens, 8, x, s) for s in seeds]
+        batch = [drift.expert_zipf_loads(64, 256, tokens, 8, x, s) for s in seeds]
         generated[f"expert-zipf {x:g} EP64 E256"] = np.stack(batch)
     for workload, batch in generated.items():
         yield workload, batch, [list(range(len(batch)))], short, False
-    stream = workloads.drifting_stream(64, 256, tokens, 8, setup.STREAM_STEPS.value, seed=0)
+    stream = drift.drifting_stream(64, 256, tokens, 8, setup.STREAM_STEPS.value, seed=0)
     periodic = (setup.STREAM_WINDOW.value, setup.STREAM_INTERVAL.value)
     yield "drift-stream EP64 E256", stream, [list(range(len(stream)))], periodic, False
 

@@ -6,7 +6,7 @@ shape's bytes, are a far smaller share of the step than on real hardware. This m
 layer as the target model would run it on a stated GPU:
 
 - Measured: each policy's busiest rank's expert time relative to the force-balanced ideal's, at
-  the replayed shape (`experiments.replay.main.time_ranks`).
+  the replayed shape (`experiments.replay.timing.time_ranks`).
 - Modelled: the ideal's expert time at the target shape on the GPU (its FLOPs at the stated
   TFLOP/s), which each policy's measured ratio scales (the busiest rank's measured expert time
   scaled by the FLOP ratio to the target shape and by the GPU's rate); the token all-to-alls
@@ -27,14 +27,7 @@ import dataclasses
 
 import numpy as np
 
-from experiments import common
-from experiments.replay import work as replay_work
-
-#: Passes over the expert weights' FLOPs: forward (1) and, in training, backward (2 more).
-_PASSES = {"train": 3, "prefill": 1}
-#: Token all-to-alls per layer (dispatch and combine, and their transposes in training) and the
-#: directions the replica weights move (forward copies; their gradients back in training).
-EXCHANGES = {"train": (4, 2), "prefill": (2, 1)}
+from experiments.stepmodel import layer, links, shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,35 +61,47 @@ class TargetModel:
             if not getattr(self, field) > 0:
                 raise ValueError(f"TargetModel.{field}={getattr(self, field)} must be > 0")
 
+    @classmethod
+    def of(cls, setup: shapes.Setup, gpu: str, gpu_tflops: float, link_gbps: float):
+        """A published setup's model at its pairs per rank, in both modes."""
+        model = setup.shape
+        pairs = dict.fromkeys(("train", "prefill"), setup.pairs_per_rank)
+        return cls(
+            setup.model,
+            model.hidden,
+            model.expert_ffn,
+            setup.itemsize,
+            pairs,
+            gpu,
+            gpu_tflops,
+            link_gbps,
+        )
+
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (a replica copy)."""
-        return 3 * self.d_model * self.d_ff * self.itemsize
+        return shapes.expert_bytes(self.d_model, self.d_ff, self.itemsize)
 
     def row_bytes(self) -> int:
         """Bytes of one token row."""
         return self.d_model * self.itemsize
 
     def ideal_expert_seconds(self, mode: str) -> float:
-        """The force-balanced ideal rank's expert time on the GPU: its mean rows' FLOPs (2 D F
-        per row for each of the 3 matmuls, per pass) at ``gpu_tflops``."""
-        flops = _PASSES[mode] * 6.0 * self.d_model * self.d_ff * self.pairs_per_rank[mode]
-        return flops / (self.gpu_tflops * 1e12)
+        """The force-balanced ideal rank's expert time on the GPU: its mean rows' FLOPs at
+        ``gpu_tflops``."""
+        rows = self.pairs_per_rank[mode]
+        flops = layer.expert_fwd_flops(rows, self.d_model, self.d_ff)
+        return layer.compute_seconds(flops, self.gpu_tflops, mode)
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerAtTarget:
-    """One layer of one policy at the target's ratios, in seconds: the busiest rank's experts,
-    the token all-to-alls, the replica transfer in all (both directions in training), the part
-    of it no all-to-all hides, and the step (experts + all-to-alls + exposed transfer)."""
-
-    experts_s: float
-    tokens_s: float
-    transfer_s: float
-    exposed_s: float
-
-    @property
-    def step_s(self) -> float:
-        return self.experts_s + self.tokens_s + self.exposed_s
+def exchanges(
+    token_rows_RR: np.ndarray, copies: float, row_bytes: float, expert_bytes: float, gbps: float
+) -> tuple[float, float]:
+    """``(one all-to-all, one direction of the replica transfer)`` in seconds over links of
+    ``gbps`` per rank and direction: the dispatch's rows ``token_rows_RR`` [R, R] and
+    ``copies``, the transfer's length in expert copies (`links.relay_copies`)."""
+    link = links.Links.single(gbps)
+    one_a2a = links.exchange_seconds(token_rows_RR, row_bytes, link)
+    return one_a2a, copies * links.copy_seconds(expert_bytes, len(token_rows_RR), link)
 
 
 def layer_at_target(
@@ -107,8 +112,9 @@ def layer_at_target(
     replayed_pairs: int,
     target: TargetModel,
     mode: str,
-) -> LayerAtTarget:
-    """One layer of one policy at the target's ratios (see the module docstring).
+) -> layer.LayerTime:
+    """One layer of one policy at the target's ratios (see the module docstring), by the step
+    model's rule (`experiments.stepmodel.layer.layer_terms`).
 
     Args:
       experts_s, ideal_experts_s: the policy's and the ideal's busiest-rank expert seconds as
@@ -116,35 +122,20 @@ def layer_at_target(
       token_rows_RR: float [R, R], rows each rank sends each other rank in the dispatch, at the
         replayed pairs per rank.
       transfer_copies: the replica transfer's length in expert copies (each hop as long as its
-        busiest link, summed over hops; `transfer_length`).
+        busiest link, summed over hops; `links.relay_copies`).
       replayed_pairs: the replayed pairs per rank (the target's rows are the replay's scaled by
         ``target.pairs_per_rank[mode] / replayed_pairs``).
       target: the model and GPU; mode: "train" or "prefill".
     """
     if not ideal_experts_s > 0:
         raise ValueError(f"ideal_experts_s={ideal_experts_s} must be > 0")
-    token_a2a, weight_moves = EXCHANGES[mode]
     experts = experts_s / ideal_experts_s * target.ideal_expert_seconds(mode)
     scale = target.pairs_per_rank[mode] / replayed_pairs
-    one_a2a = replay_work.exchange_seconds(
-        np.asarray(token_rows_RR) * scale, target.row_bytes(), target.link_gbps
+    one_a2a, one_transfer = exchanges(
+        np.asarray(token_rows_RR) * scale,
+        transfer_copies,
+        target.row_bytes(),
+        target.expert_bytes(),
+        target.link_gbps,
     )
-    one_transfer = transfer_copies * target.expert_bytes() / (target.link_gbps * 1e9)
-    return LayerAtTarget(
-        experts_s=experts,
-        tokens_s=token_a2a * one_a2a,
-        transfer_s=weight_moves * one_transfer,
-        exposed_s=weight_moves * max(0.0, one_transfer - one_a2a),
-    )
-
-
-def transfer_length(held_RC: np.ndarray, num_experts: int, max_fanout: int) -> float:
-    """The replica transfer's length in expert copies for the held matrix ``held_RC`` [R, C]
-    (each rank's instances of experts it does not master, -1 elsewhere) under the relay bound
-    ``max_fanout`` (0: direct): each hop as long as its busiest link, summed over hops."""
-    held = np.asarray(held_RC, np.int32)
-    if not (held >= 0).any():
-        return 0.0
-    R = held.shape[0]
-    _, length, _ = common.batched_transfer(R, num_experts // R, max_fanout)(held[None])
-    return float(np.asarray(length)[0])
+    return layer.layer_terms(experts, one_a2a, one_transfer, mode)

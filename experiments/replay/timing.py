@@ -11,7 +11,7 @@ Three parts of a rank's work are timed separately:
                its slot groups (forward; forward and backward in training)
 One compiled program per shape (buffer rows, masters, slots) serves every rank: group sizes,
 pairs and plans are runtime values. Nothing here crosses between ranks: the exchanges are
-modelled (`replay_work.exchange_seconds`).
+modelled (`experiments.stepmodel.links`).
 
 Clock: on a CPU, the CPU time of this process (pin it to one core: XLA:CPU then runs the work on
 that core, and other processes sharing the core do not count); elsewhere, wall time.
@@ -31,6 +31,7 @@ import numpy as np
 
 import ultraep_jax as uep
 from experiments.replay.work import RankWork
+from experiments.stepmodel import shapes
 from ultraep_jax import dispatch
 from ultraep_jax.experts import local_experts
 
@@ -60,7 +61,7 @@ class Shape:
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (w_gate, w_up, w_down)."""
-        return 3 * self.d_model * self.d_ff * self.itemsize
+        return shapes.expert_bytes(self.d_model, self.d_ff, self.itemsize)
 
     def row_bytes(self) -> int:
         """Bytes of one token row."""
@@ -224,3 +225,69 @@ def sample_times(
             times[key] = tick() - start
         out.append(times)
     return out
+
+
+def time_ranks(works: dict, ep: int, masters: int, top_k: int, mode: str, settings):
+    """Each rank's measured seconds under each policy of ``works`` (which holds ``"ideal"``);
+    ``settings``: the replay's `experiments.replay.cell.Settings`.
+
+    Experts: every rank of every policy, ``settings.repeats`` rounds; in each round rank r's
+    tasks run back to back, the ideal's rank r first, and each is taken relative to it: other
+    processes sharing the core slow both alike, so the ratio cancels what the machine's load did
+    at that moment (the ideal's ranks all do the same work). A rank's cost is its median ratio
+    times the ideal's time (the median over its ranks of each one's fastest round). Then each
+    policy's ``settings.refine`` costliest ranks are timed again until they all have
+    ``settings.refine_rounds`` rounds (the busiest rank is a maximum, which noise inflates). The
+    ideal's tasks also run a second time as if they were a policy's: its busiest rank against the
+    ideal is what noise alone costs a policy whose ranks all do the ideal's work. Bookkeeping: its
+    shapes (pairs, buffer rows) are the same on every rank of a policy, so it is
+    timed on the ``settings.bookkeeping_ranks`` ranks that receive the most rows (fastest round,
+    slowest rank).
+
+    Returns:
+      (experts, bookkeeping, noise): {policy: [R] seconds}, {policy: seconds}, and the busiest
+      rank of the ideal timed again, relative to the ideal (1: no noise).
+    """
+    shape = settings.shape
+    again_ideal = "ideal, timed again"
+    order = ["ideal", *(p for p in works if p != "ideal"), again_ideal]
+    tasks = {
+        (p, r): experts_task(works["ideal" if p == again_ideal else p], r, masters, shape, mode)
+        for r in range(ep)
+        for p in order
+    }
+    rounds = sample_times(tasks, settings.repeats)
+
+    def cost(p, r):
+        return statistics.median(
+            t[(p, r)] / t[("ideal", r)] for t in rounds if (p, r) in t and ("ideal", r) in t
+        )
+
+    # Racing: re-time each policy's costliest ranks until the `refine` costliest all have
+    # `refine_rounds` paired rounds (a maximum over noisy estimates picks the noisiest).
+    for _ in range(4 * -(-settings.refine_rounds // settings.repeats)):
+        again = {
+            (p, r)
+            for p in order[1:]
+            for r in sorted(range(ep), key=lambda r, p=p: -cost(p, r))[: settings.refine]
+            if sum((p, r) in t for t in rounds) < settings.refine_rounds
+        }
+        if not again:
+            break
+        again |= {("ideal", r) for _, r in again}
+        more = [k for k in tasks if k in again]  # rank-major, the ideal first
+        rounds += sample_times({k: tasks[k] for k in more}, settings.repeats, False)
+    ideal = statistics.median(
+        min(t[("ideal", r)] for t in rounds if ("ideal", r) in t) for r in range(ep)
+    )
+    book_tasks = {
+        (p, int(r)): bookkeeping_task(w, int(r), top_k, shape, mode, settings.seed)
+        for p, w in works.items()
+        for r in np.argsort(-w.rows_R, kind="stable")[: settings.bookkeeping_ranks]
+    }
+    book = sample_times(book_tasks, settings.repeats)
+    return (
+        {p: [ideal * cost(p, r) for r in range(ep)] for p in works},
+        {p: max(min(t[k] for t in book) for k in book_tasks if k[0] == p) for p in works},
+        max(cost(again_ideal, r) for r in range(ep)),
+    )

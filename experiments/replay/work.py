@@ -1,7 +1,7 @@
 """What every rank of an EP group does for one load matrix under each balancing policy, for
 `experiments.replay`: the load matrices (trace layers or generated), each rank's received
 rows per local group, the token rows each rank exchanges with each peer and the expert weights
-it sends, and what those exchanges cost at a stated link bandwidth (modelled).
+it sends (what those exchanges cost is the step model's, `experiments.stepmodel.links`).
 
 ultraep, exact mode and none are computed as the layer computes them: `ultraep_jax.plan` (with
 the layer's receive capacity) and `ultraep_jax.dispatch.group_counts`, the arithmetic
@@ -23,12 +23,12 @@ import jax
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import baselines, ranks, traces, workloads
+from experiments.loads import baselines, policies, ranks, traces, workloads
 from ultraep_jax import dispatch, reroute
 from ultraep_jax.layout import Layout
 
 #: The policies compared, in table order (the force-balanced ideal is reported beside them).
-POLICIES = ("none", "eplb_periodic", "eplb_exact", "ultraep", "exact")
+POLICIES = policies.names(without=("eplb_plus",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,13 +315,3 @@ def with_buffers(works: dict[str, RankWork], capacity: dict[str, int]) -> dict[s
     return {
         p: dataclasses.replace(w, capacity=capacity.get(p, w.capacity)) for p, w in works.items()
     }
-
-
-def exchange_seconds(units_RR: np.ndarray, unit_bytes: float, link_gbps: float) -> float:
-    """Seconds of an all-to-all in which source r sends ``units_RR[r, d]`` units of
-    ``unit_bytes`` to rank d, each rank sending and receiving through one link of ``link_gbps``
-    GB/s per direction: what a rank keeps costs nothing, and the rank with the most bytes to send
-    or receive sets the time (modelled)."""
-    off = np.asarray(units_RR, np.float64) * (1 - np.eye(units_RR.shape[0]))
-    busiest = max(off.sum(axis=1).max(), off.sum(axis=0).max())
-    return float(busiest * unit_bytes / (link_gbps * 1e9))

@@ -30,12 +30,12 @@ import numpy as np
 
 import ultraep_jax as uep
 from experiments import common
-from experiments.loads import baselines
+from experiments.loads import baselines, policies
 from experiments.loads.baselines import Balanced
 from ultraep_jax.layout import Layout
 
 #: The balancers in table order.
-BASELINE_ORDER = ("none", "eplb_periodic", "eplb_exact", "eplb_plus", "ultraep")
+BASELINE_ORDER = policies.names(without=("exact",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +159,7 @@ def measure_plan_seconds(sample: np.ndarray, cfg: uep.BalancerConfig, batch: int
 
 def make_ultraep_balancer(timing_batch: int = 256) -> BalancerFn:
     """Our planner: ``uep.plan`` on the exact load of every layer and microbatch
-    (``baselines.ultraep_balanced``), with the CPU-measured per-plan time on the critical path."""
+    (``policies.ultraep_balanced``), with the CPU-measured per-plan time on the critical path."""
 
     def run(streams: np.ndarray, cfg: uep.BalancerConfig, history=None) -> list[list[Costed]]:
         del history
@@ -167,7 +167,7 @@ def make_ultraep_balancer(timing_batch: int = 256) -> BalancerFn:
         flat = streams.reshape((n * m,) + streams.shape[2:]).astype(np.int32)
         seconds = measure_plan_seconds(flat, cfg, batch=timing_batch)
         results = [
-            costed(b, cfg.num_experts, seconds) for b in baselines.ultraep_balanced(flat, cfg)
+            costed(b, cfg.num_experts, seconds) for b in policies.ultraep_balanced(flat, cfg)
         ]
         return [results[i * m : (i + 1) * m] for i in range(n)]
 

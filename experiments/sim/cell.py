@@ -11,7 +11,8 @@ import numpy as np
 import ultraep_jax as uep
 from experiments.loads import ranks, workloads
 from experiments.sim.balancers import BalancerFn, Costed
-from experiments.sim.cost import (
+from experiments.sim.streams import Sampling, layer_samples, workload_label, workload_streams
+from experiments.stepmodel.layer import (
     CostParams,
     LayerTime,
     copy_seconds,
@@ -21,10 +22,9 @@ from experiments.sim.cost import (
     layer_time,
     rank_expert_seconds,
     replica_bytes,
-    transfer_copy_times,
 )
-from experiments.sim.shapes import CLUSTERS, MODELS, SCENARIOS, Cluster, ModelShape, Scenario
-from experiments.sim.streams import Sampling, layer_samples, workload_label, workload_streams
+from experiments.stepmodel.links import transfer_copy_times
+from experiments.stepmodel.shapes import CLUSTERS, MODELS, SCENARIOS, Cluster, ModelShape, Scenario
 
 
 def step_seconds(

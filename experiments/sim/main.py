@@ -11,9 +11,10 @@ from absl import flags
 
 from experiments import cli, common
 from experiments.sim import balancers, cell, report
-from experiments.sim.cost import CostParams, ExpertCost
-from experiments.sim.shapes import MODELS, SCENARIOS
 from experiments.sim.streams import Sampling
+from experiments.stepmodel.calibration import Calibration, ExpertCost
+from experiments.stepmodel.layer import CostParams
+from experiments.stepmodel.shapes import MODELS, SCENARIOS
 
 _MODELS = flags.DEFINE_list("models", list(MODELS), f"Model shapes: {', '.join(MODELS)}.")
 _SCENARIOS = flags.DEFINE_list("scenarios", list(SCENARIOS), f"Layouts: {', '.join(SCENARIOS)}.")
@@ -26,10 +27,8 @@ _BASELINES = flags.DEFINE_list(
     "baselines", list(balancers.BASELINE_ORDER), "Baselines to report (none is always in)."
 )
 _SAMPLING = cli.define_flags(Sampling)
-_COST = cli.define_flags(
-    CostParams,
-    only=("tokens_per_rank", "seq_len", "gemm_efficiency", "link_efficiency", "relay_fanout"),
-)
+_COST = cli.define_flags(CostParams, only=("tokens_per_rank", "seq_len", "relay_fanout"))
+_RATES = cli.define_flags(Calibration, only=("gemm_efficiency", "link_efficiency"))
 _BALANCER = cli.define_balancer_flags()
 _TIMING_BATCH = flags.DEFINE_integer("timing_batch", 256, "Matrices per timed planner call.")
 _JSON = cli.define_json_out()
@@ -129,7 +128,8 @@ def main(argv):
     del argv
     start = time.perf_counter()
     _check_traces(_TRACES.value, _MODELS.value, _WORKLOADS.value)
-    params = CostParams(**_COST(), expert_cost=_expert_cost(_CALIBRATION.value))
+    calibration = Calibration(**_RATES(), expert_cost=_expert_cost(_CALIBRATION.value))
+    params = CostParams(**_COST(), calibration=calibration)
     sampling = Sampling(**_SAMPLING())
     cfg_kwargs = _BALANCER()
     chosen = balancers.make_balancers(_BASELINES.value, _TIMING_BATCH.value)

@@ -6,14 +6,14 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from experiments.sim.cost import CostParams
-from experiments.sim.shapes import CLUSTERS, MODELS, SCENARIOS
 from experiments.sim.streams import TOPK_DRAWS, Sampling
+from experiments.stepmodel.layer import CostParams
+from experiments.stepmodel.shapes import CLUSTERS, MODELS, SCENARIOS
 
 
 def assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> list[str]:
     """Every assumption of the model, one line each, printed before the table."""
-    lines = ["Assumptions", "-----------"]
+    lines, rates = ["Assumptions", "-----------"], params.calibration
     lines.append("Models (published configs; D = hidden, F = routed expert FFN):")
     for m in MODELS.values():
         lines.append(
@@ -35,7 +35,7 @@ def assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> 
         "(seeded). DP group g, microbatch m reads run g*M+m; model layer l reads trace layer "
         "l*layers/moe_layers."
     )
-    lines.append("Hardware (nominal, per GPU; sources in experiments/sim/shapes.toml):")
+    lines.append("Hardware (nominal, per GPU; sources in experiments/stepmodel/shapes.toml):")
     for c in CLUSTERS.values():
         lines.append(
             f"  {c.name:12s} {c.gpu}: BF16 dense peak {c.peak_bf16_tflops:g} TFLOPS, NVLink "
@@ -49,12 +49,12 @@ def assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> 
         *_calibration_assumption(params),
         (
             f"Compute: every GEMM (experts, attention, dense, LM head) at "
-            f"{params.gemm_efficiency:.0%} of the dense BF16 peak (H100/H200 BF16 GEMMs reach "
+            f"{rates.gemm_efficiency:.0%} of the dense BF16 peak (H100/H200 BF16 GEMMs reach "
             "about 60-70 %); expert FLOPs = rows x 3 GEMMs x 2 x D x F per forward, forward + "
             "backward = 3x forward."
         ),
         (
-            f"Links: {params.link_efficiency:.0%} of nominal per-direction bandwidth (DeepEP's "
+            f"Links: {rates.link_efficiency:.0%} of nominal per-direction bandwidth (DeepEP's "
             "README measures 153-158 GB/s NVLink on H800 against ~160 GB/s achievable, and 43-58 "
             "GB/s RDMA on 400 Gb/s ConnectX-7). All-to-all rows are spread uniformly over source "
             "ranks: (g-1)/R of them cross NVLink and (R-g)/R cross IB (g = GPUs of the EP group "

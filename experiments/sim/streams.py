@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.loads import traces, workloads
-from experiments.sim.cost import CostParams
-from experiments.sim.shapes import ModelShape
+from experiments.loads import drift, traces, workloads
+from experiments.stepmodel.layer import CostParams
+from experiments.stepmodel.shapes import ModelShape
 
 #: Tokens drawn to turn a top-1 trace row into top-k expert shares.
 TOPK_DRAWS = 16384
@@ -81,7 +81,7 @@ def _zipf_pool(kind: str, value: float, ep: int, experts: int, tokens: int, top_
     if kind == "zipf":
         make = workloads.rank_zipf_loads
     else:
-        make = workloads.expert_zipf_loads
+        make = drift.expert_zipf_loads
     return np.stack([make(ep, experts, tokens, top_k, value, seed) for seed in range(size)])
 
 

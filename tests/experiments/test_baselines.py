@@ -1,4 +1,4 @@
-"""Tests for experiments/loads/baselines.py and workloads.drifting_stream (fast; hand-computed
+"""Tests for experiments/loads/baselines.py and drift.drifting_stream (fast; hand-computed
 cases)."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 import ultraep_jax as uep
 from experiments.loads import baselines as b
-from experiments.loads import workloads
+from experiments.loads import drift, policies, workloads
 
 
 def _loads(expert_load, num_ranks=2):
@@ -135,7 +135,7 @@ def test_ultraep_hand():
     cfg = uep.BalancerConfig(
         num_experts=4, ep_size=2, slots_per_rank=1, min_tokens_per_replica=1, balance_eps=0.0
     )
-    res = b.ultraep(loads, cfg)
+    res = policies.ultraep(loads, cfg)
     np.testing.assert_array_equal(res.layout, [[0, 1, -1], [2, 3, 0]])
     np.testing.assert_array_equal(res.quota, [[4, 6, 0], [3, 1, 6]])
     np.testing.assert_array_equal(res.rank_load, [10, 10])
@@ -151,7 +151,7 @@ def test_invariants_random(R, E, S):
     rng = np.random.default_rng(R * 100 + E + S)
     cfg = uep.BalancerConfig(num_experts=E, ep_size=R, slots_per_rank=S, min_tokens_per_replica=8)
     batch = np.stack([_random_loads(rng, R, E, skew) for skew in (0.2, 0.5, 1.0, 5.0) * 3])
-    ultra, _ = b.ultraep_batch(batch, cfg)
+    ultra, _ = policies.ultraep_batch(batch, cfg)
     masters = b.master_layout(R, E)
     for loads, u in zip(batch, ultra, strict=True):
         none = b.none(loads)
@@ -178,7 +178,7 @@ def test_invariants_random(R, E, S):
 
 
 def test_periodic_window1_interval1_equals_exact():
-    stream = workloads.drifting_stream(4, 16, 256, 2, 12, seed=3)
+    stream = drift.drifting_stream(4, 16, 256, 2, 12, seed=3)
     p = b.eplb_periodic(stream, 2, window=1, interval=1)
     assert p.replan_steps == list(range(12))
     prev = b.master_layout(4, 16)
@@ -191,7 +191,7 @@ def test_periodic_window1_interval1_equals_exact():
 
 
 def test_periodic_window_interval_and_lag():
-    stream = workloads.drifting_stream(4, 16, 256, 2, 10, seed=5)
+    stream = drift.drifting_stream(4, 16, 256, 2, 10, seed=5)
     p = b.eplb_periodic(stream, 1, window=3, interval=4)
     assert p.replan_steps == [0, 4, 8]
     assert len(p.new_placements) == len(p.plan_seconds) == 3
@@ -214,28 +214,28 @@ def test_periodic_window_interval_and_lag():
 
 
 def test_drifting_stream_shape_and_determinism():
-    a = workloads.drifting_stream(8, 32, 128, 4, 40, seed=1)
+    a = drift.drifting_stream(8, 32, 128, 4, 40, seed=1)
     assert a.shape == (40, 8, 32) and a.dtype == np.int32
     np.testing.assert_array_equal(a.sum(axis=2), np.full((40, 8), 128 * 4))
-    np.testing.assert_array_equal(a, workloads.drifting_stream(8, 32, 128, 4, 40, seed=1))
-    assert not np.array_equal(a, workloads.drifting_stream(8, 32, 128, 4, 40, seed=2))
+    np.testing.assert_array_equal(a, drift.drifting_stream(8, 32, 128, 4, 40, seed=1))
+    assert not np.array_equal(a, drift.drifting_stream(8, 32, 128, 4, 40, seed=2))
     with pytest.raises(ValueError):
-        workloads.drifting_stream(8, 30, 128, 4, 40, seed=1)
+        drift.drifting_stream(8, 30, 128, 4, 40, seed=1)
     with pytest.raises(ValueError):
-        workloads.drifting_stream(8, 32, 128, 4, 40, seed=1, jump_every=0.5)
+        drift.drifting_stream(8, 32, 128, 4, 40, seed=1, jump_every=0.5)
 
 
 def test_drifting_stream_drifts_and_jumps():
     # Without noise or jumps the popularity is stationary: every step is the same distribution.
-    still = workloads.drifting_stream(4, 64, 4096, 8, 30, seed=0, drift=0.0, jump_every=np.inf)
+    still = drift.drifting_stream(4, 64, 4096, 8, 30, seed=0, drift=0.0, jump_every=np.inf)
     share = still.sum(axis=1) / still.sum(axis=(1, 2))[:, None]
     assert np.abs(share[0] - share[-1]).max() < 0.01
     # A jump at every step re-ranks the experts: consecutive steps barely agree.
-    jumpy = workloads.drifting_stream(4, 64, 4096, 8, 30, seed=0, jump_every=1.0)
+    jumpy = drift.drifting_stream(4, 64, 4096, 8, 30, seed=0, jump_every=1.0)
     share = jumpy.sum(axis=1) / jumpy.sum(axis=(1, 2))[:, None]
     corr = [np.corrcoef(share[t], share[t + 1])[0, 1] for t in range(29)]
     assert np.mean(corr) < 0.5
     # Default: neighbouring steps agree far more than steps 300 apart (drift plus jumps).
-    s = workloads.drifting_stream(4, 64, 1024, 8, 301, seed=0).sum(axis=1).astype(np.float64)
+    s = drift.drifting_stream(4, 64, 1024, 8, 301, seed=0).sum(axis=1).astype(np.float64)
     near = np.mean([np.corrcoef(s[t], s[t + 1])[0, 1] for t in range(0, 300, 30)])
     assert near > np.corrcoef(s[0], s[300])[0, 1] + 0.2

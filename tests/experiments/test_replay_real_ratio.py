@@ -1,5 +1,7 @@
-"""The replay's accounting at a real model's ratios (`experiments.replay.real_ratio`) against
-hand-computed numbers, and its calibration fit (non-negative least squares) against SciPy's."""
+"""The replay's accounting at a real model's ratios (`experiments.replay.real_ratio`, the step
+model's layer rule) against hand-computed numbers, the relay transfer's length
+(`experiments.stepmodel.links`), and the calibration fit (non-negative least squares,
+`experiments.stepmodel.calibration`) against SciPy's."""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import numpy as np
 import pytest
 from scipy.optimize import nnls
 
-from experiments.replay import main as replay_main
 from experiments.replay import real_ratio
+from experiments.stepmodel import calibration, links
 
 # A tiny target whose numbers are easy by hand: 1000 FLOP/s and 1 byte/s.
 TARGET = real_ratio.TargetModel(
@@ -51,11 +53,11 @@ def test_target_sizes_by_hand():
 def test_layer_at_target_by_hand(mode, copies, want):
     got = real_ratio.layer_at_target(2.0, 1.6, TOKEN_ROWS, copies, 10, TARGET, mode)
     experts, tokens, transfer, exposed = want
-    assert got.experts_s == pytest.approx(experts)
-    assert got.tokens_s == pytest.approx(tokens)
-    assert got.transfer_s == pytest.approx(transfer)
-    assert got.exposed_s == pytest.approx(exposed)
-    assert got.step_s == pytest.approx(experts + tokens + exposed)
+    assert got.experts == pytest.approx(experts)
+    assert got.a2a == pytest.approx(tokens)
+    assert got.transfer == pytest.approx(transfer)
+    assert got.transfer_exposed == pytest.approx(exposed)
+    assert got.total == pytest.approx(experts + tokens + exposed)
 
 
 def test_layer_at_target_rejects_a_zero_ideal():
@@ -68,19 +70,24 @@ def test_target_model_rejects_bad_rates():
         real_ratio.TargetModel("x", 4, 2, 2, {"train": 1}, "g", 0.0, 1.0)
 
 
+def _length(held_RC, num_experts: int, fanout: int) -> float:
+    """The relay transfer's length in copies of one held matrix [R, C] (`links.relay_copies`)."""
+    return float(links.relay_copies(np.asarray(held_RC)[None], num_experts, fanout)["length"][0])
+
+
 def test_transfer_length_by_hand():
     # E = R = 4 (one master per rank). Direct: expert 0's master (rank 0) sends 3 copies, one
     # hop -> 3. Relay f=1: a chain 0 -> a -> b -> c, one copy a hop -> 3. Two replicas of
     # different masters on different ranks: one copy on every busy link -> 1. Nothing held -> 0.
     three = np.array([[-1], [0], [0], [0]])
-    assert real_ratio.transfer_length(three, 4, 0) == 3.0
-    assert real_ratio.transfer_length(three, 4, 1) == 3.0
-    assert real_ratio.transfer_length(np.array([[-1], [0], [-1], [2]]), 4, 0) == 1.0
-    assert real_ratio.transfer_length(np.full((4, 1), -1), 4, 2) == 0.0
+    assert _length(three, 4, 0) == 3.0
+    assert _length(three, 4, 1) == 3.0
+    assert _length(np.array([[-1], [0], [-1], [2]]), 4, 0) == 1.0
+    assert _length(np.full((4, 1), -1), 4, 2) == 0.0
     # Eight ranks, expert 0 on all 7 others: direct sends 7 from one rank; relay f=2 is shorter.
     seven = np.array([[-1]] + [[0]] * 7)
-    assert real_ratio.transfer_length(seven, 8, 0) == 7.0
-    assert real_ratio.transfer_length(seven, 8, 2) < 7.0
+    assert _length(seven, 8, 0) == 7.0
+    assert _length(seven, 8, 2) < 7.0
 
 
 def test_nonnegative_least_squares_equals_scipy():
@@ -88,7 +95,7 @@ def test_nonnegative_least_squares_equals_scipy():
     for _ in range(20):
         a = rng.normal(size=(30, 4))
         t = rng.normal(size=30)
-        got = replay_main.nonnegative_least_squares(a, t)
+        got = calibration.nonnegative_least_squares(a, t)
         want, _ = nnls(a, t)
         assert np.all(got >= 0)
         np.testing.assert_allclose(got, want, atol=1e-9)
@@ -105,7 +112,7 @@ def test_fit_costs_keeps_every_cost_non_negative():
     ]
     a = np.stack([np.ones(8), rows, groups], axis=1)
     assert np.linalg.lstsq(a, seconds, rcond=None)[0][2] < 0  # the unconstrained fit
-    fit = replay_main.fit_costs(points, 500)
+    fit = calibration.fit_costs(points, 500)
     assert fit["seconds_per_group"] == 0.0
     assert fit["seconds_fixed"] >= 0 and fit["seconds_per_row"] >= 0
     want, _ = nnls(a, seconds)

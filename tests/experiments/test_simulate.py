@@ -14,8 +14,9 @@ import pytest
 from conftest import skip_without_traces
 
 import ultraep_jax as uep
-from experiments.loads import baselines, traces
-from experiments.sim import balancers, cell, cost, report, shapes, streams
+from experiments.loads import baselines, ranks, traces
+from experiments.sim import balancers, cell, report, streams
+from experiments.stepmodel import calibration, layer, links, shapes
 
 # A tiny model whose FLOPs are easy to count by hand:
 #   experts: 3 GEMMs x 2 x D x F = 6 * 64 * 32 = 12288 FLOPs per row forward.
@@ -39,8 +40,10 @@ TINY = shapes.ModelShape(
     trace="deepseek-r1",
 )
 TOKENS = 16  # per rank; T * k = 32 rows per rank at the mean
-PARAMS = cost.CostParams(
-    tokens_per_rank=TOKENS, seq_len=16, gemm_efficiency=1.0, link_efficiency=1.0
+PARAMS = layer.CostParams(
+    tokens_per_rank=TOKENS,
+    seq_len=16,
+    calibration=calibration.Calibration(gemm_efficiency=1.0, link_efficiency=1.0),
 )
 # 1 MFLOP/s, so seconds = FLOPs / 1e6; links so fast that all-to-all time is negligible.
 FAST_LINKS = shapes.Cluster("test", "test", 1e-6, 1e12, 8, 1e12, "test")
@@ -52,11 +55,11 @@ def _uniform_loads(ranks=4, experts=8, per_entry=4):
 
 
 def test_hand_counted_flops():
-    assert cost.expert_fwd_flops(1, 64, 32) == 12288
-    assert cost.attention_fwd_flops_per_token(TINY, 16) == 12288 + 1024
-    assert cost.other_fwd_flops_per_moe_layer(TINY, TOKENS, 16) == TOKENS * 14336
+    assert layer.expert_fwd_flops(1, 64, 32) == 12288
+    assert layer.attention_fwd_flops_per_token(TINY, 16) == 12288 + 1024
+    assert layer.other_fwd_flops_per_moe_layer(TINY, TOKENS, 16) == TOKENS * 14336
     # 3x forward for forward + backward, at 1e6 FLOP/s:
-    assert cost.train_seconds(1e6, FAST_LINKS, PARAMS) == pytest.approx(3.0)
+    assert layer.train_seconds(1e6, FAST_LINKS, PARAMS) == pytest.approx(3.0)
 
 
 def test_balanced_load_is_100_percent_of_ideal():
@@ -66,7 +69,7 @@ def test_balanced_load_is_100_percent_of_ideal():
     cluster = shapes.CLUSTERS["hgx-h100"]
     step, _ = cell.step_seconds(results, 1, TINY, 4, cluster, PARAMS, fanout=2)
     # One sampled stream stands for both MoE layers (scaled by moe_layers / sampled = 2).
-    ideal = cost.ideal_step_seconds(TINY, 4, cluster, PARAMS, microbatches=1)
+    ideal = layer.ideal_step_seconds(TINY, 4, cluster, PARAMS, microbatches=1)
     assert step == pytest.approx(ideal, rel=1e-12)
 
 
@@ -82,7 +85,7 @@ def test_doubling_one_rank_in_a_compute_bound_setting():
     assert terms.experts == pytest.approx(2 * experts)
     assert terms.plan == 0 and terms.transfer_exposed == 0
     assert step == pytest.approx(2 * (other + experts), rel=1e-9)  # 6.096848 s
-    ideal = cost.ideal_step_seconds(TINY, 4, FAST_LINKS, PARAMS, 1)
+    ideal = layer.ideal_step_seconds(TINY, 4, FAST_LINKS, PARAMS, 1)
     assert ideal == pytest.approx(2 * (other + 3 * 32 * 12288 / 1e6), rel=1e-9)  # 3.735552 s
 
 
@@ -102,58 +105,58 @@ def test_transfer_copy_times_by_hand():
     """Copies-long transfer from the largest per-link copies of each relay hop (R=8, E_m=2)."""
     one_hot = _layout({0: [1, 2, 3, 4, 5, 6]})
     # Direct: rank 0 sends 6 copies in one hop.
-    assert cost.transfer_copy_times([one_hot], 16, None).tolist() == [6]
+    assert links.transfer_copy_times([one_hot], 16, None).tolist() == [6]
     # f=2: hop 1 rank 0 -> ranks 1, 2; hop 2 ranks 1, 2 -> 2 each: 2 + 2.
-    assert cost.transfer_copy_times([one_hot], 16, 2).tolist() == [4]
+    assert links.transfer_copy_times([one_hot], 16, 2).tolist() == [4]
     # f=1: a chain, one copy per hop, 6 hops.
-    assert cost.transfer_copy_times([one_hot], 16, 1).tolist() == [6]
+    assert links.transfer_copy_times([one_hot], 16, 1).tolist() == [6]
     # Rank 0 masters experts 0 and 1, each on 3 other ranks (disjoint): direct 6 copies; f=2
     # gives each a root fan-out of 1 (rank 0 sends 2 in hop 1), then each first replica sends
     # 2: 2 + 2.
     two_hot = _layout({0: [1, 2, 3], 1: [4, 5, 6]})
-    assert cost.transfer_copy_times([two_hot], 16, None).tolist() == [6]
-    assert cost.transfer_copy_times([two_hot], 16, 2).tolist() == [4]
+    assert links.transfer_copy_times([two_hot], 16, None).tolist() == [6]
+    assert links.transfer_copy_times([two_hot], 16, 2).tolist() == [4]
     # The receive side counts too: rank 7 gets 2 copies from 2 masters in one hop.
     two_in = _layout({2: [7], 4: [7]})
-    assert cost.transfer_copy_times([two_in], 16, None).tolist() == [2]
+    assert links.transfer_copy_times([two_in], 16, None).tolist() == [2]
     # A layout with every instance at home moves nothing.
-    assert cost.transfer_copy_times([_layout({})], 16, 2).tolist() == [0]
+    assert links.transfer_copy_times([_layout({})], 16, 2).tolist() == [0]
 
 
 def test_exposed_transfer_by_hand():
     # One copy = 3 * 64 * 32 * 2 = 12288 bytes; NVLink at 12288 bytes/s makes it 1 s. One
     # all-to-all of 32 rows at R=4 (all NVLink): 3/4 of 32 * 64 * 2 = 3072 bytes -> 0.25 s.
     slow = shapes.Cluster("slow", "test", 1e-6, 12288e-9, 8, 1.0, "test")
-    assert cost.replica_bytes(TINY, PARAMS) == 12288
-    assert cost.copy_seconds(12288, 4, slow, PARAMS) == pytest.approx(1.0)
-    assert cost.a2a_seconds(32, 4, 64, slow, PARAMS) == pytest.approx(0.25)
-    relay = cost.layer_time(32, 4.0, 0.0, TINY, 4, slow, PARAMS)
-    direct = cost.layer_time(32, 6.0, 0.0, TINY, 4, slow, PARAMS)
+    assert layer.replica_bytes(TINY, PARAMS) == 12288
+    assert layer.copy_seconds(12288, 4, slow, PARAMS) == pytest.approx(1.0)
+    assert layer.a2a_seconds(32, 4, 64, slow, PARAMS) == pytest.approx(0.25)
+    relay = layer.layer_time(32, 4.0, 0.0, TINY, 4, slow, PARAMS)
+    direct = layer.layer_time(32, 6.0, 0.0, TINY, 4, slow, PARAMS)
     # Weights beside the forward dispatch, gradients beside the backward one: 2 * (x - 0.25).
     assert relay.transfer_exposed == pytest.approx(2 * (4 - 0.25))
     assert direct.transfer_exposed == pytest.approx(2 * (6 - 0.25))
     assert relay.a2a == pytest.approx(1.0)
     # A copy that fits inside the dispatch costs nothing.
-    assert cost.layer_time(32, 0.2, 0.0, TINY, 4, slow, PARAMS).transfer_exposed == 0
+    assert layer.layer_time(32, 0.2, 0.0, TINY, 4, slow, PARAMS).transfer_exposed == 0
 
 
 def test_planner_time_is_on_the_critical_path():
     cluster = shapes.CLUSTERS["hgx-h100"]
-    base = cost.layer_time(32, 0.0, 0.0, TINY, 4, cluster, PARAMS)
-    planned = cost.layer_time(32, 0.0, 1e-3, TINY, 4, cluster, PARAMS)
-    gather = cost.gather_seconds(4, 8, cluster, PARAMS)  # 4 * 8 * 4 bytes, 3/4 on NVLink
+    base = layer.layer_time(32, 0.0, 0.0, TINY, 4, cluster, PARAMS)
+    planned = layer.layer_time(32, 0.0, 1e-3, TINY, 4, cluster, PARAMS)
+    gather = layer.gather_seconds(4, 8, cluster, PARAMS)  # 4 * 8 * 4 bytes, 3/4 on NVLink
     assert gather == pytest.approx(128 * 0.75 / (450e9 * 1.0))
     assert planned.total - base.total == pytest.approx(1e-3 + gather)
 
 
 def test_link_fractions_and_a2a_across_nodes():
-    assert cost.link_fractions(8, 8) == (7 / 8, 0.0)
-    assert cost.link_fractions(64, 8) == (7 / 64, 56 / 64)
+    assert links.link_fractions(8, 8) == (7 / 8, 0.0)
+    assert links.link_fractions(64, 8) == (7 / 64, 56 / 64)
     h100 = shapes.CLUSTERS["hgx-h100"]
     rows, hidden = 65536, 4096
     # EP64 over 8 nodes: the IB part (56/64 of the rows at 50 GB/s) dominates.
     want = rows * hidden * 2 * 56 / 64 / 50e9
-    assert cost.a2a_seconds(rows, 64, hidden, h100, PARAMS) == pytest.approx(want)
+    assert layer.a2a_seconds(rows, 64, hidden, h100, PARAMS) == pytest.approx(want)
 
 
 def test_off_home_copies_by_hand():
@@ -239,7 +242,8 @@ def test_topk_counts_caps_each_expert():
 
 def test_table_builds_for_one_small_model():
     model = dataclasses.replace(shapes.MODELS["glm-4.5-106b"], moe_layers=4)
-    params = dataclasses.replace(PARAMS, tokens_per_rank=1024, seq_len=1024, gemm_efficiency=0.65)
+    rates = dataclasses.replace(PARAMS.calibration, gemm_efficiency=0.65)
+    params = dataclasses.replace(PARAMS, tokens_per_rank=1024, seq_len=1024, calibration=rates)
     chosen = balancers.make_balancers(["ultraep", "eplb_exact", "eplb_periodic", "eplb_plus"], 8)
     assert list(chosen) == list(balancers.BASELINE_ORDER)  # table order, none always first
     cfg = {"slots_per_rank": 2, "min_tokens_per_replica": 128, "balance_eps": 0.01}
@@ -326,17 +330,18 @@ def test_calibrated_expert_cost_by_hand(tmp_path):
         seconds_per_group=1e-4,
         pairs_per_rank=1000,
     )
-    params = dataclasses.replace(PARAMS, expert_cost=cost.ExpertCost.read(path))
+    cal = dataclasses.replace(PARAMS.calibration, expert_cost=calibration.ExpertCost.read(path))
+    params = dataclasses.replace(PARAMS, calibration=cal)
     # Ranks [32 rows in 2 groups, 64 rows in 3 groups]: the second is the busiest.
     want = 2 * (1e-3 * 32 / 1000 + 64e-6 + 3e-4)
-    got = cost.rank_expert_seconds([32, 64], [2, 3], TINY, params)
+    got = layer.rank_expert_seconds([32, 64], [2, 3], TINY, params)
     assert got == pytest.approx(want, rel=1e-12)
     # The ideal: the mean rows in E / R = 2 master groups (EP 4).
-    ideal = cost.ideal_layer_time(TINY, 4, FAST_LINKS, params)
+    ideal = layer.ideal_layer_time(TINY, 4, FAST_LINKS, params)
     assert ideal.experts == pytest.approx(2 * (1e-3 * 32 / 1000 + 32e-6 + 2e-4), rel=1e-12)
     # Without a calibration the experts follow their FLOPs.
-    assert cost.rank_expert_seconds([32, 64], [2, 3], TINY, PARAMS) is None
-    flops = cost.ideal_layer_time(TINY, 4, FAST_LINKS, PARAMS).experts
+    assert layer.rank_expert_seconds([32, 64], [2, 3], TINY, PARAMS) is None
+    flops = layer.ideal_layer_time(TINY, 4, FAST_LINKS, PARAMS).experts
     assert flops == pytest.approx(3 * 32 * 12288 / 1e6)
 
 
@@ -344,7 +349,7 @@ def test_calibration_without_training_costs_raises(tmp_path):
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"provenance": {}, "shape": {}, "prefill": {}}))
     with pytest.raises(ValueError, match="no training-mode costs"):
-        cost.ExpertCost.read(path)
+        calibration.ExpertCost.read(path)
 
 
 def test_calibration_with_a_negative_cost_raises(tmp_path):
@@ -356,12 +361,12 @@ def test_calibration_with_a_negative_cost_raises(tmp_path):
         pairs_per_rank=1000,
     )
     with pytest.raises(ValueError, match="seconds_per_group=-0.0001 is negative"):
-        cost.ExpertCost.read(path)
+        calibration.ExpertCost.read(path)
 
 
 def test_held_off_home_counts_an_expert_once_per_rank():
     """R=2, E=4: rank 0 masters 0, 1 and holds expert 3 twice (one copy); rank 1 masters 2, 3
     and holds expert 0 (one copy)."""
     layout = np.array([[[0, 1, 3, 3], [2, 3, 0, -1]]])
-    got = cost.held_off_home(layout, 4)
+    got = ranks.held_off_home(layout, 4)
     np.testing.assert_array_equal(got, [[[-1, -1, 3, -1], [-1, -1, 0, -1]]])

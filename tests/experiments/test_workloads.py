@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.loads import ranks, traces, workloads
+from experiments.loads import drift, ranks, traces, workloads
 
 R, E, T, K = 64, 256, 8192, 8  # UltraEP reference setup
 TRACES = traces.default_traces_dir()
@@ -106,16 +106,16 @@ def test_rank_zipf_rejects_bad_arguments():
 
 
 def test_expert_zipf_shapes_and_determinism():
-    a = workloads.expert_zipf_loads(R, E, T, K, 1.0, seed=3)
+    a = drift.expert_zipf_loads(R, E, T, K, 1.0, seed=3)
     _check_matrix(a, R, E, T * K)
-    np.testing.assert_array_equal(a, workloads.expert_zipf_loads(R, E, T, K, 1.0, seed=3))
-    assert not np.array_equal(a, workloads.expert_zipf_loads(R, E, T, K, 1.0, seed=4))
+    np.testing.assert_array_equal(a, drift.expert_zipf_loads(R, E, T, K, 1.0, seed=3))
+    assert not np.array_equal(a, drift.expert_zipf_loads(R, E, T, K, 1.0, seed=4))
     # Higher exponent, more skew; exponent 0 is nearly uniform.
-    flat = workloads.expert_zipf_loads(R, E, T, K, 0.0, seed=3)
+    flat = drift.expert_zipf_loads(R, E, T, K, 0.0, seed=3)
     assert workloads.initial_imbalance(flat) < 1.05
     assert workloads.initial_imbalance(a) > workloads.initial_imbalance(flat)
     with pytest.raises(ValueError):
-        workloads.expert_zipf_loads(6, 256, T, K, 1.0, 0)
+        drift.expert_zipf_loads(6, 256, T, K, 1.0, 0)
 
 
 # ----------------------------------------------------------------------------- counts -> loads

@@ -1,7 +1,9 @@
-"""What the simulator simulates: model shapes, GPU clusters and parallel layouts.
+"""Every target shape of ``experiments/``: model shapes, GPU clusters, parallel layouts and the
+published setups the figures are compared against.
 
 The figures, with the config files and datasheets they come from, are in ``shapes.toml`` next to
-this file; :data:`MODELS`, :data:`CLUSTERS` and :data:`SCENARIOS` hold them by name, in file order.
+this file (the one place they are written); :data:`MODELS`, :data:`CLUSTERS`, :data:`SCENARIOS`
+and :data:`SETUPS` hold them by name, in file order.
 """
 
 from __future__ import annotations
@@ -9,6 +11,11 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import tomllib
+
+
+def expert_bytes(d_model: int, d_ff: int, itemsize: int) -> int:
+    """Bytes of one SwiGLU expert's weights (w_gate, w_up [D, F], w_down [F, D])."""
+    return 3 * d_model * d_ff * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +53,14 @@ class ModelShape:
     vocab: int
     attention: tuple
     trace: str
+
+    def expert_bytes(self, itemsize: int) -> int:
+        """Bytes of one routed expert's weights (w_gate, w_up, w_down): 3 x D x F x itemsize."""
+        return expert_bytes(self.hidden, self.expert_ffn, itemsize)
+
+    def row_bytes(self, itemsize: int) -> int:
+        """Bytes of one token row (D activations)."""
+        return self.hidden * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +106,44 @@ class Scenario:
         return max(1, self.total_gpus // self.ep_size(model))
 
 
-def _read(path: pathlib.Path) -> tuple[dict, dict, dict]:
-    """``(models, clusters, scenarios)`` of a shapes file, each ``{name: shape}`` in file order."""
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """A published expert-parallel setup: ``model`` over ``ep`` ranks with ``slots_per_rank``
+    spare slots, ``tokens_per_rank`` tokens per rank, ``itemsize`` bytes per weight and
+    activation."""
+
+    name: str
+    model: str
+    ep: int
+    slots_per_rank: int
+    tokens_per_rank: int
+    itemsize: int
+    source: str
+
+    def __post_init__(self):
+        for field in ("ep", "tokens_per_rank", "itemsize"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"Setup.{field}={getattr(self, field)} must be >= 1")
+
+    @property
+    def shape(self) -> ModelShape:
+        """The setup's model shape."""
+        return MODELS[self.model]
+
+    @property
+    def pairs_per_rank(self) -> int:
+        """(token, choice) pairs per rank: tokens x top-k."""
+        return self.tokens_per_rank * self.shape.top_k
+
+    @property
+    def experts_per_rank(self) -> int:
+        """E_m = E / R."""
+        return self.shape.num_experts // self.ep
+
+
+def _read(path: pathlib.Path) -> tuple[dict, dict, dict, dict]:
+    """``(models, clusters, scenarios, setups)`` of a shapes file, each ``{name: shape}`` in file
+    order."""
     with path.open("rb") as f:
         tables = tomllib.load(f)
     models = {
@@ -101,7 +152,11 @@ def _read(path: pathlib.Path) -> tuple[dict, dict, dict]:
     }
     clusters = {name: Cluster(name=name, **row) for name, row in tables["clusters"].items()}
     scenarios = {name: Scenario(name=name, **row) for name, row in tables["scenarios"].items()}
-    return models, clusters, scenarios
+    setups = {name: Setup(name=name, **row) for name, row in tables["setups"].items()}
+    return models, clusters, scenarios, setups
 
 
-MODELS, CLUSTERS, SCENARIOS = _read(pathlib.Path(__file__).with_name("shapes.toml"))
+MODELS, CLUSTERS, SCENARIOS, SETUPS = _read(pathlib.Path(__file__).with_name("shapes.toml"))
+#: UltraEP's published EP64 setup (DeepSeek-V3, 8192 tokens per rank): the real shape of every
+#: program that charges a layer at a real model's bytes.
+ANCHOR = SETUPS["ultraep-ep64"]

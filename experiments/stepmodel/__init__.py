@@ -1,0 +1,12 @@
+"""The one model of a training step at scale, shared by every program that states a figure
+beyond what this machine runs (sim, replay, bench.fanout, the GPU runbook's summary).
+
+  shapes        every target shape, stated once in shapes.toml: models, clusters, parallel
+                layouts, the anchor's published setup (one loader)
+  links         all-to-all, replica copy and relayed transfer per link class (NVLink, IB)
+  layer         one MoE layer's time from its terms, with one overlap rule; FLOP terms
+  calibration   the model's rates in one object (Calibration) and their fit from the per-rank
+                replay (fit, provenance, the calibration file)
+
+The registry of balancing policies is `experiments.loads.policies`.
+"""
