@@ -587,6 +587,27 @@ def test_no_spare_slots_with_balancing_is_an_error():
     assert TrainConfig(slots_per_rank=0, balance="none").capacity_factor is None
 
 
+def _doc_sample() -> str:
+    """The sample output of the default run in docs/training.md (its "## The default run")."""
+    text = (ROOT / "docs" / "training.md").read_text().split("## The default run", 1)[1]
+    return text.split("```\n", 2)[1]
+
+
+def _line_kinds(text: str) -> set[str]:
+    """What kinds of lines a run's output has: each line with the workdir (from the first line)
+    as <workdir>, a per-layer run of before->after figures as one, every number as #."""
+    workdir = re.match(r"workdir (\S+): ", text).group(1)
+    kinds = set()
+    for line in text.splitlines():
+        line = line.replace(workdir, "<workdir>")
+        line = re.sub(r"[\d.]+->[\d.]+( +[\d.]+->[\d.]+)*", "#->#", line)
+        line = re.sub(r"\d[\d,]*(\.\d+)?", "#", line)
+        line = " ".join(line.split())
+        if line and line != "...":
+            kinds.add(line)
+    return kinds
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -601,6 +622,9 @@ def test_two_processes_match_one(tmp_path):
     workdir = (tmp_path / "one").absolute()
     assert out.splitlines()[0].startswith(f"workdir {workdir}: config.json")
     assert f"files in {workdir}:" in out and "summary.json" in out.split("files in")[-1]
+    # docs/training.md's sample of the default run shows every kind of line a run prints, and
+    # only those (a smaller model and fewer steps here: the same kinds of lines).
+    assert _line_kinds(_doc_sample()) == _line_kinds(out)
     address = f"127.0.0.1:{_free_port()}"
     procs = [
         _python(
