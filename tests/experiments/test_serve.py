@@ -25,7 +25,8 @@ from experiments.train import trainer
 from experiments.train.config import TrainConfig
 
 # End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
-pytestmark = pytest.mark.slow
+# One test process builds the module fixture (pytest-xdist).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_serve")]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 48

@@ -23,7 +23,8 @@ from experiments.records import read_loads
 from experiments.train import viewer
 
 # End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
-pytestmark = pytest.mark.slow
+# One test process builds the module fixture (pytest-xdist).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_viewer")]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

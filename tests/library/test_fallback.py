@@ -12,6 +12,9 @@ from flax import nnx
 import ultraep_jax as uep
 from tests import helpers
 
+# One test process builds the module fixture (pytest-xdist).
+pytestmark = pytest.mark.xdist_group("test_fallback")
+
 D, F, E, K = 8, 16, 8, 2
 BATCH, SEQ = 16, 4  # 8 tokens per device on the 8 devices
 TOKENS_PER_RANK = BATCH * SEQ // 8

@@ -28,6 +28,9 @@ from tests.dispatch_reference import kept_pairs, prefix_transport
 from tests.helpers import make_mesh, place_batch
 from tests.reference_planner import reference_plan
 
+# One test process computes the cases it caches (pytest-xdist).
+pytestmark = pytest.mark.xdist_group("test_moe")
+
 D, F = 8, 16
 HIGHEST = jax.lax.Precision.HIGHEST
 RTOL = 1e-4
