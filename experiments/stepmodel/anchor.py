@@ -41,11 +41,6 @@ from experiments.stepmodel import calibration as cal
 from experiments.stepmodel import layer, links
 from experiments.stepmodel.shapes import ANCHOR, CLUSTERS, SCENARIOS, ModelShape
 
-_SEEDS = flags.DEFINE_integer("seeds", 5, "Generated load matrices per initial max/mean (ours).")
-_SCENARIO = flags.DEFINE_enum(
-    "scenario", "dp40xep64", [n for n, s in SCENARIOS.items() if s.ep == ANCHOR.ep], "Layout."
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Corner:
@@ -251,8 +246,12 @@ def table(seeds: int, scenario_name: str) -> list[str]:
 def main(argv):
     """Prints the table."""
     del argv
-    print("\n".join(table(_SEEDS.value, _SCENARIO.value)))
+    print("\n".join(table(flags.FLAGS.seeds, flags.FLAGS.scenario)))
 
 
 if __name__ == "__main__":
+    # Defined here, not on import: the tests import this module beside programs with flags.
+    flags.DEFINE_integer("seeds", 5, "Generated load matrices per initial max/mean (ours).")
+    layouts = [n for n, s in SCENARIOS.items() if s.ep == ANCHOR.ep]
+    flags.DEFINE_enum("scenario", "dp40xep64", layouts, "The layout and its cluster.")
     common.run_main(main)

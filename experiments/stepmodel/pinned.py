@@ -22,6 +22,8 @@ A layer is `layer_terms`'s rule with the rates of this machine:
 The busiest rank's rows are max/mean x T x k (before balancing for the dropless programs, after
 it for the balanced one); its groups are E/R masters, plus one per replica in the balanced one.
 
+    python -m experiments.stepmodel.pinned     # each measured ratio beside the model's
+
 Shapes: T tokens per rank, k top-k, C buffer rows, R ranks.
 """
 
@@ -30,12 +32,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 import re
 
 import numpy as np
+from absl import flags
 
+from experiments import common
 from experiments.stepmodel.calibration import nonnegative_least_squares
 from experiments.stepmodel.layer import EXCHANGES, layer_terms
+
+#: The layer benchmark's runs in experiments/results.
+MOE_GLOB = "bench_pinned_*.txt"
+#: The issue's target: each predicted ratio within this of the measured one.
+TOLERANCE = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,3 +295,42 @@ def moe_rows(rates: Rates, runs: list[dict], tokens: int) -> list[dict]:
                 }
             )
     return out
+
+
+def report(rates: Rates, breakeven_points: list[dict], moe_text: str) -> list[str]:
+    """The table of every measured ratio beside the model's, flagged where they differ by more
+    than `TOLERANCE`."""
+    rows = breakeven_rows(rates, breakeven_points) + moe_rows(rates, moe_runs(moe_text), 2048)
+    p = rates.provenance
+    lines = [
+        f"rates: {p['command']} ({p['date']}, commit {p['commit']}, {p['machine']})",
+        f"{'mode':>8} {'skew':>5} {'tokens':>6} {'ratio':>25} {'measured':>9} {'model':>7} "
+        f"{'diff':>7}",
+    ]
+    for r in rows:
+        diff = r["model"] - r["measured"]
+        skew = f"{r['skew']:g}" if "skew" in r else "2"
+        lines.append(
+            f"{r['mode']:>8} {skew:>5} {r['tokens']:6d} {r['ratio']:>25} {r['measured']:9.3f} "
+            f"{r['model']:7.3f} {diff:+7.3f}" + ("  off" if abs(diff) > TOLERANCE else "")
+        )
+    off = sum(abs(r["model"] - r["measured"]) > TOLERANCE for r in rows)
+    lines.append(f"{len(rows) - off} of {len(rows)} ratios within {TOLERANCE} of the measured")
+    return lines
+
+
+def main(argv):
+    """Prints `report` for ``--rates``, ``--breakeven`` and the layer benchmark's results."""
+    del argv
+    f = flags.FLAGS
+    points = json.loads(pathlib.Path(f.breakeven).read_text())["points"]
+    text = "".join(p.read_text() for p in sorted(pathlib.Path(f.results).glob(MOE_GLOB)))
+    print("\n".join(report(Rates.read(f.rates), points, text)))
+
+
+if __name__ == "__main__":
+    # Defined here, not on import: the tests import this module beside programs with flags.
+    flags.DEFINE_string("rates", "experiments/results/rates_cpu.json", "The rates file.")
+    flags.DEFINE_string("breakeven", "docs/breakeven.json", "The break-even's points.")
+    flags.DEFINE_string("results", "experiments/results", f"Where {MOE_GLOB} are.")
+    common.run_main(main)
