@@ -251,8 +251,9 @@ def calibration_file(fits: dict, shape: dict, clock: str, measured: list, progra
 
 #: The grouped matmul's forward + backward rate on one H100, TFLOP/s (low, high), for groups of
 #: 2048-8192 rows: `experiments/results/gpu_h100.txt` (c), run 3, JAX's Mosaic GPU kernel
-#: 128x128x64c5g4, bf16, K=7168 N=2048, G=8: 506 (M=16384 skewed) to 550 (M=65536); no trend
-#: with group size beyond that spread, and no measurement below 2048 rows a group.
+#: 128x128x64c5g4, bf16, DeepSeek-V3's expert shape, G=8: 506 (M=16384 skewed) to 550
+#: (M=65536); no trend with group size beyond that spread, and no measurement below 2048 rows a
+#: group.
 GPU_GMM_FWD_BWD_TFLOPS = (506.0, 550.0)
 #: Rows of the kernel's tiles (the 128x128x64 configuration): a group's last tile is padded.
 GPU_GMM_TILE_ROWS = 128
