@@ -36,14 +36,15 @@ def force_cpu_devices(count: int, *, cpu_only: bool = False) -> None:
 
 
 @functools.cache
-def batched_planner(cfg):
-    """``jax.jit(jax.vmap(uep.plan))`` for one ``BalancerConfig``: plans ``[N, R, E]`` int32
-    loads in one call, on the device the loads are on. Cached per config."""
+def batched_planner(cfg, capacity: int | None = None):
+    """``jax.jit(jax.vmap(uep.plan))`` for one ``BalancerConfig`` and receive buffer of
+    ``capacity`` rows (None: unbounded): plans ``[N, R, E]`` int32 loads in one call, on the
+    device the loads are on. Cached per config and capacity."""
     import jax
 
     import ultraep_jax as uep
 
-    return jax.jit(jax.vmap(lambda loads: uep.plan(loads, cfg)))
+    return jax.jit(jax.vmap(lambda loads: uep.plan(loads, cfg, capacity=capacity)))
 
 
 @functools.cache
@@ -86,15 +87,27 @@ def median_seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> fl
     return statistics.median(times)
 
 
-def time_batched_plan(loads, cfg, repeats: int = 5, device=None) -> float:
-    """Median seconds of one ``batched_planner(cfg)`` call on ``loads`` [N, R, E], placed on
-    ``device`` (default: JAX's default device), over ``repeats`` calls after a warm-up."""
+def time_batched_plan(loads, cfg, repeats: int = 5, device=None, capacity=None) -> float:
+    """Median seconds of one ``batched_planner(cfg, capacity)`` call on ``loads`` [N, R, E],
+    placed on ``device`` (default: JAX's default device), over ``repeats`` calls after a warm-up.
+    The one planner timing of experiments/: every program that charges a planner takes it from
+    here (per plan: divide by N, or `seconds_per_plan`)."""
     import jax
     import numpy as np
 
-    fn = batched_planner(cfg)
+    fn = batched_planner(cfg, capacity)
     data = jax.device_put(np.asarray(loads, dtype=np.int32), device)
     return median_seconds(lambda: fn(data), repeats)
+
+
+def seconds_per_plan(loads_RE, cfg, repeats: int, batch: int = 32, capacity=None) -> float:
+    """Seconds per plan of one load matrix [R, E] within ``capacity``: `time_batched_plan` on
+    ``batch`` copies of it (so that the call's dispatch is amortised, as inside a jitted step),
+    divided by ``batch``. Caches are warm: in a step the planner reads loads just gathered."""
+    import numpy as np
+
+    copies = np.repeat(np.asarray(loads_RE, np.int32)[None], batch, axis=0)
+    return time_batched_plan(copies, cfg, repeats, capacity=capacity) / batch
 
 
 def write_json(path: str | os.PathLike | None, obj) -> None:

@@ -10,15 +10,16 @@ Sections (``--sections``; a table is printed, ``--out/gpu_results.json`` is rewr
 env      the device, its compute capability, the versions of jax, jaxlib, the CUDA plugin, Triton.
 planner  (a) the CUDA planner's plans equal the CPU handler's, bit for bit, on random load matrices
          of several configurations (chosen so that every branch of the threshold search is taken:
-         fast path, coarse probes, refine probes, none) and on the EP64/E256/S2 reference
-         workloads (``workloads.rank_zipf_loads(64, 256, 8192, 8, target, seed)``, targets
-         1.5 / 2 / 3); through JAX (``jit(vmap(plan))`` on the GPU vs on the CPU, and the same
-         with ``parallel=True``) and through the CUDA library's benchmark hook, with each of its
-         kernels (the core of planner.h on one thread; the parallel form of planner_parallel.h,
-         a block of warps per plan).
-         (b) time per plan at EP64/E256/S2: kernel time by CUDA events for each kernel (the hook:
-         median over --repeats launches of one plan, and of a batch of --plan_batch plans divided
-         by the batch), and through JAX (the default kernel): a chain of 64 dependent plans in one
+         fast path, coarse probes, refine probes, none) and on the anchor's reference workloads
+         (`experiments.gpu.planner.reference_loads`: rank-level Zipf at the step model's
+         ``ANCHOR``, stepmodel/shapes.toml); through JAX (``jit(vmap(plan))`` on the GPU vs
+         on the CPU, and the same with ``parallel=True``) and through the CUDA library's
+         benchmark hook, with each of its kernels (the core of planner.h on one thread; the
+         parallel form of planner_parallel.h, a block of warps per plan).
+         (b) time per plan at the anchor's setup: kernel time by CUDA events for each kernel
+         (the hook: median over --repeats launches of one plan, and of a batch of --plan_batch
+         plans divided by the batch), and through JAX (the default kernel): a chain of 64
+         dependent plans in one
          jitted function (the difference to a chain of 8, per plan; includes one tiny fused add
          per plan), single-plan wall latency, batched ``jit(vmap(plan))``.
 gmm      (c) grouped matmul, bf16, the anchor's expert shape (DeepSeek-V3's, stepmodel/shapes.toml):

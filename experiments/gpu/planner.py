@@ -13,10 +13,8 @@ import numpy as np
 import ultraep_jax as uep
 from experiments import common
 from experiments.loads import workloads
+from experiments.stepmodel.shapes import ANCHOR
 from ultraep_jax import _native
-
-#: Initial imbalances of the rank-Zipf reference workloads.
-TARGETS = (1.5, 2.0, 3.0)
 
 
 def random_loads(rng, n: int, R: int, E: int, tokens=4096, exponent=(0.0, 2.0)) -> np.ndarray:
@@ -29,9 +27,11 @@ def random_loads(rng, n: int, R: int, E: int, tokens=4096, exponent=(0.0, 2.0)) 
 
 
 def reference_loads(R: int, E: int, tokens: int, n: int) -> np.ndarray:
-    """int32 [n, R, E]: the rank-Zipf reference workloads (targets 1.5 / 2 / 3, seeds 0..)."""
+    """int32 [n, R, E]: the rank-Zipf reference workloads (the anchor's top-k and initial loads,
+    `ANCHOR.zipf_targets` in turn, seeds 0..)."""
+    targets, k = ANCHOR.zipf_targets, ANCHOR.shape.top_k
     return np.stack(
-        [workloads.rank_zipf_loads(R, E, tokens, 8, TARGETS[s % 3], s) for s in range(n)]
+        [workloads.rank_zipf_loads(R, E, tokens, k, targets[s % len(targets)], s) for s in range(n)]
     )
 
 
@@ -65,7 +65,11 @@ def planner_cases(dry: bool) -> dict:
     if dry:
         cases["zipf_EP8_E32_S2"] = (Cfg(32, 8, 2), reference_loads(8, 32, 8192, 6))
         return {k: (c, v[:8]) for k, (c, v) in cases.items()}
-    cases["zipf_EP64_E256_S2"] = (Cfg(256, 64, 2), reference_loads(64, 256, 8192, 6))
+    R, E, S = ANCHOR.ep, ANCHOR.shape.num_experts, ANCHOR.slots_per_rank
+    cases[f"zipf_EP{R}_E{E}_S{S}"] = (
+        Cfg(E, R, S),
+        reference_loads(R, E, ANCHOR.tokens_per_rank, 6),
+    )
     cases["random_EP128_E512_S2_F64"] = (
         Cfg(512, 128, 2, min_tokens_per_replica=64),
         random_loads(rng, 20, 128, 512, 16384),
@@ -172,7 +176,7 @@ def cuda_bench(
 
 def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
     """(a) the CUDA planner's plans, with either kernel, equal the CPU handler's; (b) time per plan
-    at EP64/E256/S2 with either kernel (``repeats`` samples; batches of ``plan_batch`` plans).
+    at the anchor's setup with either kernel (``repeats`` samples; batches of ``plan_batch`` plans).
     ``dry``: the checks on CPU only (the parallel form's host emulation against the core)."""
     if not _native.has_cuda_handler() and not dry:
         return {"status": "skipped: the CUDA planner handler is not built into this install"}
@@ -207,12 +211,16 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
     if dry:
         return out
 
-    # (b) Time at EP64/E256/S2.
-    R, E = 64, 256
-    cfg = uep.BalancerConfig(E, R, 2)
-    base = reference_loads(R, E, 8192, 6)
+    # (b) Time at the anchor's setup.
+    R, E, S = ANCHOR.ep, ANCHOR.shape.num_experts, ANCHOR.slots_per_rank
+    cfg = uep.BalancerConfig(E, R, S)
+    base = reference_loads(R, E, ANCHOR.tokens_per_rank, 6)
     t = out["time"]
-    t["setup"] = "EP64/E256/S2, rank_zipf_loads 8192 tokens x top-8, targets 1.5/2/3"
+    targets = "/".join(f"{x:g}" for x in ANCHOR.zipf_targets)
+    t["setup"] = (
+        f"EP{R}/E{E}/S{S}, rank_zipf_loads {ANCHOR.tokens_per_rank} tokens x "
+        f"top-{ANCHOR.shape.top_k}, targets {targets}"
+    )
     reps = max(repeats, 50)
     for kernel, parallel in (("core", False), ("parallel", True)):
         singles = []

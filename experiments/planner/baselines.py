@@ -14,6 +14,7 @@ import numpy as np
 import ultraep_jax as uep
 from experiments.loads import baselines, drift, policies
 from experiments.planner import setup
+from experiments.stepmodel.shapes import ANCHOR
 
 #: The rows of each workload, in table order.
 ORDER = policies.names(without=("exact",))
@@ -195,17 +196,19 @@ def _cases() -> Iterator[tuple[str, np.ndarray, list, tuple[int, int], bool]]:
     for name, ep, rows in setup.trace_cases():
         yield (f"{name} EP{ep} top{setup.trace_top_k(name)}", *_trace_case(rows), short, True)
     seeds, tokens = range(setup.BASE_SEEDS.value), setup.TOKENS.value
+    R, E, k = ANCHOR.ep, ANCHOR.shape.num_experts, ANCHOR.shape.top_k
+    at = f"EP{R} E{E}"
     generated = {
-        f"rank-zipf {x:g} EP64 E256": setup.zipf_batch(x, 64, 256, seeds) for x in (1.5, 2.0, 3.0)
+        f"rank-zipf {x:g} {at}": setup.zipf_batch(x, R, E, seeds) for x in ANCHOR.zipf_targets
     }
     for x in map(float, setup.EXPERT_ZIPF.value):
-        batch = [drift.expert_zipf_loads(64, 256, tokens, 8, x, s) for s in seeds]
-        generated[f"expert-zipf {x:g} EP64 E256"] = np.stack(batch)
+        batch = [drift.expert_zipf_loads(R, E, tokens, k, x, s) for s in seeds]
+        generated[f"expert-zipf {x:g} {at}"] = np.stack(batch)
     for workload, batch in generated.items():
         yield workload, batch, [list(range(len(batch)))], short, False
-    stream = drift.drifting_stream(64, 256, tokens, 8, setup.STREAM_STEPS.value, seed=0)
+    stream = drift.drifting_stream(R, E, tokens, k, setup.STREAM_STEPS.value, seed=0)
     periodic = (setup.STREAM_WINDOW.value, setup.STREAM_INTERVAL.value)
-    yield "drift-stream EP64 E256", stream, [list(range(len(stream)))], periodic, False
+    yield f"drift-stream {at}", stream, [list(range(len(stream)))], periodic, False
 
 
 def baseline_table(results: dict) -> None:

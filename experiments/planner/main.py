@@ -4,8 +4,9 @@
         python -m experiments.planner --seeds=3 --timing_batch=256 --nobaselines
         python -m experiments.planner --train_loads=/tmp/run/loads.jsonl   # a training run
 
-Quality: final max/mean rank load and replicas on the UltraEP reference setup (EP64, 256 experts,
-2 spare slots per rank, top-8, 8192 tokens per rank, rank-level Zipf at initial 1.5 / 2.0 / 3.0)
+Quality: final max/mean rank load and replicas on the UltraEP reference setup (the step model's
+``ANCHOR``, `experiments/stepmodel/shapes.toml`: EP64, DeepSeek-V3's experts, rank-level Zipf at
+its initial loads)
 and on every layer of the real traces (``--traces_dir``, default
 `experiments.loads.traces.default_traces_dir()`); exact mode (``balance_eps=0``) next to
 ``--balance_eps`` on the UltraEP setup and DeepSeek-R1 EP32/EP64; optionally the per-layer loads a
@@ -29,11 +30,13 @@ from experiments import common, records
 from experiments.loads import workloads
 from experiments.planner import baselines as planner_baselines
 from experiments.planner import setup
+from experiments.stepmodel.shapes import ANCHOR
 
 flags.adopt_module_key_flags(setup)  # --help lists the benchmark's flags
 
-# UltraEP (arXiv 2606.04101), EP64 / 256 experts / 2 slots / top-8 / 8192 tokens per rank.
-_ULTRAEP_REPLICAS = {1.5: 38, 2.0: 46, 3.0: 51}
+# The anchor (UltraEP's EP64 setup, stepmodel/shapes.toml): its replicas per Zipf target.
+_ULTRAEP_REPLICAS = dict(zip(ANCHOR.zipf_targets, ANCHOR.replicas, strict=True))
+_R, _E = ANCHOR.ep, ANCHOR.shape.num_experts
 
 
 def _quality(batch: np.ndarray, cfg: uep.BalancerConfig) -> dict:
@@ -66,15 +69,15 @@ _REFERENCE_HEADER = (
 def _reference_table(results: dict) -> None:
     """Quality on the UltraEP reference setup, next to UltraEP's replica counts."""
     print(
-        "UltraEP reference setup: EP64, 256 experts, top-8, "
+        f"UltraEP reference setup: EP{_R}, {_E} experts, top-{ANCHOR.shape.top_k}, "
         f"{setup.TOKENS.value} tokens/rank, {setup.balancer_note()}, "
         f"{setup.SEEDS.value} seeds (rank-level Zipf)"
     )
     print(_REFERENCE_HEADER)
     table = results.setdefault("ultraep_setup", {})
     for initial, theirs in _ULTRAEP_REPLICAS.items():
-        batch = setup.zipf_batch(initial, 64, 256, range(setup.SEEDS.value))
-        q = table[str(initial)] = _quality(batch, setup.config(256, 64))
+        batch = setup.zipf_batch(initial, _R, _E, range(setup.SEEDS.value))
+        q = table[str(initial)] = _quality(batch, setup.config(_E, _R))
         print(
             f"{q['initial_mean']:8.3f} {q['final_mean']:11.4f} {q['final_worst']:12.4f} "
             f"{q['replicas_mean']:8.1f} (max {q['replicas_max']:2d}) "
@@ -131,7 +134,7 @@ def _exact_table(results: dict) -> None:
     table = results.setdefault("exact_mode", {})
     seeds = range(setup.SEEDS.value)
     cases = [
-        (f"rank-zipf {x:g} EP64 E256", lambda x=x: setup.zipf_batch(x, 64, 256, seeds))
+        (f"rank-zipf {x:g} EP{_R} E{_E}", lambda x=x: setup.zipf_batch(x, _R, _E, seeds))
         for x in _ULTRAEP_REPLICAS
     ]
     cases += [
@@ -188,17 +191,18 @@ def _train_table(results: dict) -> None:
 
 
 def _timing_table(results: dict) -> None:
-    """Planner time per plan at EP32/E256, EP64/E256 and EP128/E512 (and in exact mode)."""
+    """Planner time per plan at the anchor's EP size and experts, half of them and twice them
+    (and in exact mode)."""
     print(
         f"\nPlanner time on {results['device']}: jit(vmap(plan)) over "
         f"{setup.TIMING_BATCH.value} matrices, median of {setup.REPEATS.value} repeats"
     )
     table = results.setdefault("timing_us_per_plan", {})
     slots = setup.BALANCER()["slots_per_rank"]
-    for ep, experts in [(32, 256), (64, 256), (128, 512)]:
+    for ep, experts in [(_R // 2, _E), (_R, _E), (2 * _R, 2 * _E)]:
         # 30 distinct matrices (10 seeds at each initial imbalance), tiled to the batch size.
         distinct = np.stack(
-            [setup.zipf_batch((1.5, 2.0, 3.0)[s % 3], ep, experts, [s])[0] for s in range(30)]
+            [setup.zipf_batch(ANCHOR.zipf_targets[s % 3], ep, experts, [s])[0] for s in range(30)]
         )
         batch = np.resize(distinct, (setup.TIMING_BATCH.value,) + distinct.shape[1:])
         modes = {"": {}, " exact": {"balance_eps": 0.0}} if setup.EXACT.value else {"": {}}

@@ -15,10 +15,13 @@ from absl import flags
 import ultraep_jax as uep
 from experiments import cli
 from experiments.loads import traces, workloads
+from experiments.stepmodel.shapes import ANCHOR
 
 SEEDS = flags.DEFINE_integer("seeds", 10, "Seeds per generated setup.")
 BALANCER = cli.define_balancer_flags()
-TOKENS = flags.DEFINE_integer("tokens_per_rank", 8192, "Tokens per source rank.")
+TOKENS = flags.DEFINE_integer(
+    "tokens_per_rank", ANCHOR.tokens_per_rank, "Tokens per source rank (default: the anchor's)."
+)
 TIMING_BATCH = flags.DEFINE_integer("timing_batch", 1024, "Load matrices per timed jit call.")
 REPEATS = flags.DEFINE_integer("repeats", 15, "Timed repeats (the median is reported).")
 TRACES = flags.DEFINE_list(

@@ -12,6 +12,7 @@ import time
 import jax
 
 import ultraep_jax as uep
+from experiments import common
 from experiments.loads import traces, workloads
 from experiments.replay import real_ratio
 from experiments.replay import timing as replay_timing
@@ -124,11 +125,11 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
         planner = {p: works[p].host_plan_seconds if settings.timed else 0.0 for p in names}
         for p, eps in (("ultraep", cfg.balance_eps), ("exact", 0.0)):
             if settings.timed:
-                planner[p] = replay_timing.planner_seconds(
+                planner[p] = common.seconds_per_plan(
                     sample.loads_RE,
                     dataclasses.replace(cfg, balance_eps=eps),
-                    capacity,
                     settings.repeats,
+                    capacity=capacity,
                 )
         for p in names:
             w = works[p]

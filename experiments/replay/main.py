@@ -164,8 +164,8 @@ _GPU = flags.DEFINE_string(
 _GPU_TFLOPS = flags.DEFINE_float(
     "gpu_tflops",
     stepcal.GPU_GMM_TFLOPS,
-    "Grouped-matmul rate of --gpu in TFLOP/s (550: the Mosaic GPU kernel measured on an H100, "
-    "forward 549-566, docs/gpu.md).",
+    f"Grouped-matmul rate of --gpu in TFLOP/s ({stepcal.GPU_GMM_TFLOPS:g}: "
+    "stepmodel.calibration.GPU_GMM_TFLOPS, docs/gpu.md).",
 )
 _CALIBRATION = flags.DEFINE_string(
     "calibration_out",

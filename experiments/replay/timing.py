@@ -4,6 +4,7 @@ kernels, on one device, one rank at a time.
 Three parts of a rank's work are timed separately:
   planner      `uep.plan` on the all-gathered load matrix, with the layer's capacity (every rank
                computes the same plan): per plan, inside one jitted `vmap` over copies
+               (`experiments.common.seconds_per_plan`, called by `replay.cell`)
   bookkeeping  the rank's dispatch arithmetic (`dispatch.plan_dispatch`) and its gathers: the send
                buffer, the received rows regrouped by local group and back, the weighted combine
                (forward; forward and backward in training)
@@ -29,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ultraep_jax as uep
 from experiments.replay.work import RankWork
 from experiments.stepmodel import shapes
 from ultraep_jax import dispatch
@@ -180,17 +180,6 @@ def bookkeeping_task(work: RankWork, rank: int, top_k: int, shape: Shape, mode: 
         jnp.int32(rank),
     )
     return lambda: jax.block_until_ready(fn(*args))
-
-
-def planner_seconds(
-    loads_RE: np.ndarray, cfg: uep.BalancerConfig, capacity: int, repeats: int, batch: int = 32
-) -> float:
-    """Seconds per plan of ``loads_RE`` with ``capacity``: one jitted `vmap` of `uep.plan` over
-    ``batch`` copies, median of ``repeats`` calls (after a compiling one), divided by ``batch``."""
-    fn = jax.jit(jax.vmap(lambda loads: uep.plan(loads, cfg, capacity=capacity)))
-    data = jnp.asarray(np.repeat(np.asarray(loads_RE, np.int32)[None], batch, axis=0))
-    rounds = sample_times({"plan": lambda: jax.block_until_ready(fn(data))}, repeats)
-    return statistics.median(t["plan"] for t in rounds) / batch
 
 
 @functools.cache

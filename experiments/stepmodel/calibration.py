@@ -245,3 +245,26 @@ def calibration_file(fits: dict, shape: dict, clock: str, measured: list, progra
         **fits,
         "measured": measured,
     }
+
+
+# -- GPU-side terms of the anchor's estimate (experiments.stepmodel.anchor), each a band --------
+
+#: The grouped matmul's forward + backward rate on one H100, TFLOP/s (low, high), for groups of
+#: 2048-8192 rows: `experiments/results/gpu_h100.txt` (c), run 3, JAX's Mosaic GPU kernel
+#: 128x128x64c5g4, bf16, DeepSeek-V3's expert shape, G=8: 506 (M=16384 skewed) to 550
+#: (M=65536); no trend with group size beyond that spread, and no measurement below 2048 rows a
+#: group.
+GPU_GMM_FWD_BWD_TFLOPS = (506.0, 550.0)
+#: Rows of the kernel's tiles (the 128x128x64 configuration): a group's last tile is padded.
+GPU_GMM_TILE_ROWS = 128
+#: Our planner's time per plan on an H100, ms (low, high): the CUDA serial kernel (the only one
+#: left), one plan, CUDA events, at the anchor's setup (`gpu_h100.txt` (b): 244-264 us).
+GPU_PLAN_MS = (0.244, 0.264)
+#: Latency of one kernel launch on the critical path, us (low, high): an estimate, the range
+#: usually reported for back-to-back CUDA kernel launches (a few us each; NVIDIA's "Getting
+#: Started with CUDA Graphs" blog measured about 3-4 us per short kernel without graphs).
+LAUNCH_US = (2.0, 10.0)
+#: Kernels the balanced layer adds to a training layer on a GPU (`gpu_h100.txt` (d), the
+#: scheduled balanced step): the planner's custom call, the replica slots' 9 grouped-matmul
+#: kernels (3 forward, 6 backward) and the weights' two exchanges (forward, gradients back).
+EXTRA_KERNELS = 12

@@ -110,7 +110,10 @@ class Scenario:
 class Setup:
     """A published expert-parallel setup: ``model`` over ``ep`` ranks with ``slots_per_rank``
     spare slots, ``tokens_per_rank`` tokens per rank, ``itemsize`` bytes per weight and
-    activation."""
+    activation; and what was published on it (shapes.toml says each field's meaning): per
+    initial max/mean, the replicas and the most replicas of one expert; the final max/mean, the
+    planner's GPU time range, the exposed overhead, % of the force-balanced ideal, the speedup
+    over no balancing; ``zipf_targets``: our generators' targets for those initial loads."""
 
     name: str
     model: str
@@ -119,11 +122,26 @@ class Setup:
     tokens_per_rank: int
     itemsize: int
     source: str
+    initial_imbalance: tuple[float, ...]
+    replicas: tuple[int, ...]
+    max_replicas_per_expert: tuple[int, ...]
+    final_imbalance: float
+    plan_ms: tuple[float, float]
+    exposed_overhead_ms: float
+    pct_ideal: float
+    speedup: float
+    zipf_targets: tuple[float, ...]
 
     def __post_init__(self):
         for field in ("ep", "tokens_per_rank", "itemsize"):
             if getattr(self, field) < 1:
                 raise ValueError(f"Setup.{field}={getattr(self, field)} must be >= 1")
+        n = len(self.initial_imbalance)
+        for field in ("replicas", "max_replicas_per_expert", "zipf_targets"):
+            if len(getattr(self, field)) != n:
+                raise ValueError(f"Setup.{field} needs one value per initial imbalance ({n})")
+        if len(self.plan_ms) != 2 or self.plan_ms[0] > self.plan_ms[1]:
+            raise ValueError(f"Setup.plan_ms={self.plan_ms} must be a range [low, high]")
 
     @property
     def shape(self) -> ModelShape:
@@ -152,7 +170,12 @@ def _read(path: pathlib.Path) -> tuple[dict, dict, dict, dict]:
     }
     clusters = {name: Cluster(name=name, **row) for name, row in tables["clusters"].items()}
     scenarios = {name: Scenario(name=name, **row) for name, row in tables["scenarios"].items()}
-    setups = {name: Setup(name=name, **row) for name, row in tables["setups"].items()}
+    setups = {
+        name: Setup(
+            name=name, **{k: tuple(v) if isinstance(v, list) else v for k, v in row.items()}
+        )
+        for name, row in tables["setups"].items()
+    }
     return models, clusters, scenarios, setups
 
 

@@ -1,0 +1,168 @@
+"""The step model checked against our measurements (`experiments.stepmodel.pinned`): fed with the
+rates `python -m experiments.bench.rates` measured (experiments/results/rates_cpu.json), it
+predicts each busiest-rank ratio the break-even (docs/breakeven.json, 256-8192 tokens per rank)
+and the layer benchmark at 2048 tokens per rank (experiments/results/bench_pinned_*.txt)
+measured, within `TOLERANCE`, but at the points `MISSES` names with the reason; a rule that
+leaves balancing out misses most of them. And the anchor's estimate
+(`experiments.stepmodel.anchor`) on UltraEP's published plans, its parts checked by hand."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from experiments.stepmodel import anchor, pinned
+from experiments.stepmodel.shapes import ANCHOR
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "experiments" / "results"
+TOLERANCE = pinned.TOLERANCE  # the issue's target: 0.05
+# Why the model misses where it does (docs/results.md, "The step model against the pinned ranks").
+_SAME_WORK = (
+    "noise: no_replica and dropless run the same expert work on the same buffer (the model "
+    "parts them by the no-replica cond's copies and the planner only); the run's clock put them "
+    "further apart"
+)
+_REMEASURED = "noise: re-measured with 15 rounds (breakeven_prefill_remeasured.json) it fits"
+_SMALL = (
+    "the balanced program's fixed cost at 256 tokens per rank: its replica bookkeeping beyond "
+    "the expert stage and the planner is in no measured rate"
+)
+_SPREAD = (
+    "noise: the same command's three runs span more than 0.05 (0.687-0.740, 0.661-0.722, "
+    "0.968-1.046)"
+)
+#: (file, mode, skew, tokens, ratio) the model misses by more than `TOLERANCE`, with the reason.
+MISSES = {
+    ("breakeven.json", "train", 0.0, 256, "balanced/dropless"): _SMALL,
+    ("breakeven.json", "train", 3.0, 256, "balanced/dropless"): _SMALL,
+    ("breakeven.json", "train", 0.0, 256, "no_replica/dropless"): _SAME_WORK,
+    ("breakeven.json", "train", 1.6, 1024, "no_replica/dropless"): _SAME_WORK,
+    ("breakeven.json", "train", 1.6, 4096, "no_replica/dropless"): _SAME_WORK,
+    ("breakeven.json", "train", 3.0, 4096, "no_replica/dropless"): _SAME_WORK,
+    ("breakeven.json", "prefill", 0.0, 4096, "balanced/dropless"): _REMEASURED,
+    ("breakeven.json", "prefill", 0.0, 4096, "no_replica/dropless"): _REMEASURED,
+    ("breakeven.json", "prefill", 1.6, 256, "balanced/dropless"): _SMALL,
+    ("breakeven.json", "prefill", 1.6, 256, "no_replica/dropless"): _REMEASURED,
+    ("breakeven.json", "prefill", 1.6, 4096, "balanced/dropless"): _REMEASURED,
+    ("breakeven.json", "prefill", 3.0, 256, "balanced/dropless"): _SMALL,
+    ("breakeven.json", "prefill", 3.0, 256, "no_replica/dropless"): _REMEASURED,
+    ("breakeven.json", "prefill", 3.0, 1024, "balanced/dropless"): (
+        "noise: plain dropless measured faster at skew 3 than at 1.6 with 16 % more busiest rows"
+    ),
+    ("breakeven.json", "prefill", 3.0, 8192, "no_replica/dropless"): _SAME_WORK,
+    ("breakeven_prefill_remeasured.json", "prefill", 1.6, 256, "balanced/dropless"): _SMALL,
+    ("breakeven_prefill_remeasured.json", "prefill", 3.0, 256, "balanced/dropless"): _SMALL,
+    ("bench_pinned", "train", 0.687, 2048, "overhead_dropless"): _SPREAD,
+    ("bench_pinned", "train", 0.661, 2048, "capped_vs_plain_dropless"): _SPREAD,
+    ("bench_pinned", "train", 0.968, 2048, "capped_vs_plain_capped"): _SPREAD,
+}
+#: The break-even files the model is checked on: the sweep, and its noisiest prefill points
+#: re-measured with 15 rounds.
+BREAKEVEN = {
+    "breakeven.json": ROOT / "docs" / "breakeven.json",
+    "breakeven_prefill_remeasured.json": RESULTS / "breakeven_prefill_remeasured.json",
+}
+
+
+def _check(key: tuple, row: dict) -> None:
+    """``row``'s prediction within `TOLERANCE`, or, where `MISSES` says why not, beyond it."""
+    err = abs(row["model"] - row["measured"])
+    if key in MISSES:
+        assert err > TOLERANCE, f"{key} now fits ({err:.3f}): take it off MISSES"
+    else:
+        assert err <= TOLERANCE, f"{key}: model {row['model']:.3f}, measured {row['measured']:.3f}"
+
+
+@pytest.fixture(scope="module")
+def rates() -> pinned.Rates:
+    return pinned.Rates.read(RESULTS / "rates_cpu.json")
+
+
+def _breakeven_rows(rates, name: str) -> list[dict]:
+    points = json.loads(BREAKEVEN[name].read_text())["points"]
+    return pinned.breakeven_rows(rates, points)
+
+
+@pytest.mark.parametrize(
+    "name, count", [("breakeven.json", 48), ("breakeven_prefill_remeasured.json", 12)]
+)
+def test_model_predicts_each_breakeven_ratio(rates, name, count):
+    # breakeven.json: 2 modes x 3 skews x 4 token counts (256-8192) x 2 ratios.
+    rows = _breakeven_rows(rates, name)
+    assert len(rows) == count
+    for row in rows:
+        _check((name, row["mode"], row["skew"], row["tokens"], row["ratio"]), row)
+
+
+def test_model_predicts_the_layer_benchmark_at_2048_tokens(rates):
+    text = "".join(p.read_text() for p in sorted(RESULTS.glob(pinned.MOE_GLOB)))
+    rows = pinned.moe_rows(rates, pinned.moe_runs(text), 2048)
+    assert len(rows) == 9  # three runs at 2048 tokens per rank, three ratios each
+    for row in rows:
+        _check(("bench_pinned", row["mode"], row["measured"], row["tokens"], row["ratio"]), row)
+
+
+def test_a_rule_without_balancing_misses(rates):
+    # Balancing changes nothing (every ratio 1): the check must be able to tell.
+    rows = _breakeven_rows(rates, "breakeven.json")
+    balanced = [r for r in rows if r["ratio"] == "balanced/dropless"]
+    missed = [r for r in balanced if abs(1.0 - r["measured"]) > TOLERANCE]
+    assert len(missed) >= len(balanced) // 2
+
+
+def test_linear_fit_recovers_its_coefficients():
+    x = np.array([[1, 2.0, 3.0], [1, 5.0, 1.0], [1, 7.0, 4.0], [1, 1.0, 9.0]])
+    fit = pinned.Linear.fit(("a", "b", "c"), x, x @ [0.5, 2.0, 0.25])
+    np.testing.assert_allclose(fit.coef, [0.5, 2.0, 0.25], rtol=1e-9)
+    assert fit(1, 3.0, 4.0) == pytest.approx(0.5 + 6.0 + 1.0)
+    with pytest.raises(ValueError):
+        pinned.Linear(("a",), (-1.0,))
+
+
+def test_moe_runs_parse_a_block():
+    text = """MoE layer, train, EP=2 on 2 pinned processes x 1 cpu: D=128 tokens/device=2048, x
+Step-time ratios (medians of the same run):
+    balanced, dropless / plain EP, dropless    0.716   same buffers
+      balanced, capped / plain EP, dropless    0.722   balanced in a small buffer
+      balanced, capped / plain EP, capped      1.046   same buffer
+    rank     0     1  max/mean
+  before  6657  1535     1.625
+   after  4136  4056     1.010   (1 replicas)
+"""
+    (run,) = pinned.moe_runs(text)
+    assert run == {
+        "mode": "train",
+        "tokens": 2048,
+        "ratios": [0.716, 0.722, 1.046],
+        "before": 1.625,
+        "after": 1.01,
+        "replicas": 1,
+    }
+
+
+def test_layer_seconds_refuses_what_the_rates_do_not_time(rates):
+    with pytest.raises(ValueError):
+        pinned.layer_seconds(rates, "train", 256, 1024, 512, 2, True)
+    with pytest.raises(ValueError):
+        pinned.layer_seconds(rates, "train", 256, 1024, 512, 1, False)
+
+
+def test_expert_seconds_pads_each_group_to_a_tile():
+    model = ANCHOR.shape
+    one = anchor.expert_seconds([128], model, 500.0)
+    assert anchor.expert_seconds([1], model, 500.0) == pytest.approx(one)
+    assert anchor.expert_seconds([129, 0], model, 500.0) == pytest.approx(2 * one)
+
+
+def test_anchor_published_plans_within_their_bands():
+    scenario = anchor.SCENARIOS["dp40xep64"]
+    for i in range(len(ANCHOR.initial_imbalance)):
+        f = anchor.figures([anchor.published_load(i)], scenario)
+        assert f["pct_band"][0] <= f["pct"] <= f["pct_band"][1] <= 100.0
+        assert f["speedup_band"][0] <= f["speedup"] <= f["speedup_band"][1]
+        assert f["speedup"] > 1.0  # balancing the anchor's loads pays
+        assert f["final"] == pytest.approx(ANCHOR.final_imbalance)
