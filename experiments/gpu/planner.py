@@ -13,7 +13,7 @@ import numpy as np
 import ultraep_jax as uep
 from experiments import common
 from experiments.loads import workloads
-from ultraep_jax import _native
+from ultraep_jax.planning import native as _native
 
 #: Initial imbalances of the rank-Zipf reference workloads.
 TARGETS = (1.5, 2.0, 3.0)

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
 from tests.helpers import set_param
-from ultraep_jax.activations import ACTIVATIONS
+from ultraep_jax.experts.activations import ACTIVATIONS
 
 D, F, E, K = 16, 8, 8, 2
 B, L = 8, 6  # 48 tokens: 6 per device on 8 token devices, 12 on 4 (with a "model" axis)

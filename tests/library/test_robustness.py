@@ -25,7 +25,7 @@ from tests.helpers import expert_mesh, fetch_with_grads
 from tests.library.test_relay import _portable_exchange, random_slots
 from tests.reference_planner import reference_plan
 from tests.relay_reference import reference_schedule
-from ultraep_jax import relay
+from ultraep_jax.replicas import relay
 
 D, F = 8, 16
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -591,7 +591,7 @@ def test_pallas_grouped_matmul_keeps_nonfinite_values_in_their_group():
     group 1's weights, NaN in one of group 1's rows, NaN in the cotangent of another of them.
     Every other group's rows, their input gradients and every other group's weight gradient equal
     NumPy's (a product of rows zeroed before it would be 0 * inf = NaN across the shared tile)."""
-    from ultraep_jax import gmm_pallas
+    from ultraep_jax.experts import gmm_pallas
 
     rng = np.random.default_rng(10)
     M, K, N = 48, 16, 16

@@ -10,7 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.helpers import expert_mesh
-from ultraep_jax import experts, tiled_experts
+from ultraep_jax.experts import registry as experts
+from ultraep_jax.experts import tiled as tiled_experts
 
 D, F = 8, 12
 
