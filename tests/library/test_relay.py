@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import tests.library.test_moe as tm
 import ultraep_jax as uep
 from tests.helpers import expert_mesh, fetch_with_grads
-from tests.relay_reference import reference_schedule, reference_send_copies
+from tests.references.relay import reference_schedule, reference_send_copies
 from ultraep_jax import comm
 from ultraep_jax.config import execution
 from ultraep_jax.replicas import relay, streaming, transfer
