@@ -51,13 +51,13 @@ def batched_planner(cfg, capacity: int | None = None):
 def batched_transfer(ep_size: int, experts_per_rank: int, max_fanout: int):
     """``jit(vmap(...))`` of the replica transfer of held-expert matrices ``[N, R, C]`` (each
     rank's instances of experts it does not master, -1 elsewhere: a plan's ``slot_expert``)
-    under the relay bound ``max_fanout`` (0: direct; `ultraep_jax.relay`). Returns int32 [N]
+    under the relay bound ``max_fanout`` (0: direct; `replicas.relay`). Returns int32 [N]
     each: the busiest rank's copies sent, the transfer's length in copies (each hop as long as
     its busiest link, sending or receiving, summed over hops) and the hops it took."""
     import jax
     import jax.numpy as jnp
 
-    from ultraep_jax import relay
+    from ultraep_jax.replicas import relay
 
     hops = relay.static_hops(ep_size, max_fanout)
 

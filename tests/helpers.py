@@ -16,7 +16,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from ultraep_jax import transfer
+from ultraep_jax.replicas import transfer
 
 #: The meshes the layer tests run on, by name: (data size, EP size).
 MESH_KINDS = {"ep8": (1, 8), "dp2ep4": (2, 4)}

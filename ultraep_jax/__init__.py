@@ -7,22 +7,77 @@ Axis legend, used in docstrings (``[R, E]``) and as suffixes of array names (``l
   R ranks on the EP axis  E_m = E / R master experts per rank (M in suffixes)
   S spare slots per rank  G = E_m + S local groups per rank   I = E + R * S expert instances
   C receive-buffer rows per rank (the capacity)   P weights of one expert, flattened
+
+The stages, one subpackage each, in the order the data takes (`core.routed_experts_local`):
+`planning` (loads -> plan), `dispatch` (where each pair goes; the combine), `comm` (the
+exchanges), `replicas` (the replica weights), `experts` (the kernels); `config` says where and how.
 """
 
-from ultraep_jax import remat, reroute
-from ultraep_jax.activations import ACTIVATIONS
-from ultraep_jax.config import TENSOR_AXIS_NAMES, BalancerConfig, ExpertParallel
-from ultraep_jax.core import routed_experts_local
-from ultraep_jax.expert_parallel import routed_experts
-from ultraep_jax.layer import MoE, RouterBias
-from ultraep_jax.planner import Plan, plan
-from ultraep_jax.routers import Routing, SigmoidTopK, SoftmaxTopK, update_bias
-from ultraep_jax.stats import MoEStats, imbalance
+import importlib
+from typing import TYPE_CHECKING
+
+#: Where each public name lives. They are imported when first used, so that importing part of the
+#: package (such as `ultraep_jax.config`) loads neither Flax nor any kernel module.
+_HOMES = {
+    "ACTIVATIONS": "ultraep_jax.experts.activations",
+    "TENSOR_AXIS_NAMES": "ultraep_jax.config",
+    "BalancerConfig": "ultraep_jax.config",
+    "Execution": "ultraep_jax.config",
+    "ExpertParallel": "ultraep_jax.config",
+    "MoE": "ultraep_jax.layer",
+    "MoEStats": "ultraep_jax.stats",
+    "Plan": "ultraep_jax.planning.planner",
+    "imbalance": "ultraep_jax.stats",
+    "plan": "ultraep_jax.planning.planner",
+    "remat": None,
+    "reroute": "ultraep_jax.dispatch",
+    "routed_experts": "ultraep_jax.expert_parallel",
+    "routed_experts_local": "ultraep_jax.core",
+    "Routing": "ultraep_jax.routers",
+    "RouterBias": "ultraep_jax.layer",
+    "SigmoidTopK": "ultraep_jax.routers",
+    "SoftmaxTopK": "ultraep_jax.routers",
+    "update_bias": "ultraep_jax.routers",
+}
+
+if TYPE_CHECKING:
+    from ultraep_jax import remat
+    from ultraep_jax.config import TENSOR_AXIS_NAMES, BalancerConfig, Execution, ExpertParallel
+    from ultraep_jax.core import routed_experts_local
+    from ultraep_jax.dispatch import reroute
+    from ultraep_jax.expert_parallel import routed_experts
+    from ultraep_jax.experts.activations import ACTIVATIONS
+    from ultraep_jax.layer import MoE, RouterBias
+    from ultraep_jax.planning.planner import Plan, plan
+    from ultraep_jax.routers import Routing, SigmoidTopK, SoftmaxTopK, update_bias
+    from ultraep_jax.stats import MoEStats, imbalance
+
+
+def __getattr__(name: str):
+    """The public name ``name``, imported from its home (`_HOMES`) on first use; any other name
+    is a submodule's."""
+    home = _HOMES.get(name)
+    try:
+        value = importlib.import_module(f"ultraep_jax.{name}" if home is None else home)
+    except ModuleNotFoundError as e:
+        if e.name != f"ultraep_jax.{name}":
+            raise
+        raise AttributeError(f"module 'ultraep_jax' has no attribute {name!r}") from None
+    if home is not None:
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))
+
 
 __all__ = [
     "ACTIVATIONS",
     "TENSOR_AXIS_NAMES",
     "BalancerConfig",
+    "Execution",
     "ExpertParallel",
     "MoE",
     "MoEStats",

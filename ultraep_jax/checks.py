@@ -77,10 +77,11 @@ def _check_weights(params, num_experts: int, d_model: int, where: str) -> None:
 
 
 def check_chunks(ep: ExpertParallel, d_ff: int) -> None:
-    """Raises one line unless ``ep.transfer_chunks`` fits in ``d_ff`` hidden columns."""
-    if ep.transfer_chunks > d_ff:
+    """Raises one line unless ``ep.execution.transfer_chunks`` fits in ``d_ff`` hidden columns."""
+    chunks = ep.execution.transfer_chunks
+    if chunks > d_ff:
         raise ValueError(
-            f"MoE: transfer_chunks={ep.transfer_chunks} exceeds d_ff={d_ff} (a chunk is at "
+            f"MoE: transfer_chunks={chunks} exceeds d_ff={d_ff} (a chunk is at "
             "least one hidden column)"
         )
 

@@ -3,11 +3,12 @@
 `routed_experts_local` is what one device runs: its own tokens, their routing and its shard of
 the expert weights in, its tokens' output and the call's stats out. It runs the stages
 
-  plan:     exact loads of this microbatch, all-gathered over the EP axis -> the FFI planner
-  dispatch: reroute counts and offsets (`dispatch.plan_dispatch`) -> token all-to-all
-  experts:  replica weights fetched (`transfer`, relayed, in `streaming` chunks) -> grouped
-            gated MLP over masters and slots
-  combine:  results back (the reversed all-to-all) -> weighted sum per token
+  plan:     exact loads of this microbatch, all-gathered over the EP axis (`planning.loads`) ->
+            the FFI planner (`planning.planner`)
+  dispatch: reroute counts and offsets (`dispatch.plan_dispatch`) -> token all-to-all (`comm`)
+  experts:  replica weights fetched (`replicas`: relayed, in chunks) -> grouped gated MLP over
+            masters and slots (`experts.registry`)
+  combine:  results back (the reversed all-to-all) -> weighted sum per token (`dispatch`)
 
 `expert_parallel.routed_experts` wraps it in its own `shard_map`; a codebase that already runs
 one calls it directly. The stage results carry `remat` names, so that a
@@ -22,13 +23,15 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ultraep_jax import comm, dispatch, relay, remat, reroute, streaming
+from ultraep_jax import comm, remat
 from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.checks import check_int32_sizes, check_local_inputs
 from ultraep_jax.config import BalancerConfig, ExpertParallel
-from ultraep_jax.experts import local_experts
-from ultraep_jax.planner import plan as make_plan
-from ultraep_jax.routers import expert_loads
+from ultraep_jax.dispatch import combine, from_groups, plan_dispatch, to_groups
+from ultraep_jax.experts.registry import local_experts
+from ultraep_jax.planning.loads import gathered_loads, masters_only_plan, pair_experts
+from ultraep_jax.planning.planner import plan as make_plan
+from ultraep_jax.replicas import relay, streaming
 from ultraep_jax.stats import MoEStats
 
 
@@ -81,15 +84,6 @@ def routed_experts_local(
     return y_TD.reshape(x.shape), stats
 
 
-def pair_experts(experts_TK: jax.Array, mask_T: jax.Array | None, num_experts: int) -> jax.Array:
-    """int32 [T * K]: each pair's expert, E (no expert) for an id outside [0, E) or a masked
-    token; the range is checked before the cast, so a wide id cannot wrap into it."""
-    ok = (experts_TK >= 0) & (experts_TK < num_experts)
-    if mask_T is not None:
-        ok = ok & mask_T[:, None]
-    return jnp.where(ok, experts_TK, num_experts).astype(jnp.int32).reshape(-1)
-
-
 def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, capacity: int):
     """plan -> dispatch -> experts -> combine -> stats on this device's [T, ...] tokens."""
     T, K = experts_TK.shape
@@ -97,44 +91,49 @@ def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, 
     balancer = ep.active_balancer
     balancer = balancer if balancer and balancer.applies(T) else None
     replicas = balancer is not None and balancer.slots_per_rank > 0
-    experts_N = pair_experts(experts_TK, mask_T, ep.num_experts)
+    experts_N = pair_experts(experts_TK, ep.num_experts, mask_T)
     masked = jnp.int32(0) if mask_T is None else T - jnp.sum(mask_T, dtype=jnp.int32)
 
     with jax.named_scope("plan"):
         loads_RE, masked_R, plan = _plan(experts_N, masked, ep, balancer, capacity)
         loads_RE, masked_R, plan = checkpoint_name((loads_RE, masked_R, plan), remat.PLAN)
     with jax.named_scope("dispatch"):
-        route = dispatch.plan_dispatch(experts_N, loads_RE, plan, _ep_rank(ep), capacity)
-        route = checkpoint_name(route, remat.DISPATCH)
-        sent_CD = _exchange(x_TD[route.send_order_N // K], route.exchange, ep)
-        rows_CD = checkpoint_name(dispatch.to_groups(sent_CD, route), remat.RECEIVED)
+        dispatch = plan_dispatch(experts_N, loads_RE, plan, _ep_rank(ep), capacity)
+        dispatch = checkpoint_name(dispatch, remat.DISPATCH)
+        sent_CD = _exchange(x_TD[dispatch.send_order_N // K], dispatch.exchange, ep)
+        rows_CD = checkpoint_name(to_groups(sent_CD, dispatch), remat.RECEIVED)
     with jax.named_scope("experts"):
-        if replicas:
-            done_CD = streaming.experts_with_replicas(
-                rows_CD,
-                params,
-                plan.slot_expert,
-                route.group_sizes_G,
-                kernel=ep.kernel,
-                chunks=ep.transfer_chunks,
-                max_fanout=balancer.max_fanout,
-                axis_name=ep.expert_axis,
-                backend=ep.exchange_backend,
-                activation=ep.activation,
-            )
-        else:
-            done_CD = local_experts(
-                rows_CD, params, None, route.group_sizes_G, ep.kernel, ep.activation
-            )
+        done_CD = _experts(rows_CD, params, plan, dispatch.group_sizes_G, ep, balancer, replicas)
     with jax.named_scope("combine"):
-        back_ND = _exchange(dispatch.from_groups(done_CD, route), route.exchange.reversed(), ep)
+        back_ND = _exchange(from_groups(done_CD, dispatch), dispatch.exchange.reversed(), ep)
         back_ND = checkpoint_name(back_ND, remat.RETURNED)
-        y_TD = dispatch.combine(back_ND, route, weights_TK)
+        y_TD = combine(back_ND, dispatch, weights_TK)
         if mask_T is not None:
             y_TD = jnp.where(mask_T[:, None], y_TD, 0)
     send_max = _transfer_send_max(plan, params, balancer.max_fanout) if replicas else 0.0
-    stats = _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, route, send_max)
+    stats = _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, dispatch, send_max)
     return y_TD.astype(x_TD.dtype), stats
+
+
+def _experts(rows_CD, params, plan, group_sizes_G, ep: ExpertParallel, balancer, replicas: bool):
+    """[C, D]: the received rows through the masters and, with replicas, the plan's slots."""
+    how = ep.execution
+    if not replicas:
+        return local_experts(
+            rows_CD, params, None, group_sizes_G, how.expert_kernel, how.activation
+        )
+    return streaming.experts_with_replicas(
+        rows_CD,
+        params,
+        plan.slot_expert,
+        group_sizes_G,
+        kernel=how.expert_kernel,
+        chunks=how.transfer_chunks,
+        max_fanout=balancer.max_fanout,
+        axis_name=ep.expert_axis,
+        backend=how.comm_backend,
+        activation=how.activation,
+    )
 
 
 def _ep_rank(ep: ExpertParallel) -> jax.Array:
@@ -147,24 +146,18 @@ def _exchange(operand, exchange, ep: ExpertParallel) -> jax.Array:
     network; XLA's ragged all-to-all over one device is slow on GPU)."""
     if ep.ep_size == 1:
         return comm.local_exchange(operand, exchange)
-    axis, backend = ep.expert_axis, ep.exchange_backend
-    return comm.ragged_exchange(operand, exchange, axis_name=axis, backend=backend)
+    backend = ep.execution.comm_backend
+    return comm.ragged_exchange(operand, exchange, axis_name=ep.expert_axis, backend=backend)
 
 
 def _plan(experts_N, masked, ep: ExpertParallel, balancer: BalancerConfig | None, capacity: int):
     """(loads [R, E], masked tokens [R], plan) of this EP group: the exact loads and masked
     counts all-gathered over the EP axis, and their plan (every expert on its master without a
     balancer)."""
-    local = jnp.append(expert_loads(experts_N, ep.num_experts), masked)
-    # Typed invariant over the EP axis (every rank of the group holds the same matrix), so that
-    # the plan and the stats derived from it are too.
-    if ep.has_ep_axis:
-        gathered = jax.lax.all_gather(local, ep.expert_axis, to="invarying")
-    else:
-        gathered = local[None]
-    loads_RE, masked_R = gathered[:, :-1], gathered[:, -1]
+    axis = ep.expert_axis if ep.has_ep_axis else None
+    loads_RE, masked_R = gathered_loads(experts_N, masked, ep.num_experts, axis)
     if balancer is None:
-        plan = reroute.masters_only_plan(loads_RE)
+        plan = masters_only_plan(loads_RE)
     else:
         plan = make_plan(loads_RE, balancer, capacity=capacity)
     # The FFI result carries no sharding type: it is identical across the EP group but differs
@@ -180,20 +173,21 @@ def _transfer_send_max(plan, masters, max_fanout: int) -> jax.Array:
     return relay.largest_send_bytes(plan.slot_expert, em, max_fanout, copy_bytes)
 
 
-def _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, route, send_max) -> MoEStats:
+def _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, dispatch, send_max) -> MoEStats:
     """The call's `MoEStats`, typed invariant over the token axes."""
-    # Pairs of unmasked tokens with ids outside [0, E) are in no load (`expert_loads`) and sent
+    # Pairs of unmasked tokens with ids outside [0, E) are in no load (`planning.loads`) and sent
     # nowhere (`dispatch`); masked tokens' pairs are neither, and counted apart.
+
     masked = jnp.sum(masked_R)
     invalid = loads_RE.shape[0] * experts_N.shape[0] - jnp.sum(loads_RE) - K * masked
     stats = MoEStats.of_group(
         loads_RE,
         plan,
-        route.dropped,
+        dispatch.dropped,
         invalid,
         masked,
         capacity,
-        route.group_sizes_RG,
+        dispatch.group_sizes_RG,
         jnp.float32(send_max),
     )
     # Invariant over the EP axis (a function of the gathered loads and the plan); summed or

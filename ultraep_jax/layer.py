@@ -15,7 +15,7 @@ from ultraep_jax._ops import check_positive_int
 from ultraep_jax.checks import check_chunks, check_dtype
 from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.expert_parallel import routed_experts
-from ultraep_jax.experts import dense_glu
+from ultraep_jax.experts.dense import dense_glu
 from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
 from ultraep_jax.sharding import place, with_auto_axes
 from ultraep_jax.stats import MoEStats
@@ -59,9 +59,9 @@ class MoE(nnx.Module):
       param_dtype: dtype of the parameters (router math is float32 whatever it is).
       rngs: initialisation randomness.
       **ep_options: more `ExpertParallel` keywords, with its defaults: ``expert_axis``,
-        ``token_axes``, ``activation`` ("silu", "gelu", "gelu_tanh", "relu"; the shared expert
-        uses it too), ``comm_backend``, ``expert_kernel`` and ``transfer_chunks`` (at most
-        ``d_ff``).
+        ``token_axes``, ``execution`` (an `Execution`) or its fields as keywords:
+        ``activation`` ("silu", "gelu", "gelu_tanh", "relu"; the shared expert uses it too),
+        ``comm_backend``, ``expert_kernel`` and ``transfer_chunks`` (at most ``d_ff``).
 
     Parameters: ``router_kernel`` [D, E] (replicated); ``w_gate``, ``w_up`` [E, D, F] and
     ``w_down`` [E, F, D], split over the EP axis; with shared experts ``shared_gate``,
@@ -187,6 +187,6 @@ def _forward(ep, router, x, token_mask, router_kernel, bias, experts, shared):
     y, stats = routed_experts(x, ids, weights, experts, ep, token_mask)
     if shared is not None:
         with jax.named_scope("shared_experts"):
-            s = dense_glu(x, *shared, activation=ep.activation)
+            s = dense_glu(x, *shared, activation=ep.execution.activation)
             y = y + (s if token_mask is None else jnp.where(token_mask[..., None], s, 0))
     return y, dataclasses.replace(stats, aux_loss=routing.aux_loss, z_loss=routing.z_loss)

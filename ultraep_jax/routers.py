@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax._ops import check_finite, check_positive_int
+from ultraep_jax.planning.loads import expert_loads
 
 
 @jax.tree_util.register_dataclass
@@ -51,9 +52,8 @@ def _losses(logits_TE, probs_TE, experts_TK, mask_T=None):
     T, E = logits_TE.shape
     K = experts_TK.shape[-1]
     real_T = jnp.ones((T,), bool) if mask_T is None else mask_T
-    # Masked tokens choose no expert (id E counts nowhere) and weigh 0 in the means.
-    chosen = jnp.where(real_T[:, None], experts_TK, E)
-    count_E = jax.lax.stop_gradient(expert_loads(chosen, E)).astype(jnp.float32)
+    # Masked tokens choose no expert and weigh 0 in the means.
+    count_E = jax.lax.stop_gradient(expert_loads(experts_TK, E, mask_T)).astype(jnp.float32)
     n = jnp.maximum(jnp.sum(real_T, dtype=jnp.float32), 1.0)
     mean_probs_E = jnp.sum(jnp.where(real_T[:, None], probs_TE, 0), axis=0) / n
     aux = E / (K * n) * jnp.sum(count_E * mean_probs_E)
@@ -196,12 +196,3 @@ def update_bias(bias_E: jax.Array, expert_load_E: jax.Array, rate: float) -> jax
 def router_logits(x_TD: jax.Array, router_kernel_DE: jax.Array) -> jax.Array:
     """float32 [T, E]: the router's logits, computed in float32."""
     return jnp.dot(x_TD.astype(jnp.float32), router_kernel_DE.astype(jnp.float32))
-
-
-def expert_loads(experts: jax.Array, num_experts: int) -> jax.Array:
-    """int32 [E]: (token, choice) pairs routed to each expert, from ``experts`` [T, K]; ids
-    outside [0, E) count for no expert."""
-    e = experts.reshape(-1)
-    # Out of range -> E, which the scatter drops (a negative index would wrap around).
-    e = jnp.where((e >= 0) & (e < num_experts), e, num_experts)
-    return jnp.zeros((num_experts,), jnp.int32).at[e].add(1, mode="drop")

@@ -7,7 +7,7 @@ Each layer of each trace is turned into a load matrix (`experiments.loads.worklo
 trace's own top-k, ``--tokens_per_rank`` tokens per rank) and planned by the real planner
 (`ultraep_jax.plan`, the FFI custom call, ``--slots_per_rank`` spare slots, at ``--balance_eps``
 and in exact mode, ``balance_eps=0``). The plan's replica transfer sends each replica its
-expert's weights, from the master's rank (direct) or through relays (`ultraep_jax.relay`, each
+expert's weights, from the master's rank (direct) or through relays (`replicas.relay`, each
 ``--max_fanout`` bound f): the busiest sender's count of expert copies is the layer's figure,
 reported as its distribution over layers (median, p90, max), with the largest fan-out of one
 expert, the transfer's modelled length (each hop as long as its busiest link, in copies) and its

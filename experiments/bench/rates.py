@@ -7,12 +7,12 @@ The break-even's layers (`experiments.bench.breakeven`: D=128, F=512, E=8, top-2
 pinned processes) take their time from a few rates, each measured here on its own, so that the
 step model (`experiments.stepmodel.pinned`) predicts their ratios without being fitted to them:
 
-  experts      the tiled expert kernel (`ultraep_jax.experts.grouped_glu`, what the layer runs on
+  experts      the tiled expert kernel (`experts.registry.grouped_glu`, what the layer runs on
                CPU) on one rank's buffer of C rows with ``rows`` of them in ``groups`` groups,
                forward (prefill) and forward + backward (train): fitted as
                fixed + per buffer row x C + per row x rows + per group x groups
   stage        the balanced program's expert stage as the layer runs it on CPU
-               (`ultraep_jax.streaming.experts_with_replicas` on both ranks: the kernel under
+               (`replicas.streaming.experts_with_replicas` on both ranks: the kernel under
                its ``lax.cond``, and with a replica the transfer of its weights, a reduce-scatter
                forward and an all-gather backward), with no replica and with one, fitted alike
   a2a          gloo between the two pinned processes: the token all-to-all at each size the
@@ -45,8 +45,8 @@ from experiments.bench import (
     moe,
 )
 from experiments.stepmodel import calibration
-from ultraep_jax import streaming
-from ultraep_jax.experts import grouped_glu
+from ultraep_jax.experts.registry import grouped_glu
+from ultraep_jax.replicas import streaming
 
 flags.FLAGS.set_default("json_out", "experiments/results/rates_cpu.json")
 flags.FLAGS.set_default("tokens", ["256", "1024", "2048", "4096", "8192"])

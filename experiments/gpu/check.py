@@ -69,7 +69,7 @@ from experiments.gpu import exchange_run
 from experiments.gpu import gmm as gpu_gmm
 from experiments.gpu import moe as gpu_moe
 from experiments.gpu import planner as gpu_planner
-from ultraep_jax import _native
+from ultraep_jax.planning import native as _native
 
 _OUT = flags.DEFINE_string("out", None, "Folder for gpu_results.json and the HLO dump (created).")
 _DRY = flags.DEFINE_bool("dry_run", False, "Run every section on CPU with tiny shapes.")

@@ -26,8 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 from experiments import common
 from experiments.stepmodel.shapes import ANCHOR
-from ultraep_jax import comm, transfer
-from ultraep_jax.exchange import Exchange
+from ultraep_jax import comm
+from ultraep_jax.comm.exchange import Exchange
+from ultraep_jax.replicas import transfer
 
 AXIS = "expert"
 _SKIP_RAGGED = (
@@ -47,7 +48,7 @@ class ExchangeSetup:
       capacity_factor: receive-buffer rows per rank, x ``rows`` (the layer's).
       dtype: of tokens and weights.
       check_rows: rows per rank of the gradient checks and of the replica step.
-      kernel: the replica step's expert kernel (`ultraep_jax.experts.KERNELS`).
+      kernel: the replica step's expert kernel (`ultraep_jax.config.execution.KERNELS`).
       repeats, inner: timed samples (medians), and back-to-back calls per sample.
     """
 

@@ -32,7 +32,7 @@ from experiments.gpu.exchange import (
     time_tokens,
     time_weights,
 )
-from ultraep_jax import streaming
+from ultraep_jax.replicas import streaming
 
 
 def replica_step(mesh, s: ExchangeSetup, backend: str):

@@ -14,7 +14,7 @@ import numpy as np
 
 from experiments import common
 from experiments.stepmodel.shapes import ANCHOR
-from ultraep_jax import gmm_mgpu, gmm_pallas
+from ultraep_jax.experts import gmm_mgpu, gmm_pallas
 
 
 def _adaptive_median_seconds(fn, repeats: int, inner: int) -> float:

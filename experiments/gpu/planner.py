@@ -14,7 +14,7 @@ import ultraep_jax as uep
 from experiments import common
 from experiments.loads import workloads
 from experiments.stepmodel.shapes import ANCHOR
-from ultraep_jax import _native
+from ultraep_jax.planning import native as _native
 
 
 def random_loads(rng, n: int, R: int, E: int, tokens=4096, exponent=(0.0, 2.0)) -> np.ndarray:
@@ -37,7 +37,7 @@ def reference_loads(R: int, E: int, tokens: int, n: int) -> np.ndarray:
 
 def planner_cases(dry: bool) -> dict:
     """name -> (BalancerConfig, int32 [n, R, E]): configurations that between them take every
-    branch of the threshold search (checked with tests/reference_planner.py: the first is mostly
+    branch of the threshold search (checked with tests/references/planner.py: the first is mostly
     fast-path, the second mostly coarse + refine probes, the third has searches that find
     nothing), the reference workloads, large R and S, and the no-search cases."""
     rng = np.random.default_rng(0)

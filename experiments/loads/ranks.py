@@ -1,5 +1,5 @@
 """The two rules every experiment applies to rank loads, stated once: where an expert's master
-lives (its home rank, `ultraep_jax.layout.Layout.master_rank`) and the imbalance of per-rank
+lives (its home rank, `planning.layout.Layout.master_rank`) and the imbalance of per-rank
 loads (max / mean); and what follows from the first: the instances a layout holds off their
 home rank (the weight copies a layer moves). NumPy, host only."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ultraep_jax.layout import Layout
+from ultraep_jax.planning.layout import Layout
 
 
 def home_ranks(num_experts: int, num_ranks: int) -> np.ndarray:
@@ -42,7 +42,7 @@ def imbalance(rank_load) -> float:
 def held_off_home(layouts, num_experts: int) -> np.ndarray:
     """int32 ``[N, R, C]``: the instances of layouts ``[N, R, C]`` that sit off their expert's
     home rank (each a weight copy; a second instance of an expert on one rank needs no second
-    copy), -1 elsewhere: the held matrix the relay schedule (`ultraep_jax.relay`) moves."""
+    copy), -1 elsewhere: the held matrix the relay schedule (`ultraep_jax.replicas.relay`) moves."""
     layouts = np.asarray(layouts)
     ranks, cols = layouts.shape[1:]
     home = np.arange(ranks)[None, :, None]

@@ -112,7 +112,9 @@ _PAIRS = flags.DEFINE_integer(
 _PREFILL_PAIRS = flags.DEFINE_integer(
     "prefill_pairs_per_rank", None, "Prefill pairs per rank (default: the preset's)."
 )
-_KERNEL = flags.DEFINE_string("kernel", "auto", "Expert kernel (ultraep_jax.experts.KERNELS).")
+_KERNEL = flags.DEFINE_string(
+    "kernel", "auto", "Expert kernel (ultraep_jax.config.execution.KERNELS)."
+)
 _E = flags.DEFINE_integer("num_experts", 256, "Experts of the zipfX workloads.")
 _K = flags.DEFINE_integer("top_k", 8, "Top-k of the zipfX workloads (traces use their model's).")
 _BALANCER = cli.define_balancer_flags(

@@ -12,7 +12,7 @@ layer as the target model would run it on a stated GPU:
   scaled by the FLOP ratio to the target shape and by the GPU's rate); the token all-to-alls
   from each rank's exact rows at the target's row bytes (the replayed matrix's rows scaled to the
   target's pairs per rank); the replica weights at the target's expert bytes, moved along the
-  library's relay schedule (`ultraep_jax.relay`: each hop as long as its busiest link, sending or
+  library's relay schedule (`replicas.relay`: each hop as long as its busiest link, sending or
   receiving, hops one after another), and in training their gradients back the same way.
 - Overlap: the replica transfer depends only on the plan and the weights, so it runs beside the
   token all-to-all of its pass (the dispatch in the forward pass, its transpose in the backward

@@ -33,7 +33,7 @@ import numpy as np
 from experiments.replay.work import RankWork
 from experiments.stepmodel import shapes
 from ultraep_jax import dispatch
-from ultraep_jax.experts import local_experts
+from ultraep_jax.experts.registry import local_experts
 
 MODES = ("train", "prefill")
 
@@ -45,7 +45,7 @@ class Shape:
     Attributes:
       d_model, d_ff: D and F of every expert (SwiGLU).
       dtype: activations and weights ("float32" or "bfloat16").
-      kernel: `ultraep_jax.experts.KERNELS` entry for the experts ("auto": tiled on CPU, the GPU
+      kernel: `config.execution.KERNELS` entry for the experts ("auto": tiled on CPU, the GPU
         kernels on CUDA).
     """
 
@@ -131,11 +131,11 @@ def _bookkeeping_fn(mode: str, capacity: int, top_k: int):
     rows the exchanges would bring stand in as inputs."""
 
     def forward(tokens_TD, weights_TK, received_CD, done_CD, experts_N, loads_RE, plan, rank):
-        route = dispatch.plan_dispatch(experts_N, loads_RE, plan, rank, capacity)
-        send_ND = tokens_TD[route.send_order_N // top_k]
-        rows_CD = dispatch.to_groups(received_CD, route)
-        back_CD = dispatch.from_groups(done_CD, route)
-        return send_ND, rows_CD, back_CD, dispatch.combine(send_ND, route, weights_TK)
+        moves = dispatch.plan_dispatch(experts_N, loads_RE, plan, rank, capacity)
+        send_ND = tokens_TD[moves.send_order_N // top_k]
+        rows_CD = dispatch.to_groups(received_CD, moves)
+        back_CD = dispatch.from_groups(done_CD, moves)
+        return send_ND, rows_CD, back_CD, dispatch.combine(send_ND, moves, weights_TK)
 
     if mode == "prefill":
         return jax.jit(forward)

@@ -24,8 +24,9 @@ import numpy as np
 
 import ultraep_jax as uep
 from experiments.loads import baselines, policies, ranks, traces, workloads
-from ultraep_jax import dispatch, reroute
-from ultraep_jax.layout import Layout
+from ultraep_jax import dispatch
+from ultraep_jax.planning.layout import Layout
+from ultraep_jax.planning.loads import masters_only_plan
 
 #: The policies compared, in table order (the force-balanced ideal is reported beside them).
 POLICIES = policies.names(without=("eplb_plus",))
@@ -148,7 +149,7 @@ class RankWork:
       weight_copies_RR: int [R(src), R(dst)], expert weight sets each rank sends each other rank
         for this layer (their gradients return the same way in training).
       held_RC: int32 [R, C], the experts each rank receives weights of for this layer (-1: none):
-        what the relay schedule moves (`ultraep_jax.relay`).
+        what the relay schedule moves (`ultraep_jax.replicas.relay`).
       dropped: pairs past their destination's capacity.
       plan: the `uep.Plan` whose dispatch bookkeeping the rank runs (EPLB: the masters-only plan,
         the same bookkeeping on the same pairs).
@@ -202,7 +203,7 @@ def dropless_capacity(max_rows: int, pairs_per_rank: int) -> int:
 
 
 _jit_plan = jax.jit(uep.plan, static_argnums=(1, 2))
-_jit_masters_only = jax.jit(reroute.masters_only_plan)
+_jit_masters_only = jax.jit(masters_only_plan)
 _jit_counts = jax.jit(dispatch.group_counts, static_argnums=2)
 
 

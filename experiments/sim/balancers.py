@@ -32,7 +32,7 @@ import ultraep_jax as uep
 from experiments import common
 from experiments.loads import baselines, policies
 from experiments.loads.baselines import Balanced
-from ultraep_jax.layout import Layout
+from ultraep_jax.planning.layout import Layout
 
 #: The balancers in table order.
 BASELINE_ORDER = policies.names(without=("exact",))

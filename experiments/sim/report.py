@@ -82,7 +82,7 @@ def assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> 
             f"Replica = 3 x D x F x {params.weight_bytes} bytes (bf16), gradient return the same "
             "bytes by the reverse hops. Charged from the largest per-link bytes: the copies each "
             "layout moves (its instances off their home rank) are scheduled by the library's "
-            "relay schedule (ultraep_jax.relay, ffi/TRANSFER.md) with max_fanout = "
+            "relay schedule (ultraep_jax.replicas.relay, ffi/TRANSFER.md) with max_fanout = "
             f"{params.relay_fanout} (relay) or 0 (direct: every copy from its home rank in one "
             "hop); each hop lasts as long as the most copies one rank sends or receives in it, "
             "times one copy's time to a uniformly random other rank of the group (expected "

@@ -102,7 +102,7 @@ def copy_seconds(nbytes: float, ep: int, links: Links) -> float:
 
 def relay_copies(held_NRC, num_experts: int, fanout: int | None) -> dict[str, np.ndarray]:
     """The replica transfer of each of N held matrices ``[N, R, C]`` (the experts each rank
-    receives weights of, -1: none) under the relay bound ``fanout`` (`ultraep_jax.relay`; 0 or
+    receives weights of, -1: none) under the relay bound ``fanout`` (`replicas.relay`; 0 or
     None: direct, every copy from its master's rank in one hop), in expert copies: the busiest
     rank's copies sent (``send``), the transfer's length (``length``: each hop as long as the
     most copies one rank sends or receives in it, the hops one after another) and its hops

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from experiments.bench.minimal_ep import minimal_ep
 from tests.helpers import expert_mesh
-from tests.library.test_robustness import reference_moe
+from tests.references.moe import reference_moe
 
 
 def test_minimal_ep_equals_dense_reference_without_overflow():

@@ -14,7 +14,7 @@ import pytest
 
 from experiments import common
 from tests.helpers import expert_mesh, fetch_with_grads
-from ultraep_jax import transfer
+from ultraep_jax.replicas import transfer
 
 # End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 
 import ultraep_jax as uep
 from experiments.planner.oracle import exact_plan_exists, random_cases
-from tests.reference_planner import check_plan_invariants, reference_plan, reference_plan_info
+from tests.references.planner import check_plan_invariants, reference_plan, reference_plan_info
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
 

@@ -1,8 +1,8 @@
 """The per-rank replay (`experiments.replay.work`) against the layer itself: for load
 matrices given exactly (expert ids built to produce them), the rows, groups and replica slots the
 replay gives every rank equal those the layer received on 8 simulated devices (`MoEStats`), and
-those of an independent NumPy rendering of the plan and dispatch rules (`reference_planner`,
-`dispatch_reference`)."""
+those of an independent NumPy rendering of the plan and dispatch rules (`references.planner`,
+`references.dispatch`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 
 import ultraep_jax as uep
 from experiments.replay import work as replay_work
-from tests.dispatch_reference import instances, prefix_transport
 from tests.helpers import expert_mesh
-from tests.reference_planner import reference_plan
+from tests.references.dispatch import instances, prefix_transport
+from tests.references.planner import reference_plan
 
 D, F, K = 8, 16, 2
 TOKENS = 32  # per device: 64 pairs

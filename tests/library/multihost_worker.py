@@ -44,7 +44,7 @@ def main(address: str, process_id: int) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(address, 2, process_id)
     assert jax.device_count() == 8 and jax.local_device_count() == 4
-    from tests.library.test_robustness import reference_moe
+    from tests.references.moe import reference_moe
 
     rng = np.random.default_rng(0)  # the same values in both processes
     x = rng.normal(size=(B, L, D)).astype(np.float32)

@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
 from tests.helpers import set_param
-from ultraep_jax.activations import ACTIVATIONS
+from tests.references.moe import HIGHEST
+from ultraep_jax.experts.activations import ACTIVATIONS
 
 D, F, E, K = 16, 8, 8, 2
 B, L = 8, 6  # 48 tokens: 6 per device on 8 token devices, 12 on 4 (with a "model" axis)
@@ -121,7 +122,7 @@ def dense_reference(x, ids, weights, params, mask, activation):
     act = ACTIVATIONS[activation]
     x32 = x.astype(jnp.float32)
     wg, wu, wd = (w.astype(jnp.float32) for w in params)
-    hi = jax.lax.Precision.HIGHEST
+    hi = HIGHEST
     h = act(jnp.einsum("bld,edf->blef", x32, wg, precision=hi)) * jnp.einsum(
         "bld,edf->blef", x32, wu, precision=hi
     )

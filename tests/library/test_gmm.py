@@ -11,9 +11,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.helpers import gpu_mesh
-from ultraep_jax import gmm_pallas
+from tests.references.moe import HIGHEST
+from ultraep_jax.experts import gmm_pallas
 
-HIGHEST = jax.lax.Precision.HIGHEST
 TILES = dict(tile_m=16, tile_n=16, tile_k=16)
 
 # (M, K, N, group_sizes): empty groups, a group spanning several tiles, groups not aligned to

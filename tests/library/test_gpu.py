@@ -22,7 +22,9 @@ from jax.sharding import Mesh
 import ultraep_jax as uep
 from experiments.loads import workloads
 from tests.helpers import abstract_batch, gpu_expert_mesh
-from ultraep_jax import _native, gmm_mgpu, gmm_pallas, relay
+from ultraep_jax.experts import gmm_mgpu, gmm_pallas
+from ultraep_jax.planning import native as _native
+from ultraep_jax.replicas import relay
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 needs_gpu = pytest.mark.skipif(

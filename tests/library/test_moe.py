@@ -24,15 +24,16 @@ from jax.sharding import AxisType, Mesh
 
 import ultraep_jax as uep
 from tests import helpers
-from tests.dispatch_reference import kept_pairs, prefix_transport
 from tests.helpers import make_mesh, place_batch
-from tests.reference_planner import reference_plan
+from tests.references.dispatch import kept_pairs, prefix_transport
+from tests.references.moe import HIGHEST
+from tests.references.planner import reference_plan
 
 # One test process computes the cases it caches (pytest-xdist).
 pytestmark = pytest.mark.xdist_group("test_moe")
 
 D, F = 8, 16
-HIGHEST = jax.lax.Precision.HIGHEST
+
 RTOL = 1e-4
 ATOL = 1e-5
 PARAM_NAMES = ("router_kernel", "w_gate", "w_up", "w_down")
@@ -380,7 +381,7 @@ def capacity_rows(capacity_factor, top_k, tokens_per_device) -> int:
 
 def expected_keep(x, params, mesh, num_experts, top_k, capacity, balancer):
     """[T, k] 0/1: the pairs the layer must keep, by the NumPy reference planner and the
-    reference dispatch rules (tests/dispatch_reference.py), per EP group."""
+    reference dispatch rules (tests/references/dispatch.py), per EP group."""
     G, R = mesh_groups(mesh)
     _, idx, _ = reference_routing(jnp.asarray(x), jnp.asarray(params["router_kernel"]), top_k)
     experts = np.asarray(idx).reshape(G, R, -1)  # each source's pairs in pair order

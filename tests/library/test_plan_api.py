@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
 from tests.helpers import expert_mesh
-from tests.reference_planner import check_plan_invariants, rank_loads_before, reference_plan
+from tests.references.planner import check_plan_invariants, rank_loads_before, reference_plan
 
 
 def _skewed_loads(rng, R, E, hot=3):

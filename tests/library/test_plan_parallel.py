@@ -23,8 +23,8 @@ import ultraep_jax as uep
 from experiments.loads import workloads
 from experiments.planner.oracle import random_cases
 from tests.library.test_plan_vs_reference import CONFIGS, _random_loads
-from tests.reference_planner import check_plan_invariants, reference_plan, reference_plan_info
-from ultraep_jax import _native
+from tests.references.planner import check_plan_invariants, reference_plan, reference_plan_info
+from ultraep_jax.planning import native as _native
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
 KINDS = ["uniform", "hot", "zipf", "one", "equal"]

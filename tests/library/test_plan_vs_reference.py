@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import ultraep_jax as uep
 from experiments.loads import workloads
 from experiments.planner.oracle import random_cases
-from tests.reference_planner import (
+from tests.references.planner import (
     check_plan_invariants,
     rank_loads_before,
     reference_plan,

@@ -1,4 +1,4 @@
-"""The relay schedule (`ultraep_jax.relay`) against the NumPy reference of ffi/TRANSFER.md."""
+"""The relay schedule (`replicas.relay`) against the NumPy reference of ffi/TRANSFER.md."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 import tests.library.test_moe as tm
 import ultraep_jax as uep
 from tests.helpers import expert_mesh, fetch_with_grads
-from tests.relay_reference import reference_schedule, reference_send_copies
-from ultraep_jax import comm, relay, streaming, transfer
+from tests.references.relay import reference_schedule, reference_send_copies
+from ultraep_jax import comm
+from ultraep_jax.config import execution
+from ultraep_jax.replicas import relay, streaming, transfer
 
 
 def random_slots(rng, R, em, S, fill, hot):
@@ -141,7 +143,7 @@ def _portable_exchange(monkeypatch):
 
     monkeypatch.setattr(transfer.comm, "ragged_exchange", exchange)
     # The layer refuses "ragged" on CPU devices; here its exchanges run the portable way.
-    monkeypatch.setattr(transfer.comm, "check_platform", lambda backend, mesh: None)
+    monkeypatch.setattr(execution, "check_platform", lambda backend, platform: None)
 
 
 @pytest.mark.parametrize("backend", ["portable", "ragged"])

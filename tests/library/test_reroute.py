@@ -4,7 +4,7 @@ instances of their expert, locality first.
 Instances are the E masters in expert order, then the R*S spare slots in (rank, slot) order. The
 random tests check the properties (row sums per expert, column sums = quotas, non-negative,
 locality first), compare with a greedy NumPy transport where the answer is unique, and with the
-documented prefix-sum rule (tests/dispatch_reference.py) everywhere.
+documented prefix-sum rule (tests/references/dispatch.py) everywhere.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ultraep_jax as uep
-from tests.dispatch_reference import prefix_transport
+from tests.references.dispatch import prefix_transport
 
 _reroute = jax.jit(uep.reroute.reroute_counts)
 

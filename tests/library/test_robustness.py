@@ -3,7 +3,7 @@
 The layer (`uep.routed_experts`, routing given explicitly) against a dense one-device reference
 written here: every (token, choice) pair runs its own expert's SwiGLU on the gathered weights, and
 pairs that reach no expert (an id outside [0, E), or dropped for capacity by the rule of
-tests/dispatch_reference.py) are selected out. Covered: inf/NaN in one expert's weights (they
+tests/references/dispatch.py) are selected out. Covered: inf/NaN in one expert's weights (they
 must not reach tokens or gradients of other experts, through replicas and relays), NaN/inf routing
 weights on skipped pairs, capacity drops together with relays and streamed transfers, and the
 argument checks.
@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from tests.dispatch_reference import kept_pairs, prefix_transport
 from tests.helpers import expert_mesh, fetch_with_grads
 from tests.library.test_relay import _portable_exchange, random_slots
-from tests.reference_planner import reference_plan
-from tests.relay_reference import reference_schedule
-from ultraep_jax import relay
+from tests.references.dispatch import kept_pairs, prefix_transport
+from tests.references.moe import reference_moe
+from tests.references.planner import reference_plan
+from tests.references.relay import reference_schedule
+from ultraep_jax.replicas import relay
 
 D, F = 8, 16
-HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _balancer(max_fanout: int = 2) -> uep.BalancerConfig:
@@ -37,22 +37,6 @@ def _balancer(max_fanout: int = 2) -> uep.BalancerConfig:
     return uep.BalancerConfig(
         slots_per_rank=2, min_tokens_per_replica=1, max_fanout=max_fanout, min_tokens_per_rank=0
     )
-
-
-# -- the dense reference -------------------------------------------------------------------------
-
-
-def reference_moe(x, experts, weights, params, keep):
-    """[B, L, D]: ``sum_j keep * weights[..., j] * swiglu_{experts[..., j]}(x)``, each pair on its
-    own expert's weights (gathered, so an expert no pair chooses is never read); pairs with
-    ``keep`` False are selected out (ids outside [0, E) are clipped first, then unused)."""
-    w_gate, w_up, w_down = params
-    E = w_gate.shape[0]
-    e = jnp.clip(experts, 0, E - 1)
-    gate = jnp.einsum("bld,blkdf->blkf", x, w_gate[e], precision=HIGHEST)
-    up = jnp.einsum("bld,blkdf->blkf", x, w_up[e], precision=HIGHEST)
-    out = jnp.einsum("blkf,blkfd->blkd", jax.nn.silu(gate) * up, w_down[e], precision=HIGHEST)
-    return jnp.sum(jnp.where(keep, weights, 0)[..., None] * out, axis=2)
 
 
 def value_and_grads(fn, x, weights, params, experts, cot):
@@ -591,7 +575,7 @@ def test_pallas_grouped_matmul_keeps_nonfinite_values_in_their_group():
     group 1's weights, NaN in one of group 1's rows, NaN in the cotangent of another of them.
     Every other group's rows, their input gradients and every other group's weight gradient equal
     NumPy's (a product of rows zeroed before it would be 0 * inf = NaN across the shared tile)."""
-    from ultraep_jax import gmm_pallas
+    from ultraep_jax.experts import gmm_pallas
 
     rng = np.random.default_rng(10)
     M, K, N = 48, 16, 16

@@ -31,11 +31,12 @@ from tests.helpers import (
     make_mesh,
     place_batch,
 )
+from tests.references.moe import HIGHEST
 from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, update_bias
 
 D, F, FS = 8, 8, 8  # model width, expert hidden width, shared expert hidden width
 E = 8
-HIGHEST = jax.lax.Precision.HIGHEST
+
 RTOL, ATOL = 1e-4, 1e-5
 EXPERT_NAMES = ("w_gate", "w_up", "w_down")
 SHARED_NAMES = ("shared_gate", "shared_up", "shared_down")

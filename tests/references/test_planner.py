@@ -1,4 +1,4 @@
-"""Tests of the NumPy reference planner (tests/reference_planner.py) against ffi/PLANNER.md.
+"""Tests of the NumPy reference planner (tests/references/planner.py) against ffi/PLANNER.md.
 
 (a) hand-worked plans, derived step by step in the comments from the spec's pseudo-code
     (tau0 = max(ceil(T / R), floor(double(T) * (1.0 + eps) / double(R))); targets chosen by
@@ -18,32 +18,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-try:  # tests/ on sys.path (pytest's default rootdir-less import mode)
-    from reference_planner import (
-        INT32_MAX,
-        attempt,
-        check_plan_invariants,
-        compute_delta,
-        compute_tau0,
-        oracle,
-        rank_loads_before,
-        reference_plan,
-        reference_plan_info,
-        search_tau,
-    )
-except ImportError:  # tests/ is a package
-    from tests.reference_planner import (
-        INT32_MAX,
-        attempt,
-        check_plan_invariants,
-        compute_delta,
-        compute_tau0,
-        oracle,
-        rank_loads_before,
-        reference_plan,
-        reference_plan_info,
-        search_tau,
-    )
+from tests.references.planner import (
+    INT32_MAX,
+    attempt,
+    check_plan_invariants,
+    compute_delta,
+    compute_tau0,
+    oracle,
+    rank_loads_before,
+    reference_plan,
+    reference_plan_info,
+    search_tau,
+)
 
 
 def loads_from_expert_totals(load_e, R, rows=None):

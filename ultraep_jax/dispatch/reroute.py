@@ -1,8 +1,8 @@
 """Reroute: how many of each source rank's tokens go to each instance of each expert.
 
-Instances are the E masters, then the R*S spare slots (`layout`). Every rank computes the same
-counts from the same all-gathered loads and plan, so no rank needs to tell another what it will
-send.
+Instances are the E masters, then the R*S spare slots (`planning.layout`). Every rank computes
+the same counts from the same all-gathered loads and plan, so no rank needs to tell another what it
+will send.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax.layout import Layout
-from ultraep_jax.planner import Plan
+from ultraep_jax.planning.layout import Layout
+from ultraep_jax.planning.planner import Plan
 
 
 def _interval_overlap(lo_a, hi_a, lo_b, hi_b):
@@ -56,11 +56,3 @@ def reroute_counts(loads: jax.Array, plan: Plan) -> jax.Array:
     inst_lo = inst_hi - inst_left
     remote = _interval_overlap(src_lo[:, e_of], src_hi[:, e_of], inst_lo[None, :], inst_hi[None, :])
     return (local + jnp.where(valid[None, :], remote, 0)).astype(jnp.int32)
-
-
-def masters_only_plan(loads: jax.Array) -> Plan:
-    """The plan without balancing: every expert's tokens stay on its master (S = 0)."""
-    R = loads.shape[0]
-    load_E = jnp.sum(loads, axis=0, dtype=jnp.int32)
-    empty_RS = jnp.zeros((R, 0), jnp.int32)
-    return Plan(empty_RS, empty_RS, load_E, Layout.of(loads).master_loads(load_E))

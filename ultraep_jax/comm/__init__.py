@@ -1,6 +1,7 @@
-"""One entry point for ragged row exchange over the EP axis, whatever the backend.
+"""Communication over the EP axis: one entry point for ragged row exchange, whatever the backend
+(one file each: `portable`, `ragged`), used by the token exchange and the replica transfer.
 
-An `Exchange` (`ultraep_jax.exchange`) holds every size and offset of one ragged all-to-all for
+An `Exchange` (`comm.exchange`) holds every size and offset of one ragged all-to-all for
 the whole EP group, so the return trip is `Exchange.reversed` and each call passes one argument.
 """
 
@@ -9,52 +10,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax import comm_portable, comm_ragged
 from ultraep_jax._vma import vary, varying_axes
-from ultraep_jax.exchange import Exchange
+from ultraep_jax.comm import portable, ragged
+from ultraep_jax.comm.exchange import Exchange
+from ultraep_jax.config.execution import AUTO, BACKENDS
 
 __all__ = [
     "BACKENDS",
     "Exchange",
     "by_backend",
-    "check_platform",
     "local_exchange",
     "ragged_exchange",
 ]
 
-# Each backend's `ragged_all_to_all`-like exchange (operand, output, exchange, *, axis_name).
-EXCHANGES = {"portable": comm_portable.ragged_exchange, "ragged": comm_ragged.ragged_exchange}
-# "auto": the backend of each platform (`jax.lax.platform_dependent` keywords), at lowering time:
-# XLA:CPU cannot compile `ragged_all_to_all`.
-AUTO = {"cpu": "portable", "default": "ragged"}
-BACKENDS = ("auto", *EXCHANGES)
-
-
-def check_platform(backend: str, mesh) -> None:
-    """Raises ValueError (one line naming ``backend``) when ``mesh``'s devices cannot run it:
-    "ragged" on CPU devices (XLA:CPU cannot compile `ragged_all_to_all`). An `AbstractMesh`
-    states its platform only through its abstract device; without one nothing is checked."""
-    if backend != "ragged":
-        return
-    if isinstance(mesh, jax.sharding.Mesh):
-        platform = mesh.devices.flat[0].platform
-    else:
-        platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
-    if platform == "cpu":
-        raise ValueError(
-            "MoE: comm_backend='ragged' cannot run on CPU devices (XLA:CPU has no "
-            "ragged_all_to_all); use 'portable' or 'auto'"
-        )
+# Each backend's `ragged_all_to_all`-like exchange (operand, output, exchange, *, axis_name), by
+# the names of `config.execution.BACKENDS`.
+EXCHANGES = {"portable": portable.ragged_exchange, "ragged": ragged.ragged_exchange}
 
 
 def by_backend(backend: str, impls: dict, *args):
     """``impls[backend](*args)``, one implementation per name of `EXCHANGES`; "auto" picks one
-    per platform as `AUTO` says, when the computation is lowered."""
+    per platform as `config.execution.AUTO` says, when the computation is lowered."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown communication backend {backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return impls[backend](*args)
-    return jax.lax.platform_dependent(*args, **{p: impls[name] for p, name in AUTO.items()})
+    auto = AUTO["comm_backend"]
+    return jax.lax.platform_dependent(*args, **{p: impls[name] for p, name in auto.items()})
 
 
 def ragged_exchange(

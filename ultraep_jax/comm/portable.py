@@ -2,7 +2,7 @@
 
 Runs on every platform (XLA:CPU cannot compile `ragged_all_to_all`) and is what the tests use.
 It moves ``R * max_chunk`` rows per rank whatever the real sizes are, so GPUs use
-`comm_ragged` by default.
+`comm.ragged` by default.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax.exchange import Exchange
+from ultraep_jax.comm.exchange import Exchange
 
 
 def ragged_exchange(operand, output, exchange: Exchange, *, axis_name: str):

@@ -1,12 +1,9 @@
-"""Dispatch arithmetic: which (token, choice) pair goes to which instance, the order rows travel
-in, every all-to-all size and offset, and what the receive capacity keeps.
-
-Everything here is a function of the all-gathered counts, identical on every rank of an EP group,
-so each rank knows every other rank's sizes and offsets without exchanging them.
+"""This rank's dispatch: which instance each (token, choice) pair goes to, the order rows travel
+in, and every size and offset of the token all-to-all (`Dispatch`).
 
 Shapes follow the package's axis legend (`ultraep_jax`): R ranks, E experts, E_m = E / R masters
-per rank, S slots per rank, G = E_m + S local groups per rank, I = E + R*S instances (`layout`),
-N = T * k pairs on this rank, C receive-buffer rows.
+per rank, S slots per rank, G = E_m + S local groups per rank, I = E + R*S instances
+(`planning.layout`), N = T * k pairs on this rank, C receive-buffer rows.
 """
 
 from __future__ import annotations
@@ -16,11 +13,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax import reroute
 from ultraep_jax._ops import exclusive_cumsum
-from ultraep_jax.exchange import Exchange
-from ultraep_jax.layout import Layout
-from ultraep_jax.planner import Plan
+from ultraep_jax.comm.exchange import Exchange
+from ultraep_jax.dispatch.counts import group_counts
+from ultraep_jax.planning.layout import Layout
+from ultraep_jax.planning.loads import pair_experts
+from ultraep_jax.planning.planner import Plan
 
 
 @jax.tree_util.register_dataclass
@@ -30,7 +28,8 @@ class Dispatch:
 
     Attributes:
       send_order_N: int32 [N], pair indices sorted by (destination rank, local group).
-      exchange: the token all-to-all (`exchange.Exchange`; ``.reversed()`` brings results back).
+      exchange: the token all-to-all (`comm.exchange.Exchange`; ``.reversed()`` brings results
+        back).
       group_row_C: int32 [C], for each receive-buffer row its row once grouped by local group;
         C (out of range) for unused rows.
       group_sizes_G: int32 [G], rows received for each local group (masters, then slots).
@@ -45,23 +44,6 @@ class Dispatch:
     group_sizes_G: jax.Array
     group_sizes_RG: jax.Array
     dropped: jax.Array
-
-
-def rank_group_counts(assign_RI: jax.Array, layout: Layout) -> jax.Array:
-    """int32 [R(src), R(dst), G]: pairs each source rank sends to each local group of each rank,
-    from ``assign_RI`` [R, I] (`reroute.reroute_counts`)."""
-    return assign_RI[:, layout.instance_at()]
-
-
-def kept_counts(counts_RRG: jax.Array, capacity: int) -> jax.Array:
-    """int32 [R(src), R(dst), G]: pairs that fit in each destination's ``capacity`` rows.
-
-    A destination stores sources in rank order and each source's rows by local group; rows past
-    ``capacity`` are dropped (so the drop is deterministic and every rank agrees on it).
-    """
-    per_source_RR = jnp.sum(counts_RRG, axis=-1)
-    start_RRG = exclusive_cumsum(per_source_RR, 0)[..., None] + exclusive_cumsum(counts_RRG, -1)
-    return jnp.clip(capacity - start_RRG, 0, counts_RRG)
 
 
 def pair_instances(
@@ -118,39 +100,6 @@ def group_major_positions(kept_in_RG: jax.Array, capacity: int) -> jax.Array:
     return jnp.where(rows < jnp.sum(kept_in_RG), pos, capacity).astype(jnp.int32)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class GroupCounts:
-    """Every rank's dispatch counts under one plan, identical on every rank of the EP group.
-
-    Attributes:
-      assign_RI: int32 [R, I], pairs each source rank sends to each instance
-        (`reroute.reroute_counts`).
-      routed_RRG: int32 [R(src), R(dst), G], pairs each source sends to each local group of each
-        rank (`rank_group_counts`).
-      kept_RRG: int32 [R(src), R(dst), G], those that fit in the destination's receive buffer
-        (`kept_counts`).
-    """
-
-    assign_RI: jax.Array
-    routed_RRG: jax.Array
-    kept_RRG: jax.Array
-
-    @property
-    def group_sizes_RG(self) -> jax.Array:
-        """int32 [R, G]: rows each rank receives for each of its local groups (masters, then
-        slots): what each rank's experts run on."""
-        return jnp.sum(self.kept_RRG, axis=0)
-
-
-def group_counts(loads_RE: jax.Array, plan: Plan, capacity: int) -> GroupCounts:
-    """The `GroupCounts` of ``plan`` (``slot_expert`` [R, S]; S may be 0) for the all-gathered
-    ``loads_RE`` [R, E] it was made from, with ``capacity`` receive-buffer rows per rank."""
-    assign_RI = reroute.reroute_counts(loads_RE, plan)
-    routed_RRG = rank_group_counts(assign_RI, Layout.of(loads_RE, plan.slot_expert))
-    return GroupCounts(assign_RI, routed_RRG, kept_counts(routed_RRG, capacity))
-
-
 def plan_dispatch(
     experts_N: jax.Array, loads_RE: jax.Array, plan: Plan, rank: jax.Array, capacity: int
 ) -> Dispatch:
@@ -182,7 +131,7 @@ def plan_dispatch(
         recv_rows=capacity,
         max_chunk=min(N, capacity),
     )
-    experts_N = jnp.where((experts_N >= 0) & (experts_N < E), experts_N, E)
+    experts_N = pair_experts(experts_N, E)
     inst_N = pair_instances(
         experts_N, counts.assign_RI[rank], layout.instance_experts(plan.slot_expert)
     )
@@ -200,43 +149,3 @@ def plan_dispatch(
         group_sizes_RG=counts.group_sizes_RG,
         dropped=jnp.sum(counts.routed_RRG) - jnp.sum(counts.kept_RRG),
     )
-
-
-def to_groups(buffer_CD: jax.Array, d: Dispatch) -> jax.Array:
-    """[C, D]: the receive buffer regrouped by local group (masters, then slots) from row 0."""
-    return (
-        jnp.zeros_like(buffer_CD).at[d.group_row_C].set(buffer_CD, mode="drop", unique_indices=True)
-    )
-
-
-def from_groups(rows_CD: jax.Array, d: Dispatch) -> jax.Array:
-    """[C, D]: the inverse of `to_groups` (zeros in unused rows), ready for the return trip."""
-    C = rows_CD.shape[0]
-    used = (d.group_row_C < C)[:, None]
-    return jnp.where(used, rows_CD[jnp.clip(d.group_row_C, 0, C - 1)], 0)
-
-
-def sent_pairs(d: Dispatch) -> jax.Array:
-    """bool [N]: which of this rank's pairs (in pair order) reach an expert: not those of an id
-    outside [0, E) (sent nowhere) nor those dropped for capacity (past their block's kept
-    prefix)."""
-    ex = d.exchange
-    N = ex.send_rows
-    start_R, size_R = ex.src_start_RR[ex.rank], ex.sizes_RR[ex.rank]
-    # Blocks are laid out in destination order from row 0, so the block of a send-order row is
-    # the last one starting at or before it; past every block, the last one (never kept there).
-    rows_N = jnp.arange(N, dtype=jnp.int32)
-    block_N = jnp.clip(jnp.searchsorted(start_R, rows_N, side="right") - 1, 0, None)
-    kept_N = rows_N - start_R[block_N] < size_R[block_N]
-    return jnp.zeros((N,), bool).at[d.send_order_N].set(kept_N, unique_indices=True)
-
-
-def combine(back_ND: jax.Array, d: Dispatch, weights_TK: jax.Array) -> jax.Array:
-    """float32 [T, D]: each token's expert outputs (``back_ND`` [N, D], in send order) weighted
-    by ``weights_TK`` [T, k] and summed; pairs that reached no expert (`sent_pairs`) contribute
-    zero whatever their weight (selected out, not multiplied by zero: a NaN or inf weight on such
-    a pair reaches neither the token nor its weight's gradient)."""
-    T, K = weights_TK.shape
-    pair_out_ND = jnp.zeros_like(back_ND).at[d.send_order_N].set(back_ND, unique_indices=True)
-    weights_TK = jnp.where(sent_pairs(d).reshape(T, K), weights_TK, 0)
-    return jnp.einsum("tk,tkd->td", weights_TK, pair_out_ND.reshape(T, K, -1).astype(jnp.float32))

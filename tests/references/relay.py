@@ -1,5 +1,5 @@
 """NumPy reference of the relay schedule (ffi/TRANSFER.md), written from the spec with plain
-loops over experts and tree levels; `ultraep_jax.relay` is compared against it."""
+loops over experts and tree levels; `ultraep_jax.replicas.relay` is compared against it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""The experts: gated feed-forward networks (SwiGLU by default; `activations`) applied to rows
-grouped by expert.
+"""The expert kernels' registry: gated feed-forward networks (SwiGLU by default; `activations`)
+applied to rows grouped by expert.
 
 Every kernel runs rows through the groups of one or more weight stacks, laid out one after the
-other from row 0 (a rank's masters, then its slots). `_KERNELS` maps each kernel's name to its
-implementation and `_AUTO` says which one "auto" is on each platform: adding a kernel is one
-file (its grouped matmul) and one entry there.
+other from row 0 (a rank's masters, then its slots). `_KERNELS` maps each kernel's name
+(`config.execution.KERNELS`) to its implementation, and "auto" picks one per platform as
+`config.execution.AUTO` says: adding a kernel is one file (its grouped matmul), its name there and
+one entry here. The GPU grouped matmuls are imported when a layer using them is traced, so
+importing the library loads no Pallas or Mosaic kernel module.
 """
 
 from __future__ import annotations
@@ -14,40 +16,42 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax import gmm_mgpu, gmm_pallas
 from ultraep_jax._ops import exclusive_cumsum
-from ultraep_jax.activations import activation_fn
-from ultraep_jax.tiled_experts import tiled_glu_parts
+from ultraep_jax.config.execution import AUTO, KERNELS
+from ultraep_jax.experts.activations import activation_fn
+from ultraep_jax.experts.tiled import tiled_glu_parts
 
 
-def dense_glu(
-    x: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    activation: str = "silu",
-) -> jax.Array:
-    """[..., D]: one gated expert on every token: ``(act(x @ w_gate) * (x @ w_up)) @ w_down``
-    with w_gate, w_up [D, F] and w_down [F, D] (a shared expert)."""
-    act = activation_fn(activation)
-    h = act(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
-    return h @ w_down.astype(x.dtype)
+def _pallas(lhs, rhs, group_sizes):
+    """The Pallas (Triton) grouped matmul (`gmm_pallas`), imported when first traced."""
+    from ultraep_jax.experts import gmm_pallas
+
+    return gmm_pallas.grouped_matmul(lhs, rhs, group_sizes)
+
+
+def _mgpu(lhs, rhs, group_sizes):
+    """JAX's Hopper (Mosaic GPU) ragged-dot kernels (`gmm_mgpu`), imported when first traced."""
+    from ultraep_jax.experts import gmm_mgpu
+
+    return gmm_mgpu.grouped_matmul_mgpu(lhs, rhs, group_sizes)
 
 
 def _cuda_grouped(lhs, rhs, group_sizes):
     """The CUDA grouped matmul of "auto": JAX's Hopper (Mosaic GPU) ragged-dot kernels on an
     H100/H200 when the operands suit them, else our Pallas (Triton) kernel."""
+    from ultraep_jax.experts import gmm_mgpu
+
     if (
         gmm_mgpu.is_hopper()
         and lhs.dtype == rhs.dtype
         and not gmm_mgpu.mgpu_unsupported(lhs.shape, rhs.shape, lhs.dtype)
     ):
-        return gmm_mgpu.grouped_matmul_mgpu(lhs, rhs, group_sizes)
-    return gmm_pallas.grouped_matmul(lhs, rhs, group_sizes)
+        return _mgpu(lhs, rhs, group_sizes)
+    return _pallas(lhs, rhs, group_sizes)
 
 
 def _tiled(rows, stacks, starts, group_sizes, activation):
-    """The tiled loop (`tiled_experts`: its cost tracks the rows present) over every given stack
+    """The tiled loop (`tiled`: its cost tracks the rows present) over every given stack
     at once: on a CPU nothing can overlap, and one loop has half the fixed cost of two."""
     first, last = stacks[0][1], stacks[-1][2]  # the given stacks' groups are consecutive
     parts = [stack for stack, _, _ in stacks]
@@ -79,17 +83,15 @@ def _by_matmul(grouped):
 
 
 # Each kernel: (rows [C, D], stacks, starts [G], group_sizes [G], activation) -> [C, D], where
-# ``stacks`` lists (weights, first group, end group) of the stacks to run.
+# ``stacks`` lists (weights, first group, end group) of the stacks to run; "cuda" is what "auto"
+# is on CUDA (`config.execution.AUTO`).
 _KERNELS = {
     "tiled": _tiled,
     "ragged_dot": _by_matmul(jax.lax.ragged_dot),
-    "pallas": _by_matmul(gmm_pallas.grouped_matmul),
-    "mgpu": _by_matmul(gmm_mgpu.grouped_matmul_mgpu),
+    "pallas": _by_matmul(_pallas),
+    "mgpu": _by_matmul(_mgpu),
+    "cuda": _by_matmul(_cuda_grouped),
 }
-# "auto": per platform (`jax.lax.platform_dependent` keywords), chosen at lowering time.
-_AUTO = {"cuda": _by_matmul(_cuda_grouped), "default": _tiled}
-
-KERNELS = ("auto", *_KERNELS)
 
 
 def fuses_stacks(kernel: str) -> bool:
@@ -114,19 +116,19 @@ def grouped_glu(
         [G_i, F, D]); None for a stack run elsewhere (its rows give zeros here), whose G_i is
         what ``group_sizes`` leaves after the given stacks (at most one None, first or last).
       group_sizes: int32 [G], G = sum of the G_i.
-      kernel: one of `KERNELS`: "tiled" (`tiled_experts`: a loop over row tiles whose cost tracks
-        the rows present; all stacks in one loop), "ragged_dot" (`jax.lax.ragged_dot`; a masked
-        dense product on CPU, in which inf or NaN in one group's weights reaches every row as
+      kernel: one of `config.execution.KERNELS`: "tiled" (`tiled`: a loop over row tiles whose cost
+        tracks the rows present; all stacks in one loop), "ragged_dot" (`jax.lax.ragged_dot`; a
+        masked dense product on CPU, in which inf or NaN in one group's weights reaches every row as
         0 * inf; the tiled and Pallas kernels keep a group's non-finite values in its own rows),
         "pallas" (the Pallas/Triton kernel of `gmm_pallas`), "mgpu" (JAX's Hopper Mosaic GPU
-        kernels, `gmm_mgpu`), or "auto": on CUDA Mosaic GPU on Hopper
-        where the shapes suit it, else Pallas; tiled elsewhere; chosen per platform at lowering
-        time. The matmul kernels run each stack as its own calls, so that the masters' work does
-        not wait for the replica weights to arrive.
+        kernels, `gmm_mgpu`), or "auto": on CUDA Mosaic GPU on Hopper where the shapes suit it, else
+        Pallas; tiled elsewhere; chosen per platform at lowering time. The matmul kernels run each
+        stack as its own calls, so that the masters' work does not wait for the replica weights to
+        arrive.
       activation: a name of `activations.ACTIVATIONS` (default "silu": SwiGLU).
     """
     activation_fn(activation)
-    if kernel != "auto" and kernel not in _KERNELS:
+    if kernel not in KERNELS:
         raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
     sizes = group_sizes.astype(jnp.int32)
     unknown = sizes.shape[0] - sum(s[0].shape[0] for s in stacks if s is not None)
@@ -140,7 +142,8 @@ def grouped_glu(
     if kernel != "auto":
         return _KERNELS[kernel](rows, given, starts, sizes, activation)
     args = (rows, given, starts, sizes, activation)
-    branches = {p: functools.partial(run, *args) for p, run in _AUTO.items()}
+    auto = AUTO["expert_kernel"]
+    branches = {p: functools.partial(_KERNELS[name], *args) for p, name in auto.items()}
     return jax.lax.platform_dependent(**branches)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from ultraep_jax.exchange import Exchange
+from ultraep_jax.comm.exchange import Exchange
 
 
 def ragged_exchange(operand, output, exchange: Exchange, *, axis_name: str):

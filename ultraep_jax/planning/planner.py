@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ultraep_jax import _native
 from ultraep_jax._ops import INT64_MAX, check_int
-from ultraep_jax.config import BalancerConfig
-from ultraep_jax.layout import check_divisible
+from ultraep_jax.config.balancer import BalancerConfig
+from ultraep_jax.planning import native as _native
+from ultraep_jax.planning.layout import check_divisible
 
 
 @jax.tree_util.register_dataclass

@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ultraep_jax import comm, relay
+from ultraep_jax import comm
 from ultraep_jax._vma import vary, varying_axes
-from ultraep_jax.exchange import Exchange
+from ultraep_jax.comm.exchange import Exchange
+from ultraep_jax.replicas import relay
 
 
 def _hop_exchange(table_NP, sender_RS, source_RS, axis_name: str, backend: str):

@@ -10,14 +10,17 @@ while chunk c + 1 is still in flight (ffi/TRANSFER.md, "Streamed transfer").
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from ultraep_jax import remat, transfer
+from ultraep_jax import remat
 from ultraep_jax._vma import vary, varying_axes
-from ultraep_jax.experts import fuses_stacks, grouped_glu
+from ultraep_jax.experts.registry import fuses_stacks, grouped_glu
+from ultraep_jax.replicas import transfer
 
 
 def hidden_chunks(d_ff: int, chunks: int) -> list[slice]:
@@ -56,13 +59,17 @@ def experts_with_replicas(
       masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts.
       slot_expert_RS: int32 [R, S], the plan's slots.
       group_sizes: int32 [E_m + S].
-      kernel, activation: see `experts.grouped_glu`.
+      kernel, activation: see `experts.registry.grouped_glu`.
       chunks: n >= 1 transfers of F / n columns each; 1: one transfer.
       max_fanout, axis_name, backend: see `transfer.fetch_replica_experts`.
 
     A plan with no replica (no slot filled on any rank) runs the masters alone: no transfer and
-    no slot work, what plain expert parallelism runs.
+    no slot work, what plain expert parallelism runs. The plan is identical on every rank of the
+    EP group, so every rank takes the same branch.
     """
+    run = functools.partial(
+        grouped_glu, rows, group_sizes=group_sizes, kernel=kernel, activation=activation
+    )
 
     def fetch(weights):
         fetched = transfer.fetch_replica_experts(
@@ -70,31 +77,39 @@ def experts_with_replicas(
         )
         return checkpoint_name(fetched, remat.REPLICAS)
 
-    def masters_only():
-        return grouped_glu(rows, [masters, None], group_sizes, kernel, activation)
+    active = transfer.active_slots(slot_expert_RS) > 0
+    if chunks == 1 and fuses_stacks(kernel):
+        return _fused(run, masters, fetch, active)
+    return _masters_then_slots(run, rows, masters, fetch, active, chunks)
+
+
+def _fused(run, masters, fetch, active) -> jax.Array:
+    """[C, D]: masters and fetched slots in one kernel call when the plan has a replica, the
+    masters alone otherwise: one loop over both stacks costs less than two on a CPU, so the
+    masters are in both branches."""
+    return jax.lax.cond(
+        active, lambda: run([masters, fetch(masters)]), lambda: run([masters, None])
+    )
+
+
+def _masters_then_slots(run, rows, masters, fetch, active, chunks: int) -> jax.Array:
+    """[C, D]: the masters' calls, plus the slots' (chunk by chunk, `_slots`) when the plan has a
+    replica: each stack runs as its own calls, so the masters' work need not wait for the
+    weights."""
 
     def no_slots():
         return vary(jnp.zeros(rows.shape, jnp.float32), varying_axes(rows))
 
-    def slots():
-        # Partial sums over chunks in float32, whatever the rows' dtype.
-        out = None
-        for cols in hidden_chunks(masters[0].shape[-1], chunks):
-            stacks = [None, fetch(weight_chunk(masters, cols))]
-            part = grouped_glu(rows, stacks, group_sizes, kernel, activation).astype(jnp.float32)
-            out = part if out is None else out + part
-        return out
-
-    # The plan is identical on every rank of the EP group, so every rank takes the same branch:
-    # with no replica nothing moves and the kernel runs the masters alone, as plain EP does.
-    active = transfer.active_slots(slot_expert_RS) > 0
-    if chunks == 1 and fuses_stacks(kernel):
-        # One loop over both stacks costs less than two on a CPU, so the masters are in both
-        # branches.
-        def both():
-            return grouped_glu(rows, [masters, fetch(masters)], group_sizes, kernel, activation)
-
-        return jax.lax.cond(active, both, masters_only)
-    # Each stack runs as its own calls, so the masters' work need not wait for the weights.
-    out = masters_only().astype(jnp.float32) + jax.lax.cond(active, slots, no_slots)
+    slots = functools.partial(_slots, run, masters, fetch, chunks)
+    out = run([masters, None]).astype(jnp.float32) + jax.lax.cond(active, slots, no_slots)
     return out.astype(rows.dtype)
+
+
+def _slots(run, masters, fetch, chunks: int) -> jax.Array:
+    """float32 [C, D]: the slot groups' rows, the weights fetched and run chunk by chunk of the
+    hidden width (partial sums in float32, whatever the rows' dtype)."""
+    out = None
+    for cols in hidden_chunks(masters[0].shape[-1], chunks):
+        part = run([None, fetch(weight_chunk(masters, cols))]).astype(jnp.float32)
+        out = part if out is None else out + part
+    return out

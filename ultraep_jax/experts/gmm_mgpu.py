@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ultraep_jax._vma import vary, varying_axes
-from ultraep_jax.gmm_pallas import group_bounds, pad_to, round_up
+from ultraep_jax.experts.gmm_pallas import group_bounds, pad_to, round_up
 
 
 class MgpuTiles(NamedTuple):

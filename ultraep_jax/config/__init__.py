@@ -1,0 +1,24 @@
+"""The configuration: what the planner may do (`BalancerConfig`), where routed experts run
+(`ExpertParallel`: mesh, axes, sizes, capacity) and how (`Execution`: kernel, communication
+backend, transfer chunks, activation). Importing it loads no kernel or collective module."""
+
+from ultraep_jax.config.balancer import (
+    DEFAULT_MIN_TOKENS_PER_RANK,
+    MAX_FANOUT,
+    MAX_MIN_TOKENS_PER_REPLICA,
+    MAX_SLOTS_PER_RANK,
+    BalancerConfig,
+)
+from ultraep_jax.config.execution import Execution
+from ultraep_jax.config.expert_parallel import TENSOR_AXIS_NAMES, ExpertParallel
+
+__all__ = [
+    "DEFAULT_MIN_TOKENS_PER_RANK",
+    "MAX_FANOUT",
+    "MAX_MIN_TOKENS_PER_REPLICA",
+    "MAX_SLOTS_PER_RANK",
+    "BalancerConfig",
+    "Execution",
+    "ExpertParallel",
+    "TENSOR_AXIS_NAMES",
+]

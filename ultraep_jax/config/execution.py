@@ -1,0 +1,83 @@
+"""`Execution`: how the routed experts run (expert kernel, communication backend, transfer chunks,
+activation), and the names each choice may take. Names only: no kernel or collective is imported
+here (`experts.registry` and `comm` map the names to code)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ultraep_jax._ops import check_positive_int
+from ultraep_jax.experts.activations import ACTIVATIONS
+
+#: What "auto" is on each platform (`jax.lax.platform_dependent` keywords): on a mesh of CPU
+#: devices it is resolved when the configuration is built (only that branch is traced); on any
+#: other mesh when the computation is lowered (`comm.by_backend`, `experts.registry`). XLA:CPU
+#: cannot compile `ragged_all_to_all`. The kernel "cuda" is JAX's Mosaic GPU kernels on Hopper
+#: where the shapes suit them, else the Pallas (Triton) kernel.
+AUTO = {
+    "comm_backend": {"cpu": "portable", "default": "ragged"},
+    "expert_kernel": {"cuda": "cuda", "default": "tiled"},
+}
+#: The communication backends of the token exchange and the replica transfer (`comm`).
+BACKENDS = ("auto", "portable", "ragged")
+#: The expert kernels (`experts.registry`).
+KERNELS = ("auto", "tiled", "ragged_dot", "pallas", "mgpu")
+
+
+def check_platform(comm_backend: str, platform: str | None) -> None:
+    """Raises ValueError (one line naming the backend) when devices of ``platform`` cannot run
+    ``comm_backend``: "ragged" on CPU (XLA:CPU has no `ragged_all_to_all`)."""
+    if comm_backend == "ragged" and platform == "cpu":
+        raise ValueError(
+            "MoE: comm_backend='ragged' cannot run on CPU devices (XLA:CPU has no "
+            "ragged_all_to_all); use 'portable' or 'auto'"
+        )
+
+
+def _check_name(name: str, value, allowed) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"MoE: {name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How the routed experts run: a frozen, hashable configuration (it keys compiled code).
+
+    Attributes:
+      comm_backend: "auto" (fixed-size collectives on CPU, `ragged_all_to_all` elsewhere),
+        "portable" or "ragged": the token exchange's and the replica transfer's (`comm`).
+      expert_kernel: one of `KERNELS` ("auto": Mosaic GPU on Hopper where the shapes suit it,
+        else Pallas/Triton, on CUDA; the tiled loop elsewhere; `experts.registry`).
+      transfer_chunks: n >= 1 (at most d_ff): the replica weights move as n transfers of d_ff / n
+        hidden columns each, and each chunk's slot matmuls read only that chunk, so XLA may
+        overlap transfer and compute (`replicas.streaming`; ffi/TRANSFER.md). 1: one transfer.
+      activation: the experts' gated activation, a name of `ACTIVATIONS`: "silu" (SwiGLU,
+        default), "gelu" (GeGLU, exact GELU), "gelu_tanh", "relu" (ReGLU).
+    """
+
+    comm_backend: str = "auto"
+    expert_kernel: str = "auto"
+    transfer_chunks: int = 1
+    activation: str = "silu"
+
+    def __post_init__(self):
+        _check_name("comm_backend", self.comm_backend, BACKENDS)
+        _check_name("expert_kernel", self.expert_kernel, KERNELS)
+        _check_name("activation", self.activation, ACTIVATIONS)
+        chunks = check_positive_int("MoE", "transfer_chunks", self.transfer_chunks)
+        object.__setattr__(self, "transfer_chunks", chunks)
+
+    def on(self, platform: str | None, exchanges: bool = True) -> Execution:
+        """This execution for devices of ``platform`` (None: not known before lowering): "auto"
+        resolved by `AUTO` on CPU; raises one line for a backend the platform cannot run when
+        anything is ``exchanges`` (an EP group of more than one rank)."""
+        if exchanges:
+            check_platform(self.comm_backend, platform)
+        if platform != "cpu":
+            return self
+        resolved = {
+            name: table.get(platform, table["default"])
+            for name, table in AUTO.items()
+            if getattr(self, name) == "auto"
+        }
+        return dataclasses.replace(self, **resolved)

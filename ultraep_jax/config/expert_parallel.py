@@ -1,0 +1,212 @@
+"""`ExpertParallel`: where routed experts run (the mesh, its axes, the sizes, the receive buffer),
+with its `Execution` (how: kernel, communication backend, transfer chunks, activation) resolved
+for the mesh's platform once. Frozen and hashable: it keys compiled code."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ultraep_jax._ops import check_finite, check_positive_int
+from ultraep_jax.config.balancer import BalancerConfig
+from ultraep_jax.config.execution import Execution
+from ultraep_jax.planning.layout import check_divisible
+
+#: Mesh axis names that the default ``ExpertParallel.token_axes`` leaves out: tensor-parallel axes,
+#: over which a layer's tokens are replicated.
+TENSOR_AXIS_NAMES = ("model", "tensor", "tp", "mp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Where routed experts run over a mesh: a frozen, hashable configuration.
+
+    Attributes:
+      mesh: the device mesh (a `Mesh`, or an `AbstractMesh` to trace and export for devices this
+        host may lack; since jax 0.11 the CUDA lowering of the Pallas kernel with no GPU attached
+        needs one, for the GPU's kind: build the layer under `nnx.eval_shape`). Stored with every
+        axis in Auto mode (`shard_map` does the splitting); calls accept arrays typed on the
+        mesh's Explicit form too.
+      num_experts: E; divisible by the EP size (an int; NumPy integers accepted).
+      balancer: a `BalancerConfig`, or None for plain expert parallelism. Stored with E and the
+        EP size filled in (leave them out of it; if it states them, they must agree). Ignored
+        when the EP size is 1 (nothing to balance).
+      capacity_factor: receive-buffer rows per rank as a multiple of the pairs a rank routes
+        (``top_k * tokens per device``; a finite number > 0, NumPy scalars accepted); pairs
+        beyond it are dropped and counted. None sizes the buffer for the worst case (every pair
+        to one rank) so that nothing is ever dropped.
+      expert_axis: the name of the EP mesh axis. A mesh without it (or with it of size 1) runs
+        every expert on every device: plain local experts, no exchange, no balancing.
+      token_axes: the mesh axes tokens are split over (the EP axis among them when the mesh has
+        it); on the other axes every device sees the same tokens. Each index of the token axes
+        other than the EP axis is an independent EP group with its own plan. None (default):
+        every mesh axis except those named in `TENSOR_AXIS_NAMES` ("model", "tensor", "tp",
+        "mp").
+      execution: how the experts run (`Execution`), resolved for the mesh's platform when the
+        configuration is built: on CPU devices "auto" is the portable exchange and the tiled
+        kernel; "ragged" raises there (with more than one EP rank).
+      comm_backend, expert_kernel, transfer_chunks, activation: keywords that set the fields of
+        the same names of ``execution`` (and read them back as attributes).
+    """
+
+    mesh: Mesh | AbstractMesh
+    num_experts: int
+    balancer: BalancerConfig | None = None
+    capacity_factor: float | None = 1.25
+    expert_axis: str = "expert"
+    _: dataclasses.KW_ONLY
+    token_axes: tuple[str, ...] | None = None
+    execution: Execution = Execution()
+    comm_backend: dataclasses.InitVar[str | None] = None
+    expert_kernel: dataclasses.InitVar[str | None] = None
+    transfer_chunks: dataclasses.InitVar[int | None] = None
+    activation: dataclasses.InitVar[str | None] = None
+
+    def __post_init__(self, *how):
+        if not isinstance(self.mesh, Mesh | AbstractMesh):
+            raise TypeError(
+                "MoE: mesh must be a jax.sharding.Mesh or AbstractMesh, got "
+                f"{type(self.mesh).__name__}"
+            )
+        if not isinstance(self.expert_axis, str):
+            raise TypeError(f"MoE: expert_axis must be a str, got {self.expert_axis!r}")
+        object.__setattr__(self, "token_axes", self._checked_token_axes())
+        object.__setattr__(
+            self, "num_experts", check_positive_int("MoE", "num_experts", self.num_experts)
+        )
+        check_divisible(self.num_experts, self.ep_size, f"MoE (mesh axis {self.expert_axis!r})")
+        object.__setattr__(self, "balancer", self._sized_balancer())
+        if self.capacity_factor is not None:
+            cf = check_finite("MoE", "capacity_factor", self.capacity_factor, positive=True)
+            object.__setattr__(self, "capacity_factor", cf)
+        object.__setattr__(self, "execution", self._resolved_execution(how))
+        object.__setattr__(self, "mesh", _auto_axes_mesh(self.mesh))
+
+    def _sized_balancer(self) -> BalancerConfig | None:
+        """``balancer`` with E and R filled in; raises one line for a wrong type or sizes."""
+        b = self.balancer
+        if b is not None and not isinstance(b, BalancerConfig):
+            raise TypeError(
+                f"MoE: balancer must be a BalancerConfig or None, got {type(b).__name__}"
+            )
+        return (
+            None if b is None else b.sized(self.num_experts, self.ep_size, "the layer and its mesh")
+        )
+
+    def _resolved_execution(self, how: tuple) -> Execution:
+        """``execution`` with the keywords in ``how`` (comm_backend, expert_kernel,
+        transfer_chunks, activation; None: as ``execution`` says) set, for the mesh's
+        platform."""
+        if not isinstance(self.execution, Execution):
+            raise TypeError(
+                f"MoE: execution must be an Execution, got {type(self.execution).__name__}"
+            )
+        given = dict(zip(_HOW, how, strict=True))
+        execution = dataclasses.replace(
+            self.execution, **{k: v for k, v in given.items() if v is not None}
+        )
+        return execution.on(self.platform, exchanges=self.ep_size > 1)
+
+    def _checked_token_axes(self) -> tuple[str, ...]:
+        """``token_axes`` as a tuple of mesh axes in mesh order (the default when None); raises
+        one line for an unknown or repeated axis, or one that leaves out the EP axis."""
+        names = tuple(self.mesh.axis_names)
+        if self.token_axes is None:
+            return tuple(a for a in names if a not in TENSOR_AXIS_NAMES)
+        axes = (self.token_axes,) if isinstance(self.token_axes, str) else self.token_axes
+        axes = tuple(axes)
+        unknown = [a for a in axes if a not in names]
+        if unknown or len(set(axes)) != len(axes):
+            raise ValueError(
+                f"MoE: token_axes must be distinct axes of the mesh {names}, got {axes}"
+            )
+        if self.expert_axis in names and self.expert_axis not in axes:
+            raise ValueError(
+                f"MoE: token_axes {axes} must include the EP axis {self.expert_axis!r} (tokens "
+                "are split over the EP ranks that exchange them)"
+            )
+        return tuple(a for a in names if a in axes)
+
+    @property
+    def has_ep_axis(self) -> bool:
+        """Whether the mesh has the EP axis (of any size)."""
+        return self.expert_axis in self.mesh.axis_names
+
+    @property
+    def ep_size(self) -> int:
+        """R, devices on the EP axis (1 without one)."""
+        return self.mesh.shape[self.expert_axis] if self.has_ep_axis else 1
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The token axes other than the EP axis: each of their indices is one EP group."""
+        return tuple(a for a in self.token_axes if a != self.expert_axis)
+
+    @property
+    def token_devices(self) -> int:
+        """Devices that tokens are split over: the product of the token axes' sizes."""
+        return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+    @property
+    def active_balancer(self) -> BalancerConfig | None:
+        """The balancer that runs: None with one EP rank (nothing to balance)."""
+        return self.balancer if self.ep_size > 1 else None
+
+    def capacity(self, tokens_per_device: int, top_k: int) -> int:
+        """C, receive-buffer rows per rank for ``tokens_per_device`` tokens choosing ``top_k``
+        experts on each device."""
+        pairs = top_k * tokens_per_device
+        worst = self.ep_size * pairs
+        if self.capacity_factor is None:
+            return worst
+        return max(1, min(worst, math.ceil(self.capacity_factor * pairs)))
+
+    @property
+    def platform(self) -> str | None:
+        """The platform of the mesh's devices ("cpu", "gpu", ...; an abstract mesh's when its
+        abstract device says; None otherwise)."""
+        if isinstance(self.mesh, Mesh):
+            return self.mesh.devices.flat[0].platform
+        return getattr(getattr(self.mesh, "abstract_device", None), "platform", None)
+
+    @property
+    def token_spec(self) -> P:
+        """The partition of a flat token axis [T, ...]: split over the token axes."""
+        return P(self.token_axes or None)
+
+    @property
+    def expert_spec(self) -> P:
+        """The partition of expert weights [E, ...]: split over the EP axis (replicated without
+        one)."""
+        return P(self.expert_axis) if self.has_ep_axis else P()
+
+    @property
+    def expert_sharding(self) -> NamedSharding:
+        """Where expert weights [E, ...] live: split over the EP axis."""
+        return NamedSharding(self.mesh, self.expert_spec)
+
+
+def _auto_axes_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
+    """``mesh`` with every axis in Auto mode (its devices, or its abstract device, kept)."""
+    auto = (AxisType.Auto,) * len(mesh.axis_names)
+    if isinstance(mesh, Mesh):
+        return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+    return AbstractMesh(
+        mesh.axis_sizes, mesh.axis_names, axis_types=auto, abstract_device=mesh.abstract_device
+    )
+
+
+#: The `Execution` fields that `ExpertParallel` also takes (and reads back) as keywords.
+_HOW = tuple(f.name for f in dataclasses.fields(Execution))
+for _name in _HOW:
+    setattr(
+        ExpertParallel,
+        _name,
+        property(
+            lambda self, name=_name: getattr(self.execution, name), doc=f"``execution.{_name}``"
+        ),
+    )
+del _name

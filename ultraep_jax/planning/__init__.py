@@ -1,0 +1,8 @@
+"""The plan stage: the exact loads of a call and the plan made from them.
+
+loads.py    each pair's expert (the rule for an id outside [0, E)), the loads [R, E] all-gathered
+            over the EP axis, the plan without balancing
+planner.py  `plan`, `Plan`: the native planner's XLA FFI custom call
+native.py   loading the native libraries built from ffi/
+layout.py   the instance layout: expert e's master on rank e // E_m, masters then slots
+"""
