@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ from experiments import common
 from experiments.serve import engine
 from experiments.serve.config import ServeConfig
 from experiments.serve.prompts import Prompt, pad_batch
+from experiments.serve.report import report
 from experiments.train import trainer
 from experiments.train.config import TrainConfig
 
@@ -119,6 +121,42 @@ def test_balanced_and_plain_predict_the_same(served):
     assert "next-token predictions the same for 3 of 3 prompts" in stdout
     assert "tokens/s" in stdout and "max/mean before" in stdout
     assert res["fallback"] is False and "note:" not in stdout
+
+
+def test_report_on_the_fallback_and_without_decode(served):
+    """Balanced, the report gives the time ratio; on the fallback both prefills ran plain EP, so
+    it says so instead of a ratio of two identical programs; without decode steps it prints no
+    empty continuations."""
+    res, stdout = served
+    assert re.search(r"balanced / plain prefill time: \d+\.\d{3}; next-token", stdout)
+    assert stdout.count("; continues ") == len(PROMPTS)
+    threshold = {**res["balancer"], "min_tokens_per_rank": 256}  # above its tokens per rank
+    text = report({**res, "fallback": True, "balancer": threshold, "decode": {"steps": 0}})
+    not_compared = "balanced / plain prefill time: not compared (the balanced prefill ran plain EP)"
+    assert f"{not_compared}; next-token" in text
+    assert "note: " in text and not re.search(r"prefill time: \d", text)
+    assert "continues" not in text and "greedy continuations" not in text
+    assert text.count("next ultraep: ") == len(PROMPTS)
+
+
+def test_help_leads_with_usage_and_examples():
+    proc = _serve("--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("usage: python -m experiments.serve --workdir=DIR --prompts=FILES")
+    examples = [line for line in lines if line.startswith("  python -m experiments.serve")]
+    assert len(examples) == 3 and "``" not in proc.stdout
+    assert "--prompts" in proc.stdout and "--new_tokens" in proc.stdout
+
+
+def test_shipped_prompts_balance_with_the_default_model():
+    """The documented example: experiments/serve/prompts padded into one batch gives each of 8
+    ranks at least the default --min_tokens_per_rank, with every prompt within max_seq_len."""
+    prompts = sorted((ROOT / "experiments" / "serve" / "prompts").iterdir())
+    tokens = [len(p.read_bytes()) for p in prompts]
+    assert prompts and all(0 < t <= TrainConfig().model.max_seq_len for t in tokens)
+    rows = -(-len(prompts) // 8) * 8
+    assert rows * max(tokens) // 8 >= ServeConfig("w", "p").min_tokens_per_rank
 
 
 def test_fallback_note():

@@ -1,0 +1,75 @@
+"""The readable report of a prefill run's results (`experiments.serve.main.run`); a module of
+its own, without flags, so that tests can import it."""
+
+from __future__ import annotations
+
+from experiments import common
+
+MODE_NAMES = {"ultraep": "balanced (ultraep)", "none": "plain EP (none)"}
+
+
+def report(res: dict) -> str:
+    """The readable report of `run`'s results."""
+    m = res["model"]
+    B, T = res["batch"]
+    n = len(res["prompts"])
+    lines = [
+        f"prefill of {n} prompts ({res['prompt_tokens']} tokens; batch padded to {B} x {T}, "
+        f"{B * T - res['prompt_tokens']} padding tokens masked) with the step-"
+        f"{res['checkpoint_step']} checkpoint of {res['workdir']}: {m['num_layers']} layers, "
+        f"D={m['d_model']}, E={m['num_experts']} top-{m['top_k']}, EP={res['mesh']['expert']} x "
+        f"data={res['mesh']['data']} on {res['devices']} {res['device']} devices"
+        + (" (pinned processes)" if res["pinned_ranks"] else "")
+    ]
+    if "calibration" in res:
+        lines.append(common.calibration_line(res["calibration"]))
+    clock = "busiest rank's " if res["pinned_ranks"] else ""
+    if res["fallback"]:
+        threshold = res["balancer"]["min_tokens_per_rank"]
+        subject = "the balanced prefill runs"
+        lines.append(common.fallback_note(res["tokens_per_rank"], threshold, subject))
+    for mode, r in res["runs"].items():
+        cf = r["capacity_factor"]
+        lines.append(
+            f"\n{MODE_NAMES[mode]}, capacity {'dropless' if cf is None else f'{cf:g}'}: prefill "
+            f"{r['prefill_ms']:.2f} ms ({clock}median), {r['tokens_per_s']:,.0f} tokens/s, "
+            f"compile {r['compile_s']:.1f} s"
+        )
+        lines.append(
+            f"{'layer':>7} {'max/mean before':>16} {'after':>7} {'dropped':>8} {'replicas':>9} "
+            f"{'masked':>7}"
+        )
+        for i in range(len(r["dropped"])):
+            lines.append(
+                f"{i:7d} {r['imbalance_before'][i]:16.3f} {r['imbalance_after'][i]:7.3f} "
+                f"{r['dropped'][i]:8d} {r['replicas'][i]:9d} {r['masked'][i]:7d}"
+            )
+    runs = res["runs"]
+    if len(runs) == 2:
+        bal, plain = runs["ultraep"], runs["none"]
+        same = sum(a == b for a, b in zip(bal["next_token"], plain["next_token"], strict=True))
+        diff = max(
+            abs(a - b) for a, b in zip(bal["next_logprob"], plain["next_logprob"], strict=True)
+        )
+        # On the fallback both modes ran plain EP: a ratio of two identical programs says nothing.
+        timing = (
+            "balanced / plain prefill time: not compared (the balanced prefill ran plain EP)"
+            if res["fallback"]
+            else f"balanced / plain prefill time: {bal['prefill_ms'] / plain['prefill_ms']:.3f}"
+        )
+        lines.append(
+            f"\n{timing}; next-token predictions the same for {same} of {n} prompts (largest "
+            f"log-probability difference {diff:.2g})"
+        )
+    dec = res["decode"]
+    if dec["steps"]:
+        lines.append(
+            f"\ngreedy continuations: {dec['steps']} decode steps on the {dec['path']} path "
+            f"({dec['tokens_per_rank']} tokens per rank per step: no KV cache, each step runs the "
+            f"{dec['window'][1]}-token window), {dec['seconds_with_compile']:.1f} s with compile"
+        )
+    for p in res["prompts"]:
+        nxt = " / ".join(f"{m}: {t!r}" for m, t in p["next_token"].items())
+        continues = f"; continues {p['continuation']!r}" if dec["steps"] else ""
+        lines.append(f"  {p['file']} ({p['tokens']} tokens): next {nxt}{continues}")
+    return "\n".join(lines)
