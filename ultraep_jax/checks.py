@@ -78,7 +78,12 @@ def _check_weights(params, num_experts: int, d_model: int, where: str) -> None:
 
 def check_chunks(ep: ExpertParallel, d_ff: int) -> None:
     """Raises one line unless ``ep.execution.transfer_chunks`` fits in ``d_ff`` hidden columns."""
-    chunks = ep.execution.transfer_chunks
+    check_chunk_count(ep.execution.transfer_chunks, d_ff)
+
+
+def check_chunk_count(chunks: int, d_ff: int) -> None:
+    """Raises one line unless ``chunks`` (a positive int: `Execution` checks that) fits in
+    ``d_ff``: a chunk of the replica transfer is at least one hidden column."""
     if chunks > d_ff:
         raise ValueError(
             f"MoE: transfer_chunks={chunks} exceeds d_ff={d_ff} (a chunk is at "

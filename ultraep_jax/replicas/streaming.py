@@ -19,14 +19,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ultraep_jax import remat
 from ultraep_jax._vma import vary, varying_axes
+from ultraep_jax.checks import check_chunk_count
 from ultraep_jax.experts.registry import fuses_stacks, grouped_glu
 from ultraep_jax.replicas import transfer
 
 
 def hidden_chunks(d_ff: int, chunks: int) -> list[slice]:
     """``chunks`` consecutive column ranges of ``range(d_ff)``, sizes differing by at most 1."""
-    if not 1 <= chunks <= d_ff:
-        raise ValueError(f"MoE: transfer_chunks={chunks} must be in [1, d_ff={d_ff}]")
+    check_chunk_count(chunks, d_ff)
     bounds = np.cumsum([0] + [len(c) for c in np.array_split(np.arange(d_ff), chunks)])
     return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
