@@ -1,13 +1,16 @@
 """The balancing policies the programs compare, in one registry (`POLICIES`, in table order),
 and ours as a `baselines.Balanced` (``ultraep_jax.plan``, the FFI planner): the others are in
 `experiments.loads.baselines`. Each program reports the registry's policies it runs, in its
-order (`names`)."""
+order (`names`). `weight_copies` is the one adapter from a policy's layout to the weight copies
+each rank receives, which the step model charges (`experiments.sim` and `experiments.replay` both
+use it)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from experiments import common
+from experiments.loads import ranks
 from experiments.loads.baselines import Balanced, master_layout
 
 #: Every policy, in table order: name -> what it does.
@@ -27,6 +30,26 @@ def names(*, without: tuple[str, ...] = ()) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown policies {unknown}; expected some of {list(POLICIES)}")
     return tuple(p for p in POLICIES if p not in without)
+
+
+def weight_copies(layout_RC, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """The weight copies a layout ``[R, C]`` (expert per slot, -1: empty; the masters and spare
+    slots, or the spare slots alone) moves for one layer: each instance off its expert's home rank
+    (`ranks.home_ranks`) receives the weights from home (and in training returns the gradient),
+    once per rank: a rank holding an expert twice needs no second copy (`ranks.held_off_home`).
+
+    Returns:
+      ``(held_RC, copies_RR)``: int32 ``[R, C]``, the expert whose weights each slot receives (-1:
+      none), what the relay schedule moves; int64 ``[R(src), R(dst)]``, copies each home rank
+      sends each rank.
+    """
+    held = ranks.held_off_home(np.asarray(layout_RC)[None], num_experts)[0]
+    num_ranks = held.shape[0]
+    dst, col = np.nonzero(held >= 0)
+    src = ranks.home_ranks(num_experts, num_ranks)[held[dst, col]]
+    copies = np.zeros((num_ranks, num_ranks), np.int64)
+    np.add.at(copies, (src, dst), 1)
+    return held, copies
 
 
 def ultraep_balanced(batch, cfg) -> list[Balanced]:

@@ -25,7 +25,6 @@ import numpy as np
 import ultraep_jax as uep
 from experiments.loads import baselines, policies, ranks, traces, workloads
 from ultraep_jax import dispatch
-from ultraep_jax.planning.layout import Layout
 from ultraep_jax.planning.loads import masters_only_plan
 
 #: The policies compared, in table order (the force-balanced ideal is reported beside them).
@@ -219,18 +218,14 @@ def library_work(
     else:
         plan = _jit_plan(loads, cfg, capacity)
     counts = jax.device_get(_jit_counts(loads, plan, capacity))
-    copies = np.zeros((R, R), np.int64)
-    slot_expert = np.asarray(plan.slot_expert)
-    master_rank = Layout(E, R).master_rank
-    for dst, src_expert in zip(*np.nonzero(slot_expert >= 0), strict=True):
-        copies[master_rank(slot_expert[dst, src_expert]), dst] += 1
+    held, copies = policies.weight_copies(np.asarray(plan.slot_expert), E)
     return RankWork(
         policy=policy,
         group_rows_RG=np.asarray(counts.group_sizes_RG, np.int64),
         capacity=capacity,
         token_rows_RR=np.asarray(counts.kept_RRG.sum(-1), np.float64),
         weight_copies_RR=copies,
-        held_RC=slot_expert.astype(np.int32),
+        held_RC=held,
         dropped=int(counts.routed_RRG.sum() - counts.kept_RRG.sum()),
         plan=jax.device_get(plan),
         loads_RE=loads,
@@ -247,24 +242,22 @@ def placement_work(
     """An EPLB placement as rank work: each instance of layout ``[R, C]`` is a group of its rank
     with its quota of rows; each source splits its pairs for an expert over the expert's
     instances in proportion to their quotas (what routing each token to an instance at random
-    gives on average); ``moves_weights``: every instance off its expert's home rank
-    (`Layout.master_rank`) is a weight copy this layer (a re-layout planned on this step's loads),
-    else the layout is already in place."""
+    gives on average); ``moves_weights``: the layout's instances off their expert's home rank are
+    this layer's weight copies (`policies.weight_copies`: a re-layout planned on this step's
+    loads), else the layout is already in place."""
     loads = np.asarray(loads_RE, np.int64)
     R, E = loads.shape
     layout, quota = balanced.layout, balanced.quota
     expert_load = loads.sum(axis=0)
     token_rows = np.zeros((R, R))
-    copies = np.zeros((R, R), np.int64)
-    master_rank = Layout(E, R).master_rank
     for dst, slot in zip(*np.nonzero(layout >= 0), strict=True):
         e = layout[dst, slot]
         if expert_load[e]:
             token_rows[:, dst] += loads[:, e] * quota[dst, slot] / expert_load[e]
-        home = master_rank(e)
-        if moves_weights and home != dst:
-            copies[home, dst] += 1
-    held = ranks.held_off_home(layout[None], E)[0] if moves_weights else np.full_like(layout, -1)
+    if moves_weights:
+        held, copies = policies.weight_copies(layout, E)
+    else:
+        held, copies = np.full(layout.shape, -1, np.int32), np.zeros((R, R), np.int64)
     masters_only = jax.device_get(_jit_masters_only(loads.astype(np.int32)))
     return RankWork(
         policy=policy,

@@ -11,7 +11,8 @@ planner time on the critical path. The balancers themselves are those of
   * ``none`` -- masters only: nothing moves, no planner.
   * ``eplb_exact`` / ``eplb_plus`` -- plan on the exact load of every layer and microbatch, so
     their CPU-measured wall time per call is on the critical path, and every instance off its
-    expert's home rank is a weight copy (and a gradient return) in that layer.
+    expert's home rank is a weight copy (and a gradient return) in that layer, once per rank
+    (`policies.weight_copies`).
   * ``eplb_periodic`` -- plans on the ``H`` history matrices (``window = interval = H``,
     ``lag=1``; with ``H = 0`` on the previous microbatch) and keeps that layout for the current
     microbatches; planning is off the critical path and its re-layout is amortised over the
@@ -32,7 +33,6 @@ import ultraep_jax as uep
 from experiments import common
 from experiments.loads import baselines, policies
 from experiments.loads.baselines import Balanced
-from ultraep_jax.planning.layout import Layout
 
 #: The balancers in table order.
 BASELINE_ORDER = policies.names(without=("exact",))
@@ -66,22 +66,18 @@ BalancerFn = Callable[[np.ndarray, uep.BalancerConfig, np.ndarray], Sequence[Seq
 
 
 def off_home_copies(layout, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """Weight copies implied by a physical ``layout`` [R, C] (expert per slot, -1 = empty).
-
-    Every expert keeps a home rank ``e // (E / R)`` (where its optimizer state lives); each
-    instance the layout puts on another rank receives the weights from home and returns its
-    gradient. Returns ``(copies [E], copies_in [R])``.
+    """Weight copies implied by a physical ``layout`` [R, C] (expert per slot, -1 = empty), as
+    `policies.weight_copies` counts them (each instance off its expert's home rank, once per
+    rank). Returns ``(copies [E], copies_in [R])``.
     """
-    layout = np.asarray(layout)
-    ep = layout.shape[0]
-    rank = np.arange(ep)[:, None]
-    off = (layout >= 0) & (Layout(num_experts, ep).master_rank(layout) != rank)
-    copies = np.bincount(layout[off].astype(np.int64), minlength=num_experts)
-    return copies.astype(np.int64), off.sum(axis=1).astype(np.int64)
+    held, copies_RR = policies.weight_copies(layout, num_experts)
+    copies = np.bincount(held[held >= 0].astype(np.int64), minlength=num_experts)
+    return copies.astype(np.int64), copies_RR.sum(axis=0)
 
 
 def costed(balanced: Balanced, num_experts: int, plan_seconds: float = 0.0) -> Costed:
-    """``balanced`` with its off-home instances as this matrix's copies (``off_home_copies``)."""
+    """``balanced`` with its off-home instances (once per rank) as this matrix's copies
+    (``off_home_copies``)."""
     copies, copies_in = off_home_copies(balanced.layout, num_experts)
     return Costed(balanced, copies, copies_in, float(plan_seconds))
 

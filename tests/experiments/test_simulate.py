@@ -14,7 +14,7 @@ import pytest
 from conftest import skip_without_traces
 
 import ultraep_jax as uep
-from experiments.loads import baselines, ranks, traces
+from experiments.loads import baselines, policies, ranks, traces
 from experiments.sim import balancers, cell, report, streams
 from experiments.stepmodel import calibration, layer, links, shapes
 
@@ -163,8 +163,14 @@ def test_off_home_copies_by_hand():
     # R=2, E=4 (home: experts 0, 1 on rank 0; 2, 3 on rank 1), 3 slots per rank.
     layout = np.array([[0, 2, 2], [1, 3, -1]])
     copies, copies_in = balancers.off_home_copies(layout, 4)
-    assert copies.tolist() == [0, 1, 2, 0]  # expert 1 on rank 1, expert 2 twice on rank 0
-    assert copies_in.tolist() == [2, 1]
+    # Expert 1 on rank 1, expert 2 twice on rank 0: one copy, a rank holding an expert twice
+    # needs no second one (the old count, [0, 1, 2, 0] and [2, 1], charged it twice).
+    assert copies.tolist() == [0, 1, 1, 0]
+    assert copies_in.tolist() == [1, 1]
+    # The one adapter both the simulator and the replay use (`policies.weight_copies`).
+    held, copies_RR = policies.weight_copies(layout, 4)
+    assert held.tolist() == [[-1, 2, -1], [1, -1, -1]]
+    assert copies_RR.tolist() == [[0, 1], [1, 0]]  # [home, receiver]
 
 
 def test_replicas_in_spare_slots_are_the_copies():

@@ -27,6 +27,13 @@ _SAME_WORK = (
     "further apart"
 )
 _REMEASURED = "noise: re-measured with 15 rounds (breakeven_prefill_remeasured.json) it fits"
+_REMEASURED_TRAIN = "noise: re-measured with 15 rounds (breakeven_train_remeasured.json) it fits"
+_REPLICA_STAGE = (
+    "the expert stage with one replica at 256 tokens per rank, skew 0 (max/mean 1.07, the replica "
+    "carries few rows): its fit (5.3 ms fixed, no per-group term) charges the balanced layer "
+    "2.1 ms over plain dropless where the quiet re-measurement has 1.6 ms; both runs miss alike "
+    "(1.174, 1.155 against 1.229)"
+)
 _SMALL = (
     "the balanced program's fixed cost at 256 tokens per rank: its replica bookkeeping beyond "
     "the expert stage and the planner is in no measured rate"
@@ -37,12 +44,12 @@ _SPREAD = (
 )
 #: (file, mode, skew, tokens, ratio) the model misses by more than `TOLERANCE`, with the reason.
 MISSES = {
-    ("breakeven.json", "train", 0.0, 256, "balanced/dropless"): _SMALL,
-    ("breakeven.json", "train", 3.0, 256, "balanced/dropless"): _SMALL,
-    ("breakeven.json", "train", 0.0, 256, "no_replica/dropless"): _SAME_WORK,
-    ("breakeven.json", "train", 1.6, 1024, "no_replica/dropless"): _SAME_WORK,
-    ("breakeven.json", "train", 1.6, 4096, "no_replica/dropless"): _SAME_WORK,
-    ("breakeven.json", "train", 3.0, 4096, "no_replica/dropless"): _SAME_WORK,
+    ("breakeven.json", "train", 0.0, 256, "balanced/dropless"): _REPLICA_STAGE,
+    ("breakeven.json", "train", 3.0, 256, "balanced/dropless"): _REMEASURED_TRAIN,
+    ("breakeven.json", "train", 0.0, 256, "no_replica/dropless"): _REMEASURED_TRAIN,
+    ("breakeven.json", "train", 1.6, 1024, "no_replica/dropless"): _REMEASURED_TRAIN,
+    ("breakeven.json", "train", 1.6, 4096, "no_replica/dropless"): _REMEASURED_TRAIN,
+    ("breakeven.json", "train", 3.0, 4096, "no_replica/dropless"): _REMEASURED_TRAIN,
     ("breakeven.json", "prefill", 0.0, 4096, "balanced/dropless"): _REMEASURED,
     ("breakeven.json", "prefill", 0.0, 4096, "no_replica/dropless"): _REMEASURED,
     ("breakeven.json", "prefill", 1.6, 256, "balanced/dropless"): _SMALL,
@@ -56,15 +63,17 @@ MISSES = {
     ("breakeven.json", "prefill", 3.0, 8192, "no_replica/dropless"): _SAME_WORK,
     ("breakeven_prefill_remeasured.json", "prefill", 1.6, 256, "balanced/dropless"): _SMALL,
     ("breakeven_prefill_remeasured.json", "prefill", 3.0, 256, "balanced/dropless"): _SMALL,
+    ("breakeven_train_remeasured.json", "train", 0.0, 256, "balanced/dropless"): _REPLICA_STAGE,
     ("bench_pinned", "train", 0.687, 2048, "overhead_dropless"): _SPREAD,
     ("bench_pinned", "train", 0.661, 2048, "capped_vs_plain_dropless"): _SPREAD,
     ("bench_pinned", "train", 0.968, 2048, "capped_vs_plain_capped"): _SPREAD,
 }
-#: The break-even files the model is checked on: the sweep, and its noisiest prefill points
-#: re-measured with 15 rounds.
+#: The break-even files the model is checked on: the sweep, and its noisiest prefill and
+#: training points re-measured with 15 rounds.
 BREAKEVEN = {
     "breakeven.json": ROOT / "docs" / "breakeven.json",
     "breakeven_prefill_remeasured.json": RESULTS / "breakeven_prefill_remeasured.json",
+    "breakeven_train_remeasured.json": RESULTS / "breakeven_train_remeasured.json",
 }
 
 
@@ -88,7 +97,12 @@ def _breakeven_rows(rates, name: str) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "name, count", [("breakeven.json", 48), ("breakeven_prefill_remeasured.json", 12)]
+    "name, count",
+    [
+        ("breakeven.json", 48),
+        ("breakeven_prefill_remeasured.json", 12),
+        ("breakeven_train_remeasured.json", 18),
+    ],
 )
 def test_model_predicts_each_breakeven_ratio(rates, name, count):
     # breakeven.json: 2 modes x 3 skews x 4 token counts (256-8192) x 2 ratios.
