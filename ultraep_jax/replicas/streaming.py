@@ -84,12 +84,18 @@ def experts_with_replicas(
 
 
 def _fused(run, masters, fetch, active) -> jax.Array:
-    """[C, D]: masters and fetched slots in one kernel call when the plan has a replica, the
-    masters alone otherwise: one loop over both stacks costs less than two on a CPU, so the
-    masters are in both branches."""
-    return jax.lax.cond(
-        active, lambda: run([masters, fetch(masters)]), lambda: run([masters, None])
-    )
+    """[C, D]: masters and slots in one kernel call (one loop over both stacks costs less than
+    two on a CPU); the slots' weights are fetched when the plan has a replica and are zeros
+    otherwise (every slot group is then empty). Only the transfer sits in the `lax.cond`, so
+    the kernel is compiled once."""
+    fetched = jax.lax.cond(active, fetch, functools.partial(_no_fetch, fetch), masters)
+    return run([masters, fetched])
+
+
+def _no_fetch(fetch, masters) -> tuple:
+    """Zeros of the shapes and types `fetch` returns for ``masters``."""
+    shapes = jax.eval_shape(fetch, masters)
+    return tuple(vary(jnp.zeros(s.shape, s.dtype), varying_axes(s)) for s in shapes)
 
 
 def _masters_then_slots(run, rows, masters, fetch, active, chunks: int) -> jax.Array:
