@@ -110,7 +110,7 @@ def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, 
         y_TD = combine(back_ND, dispatch, weights_TK)
         if mask_T is not None:
             y_TD = jnp.where(mask_T[:, None], y_TD, 0)
-    send_max = _transfer_send_max(plan, params, balancer.max_fanout) if replicas else 0.0
+    send_max = _transfer_send_max(plan, params, balancer) if replicas else 0.0
     stats = _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, dispatch, send_max)
     return y_TD.astype(x_TD.dtype), stats
 
@@ -130,6 +130,7 @@ def _experts(rows_CD, params, plan, group_sizes_G, ep: ExpertParallel, balancer,
         kernel=how.expert_kernel,
         chunks=how.transfer_chunks,
         max_fanout=balancer.max_fanout,
+        domain_size=balancer.domain_size,
         axis_name=ep.expert_axis,
         backend=how.comm_backend,
         activation=how.activation,
@@ -166,11 +167,13 @@ def _plan(experts_N, masked, ep: ExpertParallel, balancer: BalancerConfig | None
     return loads_RE, masked_R, jax.tree.map(lambda a: vary(a, axes), plan)
 
 
-def _transfer_send_max(plan, masters, max_fanout: int) -> jax.Array:
+def _transfer_send_max(plan, masters, balancer: BalancerConfig) -> jax.Array:
     """float32 []: the most bytes one EP rank sends in the replica transfer of ``plan``."""
     copy_bytes = sum(w[0].size * w.dtype.itemsize for w in masters)
     em = masters[0].shape[0]
-    return relay.largest_send_bytes(plan.slot_expert, em, max_fanout, copy_bytes)
+    return relay.largest_send_bytes(
+        plan.slot_expert, em, balancer.max_fanout, copy_bytes, balancer.domain_size
+    )
 
 
 def _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, dispatch, send_max) -> MoEStats:

@@ -13,6 +13,8 @@ from ultraep_jax.planning.layout import Layout, check_divisible
 
 # Every integer field reaches the native planner as an int64 FFI attribute.
 _INT64_MAX = INT64_MAX
+#: The fields that may stay None (sizes read from the layer or the loads; one domain).
+_OPTIONAL = ("num_experts", "ep_size", "ranks_per_domain")
 # Loads are int32, so no expert ever has more tokens: a larger floor would mean the same.
 MAX_MIN_TOKENS_PER_REPLICA = 2**31 - 1
 # A rank fills at most num_experts - num_experts / ep_size slots (each foreign expert once); the
@@ -92,6 +94,12 @@ class BalancerConfig:
             decode steps padded to fixed buffers, gain too little from balancing to repay the
             planner and the transfer. The default, 256, is where balancing began to pay
             against plain dropless EP on skewed loads (docs/serving.md); 0: always balance.
+        ranks_per_domain: d, the EP ranks joined by fast links (an NVLink domain: the GPUs of
+            one node), each domain ``d`` consecutive ranks of the EP axis; must divide the EP
+            size. The replica transfer then sends an expert's weights across the slow links once
+            per remote domain that needs them and fans them out inside it (ffi/TRANSFER.md,
+            "Fast domains"; ``max_fanout`` bounds each link class). None (default): one domain,
+            the whole EP group. Not a planner input.
     """
 
     num_experts: int | None = None
@@ -102,6 +110,7 @@ class BalancerConfig:
     master_keep_tokens: int = 1
     max_fanout: int = 2
     min_tokens_per_rank: int = DEFAULT_MIN_TOKENS_PER_RANK
+    ranks_per_domain: int | None = None
 
     def __post_init__(self):
         # Normalised in place (the dataclass is frozen), so equal configs hash equal whatever
@@ -114,13 +123,20 @@ class BalancerConfig:
             ("master_keep_tokens", 0, _INT64_MAX),
             ("max_fanout", 0, MAX_FANOUT),
             ("min_tokens_per_rank", 0, _INT64_MAX),
+            ("ranks_per_domain", 1, _INT64_MAX),
         ):
-            if getattr(self, name) is not None or name not in ("num_experts", "ep_size"):
+            if getattr(self, name) is not None or name not in _OPTIONAL:
                 value = _as_int(name, getattr(self, name), minimum, maximum)
                 object.__setattr__(self, name, value)
         object.__setattr__(self, "balance_eps", _as_float("balance_eps", self.balance_eps))
         if self.num_experts is not None and self.ep_size is not None:
             check_divisible(self.num_experts, self.ep_size, "BalancerConfig")
+        if self.ep_size is not None and self.ranks_per_domain is not None:
+            if self.ep_size % self.ranks_per_domain:
+                raise ValueError(
+                    f"BalancerConfig: ranks_per_domain ({self.ranks_per_domain}) must divide the "
+                    f"EP size ({self.ep_size})"
+                )
 
     def sized(self, num_experts: int, ep_size: int, holder: str) -> BalancerConfig:
         """This configuration for E = ``num_experts`` experts on R = ``ep_size`` ranks, the sizes
@@ -142,6 +158,17 @@ class BalancerConfig:
         """Whether a layer whose EP ranks hold ``tokens_per_rank`` tokens each (static) balances:
         False below ``min_tokens_per_rank``, where it runs plain expert parallelism."""
         return tokens_per_rank >= self.min_tokens_per_rank
+
+    @property
+    def domain_size(self) -> int:
+        """d, EP ranks per fast domain (the EP size when ``ranks_per_domain`` is None)."""
+        if self.ranks_per_domain is not None:
+            return self.ranks_per_domain
+        if self.ep_size is None:
+            raise ValueError(
+                "BalancerConfig.domain_size: ep_size is not set (BalancerConfig.sized sets it)"
+            )
+        return self.ep_size
 
     @property
     def experts_per_rank(self) -> int:

@@ -13,6 +13,11 @@ copies of one expert flow down a tree rooted at its master (ffi/TRANSFER.md is t
     ``a * f**(d-2)`` nodes, and the i-th node of level d receives from node ``i mod |level
     d-1|`` of level d-1 in hop d.
 
+With fast domains (``domain_size`` d < R: a node's GPUs, joined by slow links between nodes)
+that tree covers the master's domain only; in each remote domain holding replicas the first node
+is its gateway, the gateways form a tree of their own from the master (one slow-link crossing per
+remote domain), and each gateway roots its domain's tree; f bounds each link class separately.
+
 Every rank computes the same schedule from the plan's ``slot_expert`` alone (jnp, inside jit, no
 communication). Shapes follow the package's axis legend (`ultraep_jax`).
 """
@@ -100,52 +105,109 @@ def _tree_levels(node_N, root_N, fanout: int, num_hops: int):
     return level_N, parent_node_N
 
 
+def schedule_hops(ep_size: int, max_fanout: int, domain_size: int | None = None) -> int:
+    """The most hops any plan's schedule can take: the gateway tree over the ``ep_size /
+    domain_size`` domains (none with one domain), then a domain's own tree (ffi/TRANSFER.md)."""
+    d = ep_size if domain_size is None else domain_size
+    domains = ep_size // d
+    return (static_hops(domains, max_fanout) if domains > 1 else 0) + static_hops(d, max_fanout)
+
+
 def relay_schedule(
-    slot_expert_RS: jax.Array, experts_per_rank: int, max_fanout: int
+    slot_expert_RS: jax.Array,
+    experts_per_rank: int,
+    max_fanout: int,
+    domain_size: int | None = None,
 ) -> RelaySchedule:
     """The relay tree of every replicated expert of a plan (see the module docstring).
 
     Args:
       slot_expert_RS: int32 [R, S], the plan's slots (-1 empty).
       experts_per_rank: E_m.
-      max_fanout: f >= 0; 0 for no bound (every master sends all its copies in hop 1).
+      max_fanout: f >= 0; 0 for no bound (every root sends to all its nodes in one hop).
+      domain_size: d, ranks per fast domain (dividing R; None: one domain). With more than one
+        domain a copy crosses into each remote domain once, to a gateway, and fans out there.
     """
     R, S = slot_expert_RS.shape
+    d = R if domain_size is None else domain_size
     n = R * S
     layout = Layout(R * experts_per_rank, R, S)
+    E = layout.num_experts
     expert_N = slot_expert_RS.reshape(-1).astype(jnp.int32)
     filled_N = expert_N >= 0
     rank_N = jnp.asarray(layout.slot_ranks())
     slot_N = jnp.arange(n, dtype=jnp.int32) % S
     master_N = jnp.where(filled_N, layout.master_rank(expert_N), 0)
+    local_N = rank_N // d == master_N // d
 
-    # c: replicated experts each rank masters (they share its first-hop budget).
-    group_N = jnp.where(filled_N, expert_N, layout.num_experts)  # empty slots last
-    replicated_E = jnp.zeros(layout.num_experts, jnp.int32).at[group_N].set(1, mode="drop")
-    masters_sending_R = layout.master_loads(replicated_E)
-    order, start_N, node_N = _tree_nodes(
-        group_N, rank_N, master_N, masters_sending_R[rank_N] > 0, R
-    )
+    def masters_with(replica_N):
+        """int32 [R]: experts each rank masters that have a slot where ``replica_N``."""
+        marked_E = jnp.zeros(E, jnp.int32).at[jnp.where(replica_N, expert_N, E)].set(1, mode="drop")
+        return layout.master_loads(marked_E)
 
-    # The root fan-out: a rank's replicated masters share a budget of f first-hop copies.
+    # Relays first from ranks that master no replicated expert (they have sending to spare).
+    busy_N = masters_with(filled_N)[rank_N] > 0
+    # Each expert's replicas in each domain, in node order; empty slots last.
+    group_N = jnp.where(filled_N, expert_N * (R // d) + rank_N // d, E * (R // d))
+    order, start_N, node_N = _tree_nodes(group_N, rank_N, master_N, busy_N, R)
+
+    # Root fan-outs: a rank's replicated masters share f copies per link class.
     if max_fanout == 0:
-        root_N, fanout = jnp.full(n, n + 1, jnp.int32), n + 1
+        root_local_N = root_gate_N = jnp.full(n, n + 1, jnp.int32)
+        fanout = n + 1
     else:
-        root_N = jnp.maximum(1, max_fanout // jnp.maximum(masters_sending_R[master_N], 1))
         # Capped at n + 1, more than any expert has replicas, so that no level's bounds overflow
         # int32 for a fan-out near 2**31.
-        root_N = jnp.minimum(root_N, n + 1)
-        fanout = max_fanout
-    level_N, parent_node_N = _tree_levels(node_N, root_N, fanout, static_hops(R, max_fanout))
+        def root(replica_N):
+            sharing_N = jnp.maximum(masters_with(replica_N)[master_N], 1)
+            return jnp.minimum(jnp.maximum(1, max_fanout // sharing_N), n + 1)
 
-    parent_flat_N = order[jnp.clip(start_N + parent_node_N - 1, 0, n - 1)]
-    from_master_N = parent_node_N == 0
-    sender_N = jnp.where(from_master_N, master_N, rank_N[parent_flat_N])
-    source_N = jnp.where(
-        from_master_N, layout.master_group(jnp.clip(expert_N, 0, None)), slot_N[parent_flat_N]
+        root_local_N, root_gate_N = root(filled_N & local_N), root(filled_N & ~local_N)
+        fanout = max_fanout
+
+    # Inside a domain: the master's domain from the master (node 0), a remote one from its
+    # gateway (its first node, node 0 of its domain's tree).
+    tree_node_N = node_N - (~local_N)
+    level_N, parent_N = _tree_levels(
+        tree_node_N,
+        jnp.where(local_N, root_local_N, min(fanout, n + 1)),
+        fanout,
+        static_hops(d, max_fanout),
     )
+    parent_flat_N = order[jnp.clip(start_N + parent_N - 1 + (~local_N), 0, n - 1)]
+    from_root_N = parent_N == 0
+    gateway_flat_N = order[start_N]
+    root_rank_N = jnp.where(local_N, master_N, rank_N[gateway_flat_N])
+    root_source_N = jnp.where(
+        local_N, layout.master_group(jnp.clip(expert_N, 0, None)), slot_N[gateway_flat_N]
+    )
+    sender_N = jnp.where(from_root_N, root_rank_N, rank_N[parent_flat_N])
+    source_N = jnp.where(from_root_N, root_source_N, slot_N[parent_flat_N])
+    hop_N = level_N
+    if d < R:
+        gate_N = filled_N & ~local_N & (node_N == 1)
+        g_order, g_start_N, g_node_N = _tree_nodes(
+            jnp.where(gate_N, expert_N, E), rank_N, master_N, busy_N, R
+        )
+        g_level_N, g_parent_N = _tree_levels(
+            g_node_N, root_gate_N, fanout, static_hops(R // d, max_fanout)
+        )
+        g_parent_flat_N = g_order[jnp.clip(g_start_N + g_parent_N - 1, 0, n - 1)]
+        g_from_master_N = g_parent_N == 0
+        g_sender_N = jnp.where(g_from_master_N, master_N, rank_N[g_parent_flat_N])
+        g_source_N = jnp.where(
+            g_from_master_N,
+            layout.master_group(jnp.clip(expert_N, 0, None)),
+            slot_N[g_parent_flat_N],
+        )
+        # A gateway receives in its gateway tree's hop; its domain's tree follows it.
+        sender_N = jnp.where(gate_N, g_sender_N, sender_N)
+        source_N = jnp.where(gate_N, g_source_N, source_N)
+        hop_N = jnp.where(
+            local_N, level_N, g_level_N[gateway_flat_N] + jnp.where(gate_N, 0, level_N)
+        )
     return RelaySchedule(
-        hop_RS=jnp.where(filled_N, level_N, 0).reshape(R, S),
+        hop_RS=jnp.where(filled_N, hop_N, 0).reshape(R, S),
         sender_RS=jnp.where(filled_N, sender_N, R).reshape(R, S),
         source_RS=jnp.where(filled_N, source_N, 0).reshape(R, S),
     )
@@ -176,9 +238,14 @@ def hop_copies(schedule: RelaySchedule, num_hops: int) -> tuple[jax.Array, jax.A
 
 
 def largest_send_bytes(
-    slot_expert_RS: jax.Array, experts_per_rank: int, max_fanout: int, copy_bytes: int
+    slot_expert_RS: jax.Array,
+    experts_per_rank: int,
+    max_fanout: int,
+    copy_bytes: int,
+    domain_size: int | None = None,
 ) -> jax.Array:
     """float32 []: the most bytes one rank sends in the replica transfer of a plan under the
-    relay bound ``max_fanout`` (``copy_bytes`` per expert copy)."""
-    schedule = relay_schedule(slot_expert_RS, experts_per_rank, max_fanout)
+    relay bound ``max_fanout`` and fast domains of ``domain_size`` (``copy_bytes`` per expert
+    copy, both link classes)."""
+    schedule = relay_schedule(slot_expert_RS, experts_per_rank, max_fanout, domain_size)
     return jnp.max(send_copies(schedule)).astype(jnp.float32) * jnp.float32(copy_bytes)

@@ -47,6 +47,7 @@ def experts_with_replicas(
     kernel: str,
     chunks: int,
     max_fanout: int,
+    domain_size: int | None = None,
     axis_name: str,
     backend: str,
     activation: str = "silu",
@@ -61,7 +62,7 @@ def experts_with_replicas(
       group_sizes: int32 [E_m + S].
       kernel, activation: see `experts.registry.grouped_glu`.
       chunks: n >= 1 transfers of F / n columns each; 1: one transfer.
-      max_fanout, axis_name, backend: see `transfer.fetch_replica_experts`.
+      max_fanout, domain_size, axis_name, backend: see `transfer.fetch_replica_experts`.
 
     A plan with no replica (no slot filled on any rank) runs the masters alone: no transfer and
     no slot work, what plain expert parallelism runs. The plan is identical on every rank of the
@@ -73,7 +74,12 @@ def experts_with_replicas(
 
     def fetch(weights):
         fetched = transfer.fetch_replica_experts(
-            weights, slot_expert_RS, axis_name=axis_name, backend=backend, max_fanout=max_fanout
+            weights,
+            slot_expert_RS,
+            axis_name=axis_name,
+            backend=backend,
+            max_fanout=max_fanout,
+            domain_size=domain_size,
         )
         return checkpoint_name(fetched, remat.REPLICAS)
 

@@ -128,19 +128,19 @@ def _hop_exchange_if_any(table_NP, sender_RS, source_RS, axis_name, backend):
     return jax.lax.cond(jnp.any(sender_RS < R), hop, skip)
 
 
-def _relayed(masters, slot_expert_RS, experts_per_rank, max_fanout, hop, hop_if_any) -> jax.Array:
+def _relayed(masters, slot_expert_RS, experts_per_rank, relay_args, hop, hop_if_any) -> jax.Array:
     """[S, P]: every slot's weights by the relay schedule: hop 1 from the masters, each later hop
     from the slots that already hold them (`relay.relay_schedule`). A relayed slot receives into
     zeros, so adding each hop's rows is exact, and the transpose sums a slot's gradient into the
     slot (or master) that sent it: gradients return along the tree."""
     R = slot_expert_RS.shape[0]
-    schedule = relay.relay_schedule(slot_expert_RS, experts_per_rank, max_fanout)
+    schedule = relay.relay_schedule(slot_expert_RS, experts_per_rank, *relay_args)
 
     def senders(h):
         return jnp.where(schedule.hop_RS == h, schedule.sender_RS, R)
 
     slots_SP = hop(masters, senders(1), schedule.source_RS)
-    for h in range(2, relay.static_hops(R, max_fanout) + 1):
+    for h in range(2, relay.schedule_hops(R, *relay_args) + 1):
         slots_SP = slots_SP + hop_if_any(slots_SP, senders(h), schedule.source_RS)
     return slots_SP
 
@@ -152,6 +152,7 @@ def fetch_replica_experts(
     axis_name: str,
     backend: str = "auto",
     max_fanout: int = 0,
+    domain_size: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """The weights of the experts in this rank's spare slots, one exchange per relay hop for all
     tensors.
@@ -166,6 +167,9 @@ def fetch_replica_experts(
         master sends every copy itself, in one exchange. The "portable" (dense) exchange ignores
         it: there every rank sends the same rows in a hop whoever holds the weights, so it moves
         every copy in one hop.
+      domain_size: ranks per fast domain (`BalancerConfig.ranks_per_domain`; None: one domain):
+        the relay schedule crosses into each remote domain once (ffi/TRANSFER.md, "Fast
+        domains"). Ignored by the "portable" exchange, as ``max_fanout`` is.
 
     Returns:
       One [S, ...] array per input, in the same order (zeros for empty slots).
@@ -180,7 +184,7 @@ def fetch_replica_experts(
 
         # The dense hop's reduce-scatter has every rank send R * k rows whatever the fan-out, so
         # a relay would only add hops (bytes, collectives and compile time): one hop here.
-        return _relayed(flat, slot_expert_RS, em, 0, hop, hop)
+        return _relayed(flat, slot_expert_RS, em, (0,), hop, hop)
 
     def exchanged(name):
         def hop(table, sender_RS, source_RS):
@@ -190,7 +194,8 @@ def fetch_replica_experts(
             return _hop_exchange_if_any(table, sender_RS, source_RS, axis_name, name)
 
         table = jnp.concatenate(flat, axis=1)
-        return lambda: _relayed(table, slot_expert_RS, em, max_fanout, hop, hop_if_any)
+        relay_args = (max_fanout, domain_size)
+        return lambda: _relayed(table, slot_expert_RS, em, relay_args, hop, hop_if_any)
 
     # Every backend's hop is its exchange of the receiving slots, but for "portable": its
     # fixed-size all-to-all moves R times the rows of the dense hop's reduce-scatter.

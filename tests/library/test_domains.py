@@ -1,0 +1,145 @@
+"""Fast domains (`BalancerConfig.ranks_per_domain`): the topology-aware relay schedule against the
+NumPy reference of ffi/TRANSFER.md ("Fast domains"), one domain bit-identical to the default,
+and the layer over domains of 2 and 4 ranks equal to the dense reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tests.library.test_moe as tm
+import ultraep_jax as uep
+from tests.library.test_relay import _portable_exchange, random_slots
+from tests.references.relay import reference_schedule, reference_slow_copies
+from ultraep_jax.replicas import relay
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _schedule(slots, em, f, d):
+    s = relay.relay_schedule(slots, em, f, d)
+    return {"hop": s.hop_RS, "sender": s.sender_RS, "source": s.source_RS}
+
+
+def schedule(slots, em, f, d=None) -> dict:
+    return jax.tree.map(np.asarray, _schedule(jnp.asarray(slots), em, f, d))
+
+
+def remote_domains(slots, em, d) -> int:
+    """Pairs (expert, domain other than its master's) with a replica of the expert: the fewest
+    slow-link copies that deliver every replica."""
+    R, _ = slots.shape
+    return len(
+        {(int(e), t // d) for t in range(R) for e in slots[t] if e >= 0 and t // d != e // em // d}
+    )
+
+
+@pytest.mark.parametrize("f", [0, 1, 2, 3])
+@pytest.mark.parametrize(
+    "R, em, S, d", [(4, 2, 2, 2), (8, 1, 3, 2), (8, 2, 2, 4), (16, 4, 2, 4), (64, 4, 2, 8)]
+)
+def test_schedule_with_domains_equals_reference(R, em, S, d, f):
+    """Random plans: hop, sender and source equal the reference; the hops fit the static count;
+    the slow links carry exactly one copy per (expert, remote domain) that needs it; no rank
+    sends more than f copies per relay slot it holds in a link class, beyond its own masters."""
+    rng = np.random.default_rng(R * 1000 + em * 100 + S * 10 + d + f)
+    for case in range(15):
+        slots = random_slots(rng, R, em, S, fill=rng.uniform(0.2, 1.0), hot=1 + case % 4)
+        got = schedule(slots, em, f, d)
+        want = reference_schedule(slots, em, f, d)
+        for key in ("hop", "sender", "source"):
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{key}\n{slots}")
+        assert got["hop"].max() <= relay.schedule_hops(R, f, d)
+        assert reference_slow_copies(slots, em, want, d) == remote_domains(slots, em, d)
+
+
+@pytest.mark.parametrize("f", [0, 1, 2])
+@pytest.mark.parametrize("R, em, S", [(4, 2, 2), (8, 1, 3), (16, 4, 2)])
+def test_one_domain_is_the_default_schedule(R, em, S, f):
+    """``ranks_per_domain = R`` gives the schedule of no topology, bit for bit."""
+    rng = np.random.default_rng(R + em + S + f)
+    for case in range(10):
+        slots = random_slots(rng, R, em, S, fill=rng.uniform(0.2, 1.0), hot=1 + case % 4)
+        default, one = schedule(slots, em, f), schedule(slots, em, f, R)
+        for key in default:
+            np.testing.assert_array_equal(one[key], default[key], err_msg=key)
+    assert relay.schedule_hops(R, f, R) == relay.schedule_hops(R, f) == relay.static_hops(R, f)
+
+
+def test_hand_computed_domain_tree():
+    """8 ranks in domains {0..3} and {4..7}; expert 0 (master rank 0) on ranks 1, 2, 5, 6, 7,
+    f = 2. The master sends to ranks 1 and 2 in its domain and to one gateway, rank 5, over the
+    slow link (hop 1); rank 5 sends to ranks 6 and 7 (hop 2). One slow copy, where the
+    topology-blind tree (levels 1, 2 | 5, 6, 7) sends three."""
+    slots = np.full((8, 1), -1, np.int32)
+    slots[[1, 2, 5, 6, 7], 0] = 0
+    got = schedule(slots, 1, 2, 4)
+    np.testing.assert_array_equal(got["hop"][:, 0], [0, 1, 1, 0, 0, 1, 2, 2])
+    np.testing.assert_array_equal(got["sender"][:, 0], [8, 0, 0, 8, 8, 0, 5, 5])
+    np.testing.assert_array_equal(got["source"][:, 0], [0, 0, 0, 0, 0, 0, 0, 0])
+    assert reference_slow_copies(slots, 1, reference_schedule(slots, 1, 2, 4), 4) == 1
+    blind = schedule(slots, 1, 2)
+    np.testing.assert_array_equal(blind["sender"][:, 0], [8, 0, 0, 8, 8, 1, 2, 1])
+    assert reference_slow_copies(slots, 1, reference_schedule(slots, 1, 2), 4) == 3
+
+
+@pytest.mark.parametrize("R, f, d, want", [(8, 2, 4, 3), (8, 2, 2, 3), (8, 0, 2, 2), (64, 2, 8, 6)])
+def test_schedule_hops(R, f, d, want):
+    assert relay.schedule_hops(R, f, d) == want
+
+
+@pytest.mark.parametrize("value, match", [(3, "must divide the EP size"), (0, "ranks_per_domain")])
+def test_bad_ranks_per_domain_raises_one_line(value, match):
+    with pytest.raises(ValueError, match=match) as err:
+        uep.BalancerConfig(8, 8, ranks_per_domain=value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=match):
+        uep.ExpertParallel(tm.make_mesh("ep8"), 8, uep.BalancerConfig(ranks_per_domain=value))
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("mesh_kind, d, seed", [("ep8", 2, 0), ("ep8", 4, 0), ("dp2ep4", 2, 3)])
+def test_layer_over_domains_equals_dense_reference(mesh_kind, d, seed, chunks, monkeypatch):
+    """The balanced layer (relays f = 2, the ragged transfer run through the portable exchange;
+    1 or 2 streamed chunks) over fast domains of ``d`` ranks: values and gradients equal the
+    dense reference, a gateway relays inside its remote domain, and the reported largest send
+    is the reference schedule's."""
+    _portable_exchange(monkeypatch)
+    mesh = tm.make_mesh(mesh_kind)
+    G, R = tm.mesh_groups(mesh)
+    rng = np.random.default_rng(seed)
+    E, k = 8, 2
+    x, params = tm.make_inputs(rng, 8, 8, E, k, skew=True, hot=[0, 1])
+    cot = rng.normal(size=x.shape).astype(np.float32)
+    balancer = tm.balancer_config(mesh, E, slots=2, max_fanout=2, ranks_per_domain=d)
+    layer = tm.build_layer(
+        mesh, E, k, balancer, None, params, comm_backend="ragged", transfer_chunks=chunks
+    )
+    y, stats, gx, gp = tm.layer_value_and_grads(layer, tm.place_batch(mesh, x), jnp.asarray(cot))
+    ref_y, ref_gx, ref_gp = tm.reference_value_and_grads(
+        jnp.asarray(x), {n: jnp.asarray(v) for n, v in params.items()}, cot, k
+    )
+    loads = tm.independent_loads(x, params["router_kernel"], k, mesh, E)
+    slots = [
+        np.asarray(uep.plan(loads[g].astype(np.int32), balancer).slot_expert) for g in range(G)
+    ]
+    sched = [reference_schedule(s, E // R, 2, d) for s in slots]
+    ranks = np.arange(R)[:, None]
+    assert any(
+        (
+            (sc["sender"] < R)
+            & (sc["sender"] // d == ranks // d)
+            & (sl // (E // R) // d != ranks // d)
+        ).any()
+        for sl, sc in zip(slots, sched, strict=True)
+    ), "no gateway relays inside its domain"
+    assert int(stats["dropped"]) == 0
+    copies = max(int(np.bincount(s["sender"].ravel(), minlength=R + 1)[:R].max()) for s in sched)
+    assert float(stats["transfer_send_max"]) == copies * 3 * tm.D * tm.F * 4
+    tm.assert_close(y, ref_y, "y")
+    tm.assert_close(gx, ref_gx, "d/dx")
+    for name in tm.PARAM_NAMES:
+        tm.assert_close(gp[name], ref_gp[name], f"d/d{name}")
