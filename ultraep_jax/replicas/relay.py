@@ -113,6 +113,107 @@ def schedule_hops(ep_size: int, max_fanout: int, domain_size: int | None = None)
     return (static_hops(domains, max_fanout) if domains > 1 else 0) + static_hops(d, max_fanout)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Slots:
+    """What the schedule needs of each of the R * S slots (int32/bool [N] each)."""
+
+    layout: Layout
+    domain_size: int
+    expert_N: jax.Array
+    filled_N: jax.Array
+    rank_N: jax.Array
+    slot_N: jax.Array
+    master_N: jax.Array
+    local_N: jax.Array  # in its master's domain
+
+    @classmethod
+    def of(cls, slot_expert_RS: jax.Array, experts_per_rank: int, d: int) -> _Slots:
+        R, S = slot_expert_RS.shape
+        layout = Layout(R * experts_per_rank, R, S)
+        expert_N = slot_expert_RS.reshape(-1).astype(jnp.int32)
+        filled_N = expert_N >= 0
+        rank_N = jnp.asarray(layout.slot_ranks())
+        master_N = jnp.where(filled_N, layout.master_rank(expert_N), 0)
+        slot_N = jnp.arange(R * S, dtype=jnp.int32) % S
+        local_N = rank_N // d == master_N // d
+        return cls(layout, d, expert_N, filled_N, rank_N, slot_N, master_N, local_N)
+
+    def masters_with(self, replica_N: jax.Array) -> jax.Array:
+        """int32 [R]: experts each rank masters that have a slot where ``replica_N``."""
+        E = self.layout.num_experts
+        marked_E = (
+            jnp.zeros(E, jnp.int32).at[jnp.where(replica_N, self.expert_N, E)].set(1, mode="drop")
+        )
+        return self.layout.master_loads(marked_E)
+
+    def master_row(self) -> jax.Array:
+        """int32 [N]: the master's local row of each slot's expert."""
+        return self.layout.master_group(jnp.clip(self.expert_N, 0, None))
+
+    def nodes(self, group_N: jax.Array):
+        """`_tree_nodes` of the groups ``group_N``, relays first from ranks that master no
+        replicated expert (they have sending to spare)."""
+        busy_N = self.masters_with(self.filled_N)[self.rank_N] > 0
+        R = self.layout.ep_size
+        return _tree_nodes(group_N, self.rank_N, self.master_N, busy_N, R)
+
+
+def _root_fanout(slots: _Slots, replica_N: jax.Array, max_fanout: int) -> jax.Array:
+    """int32 [N]: how many nodes the master of each slot's expert sends to over one link class,
+    a rank's masters with a replica ``replica_N`` sharing f (capped at n + 1, more than any
+    expert has replicas, so that no level's bounds overflow int32 for a fan-out near 2**31)."""
+    n = slots.expert_N.shape[0]
+    if max_fanout == 0:
+        return jnp.full(n, n + 1, jnp.int32)
+    sharing_N = jnp.maximum(slots.masters_with(replica_N)[slots.master_N], 1)
+    return jnp.minimum(jnp.maximum(1, max_fanout // sharing_N), n + 1)
+
+
+def _domain_trees(slots: _Slots, max_fanout: int):
+    """(hop, sender, source, gateway, node), int32 [N] each: every expert's tree inside each
+    domain, rooted at the master in the master's domain (node 0) and at the first node, its
+    gateway, in a remote one; a remote tree's hops count from its gateway's."""
+    n, R, d = slots.expert_N.shape[0], slots.layout.ep_size, slots.domain_size
+    E, local_N = slots.layout.num_experts, slots.local_N
+    group_N = jnp.where(slots.filled_N, slots.expert_N * (R // d) + slots.rank_N // d, E * (R // d))
+    order, start_N, node_N = slots.nodes(group_N)
+    fanout = n + 1 if max_fanout == 0 else max_fanout
+    root_N = jnp.where(
+        local_N, _root_fanout(slots, slots.filled_N & local_N, max_fanout), min(fanout, n + 1)
+    )
+    level_N, parent_N = _tree_levels(
+        node_N - (~local_N), root_N, fanout, static_hops(d, max_fanout)
+    )
+    parent_flat_N = order[jnp.clip(start_N + parent_N - 1 + (~local_N), 0, n - 1)]
+    gateway_flat_N = order[start_N]
+    root_rank_N = jnp.where(local_N, slots.master_N, slots.rank_N[gateway_flat_N])
+    root_source_N = jnp.where(local_N, slots.master_row(), slots.slot_N[gateway_flat_N])
+    from_root_N = parent_N == 0
+    sender_N = jnp.where(from_root_N, root_rank_N, slots.rank_N[parent_flat_N])
+    source_N = jnp.where(from_root_N, root_source_N, slots.slot_N[parent_flat_N])
+    return level_N, sender_N, source_N, gateway_flat_N, node_N
+
+
+def _gateway_tree(slots: _Slots, gate_N: jax.Array, max_fanout: int):
+    """(hop, sender, source), int32 [N] each: every expert's gateways (``gate_N``) in one tree
+    rooted at the master, over the slow links."""
+    n, R, d = slots.expert_N.shape[0], slots.layout.ep_size, slots.domain_size
+    order, start_N, node_N = slots.nodes(
+        jnp.where(gate_N, slots.expert_N, slots.layout.num_experts)
+    )
+    level_N, parent_N = _tree_levels(
+        node_N,
+        _root_fanout(slots, slots.filled_N & ~slots.local_N, max_fanout),
+        n + 1 if max_fanout == 0 else max_fanout,
+        static_hops(R // d, max_fanout),
+    )
+    parent_flat_N = order[jnp.clip(start_N + parent_N - 1, 0, n - 1)]
+    from_master_N = parent_N == 0
+    sender_N = jnp.where(from_master_N, slots.master_N, slots.rank_N[parent_flat_N])
+    source_N = jnp.where(from_master_N, slots.master_row(), slots.slot_N[parent_flat_N])
+    return level_N, sender_N, source_N
+
+
 def relay_schedule(
     slot_expert_RS: jax.Array,
     experts_per_rank: int,
@@ -130,82 +231,17 @@ def relay_schedule(
     """
     R, S = slot_expert_RS.shape
     d = R if domain_size is None else domain_size
-    n = R * S
-    layout = Layout(R * experts_per_rank, R, S)
-    E = layout.num_experts
-    expert_N = slot_expert_RS.reshape(-1).astype(jnp.int32)
-    filled_N = expert_N >= 0
-    rank_N = jnp.asarray(layout.slot_ranks())
-    slot_N = jnp.arange(n, dtype=jnp.int32) % S
-    master_N = jnp.where(filled_N, layout.master_rank(expert_N), 0)
-    local_N = rank_N // d == master_N // d
-
-    def masters_with(replica_N):
-        """int32 [R]: experts each rank masters that have a slot where ``replica_N``."""
-        marked_E = jnp.zeros(E, jnp.int32).at[jnp.where(replica_N, expert_N, E)].set(1, mode="drop")
-        return layout.master_loads(marked_E)
-
-    # Relays first from ranks that master no replicated expert (they have sending to spare).
-    busy_N = masters_with(filled_N)[rank_N] > 0
-    # Each expert's replicas in each domain, in node order; empty slots last.
-    group_N = jnp.where(filled_N, expert_N * (R // d) + rank_N // d, E * (R // d))
-    order, start_N, node_N = _tree_nodes(group_N, rank_N, master_N, busy_N, R)
-
-    # Root fan-outs: a rank's replicated masters share f copies per link class.
-    if max_fanout == 0:
-        root_local_N = root_gate_N = jnp.full(n, n + 1, jnp.int32)
-        fanout = n + 1
-    else:
-        # Capped at n + 1, more than any expert has replicas, so that no level's bounds overflow
-        # int32 for a fan-out near 2**31.
-        def root(replica_N):
-            sharing_N = jnp.maximum(masters_with(replica_N)[master_N], 1)
-            return jnp.minimum(jnp.maximum(1, max_fanout // sharing_N), n + 1)
-
-        root_local_N, root_gate_N = root(filled_N & local_N), root(filled_N & ~local_N)
-        fanout = max_fanout
-
-    # Inside a domain: the master's domain from the master (node 0), a remote one from its
-    # gateway (its first node, node 0 of its domain's tree).
-    tree_node_N = node_N - (~local_N)
-    level_N, parent_N = _tree_levels(
-        tree_node_N,
-        jnp.where(local_N, root_local_N, min(fanout, n + 1)),
-        fanout,
-        static_hops(d, max_fanout),
-    )
-    parent_flat_N = order[jnp.clip(start_N + parent_N - 1 + (~local_N), 0, n - 1)]
-    from_root_N = parent_N == 0
-    gateway_flat_N = order[start_N]
-    root_rank_N = jnp.where(local_N, master_N, rank_N[gateway_flat_N])
-    root_source_N = jnp.where(
-        local_N, layout.master_group(jnp.clip(expert_N, 0, None)), slot_N[gateway_flat_N]
-    )
-    sender_N = jnp.where(from_root_N, root_rank_N, rank_N[parent_flat_N])
-    source_N = jnp.where(from_root_N, root_source_N, slot_N[parent_flat_N])
-    hop_N = level_N
+    slots = _Slots.of(slot_expert_RS, experts_per_rank, d)
+    hop_N, sender_N, source_N, gateway_flat_N, node_N = _domain_trees(slots, max_fanout)
     if d < R:
-        gate_N = filled_N & ~local_N & (node_N == 1)
-        g_order, g_start_N, g_node_N = _tree_nodes(
-            jnp.where(gate_N, expert_N, E), rank_N, master_N, busy_N, R
-        )
-        g_level_N, g_parent_N = _tree_levels(
-            g_node_N, root_gate_N, fanout, static_hops(R // d, max_fanout)
-        )
-        g_parent_flat_N = g_order[jnp.clip(g_start_N + g_parent_N - 1, 0, n - 1)]
-        g_from_master_N = g_parent_N == 0
-        g_sender_N = jnp.where(g_from_master_N, master_N, rank_N[g_parent_flat_N])
-        g_source_N = jnp.where(
-            g_from_master_N,
-            layout.master_group(jnp.clip(expert_N, 0, None)),
-            slot_N[g_parent_flat_N],
-        )
+        gate_N = slots.filled_N & ~slots.local_N & (node_N == 1)
+        gate_hop_N, gate_sender_N, gate_source_N = _gateway_tree(slots, gate_N, max_fanout)
+        sender_N = jnp.where(gate_N, gate_sender_N, sender_N)
+        source_N = jnp.where(gate_N, gate_source_N, source_N)
         # A gateway receives in its gateway tree's hop; its domain's tree follows it.
-        sender_N = jnp.where(gate_N, g_sender_N, sender_N)
-        source_N = jnp.where(gate_N, g_source_N, source_N)
-        hop_N = jnp.where(
-            local_N, level_N, g_level_N[gateway_flat_N] + jnp.where(gate_N, 0, level_N)
-        )
+        remote_hop_N = gate_hop_N[gateway_flat_N] + jnp.where(gate_N, 0, hop_N)
+        hop_N = jnp.where(slots.local_N, hop_N, remote_hop_N)
+    filled_N = slots.filled_N
     return RelaySchedule(
         hop_RS=jnp.where(filled_N, hop_N, 0).reshape(R, S),
         sender_RS=jnp.where(filled_N, sender_N, R).reshape(R, S),

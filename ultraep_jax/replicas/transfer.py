@@ -167,9 +167,8 @@ def fetch_replica_experts(
         master sends every copy itself, in one exchange. The "portable" (dense) exchange ignores
         it: there every rank sends the same rows in a hop whoever holds the weights, so it moves
         every copy in one hop.
-      domain_size: ranks per fast domain (`BalancerConfig.ranks_per_domain`; None: one domain):
-        the relay schedule crosses into each remote domain once (ffi/TRANSFER.md, "Fast
-        domains"). Ignored by the "portable" exchange, as ``max_fanout`` is.
+      domain_size: ranks per fast domain (`BalancerConfig.ranks_per_domain`; None: one); the
+        "portable" exchange ignores it as it does ``max_fanout``.
 
     Returns:
       One [S, ...] array per input, in the same order (zeros for empty slots).
