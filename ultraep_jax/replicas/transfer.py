@@ -199,11 +199,15 @@ def fetch_replica_experts(
     # Every backend's hop is its exchange of the receiving slots, but for "portable": its
     # fixed-size all-to-all moves R times the rows of the dense hop's reduce-scatter.
     impls = {name: exchanged(name) for name in comm.EXCHANGES} | {"portable": dense}
-    received_SP = comm.by_backend(backend, impls)
-    S = slot_expert_RS.shape[1]
+    return _unflattened(comm.by_backend(backend, impls), masters)
+
+
+def _unflattened(received_SP: jax.Array, masters: tuple) -> tuple[jax.Array, ...]:
+    """``received_SP`` [S, P] split into one [S, ...] array per master tensor: masters of
+    different dtypes travel in their common one (exactly) and come back as their own."""
+    S = received_SP.shape[0]
     sizes = [int(np.prod(w.shape[1:])) for w in masters]
     parts = jnp.split(received_SP, np.cumsum(sizes)[:-1].tolist(), axis=1)
-    # Masters of different dtypes travel in their common one (exactly) and come back as their own.
     return tuple(
         p.reshape((S,) + w.shape[1:]).astype(w.dtype) for p, w in zip(parts, masters, strict=True)
     )
