@@ -231,6 +231,8 @@ def relay_schedule(
     """
     R, S = slot_expert_RS.shape
     d = R if domain_size is None else domain_size
+    if max_fanout == 0 and d == R:
+        return direct_schedule(slot_expert_RS, experts_per_rank)
     slots = _Slots.of(slot_expert_RS, experts_per_rank, d)
     hop_N, sender_N, source_N, gateway_flat_N, node_N = _domain_trees(slots, max_fanout)
     if d < R:
@@ -246,6 +248,20 @@ def relay_schedule(
         hop_RS=jnp.where(filled_N, hop_N, 0).reshape(R, S),
         sender_RS=jnp.where(filled_N, sender_N, R).reshape(R, S),
         source_RS=jnp.where(filled_N, source_N, 0).reshape(R, S),
+    )
+
+
+def direct_schedule(slot_expert_RS: jax.Array, experts_per_rank: int) -> RelaySchedule:
+    """The schedule of ``max_fanout = 0`` in one domain: every slot from its expert's master, in
+    hop 1 (the tree's root then sends to all its nodes; no sort needed)."""
+    R = slot_expert_RS.shape[0]
+    e_RS = slot_expert_RS.astype(jnp.int32)
+    filled_RS = e_RS >= 0
+    layout = Layout(R * experts_per_rank, R)
+    return RelaySchedule(
+        hop_RS=filled_RS.astype(jnp.int32),
+        sender_RS=jnp.where(filled_RS, layout.master_rank(e_RS), R),
+        source_RS=jnp.where(filled_RS, layout.master_group(e_RS), 0),
     )
 
 

@@ -7,8 +7,8 @@ master's gradient: no custom VJP needed. Nothing here waits on the masters' own 
 free to overlap the transfer with them.
 
 Each hop has two implementations behind `fetch_replica_experts`: a dense one for the "portable"
-backend (a row selection and a reduce-scatter of ``R * k`` rows for the k leading slot columns
-receiving in the hop, cheaper on XLA:CPU than an all-to-all, and nothing when no slot receives)
+backend (a row selection and a reduce-scatter of ``R * S`` rows, cheaper on XLA:CPU than an
+all-to-all, and nothing when no slot receives)
 and, for every other backend of `comm`, an exchange of only the receiving slots (for "ragged"
 `jax.lax.ragged_all_to_all`; GPU/TPU; a relay hop with no work is skipped by a `lax.cond`).
 
@@ -75,9 +75,9 @@ def active_slots(slot_expert_RS: jax.Array) -> jax.Array:
 
 
 def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_name: str):
-    """[S, P] by a dense exchange of the leading slot columns receiving in this hop: every rank
-    sends each peer one row per such slot of that peer (the row it sends that slot, or zeros)
-    and each slot sums what it got; no exchange at all when no slot receives.
+    """[S, P] by a dense exchange: every rank sends each peer one row per slot of that peer (the
+    row it sends that slot, or zeros) and each slot sums what it got; no exchange at all when no
+    slot receives.
 
     ``tables``: this rank's rows to send from, each [N, P_i] (P = sum of P_i); ``sender_RS`` and
     ``source_RS`` as in `_hop_exchange`.
@@ -86,32 +86,30 @@ def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_n
     me = jax.lax.axis_index(axis_name)
     P_ = sum(w.shape[1] for w in tables)
     dtype = jnp.result_type(*tables)  # what the concatenation below makes of mixed dtypes
-    # Every branch of the switch must have one type: varying over all that any input varies over.
+    # Both branches of the cond must have one type: varying over all that any input varies over.
     axes = {axis_name}.union(*(varying_axes(a) for a in (*tables, sender_RS, source_RS)))
 
-    def first(k):
-        def fetch():
-            mine = (sender_RS[:, :k] == me).reshape(-1, 1)  # bool [R * k, 1]
-            rows = source_RS[:, :k].reshape(-1)
-            # One fused gather per tensor, zero where another rank sends the slot: a select, not
-            # a product with a 0/1 mask, so that inf or NaN in one expert's weights stays in the
-            # slots of that expert (inf * 0 is NaN, and the sum would spread it to every slot
-            # gathering the same row); its transpose is a select too.
-            send = jnp.concatenate([jnp.where(mine, w[rows], 0) for w in tables], axis=1)
-            # Only the sender's row of each slot is non-zero, so summing over senders delivers
-            # it: a reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster
-            # than an all-to-all).
-            got = jax.lax.psum_scatter(send, axis_name, scatter_dimension=0, tiled=True)
-            return vary(jnp.pad(got, ((0, S - k), (0, 0))), axes)
+    def fetch():
+        mine = (sender_RS == me).reshape(-1, 1)  # bool [R * S, 1]
+        rows = source_RS.reshape(-1)
+        # One fused gather per tensor, zero where another rank sends the slot: a select, not a
+        # product with a 0/1 mask, so that inf or NaN in one expert's weights stays in the slots
+        # of that expert (inf * 0 is NaN, and the sum would spread it to every slot gathering
+        # the same row); its transpose is a select too.
+        send = jnp.concatenate([jnp.where(mine, w[rows], 0) for w in tables], axis=1)
+        # Only the sender's row of each slot is non-zero, so summing over senders delivers it:
+        # a reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster than an
+        # all-to-all).
+        got = jax.lax.psum_scatter(send, axis_name, scatter_dimension=0, tiled=True)
+        return vary(got, axes)
 
-        return fetch
+    def skip():
+        return vary(jnp.zeros((S, P_), dtype), axes)
 
-    # The plan is identical across the EP group, so every rank takes the same branch: the bytes
-    # moved follow the slots receiving (none in a hop without work), not the slots configured.
-    branches = [lambda: vary(jnp.zeros((S, P_), dtype), axes)]
-    branches += [first(k) for k in range(1, S + 1)]
-    receiving_RS = jnp.where(sender_RS < R, 0, -1)
-    return jax.lax.switch(active_slots(receiving_RS), branches)
+    # The plan is identical across the EP group, so every rank takes the same branch. One branch
+    # moves every slot column: a branch per count of columns in use moved fewer bytes, but its
+    # S + 1 branches (and their transposes) cost compile time for no measurable step time here.
+    return jax.lax.cond(jnp.any(sender_RS < R), fetch, skip)
 
 
 def _hop_exchange_if_any(table_NP, sender_RS, source_RS, axis_name, backend):
@@ -181,7 +179,7 @@ def fetch_replica_experts(
             tables = tables if isinstance(tables, tuple) else (tables,)
             return _hop_dense(tables, sender_RS, source_RS, axis_name)
 
-        # The dense hop's reduce-scatter has every rank send R * k rows whatever the fan-out, so
+        # The dense hop's reduce-scatter has every rank send R * S rows whatever the fan-out, so
         # a relay would only add hops (bytes, collectives and compile time): one hop here.
         return _relayed(flat, slot_expert_RS, em, (0,), hop, hop)
 
