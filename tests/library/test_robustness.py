@@ -1,9 +1,9 @@
 """Bad values stay where they are, and bad arguments fail early with one line.
 
-The layer (`uep.routed_experts`, routing given explicitly) against a dense one-device reference
-written here: every (token, choice) pair runs its own expert's SwiGLU on the gathered weights, and
-pairs that reach no expert (an id outside [0, E), or dropped for capacity by the rule of
-tests/references/dispatch.py) are selected out. Covered: inf/NaN in one expert's weights (they
+The layer (`uep.routed_experts`, routing given explicitly) against the dense one-device reference
+(tests/references/moe.py): every (token, choice) pair runs its own expert's SwiGLU on the gathered
+weights, and pairs that reach no expert (an id outside [0, E), or dropped for capacity by the rule
+of tests/references/dispatch.py) are selected out. Covered: inf/NaN in one expert's weights (they
 must not reach tokens or gradients of other experts, through replicas and relays), NaN/inf routing
 weights on skipped pairs, capacity drops together with relays and streamed transfers, and the
 argument checks.

@@ -1,5 +1,6 @@
 """Routers (`ultraep_jax.routers`), the layer with each router, and `uep.routed_experts` called
-directly, against a dense one-device reference written here.
+directly, against the references of tests/references: the routers (routing.py) and the dense
+one-device MoE (moe.py).
 
 The reference never calls the library's routing code: routing decisions are made in NumPy
 float64 (softmax top-k is top-k of the logits; DeepSeek-V3 sigmoid routing picks on sigmoid
@@ -31,7 +32,8 @@ from tests.helpers import (
     make_mesh,
     place_batch,
 )
-from tests.references.moe import HIGHEST
+from tests.references.moe import HIGHEST, reference_moe
+from tests.references.routing import Router, router_losses, router_weights, select_experts
 from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, update_bias
 
 D, F, FS = 8, 8, 8  # model width, expert hidden width, shared expert hidden width
@@ -55,15 +57,9 @@ def assert_close(got, want, what, rtol=RTOL, atol=ATOL):
 
 
 @dataclasses.dataclass(frozen=True)
-class Spec:
-    """A router as the reference sees it; `library` builds the library's router from it."""
-
-    kind: str  # "softmax" or "sigmoid"
-    top_k: int
-    renormalize: bool = True
-    num_groups: int = 1
-    top_groups: int = 1
-    scale: float = 1.0
+class Spec(Router):
+    """A router as the reference sees it (`Router`); `library` builds the library's router from
+    it."""
 
     def library(self, bias_rate: float = 1e-3):
         if self.kind == "softmax":
@@ -77,73 +73,6 @@ class Spec:
         if self.kind == "softmax":
             return f"softmax-k{self.top_k}-{'renorm' if self.renormalize else 'raw'}"
         return f"sigmoid-k{self.top_k}-g{self.top_groups}of{self.num_groups}-s{self.scale}"
-
-
-def _sigmoid64(z):
-    return 1.0 / (1.0 + np.exp(-np.asarray(z, np.float64)))
-
-
-def ref_select(logits, spec: Spec, bias=None):
-    """(experts int [T, k] best first, margin): the reference's choice from float64 logits, and
-    the smallest gap at any decision it made (k-th vs (k+1)-th key, groups kept vs dropped)."""
-    logits = np.asarray(logits, np.float64)
-    T, n = logits.shape
-    k = spec.top_k
-    margin = math.inf
-    if spec.kind == "softmax":
-        key = logits  # softmax is monotone
-    else:
-        key = _sigmoid64(logits) + (0.0 if bias is None else np.asarray(bias, np.float64))
-        G, TG = spec.num_groups, spec.top_groups
-        if TG < G:
-            grouped = key.reshape(T, G, n // G)
-            best = -np.sort(-grouped, axis=-1)[..., :2]
-            group_score = best.sum(-1)  # sum of the (up to) two best biased scores
-            keep = np.argsort(-group_score, axis=-1, kind="stable")[:, :TG]
-            allowed = np.zeros((T, G), bool)
-            allowed[np.arange(T)[:, None], keep] = True
-            key = np.where(np.repeat(allowed, n // G, axis=1), key, -np.inf)
-            srt = -np.sort(-group_score, axis=-1)
-            margin = min(margin, float(np.min(srt[:, TG - 1] - srt[:, TG])))
-    experts = np.argsort(-key, axis=-1, kind="stable")[:, :k]
-    srt = -np.sort(-key, axis=-1)
-    if k < n and np.all(np.isfinite(srt[:, k])):
-        margin = min(margin, float(np.min(srt[:, k - 1] - srt[:, k])))
-    elif k < n:
-        finite = np.isfinite(srt[:, k])
-        if finite.any():
-            margin = min(margin, float(np.min((srt[:, k - 1] - srt[:, k])[finite])))
-    return experts, margin
-
-
-def ref_probs(logits, spec: Spec):
-    """[T, E] the normalised scores the aux loss averages: softmax, or sigmoid / row sum."""
-    if spec.kind == "softmax":
-        ex = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-        return ex / jnp.sum(ex, axis=-1, keepdims=True)
-    s = 1.0 / (1.0 + jnp.exp(-logits))
-    return s / jnp.sum(s, axis=-1, keepdims=True)
-
-
-def ref_weights(logits, experts, spec: Spec):
-    """[T, k] the weights of the fixed choices ``experts``: chosen softmax probabilities
-    (renormalised or not), or chosen unbiased sigmoid scores normalised to 1, times ``scale``."""
-    if spec.kind == "softmax":
-        w = jnp.take_along_axis(ref_probs(logits, spec), experts, axis=-1)
-        return w / jnp.sum(w, axis=-1, keepdims=True) if spec.renormalize else w
-    s = jnp.take_along_axis(1.0 / (1.0 + jnp.exp(-logits)), experts, axis=-1)
-    return spec.scale * s / jnp.sum(s, axis=-1, keepdims=True)
-
-
-def ref_losses(logits, experts, spec: Spec):
-    """(aux, z): ``E/(K T) sum_e count_e mean_t p_te`` and ``mean_t logsumexp(logits_t)^2``."""
-    T, n = logits.shape
-    k = experts.shape[-1]
-    count = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(1.0)
-    aux = n / (k * T) * jnp.sum(count * jnp.mean(ref_probs(logits, spec), axis=0))
-    m = jnp.max(logits, axis=-1)
-    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
-    return aux, jnp.mean(lse**2)
 
 
 def logit(p):
@@ -232,7 +161,7 @@ SIGMOID_HAND = {
 def test_sigmoid_topk_hand_examples(name):
     scores, bias, spec, want = SIGMOID_HAND[name]
     logits = logit([scores])
-    ref, margin = ref_select(logits, spec, None if bias is None else np.asarray(bias))
+    ref, margin = select_experts(logits, spec, None if bias is None else np.asarray(bias))
     np.testing.assert_array_equal(ref, [want], err_msg="the reference disagrees with the hand")
     assert margin > 1e-3
     bias_arr = None if bias is None else np.asarray(bias, np.float32)
@@ -266,10 +195,10 @@ def _random_logits(spec, seed, T=6):
         bias = None
         if spec.kind == "sigmoid":
             bias = (0.3 * rng.normal(size=E)).astype(np.float32)
-        experts, margin = ref_select(logits, spec, bias)
+        experts, margin = select_experts(logits, spec, bias)
         if margin < 1e-3:
             continue
-        if bias is not None and np.array_equal(experts, ref_select(logits, spec)[0]):
+        if bias is not None and np.array_equal(experts, select_experts(logits, spec)[0]):
             continue
         return logits, bias, experts
     raise AssertionError("could not draw logits with a clear routing margin")
@@ -287,8 +216,8 @@ def test_router_values_and_gradients_match_reference(seed, spec):
     r = router(jnp.asarray(logits), bias_j)
     np.testing.assert_array_equal(np.asarray(r.experts), want_experts)
     idx = jnp.asarray(want_experts)
-    ref_aux, ref_z = ref_losses(jnp.asarray(logits), idx, spec)
-    assert_close(r.weights, ref_weights(jnp.asarray(logits), idx, spec), "weights", 1e-5, 1e-6)
+    ref_aux, ref_z = router_losses(jnp.asarray(logits), idx, spec)
+    assert_close(r.weights, router_weights(jnp.asarray(logits), idx, spec), "weights", 1e-5, 1e-6)
     assert_close(r.aux_loss, ref_aux, "aux_loss", 1e-5, 1e-6)
     assert_close(r.z_loss, ref_z, "z_loss", 1e-5, 1e-6)
     cot = jnp.asarray(np.random.default_rng(1).normal(size=want_experts.shape), jnp.float32)
@@ -298,9 +227,9 @@ def test_router_values_and_gradients_match_reference(seed, spec):
         "z": lambda l: router(l, bias_j).z_loss,
     }
     ref_fns = {
-        "weights": lambda l: jnp.sum(ref_weights(l, idx, spec) * cot),
-        "aux": lambda l: ref_losses(l, idx, spec)[0],
-        "z": lambda l: ref_losses(l, idx, spec)[1],
+        "weights": lambda l: jnp.sum(router_weights(l, idx, spec) * cot),
+        "aux": lambda l: router_losses(l, idx, spec)[0],
+        "z": lambda l: router_losses(l, idx, spec)[1],
     }
     for what, lib_fn in lib_fns.items():
         got = jax.grad(lib_fn)(jnp.asarray(logits))
@@ -355,29 +284,14 @@ def draw_layer_inputs(rng, spec: Spec, batch, seq, skew=True, bias_scale=0.0):
         params |= {k: v.astype(np.float32) for k, v in shared.items()}
         bias = (bias_scale * rng.normal(size=E)).astype(np.float32)
         logits = x.reshape(-1, D).astype(np.float64) @ params["router_kernel"].astype(np.float64)
-        experts, margin = ref_select(logits, spec, bias)
+        experts, margin = select_experts(logits, spec, bias)
         threshold = 1e-3 if spec.kind == "softmax" else 1e-4
         if margin < threshold:
             continue
-        if bias_scale and np.array_equal(experts, ref_select(logits, spec)[0]):
+        if bias_scale and np.array_equal(experts, select_experts(logits, spec)[0]):
             continue
         return x, params, bias, experts
     raise AssertionError("could not draw inputs with a clear routing margin")
-
-
-def dense_experts(xt, params, experts, weights, shared: bool):
-    """[T, D]: every expert on every token, the chosen ones weighted and summed; plus the shared
-    expert."""
-    gate = jnp.einsum("td,edf->tef", xt, params["w_gate"], precision=HIGHEST)
-    up = jnp.einsum("td,edf->tef", xt, params["w_up"], precision=HIGHEST)
-    out = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, params["w_down"], precision=HIGHEST)
-    chosen = jnp.take_along_axis(out, experts[:, :, None], axis=1)  # [T, k, D]
-    y = jnp.sum(chosen * weights[:, :, None], axis=1)
-    if shared:
-        g = jnp.dot(xt, params["shared_gate"], precision=HIGHEST)
-        h = jax.nn.silu(g) * jnp.dot(xt, params["shared_up"], precision=HIGHEST)
-        y = y + jnp.dot(h, params["shared_down"], precision=HIGHEST)
-    return y
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "shared"))
@@ -388,9 +302,15 @@ def reference_layer(x, params, experts, cotangent, spec: Spec, shared: bool):
     def loss(x, params):
         xt = x.reshape(-1, D)
         logits = jnp.dot(xt, params["router_kernel"], precision=HIGHEST)
-        weights = ref_weights(logits, experts, spec)
-        y = dense_experts(xt, params, experts, weights, shared).reshape(x.shape)
-        return jnp.sum(y * cotangent), (y, *ref_losses(logits, experts, spec))
+        weights = router_weights(logits, experts, spec)
+        y = reference_moe(
+            xt,
+            experts,
+            weights,
+            tuple(params[n] for n in EXPERT_NAMES),
+            shared=tuple(params[n] for n in SHARED_NAMES) if shared else None,
+        ).reshape(x.shape)
+        return jnp.sum(y * cotangent), (y, *router_losses(logits, experts, spec))
 
     (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
     return aux, grads
@@ -504,11 +424,7 @@ def hand_routing(batch, seq, k):
 @jax.jit
 def reference_routed(x, weights, params, experts):
     """[B, L, D]: the dense experts of the fixed routing ``experts``, ``weights`` [B, L, k]."""
-    k = experts.shape[-1]
-    y = dense_experts(
-        x.reshape(-1, D), params, experts.reshape(-1, k), weights.reshape(-1, k), False
-    )
-    return y.reshape(x.shape)
+    return reference_moe(x, experts, weights, tuple(params[n] for n in EXPERT_NAMES))
 
 
 def test_routed_experts_with_hand_routing_equals_reference():
@@ -761,7 +677,7 @@ def test_update_router_bias_moves_toward_balance():
     load = np.bincount(experts.ravel(), minlength=E)
     assert (load != load.mean()).all(), "an expert sits at the mean load: pick another seed"
     want_bias = (bias + rate * np.sign(load.mean() - load)).astype(np.float32)
-    experts2, margin2 = ref_select(logits, spec, want_bias)
+    experts2, margin2 = select_experts(logits, spec, want_bias)
     assert margin2 > 1e-4, "the updated bias leaves a near tie: pick another seed"
     load2 = np.bincount(experts2.ravel(), minlength=E)
     assert not np.array_equal(load2, load), "the bias step changes nothing: pick another seed"
@@ -820,9 +736,9 @@ def test_bf16_layer_close_to_float32_reference_with_float32_routing():
             k: np.asarray(jnp.asarray(v, bf16).astype(jnp.float32)) for k, v in params.items()
         }
         logits = x.reshape(-1, D).astype(np.float64) @ params["router_kernel"].astype(np.float64)
-        experts, margin = ref_select(logits, spec)
+        experts, margin = select_experts(logits, spec)
         rounded = np.asarray(jnp.asarray(logits, bf16).astype(jnp.float32), np.float64)
-        experts_bf16, _ = ref_select(rounded, spec)
+        experts_bf16, _ = select_experts(rounded, spec)
         load = np.bincount(experts.ravel(), minlength=E)
         if margin > 1e-3 and not np.array_equal(
             load, np.bincount(experts_bf16.ravel(), minlength=E)
