@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import ultraep_jax as uep
 from experiments.loads import workloads
-from experiments.planner.oracle import random_cases
 from tests.library.test_plan_vs_reference import CONFIGS, _random_loads
+from tests.references.oracle import random_cases
 from tests.references.planner import check_plan_invariants, reference_plan, reference_plan_info
 from ultraep_jax.planning import native as _native
 

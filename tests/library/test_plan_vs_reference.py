@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import ultraep_jax as uep
 from experiments.loads import workloads
-from experiments.planner.oracle import random_cases
+from tests.references.oracle import random_cases
 from tests.references.planner import (
     check_plan_invariants,
     rank_loads_before,
@@ -151,7 +151,7 @@ def test_huge_eps_means_no_replicas(eps):
     ],
 )
 def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity):
-    # Small loads and few slots (experiments.planner.exact's cases, R 3..4), where the plain
+    # Small loads and few slots (the exact solver's random cases, R 3..4), where the plain
     # attempts fail now and then and the repairs, or the capacity step's second window, decide.
     # With a capacity the loads are scaled to a mean of about 36 and the masters keep 8 more
     # tokens, so that the capacity often cannot be met and both windows run.
