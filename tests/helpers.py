@@ -6,11 +6,13 @@ mesh, the layer's values and gradients, and the replica transfer with its gradie
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -144,3 +146,22 @@ def fetch_with_grads(mesh, masters: Sequence[np.ndarray], slot_expert, cotangent
     argnums = tuple(range(len(masters)))
     (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
     return got, grads
+
+
+def assert_raises_one_line(error, match, fn, *args, **kwargs) -> None:
+    """Asserts that ``fn(*args, **kwargs)`` raises ``error`` with one line matching ``match``."""
+    with pytest.raises(error, match=match) as info:
+        fn(*args, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def assert_integer_rule(name: str, fn) -> None:
+    """The one rule of an integer argument, here ``fn(value)``'s: TypeError (one line naming the
+    argument ``name``) for a bool, a float (even 2.0) or a string; ValueError for an integer below
+    the minimum; NumPy integers accepted."""
+    for bad in (True, np.bool_(False), 2.0, np.float32(3), "2"):
+        assert_raises_one_line(TypeError, rf"^{re.escape(name)} must be an int, got ", fn, bad)
+    assert_raises_one_line(
+        ValueError, rf"^{re.escape(name)} must be (a positive int|an int >= 0), got -1$", fn, -1
+    )
+    fn(np.int64(8))  # accepted
