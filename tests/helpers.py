@@ -1,7 +1,9 @@
-"""What several test files build the same way: the meshes of the 8 simulated devices, the layer
-with given parameter values, skewed inputs and parameter values to write in, a batch placed on a
-mesh, the layer's values and gradients, and the replica transfer with its gradient
-(`transfer.fetch_replica_experts` over the "expert" axis)."""
+"""What several test files build the same way: the meshes of the 8 simulated devices (also
+fixtures: tests/conftest.py), the layer with given parameter values, skewed inputs and parameter
+values to write in, a batch placed on a mesh, the layer's values and gradients, those of
+`routed_experts` or a reference of it, the replica transfer with its gradient
+(`transfer.fetch_replica_experts` over the "expert" axis), and the checks of one-line errors and
+of integer arguments."""
 
 from __future__ import annotations
 
@@ -123,6 +125,20 @@ def layer_value_and_grads(layer, x, cotangent, names: Sequence[str]):
     grad_layer = nnx.merge(graphdef, gp, rest)
     grads = {name: np.asarray(getattr(grad_layer, name)[...]) for name in names}
     return np.asarray(y), jax.tree.map(np.asarray, stats), np.asarray(gx), grads
+
+
+def routed_value_and_grads(fn, x, weights, params, experts, cot):
+    """y, and the gradients of sum(y * cot) w.r.t. x, weights and params, of ``fn(x, weights,
+    params, experts) -> (y, aux)``, jitted (so the ids are traced, as in training); returns
+    (y, aux, gx, gw, gparams) as NumPy (aux and gparams as the trees they are)."""
+
+    def loss(x, weights, params, experts):
+        y, aux = fn(x, weights, params, experts)
+        return jnp.sum(y * cot), (y, aux)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, (y, aux)), (gx, gw, gp) = grad(x, weights, params, experts)
+    return np.asarray(y), jax.tree.map(np.asarray, aux), np.asarray(gx), np.asarray(gw), gp
 
 
 def fetch_with_grads(mesh, masters: Sequence[np.ndarray], slot_expert, cotangents, **options):

@@ -290,11 +290,10 @@ def test_mesh_without_ep_axis_runs_local_experts(shape, names):
     assert "ultraep_plan" not in hlo and "all_to_all" not in hlo
 
 
-def test_token_count_not_divisible_by_devices_is_padded():
+def test_token_count_not_divisible_by_devices_is_padded(ep8_mesh):
     """15 tokens on 8 devices: padded with masked tokens, which no stat counts."""
-    mesh = jax.make_mesh((8,), ("expert",))
-    ep = _ep(mesh, "silu")
-    x, params, ids, weights, _ = _routed_case(mesh, batch=3, seq=5)
+    ep = _ep(ep8_mesh, "silu")
+    x, params, ids, weights, _ = _routed_case(ep8_mesh, batch=3, seq=5)
     y, stats = uep.routed_experts(x, ids, weights, params, ep)
     y_ref = reference_moe(x, ids, weights, params, activation="silu")
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5)
@@ -302,12 +301,11 @@ def test_token_count_not_divisible_by_devices_is_padded():
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_masked_tokens_may_hold_any_id(jit):
+def test_masked_tokens_may_hold_any_id(jit, ep8_mesh):
     """Padding tokens' ids are never looked at: -1 or E at masked tokens neither raises eagerly
     nor counts as invalid under jit, and their weights (even NaN) reach nothing."""
-    mesh = jax.make_mesh((8,), ("expert",))
-    ep = _ep(mesh, "gelu")
-    x, params, ids, weights, _ = _routed_case(mesh)
+    ep = _ep(ep8_mesh, "gelu")
+    x, params, ids, weights, _ = _routed_case(ep8_mesh)
     mask = _mask("random", 2)
     garbage_ids = jnp.where(mask[..., None], ids, jnp.where(jnp.arange(K) == 0, -1, E))
     nan_weights = jnp.where(mask[..., None], weights, jnp.nan)
@@ -342,13 +340,12 @@ def _gradient_counts(fn, *args) -> tuple[int, int]:
     return plans, a2a
 
 
-def test_remat_policy_keeps_plan_and_exchanges():
+def test_remat_policy_keeps_plan_and_exchanges(ep8_mesh):
     """With ``save_only_these_names(*uep.remat.NAMES)`` the backward pass reuses the plan and the
     exchanged rows: one planner call per layer (two when nothing is saved) and fewer
     all-to-alls."""
-    mesh = jax.make_mesh((8,), ("expert",))
-    ep = _ep(mesh, "silu")
-    x, params, ids, weights, cot = _routed_case(mesh)
+    ep = _ep(ep8_mesh, "silu")
+    x, params, ids, weights, cot = _routed_case(ep8_mesh)
 
     def layers(x, params):  # two layers of different routing (XLA would merge equal plans)
         y, _ = uep.routed_experts(x, ids, weights, params, ep)

@@ -403,19 +403,19 @@ def expected_keep(x, params, mesh, num_experts, top_k, capacity, balancer):
     return keep.reshape(-1, top_k).astype(np.float32), plans
 
 
-def skewed_capacity_setup(mesh_kind, seed):
-    """Mesh, inputs and sizes for the capacity tests: E=8, top-2, 16 tokens per device, skewed."""
-    mesh = make_mesh(mesh_kind)
+def skewed_capacity_setup(mesh, seed):
+    """Inputs and sizes for the capacity tests on ``mesh``: E=8, top-2, 16 tokens per device,
+    skewed."""
     rng = np.random.default_rng(seed)
     batch, seq, num_experts, top_k = 8, 16, 8, 2
     x, params = make_inputs(rng, batch, seq, num_experts, top_k, skew=True, hot=[0, 1])
     tokens_per_device = batch * seq // mesh.size
-    return mesh, x, params, num_experts, top_k, tokens_per_device
+    return x, params, num_experts, top_k, tokens_per_device
 
 
-@pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
-def test_balanced_capacity_1_1_drops_nothing(mesh_kind):
-    mesh, x, params, E, k, _ = skewed_capacity_setup(mesh_kind, seed=10)
+@pytest.mark.parametrize("mesh", ["ep8", "dp2ep4"], indirect=True)
+def test_balanced_capacity_1_1_drops_nothing(mesh):
+    x, params, E, k, _ = skewed_capacity_setup(mesh, seed=10)
     balancer = balancer_config(mesh, E, slots=2, balance_eps=0.01)
     layer = build_layer(mesh, E, k, balancer, 1.1, params)
     y, stats = layer_forward(layer, place_batch(mesh, x))
@@ -430,17 +430,18 @@ def test_balanced_capacity_1_1_drops_nothing(mesh_kind):
 
 
 @pytest.mark.parametrize(
-    "mesh_kind, slots, factor",
+    "mesh, slots, factor",
     [("ep8", 0, 1.1), ("dp2ep4", 0, 1.1), ("ep8", 1, 0.8), ("dp2ep4", 1, 0.8)],
     ids=["plain-ep8", "plain-dp2ep4", "replicas-ep8", "replicas-dp2ep4"],
+    indirect=["mesh"],
 )
-def test_capacity_drops_exactly_the_pairs_the_rule_names(mesh_kind, slots, factor):
+def test_capacity_drops_exactly_the_pairs_the_rule_names(mesh, slots, factor):
     """Under a receive buffer too small for the load (plain EP, or balanced with too few slots
     and a buffer below the mean), the layer drops exactly the pairs named by the rule: plan,
     locality-first reroute, destination stores sources in rank order, each by local group, each
     group in pair order, keeps the first ``capacity`` rows. Output equals the dense reference with
     those pairs removed; the drop count matches."""
-    mesh, x, params, E, k, tokens_per_device = skewed_capacity_setup(mesh_kind, seed=10)
+    x, params, E, k, tokens_per_device = skewed_capacity_setup(mesh, seed=10)
     capacity = capacity_rows(factor, k, tokens_per_device)
     balancer = balancer_config(mesh, E, slots=slots) if slots else None
     layer = build_layer(mesh, E, k, balancer, factor, params)
@@ -475,16 +476,15 @@ def _pure_forward(layer):
     return fn, params, rest
 
 
-def _hlo_layer(balanced: bool):
-    mesh = make_mesh("ep8")
+def _hlo_layer(mesh, balanced: bool):
     rng = np.random.default_rng(20)
     x, params = make_inputs(rng, 8, 8, 8, 2, skew=True)
     balancer = balancer_config(mesh, 8, slots=2) if balanced else None
     return mesh, build_layer(mesh, 8, 2, balancer, 1.25, params), place_batch(mesh, x)
 
 
-def test_cpu_lowering_has_planner_custom_call_no_callback_no_ragged():
-    _, layer, x = _hlo_layer(balanced=True)
+def test_cpu_lowering_has_planner_custom_call_no_callback_no_ragged(ep8_mesh):
+    _, layer, x = _hlo_layer(ep8_mesh, balanced=True)
     fn, params, rest = _pure_forward(layer)
     text = jax.jit(fn).lower(params, rest, x).as_text()
     assert "ultraep_plan" in text
@@ -589,7 +589,7 @@ def test_bad_configuration_raises_one_line_at_construction(kwargs, match):
     assert "\n" not in str(info.value)
 
 
-def test_numpy_scalars_are_accepted_as_python_numbers():
+def test_numpy_scalars_are_accepted_as_python_numbers(ep8_mesh):
     """NumPy integers and floats are accepted wherever Python ones are (as `BalancerConfig` does)
     and stored as Python numbers, so configurations compare and hash alike."""
     layer = _layer(num_experts=np.int64(8), top_k=np.int32(2), capacity_factor=np.float32(1.1))
@@ -598,9 +598,8 @@ def test_numpy_scalars_are_accepted_as_python_numbers():
     assert type(layer.ep.capacity_factor) is float
     assert layer.ep.capacity_factor == float(np.float32(1.1))
     assert layer.capacity(32) == math.ceil(float(np.float32(1.1)) * 2 * 32)
-    mesh = make_mesh("ep8")
-    assert uep.ExpertParallel(mesh, np.int64(8), capacity_factor=np.float64(1.5)) == (
-        uep.ExpertParallel(mesh, 8, capacity_factor=1.5)
+    assert uep.ExpertParallel(ep8_mesh, np.int64(8), capacity_factor=np.float64(1.5)) == (
+        uep.ExpertParallel(ep8_mesh, 8, capacity_factor=1.5)
     )
 
 
@@ -654,7 +653,7 @@ def test_bad_input_raises_when_called_eagerly():
 # -- eager use ------------------------------------------------------------------------------
 
 
-def test_eager_calls_compile_once_and_match_jit():
+def test_eager_calls_compile_once_and_match_jit(ep8_mesh):
     """The layer called outside `jax.jit` compiles a handful of programs on the first call and
     none on later calls of the same shape, and gives the jitted result."""
     compiles = []
@@ -665,11 +664,10 @@ def test_eager_calls_compile_once_and_match_jit():
             else None
         )
     )
-    mesh = make_mesh("ep8")
     rng = np.random.default_rng(30)
     x, params = make_inputs(rng, 8, 8, 8, 2, skew=True)
-    layer = build_layer(mesh, 8, 2, balancer_config(mesh, 8, slots=2), 1.25, params)
-    xs = place_batch(mesh, x)
+    layer = build_layer(ep8_mesh, 8, 2, balancer_config(ep8_mesh, 8, slots=2), 1.25, params)
+    xs = place_batch(ep8_mesh, x)
     y_jit, stats_jit = layer_forward(layer, xs)
     before = len(compiles)
     y1, _ = layer(xs)

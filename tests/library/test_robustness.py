@@ -24,6 +24,7 @@ from tests.helpers import (
     assert_raises_one_line,
     expert_mesh,
     fetch_with_grads,
+    routed_value_and_grads,
 )
 from tests.library.test_relay import _portable_exchange, random_slots
 from tests.references.dispatch import kept_pairs, prefix_transport
@@ -43,20 +44,6 @@ def _balancer(max_fanout: int = 2) -> uep.BalancerConfig:
     )
 
 
-def value_and_grads(fn, x, weights, params, experts, cot):
-    """y, and the gradients of sum(y * cot) w.r.t. x, weights and params, of ``fn(x, weights,
-    params, experts) -> (y, aux)``, jitted (so the ids are traced, as in training); returns
-    (y, aux, gx, gw, gparams) as NumPy."""
-
-    def loss(x, weights, params, experts):
-        y, aux = fn(x, weights, params, experts)
-        return jnp.sum(y * cot), (y, aux)
-
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (_, (y, aux)), (gx, gw, gp) = grad(x, weights, params, experts)
-    return np.asarray(y), jax.tree.map(np.asarray, aux), np.asarray(gx), np.asarray(gw), gp
-
-
 def layer_and_reference(x, experts, weights, params, ep, keep, cot):
     """The layer's and the reference's (y, stats or None, gx, gweights, gparams)."""
 
@@ -72,7 +59,7 @@ def layer_and_reference(x, experts, weights, params, ep, keep, cot):
         tuple(jnp.asarray(w) for w in params),
         jnp.asarray(experts),
     )
-    return value_and_grads(layer, *args, cot), value_and_grads(ref, *args, cot)
+    return routed_value_and_grads(layer, *args, cot), routed_value_and_grads(ref, *args, cot)
 
 
 def assert_close(got, want, what):

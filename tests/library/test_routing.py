@@ -31,6 +31,7 @@ from tests.helpers import (
     layer_value_and_grads,
     make_mesh,
     place_batch,
+    routed_value_and_grads,
 )
 from tests.references.moe import HIGHEST, reference_moe
 from tests.references.routing import Router, router_losses, router_weights, select_experts
@@ -427,12 +428,11 @@ def reference_routed(x, weights, params, experts):
     return reference_moe(x, experts, weights, tuple(params[n] for n in EXPERT_NAMES))
 
 
-def test_routed_experts_with_hand_routing_equals_reference():
+def test_routed_experts_with_hand_routing_equals_reference(dp2ep4_mesh):
     """`uep.routed_experts` outside any layer, balanced, with a hand-made routing (NumPy expert
     ids, some tokens choosing one expert twice): the eager call's output equals the dense
     reference and its loads are the bincount of the ids. (Its gradients are those of the layer
     tests, which run it under the routers' weights.)"""
-    mesh = make_mesh("dp2ep4")
     rng = np.random.default_rng(11)
     batch, seq, k = 8, 4, 2
     x = rng.normal(size=(batch, seq, D)).astype(np.float32)
@@ -443,7 +443,7 @@ def test_routed_experts_with_hand_routing_equals_reference():
         "w_up": rng.normal(size=(E, D, F)).astype(np.float32) / math.sqrt(D),
         "w_down": rng.normal(size=(E, F, D)).astype(np.float32) / math.sqrt(F),
     }
-    ep = uep.ExpertParallel(mesh, E, balancer_for(mesh), capacity_factor=None)
+    ep = uep.ExpertParallel(dp2ep4_mesh, E, balancer_for(dp2ep4_mesh), capacity_factor=None)
     wparams = tuple(jnp.asarray(params[n]) for n in EXPERT_NAMES)
     ref_y = reference_routed(jnp.asarray(x), jnp.asarray(weights), params, jnp.asarray(experts))
 
@@ -478,38 +478,13 @@ def test_routed_experts_rejects_concrete_experts_out_of_range(bad):
         uep.routed_experts(x, experts, weights, params, ep)
 
 
-@jax.jit
-def reference_routed_grads(x, weights, params, experts, cotangent):
-    """y and the gradients of sum(y * cotangent) w.r.t. x, weights and params (a dict) of
-    `reference_routed`."""
-
-    def loss(x, weights, params):
-        y = reference_routed(x, weights, params, experts)
-        return jnp.sum(y * cotangent), y
-
-    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, weights, params)
-
-
-@functools.partial(jax.jit, static_argnums=4)
-def routed_grads(x, weights, params, experts, ep, cotangent):
-    """`routed_experts` under `jit` (traced expert ids): (y, stats) and the gradients of
-    sum(y * cotangent) w.r.t. x, weights and params."""
-
-    def loss(x, weights, params):
-        y, stats = uep.routed_experts(x, experts, weights, params, ep)
-        return jnp.sum(y * cotangent), (y, stats)
-
-    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, weights, params)
-
-
 @pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "plain"])
-def test_routed_experts_under_jit_skips_experts_out_of_range(balanced):
+def test_routed_experts_under_jit_skips_experts_out_of_range(balanced, dp2ep4_mesh):
     """Under `jit` expert ids cannot be checked: a pair whose id is outside [0, E) (-1, E, a large
     value, a large negative one) contributes nothing. Every output and gradient equals the dense
     reference of the routing without those pairs (the other tokens on the same devices are
     unaffected), the loads are the bincount of the valid ids, and the bad pairs are counted in
     ``invalid`` only (not in ``dropped``)."""
-    mesh = make_mesh("dp2ep4")
     rng = np.random.default_rng(12)
     batch, seq, k = 8, 4, 2
     x = rng.normal(size=(batch, seq, D)).astype(np.float32)
@@ -531,16 +506,24 @@ def test_routed_experts_under_jit_skips_experts_out_of_range(balanced):
     }
     for index, value in bad_ids.items():
         experts[index], bad[index] = value, True
-    ep = uep.ExpertParallel(mesh, E, balancer_for(mesh) if balanced else None, capacity_factor=None)
-    wparams = tuple(jnp.asarray(params[n]) for n in EXPERT_NAMES)
-    (_, (y, stats)), (gx, gw, gp) = routed_grads(
-        jnp.asarray(x), jnp.asarray(weights), wparams, jnp.asarray(experts), ep, cotangent
+    ep = uep.ExpertParallel(
+        dp2ep4_mesh, E, balancer_for(dp2ep4_mesh) if balanced else None, capacity_factor=None
     )
+    wparams = tuple(jnp.asarray(params[n]) for n in EXPERT_NAMES)
 
+    def layer(x, weights, params, experts):
+        return uep.routed_experts(x, experts, weights, params, ep)
+
+    def ref(x, weights, params, experts):
+        return reference_routed(x, weights, params, experts), None
+
+    y, stats, gx, gw, gp = routed_value_and_grads(
+        layer, jnp.asarray(x), jnp.asarray(weights), wparams, jnp.asarray(experts), cotangent
+    )
     valid_weights = np.where(bad, 0, weights).astype(np.float32)
     valid_experts = np.where(bad, 0, experts)
-    (_, ref_y), (ref_gx, ref_gw, ref_gp) = reference_routed_grads(
-        jnp.asarray(x), jnp.asarray(valid_weights), params, jnp.asarray(valid_experts), cotangent
+    ref_y, _, ref_gx, ref_gw, ref_gp = routed_value_and_grads(
+        ref, jnp.asarray(x), jnp.asarray(valid_weights), params, valid_experts, cotangent
     )
     assert_close(y, ref_y, "y")
     assert_close(gx, ref_gx, "d/dx")
@@ -665,11 +648,10 @@ def test_routers_accept_numpy_scalars_and_check_the_experts():
 # -- the router bias -------------------------------------------------------------------------
 
 
-def test_update_router_bias_moves_toward_balance():
+def test_update_router_bias_moves_toward_balance(ep8_mesh):
     """From a call's stats, the bias goes down by the rate for experts above the mean load and up
     for those below; the next call routes by the new bias (a large rate changes choices). Eager
     and in a jitted step, with x placed on the user's `jax.make_mesh` mesh (Explicit axes)."""
-    mesh = make_mesh("ep8")
     rng = np.random.default_rng(21)
     spec, rate = GROUPED, 0.2
     x, params, bias, experts = draw_layer_inputs(rng, spec, 8, 4, bias_scale=0.3)
@@ -682,8 +664,8 @@ def test_update_router_bias_moves_toward_balance():
     load2 = np.bincount(experts2.ravel(), minlength=E)
     assert not np.array_equal(load2, load), "the bias step changes nothing: pick another seed"
 
-    layer = build_routed_layer(mesh, spec, False, False, params, bias, bias_rate=rate)
-    xs = place_batch(mesh, x)
+    layer = build_routed_layer(ep8_mesh, spec, False, False, params, bias, bias_rate=rate)
+    xs = place_batch(ep8_mesh, x)
     _, stats = layer(xs)
     np.testing.assert_array_equal(np.asarray(stats.expert_load), load)
     layer.update_router_bias(stats)
@@ -709,8 +691,8 @@ def test_update_router_bias_moves_toward_balance():
     np.testing.assert_allclose(np.asarray(layer.router_bias[...]), want_bias2, rtol=1e-6, atol=1e-6)
 
 
-def test_update_router_bias_on_softmax_layer_raises():
-    layer = uep.MoE(D, F, E, 2, make_mesh("ep8"), rngs=nnx.Rngs(0))
+def test_update_router_bias_on_softmax_layer_raises(ep8_mesh):
+    layer = uep.MoE(D, F, E, 2, ep8_mesh, rngs=nnx.Rngs(0))
     assert not hasattr(layer, "router_bias")
     zeros = {f.name: jnp.int32(0) for f in dataclasses.fields(uep.MoEStats)}
     stats = uep.MoEStats(**(zeros | {"expert_load": jnp.zeros((E,), jnp.int32)}))
@@ -721,11 +703,10 @@ def test_update_router_bias_on_softmax_layer_raises():
 # -- bfloat16 --------------------------------------------------------------------------------
 
 
-def test_bf16_layer_close_to_float32_reference_with_float32_routing():
+def test_bf16_layer_close_to_float32_reference_with_float32_routing(ep8_mesh):
     """bf16 parameters and input under jit: the output is close to the float32 reference of the
     same (upcast) weights, and the routed loads are those of float32 logits of the upcast values,
     on an input where logits rounded to bfloat16 would route differently."""
-    mesh = make_mesh("ep8")
     spec = Spec("softmax", 2)
     rng = np.random.default_rng(31)
     bf16 = jnp.bfloat16
@@ -747,11 +728,11 @@ def test_bf16_layer_close_to_float32_reference_with_float32_routing():
     else:
         raise AssertionError("no input separates float32 from bfloat16 routing")
 
-    layer = build_routed_layer(mesh, spec, True, True, params, dtype=bf16)
+    layer = build_routed_layer(ep8_mesh, spec, True, True, params, dtype=bf16)
     assert layer.w_gate[...].dtype == bf16 and layer.router_kernel[...].dtype == bf16
     graphdef, state, rest = nnx.split(layer, nnx.Param, ...)
     fwd = jax.jit(lambda s, r, x: nnx.merge(graphdef, s, r)(x))
-    y, stats = fwd(state, rest, place_batch(mesh, jnp.asarray(x, bf16)))
+    y, stats = fwd(state, rest, place_batch(ep8_mesh, jnp.asarray(x, bf16)))
     assert y.dtype == bf16 and y.shape == x.shape
     assert int(stats.replicas) > 0 and int(stats.dropped) == 0
     np.testing.assert_array_equal(np.asarray(stats.expert_load), load)
