@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices, forced before jax is imported anywhere; JAX's persistent
 compilation cache, shared by the test processes and the program runs they start; the number of
-parallel test processes; and the rule for tests that need the real expert-load traces."""
+parallel test processes; the rule for tests that need the real expert-load traces; and the
+standard meshes as fixtures (built by tests/helpers.py, which module-level code uses directly)."""
 
 import os
 import pathlib
@@ -61,3 +62,28 @@ def skip_without_traces(reason: str):
     if traces_required():
         pytest.fail(f"{reason} ({REQUIRE_TRACES_ENV} is set, so this fails instead of skipping)")
     pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def ep8_mesh():
+    """8 EP ranks: (8,) ("expert",) (`helpers.make_mesh("ep8")`)."""
+    from tests.helpers import make_mesh  # imports jax: after the settings above
+
+    return make_mesh("ep8")
+
+
+@pytest.fixture(scope="session")
+def dp2ep4_mesh():
+    """2 data groups of 4 EP ranks: (2, 4) ("data", "expert") (`helpers.make_mesh("dp2ep4")`)."""
+    from tests.helpers import make_mesh
+
+    return make_mesh("dp2ep4")
+
+
+@pytest.fixture
+def mesh(request):
+    """The standard mesh of the kind a test parametrises indirectly: ``@pytest.mark.parametrize(
+    "mesh", ["ep8", "dp2ep4"], indirect=True)``."""
+    from tests.helpers import make_mesh
+
+    return make_mesh(request.param)

@@ -1,16 +1,20 @@
-"""What several test files build the same way: the meshes of the 8 simulated devices, the layer
-with given parameter values, skewed inputs and parameter values to write in, a batch placed on a
-mesh, the layer's values and gradients, and the replica transfer with its gradient
-(`transfer.fetch_replica_experts` over the "expert" axis)."""
+"""What several test files build the same way: the meshes of the 8 simulated devices (also
+fixtures: tests/conftest.py), the layer with given parameter values, skewed inputs and parameter
+values to write in, a batch placed on a mesh, the layer's values and gradients, those of
+`routed_experts` or a reference of it, the replica transfer with its gradient
+(`transfer.fetch_replica_experts` over the "expert" axis), and the checks of one-line errors and
+of integer arguments."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -123,6 +127,20 @@ def layer_value_and_grads(layer, x, cotangent, names: Sequence[str]):
     return np.asarray(y), jax.tree.map(np.asarray, stats), np.asarray(gx), grads
 
 
+def routed_value_and_grads(fn, x, weights, params, experts, cot):
+    """y, and the gradients of sum(y * cot) w.r.t. x, weights and params, of ``fn(x, weights,
+    params, experts) -> (y, aux)``, jitted (so the ids are traced, as in training); returns
+    (y, aux, gx, gw, gparams) as NumPy (aux and gparams as the trees they are)."""
+
+    def loss(x, weights, params, experts):
+        y, aux = fn(x, weights, params, experts)
+        return jnp.sum(y * cot), (y, aux)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, (y, aux)), (gx, gw, gp) = grad(x, weights, params, experts)
+    return np.asarray(y), jax.tree.map(np.asarray, aux), np.asarray(gx), np.asarray(gw), gp
+
+
 def fetch_with_grads(mesh, masters: Sequence[np.ndarray], slot_expert, cotangents, **options):
     """The replica transfer of ``masters`` (each [E, ...], split over "expert") to the slots
     ``slot_expert`` [R, S], jitted, and the gradients of sum(fetched * cotangent) w.r.t. the
@@ -144,3 +162,22 @@ def fetch_with_grads(mesh, masters: Sequence[np.ndarray], slot_expert, cotangent
     argnums = tuple(range(len(masters)))
     (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
     return got, grads
+
+
+def assert_raises_one_line(error, match, fn, *args, **kwargs) -> None:
+    """Asserts that ``fn(*args, **kwargs)`` raises ``error`` with one line matching ``match``."""
+    with pytest.raises(error, match=match) as info:
+        fn(*args, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def assert_integer_rule(name: str, fn) -> None:
+    """The one rule of an integer argument, here ``fn(value)``'s: TypeError (one line naming the
+    argument ``name``) for a bool, a float (even 2.0) or a string; ValueError for an integer below
+    the minimum; NumPy integers accepted."""
+    for bad in (True, np.bool_(False), 2.0, np.float32(3), "2"):
+        assert_raises_one_line(TypeError, rf"^{re.escape(name)} must be an int, got ", fn, bad)
+    assert_raises_one_line(
+        ValueError, rf"^{re.escape(name)} must be (a positive int|an int >= 0), got -1$", fn, -1
+    )
+    fn(np.int64(8))  # accepted

@@ -8,7 +8,8 @@
 # Parts, in order, with their expected time on one H100 (estimates: tests measured 137 s before):
 #   setup           pip install of this checkout (builds ffi/, the CUDA planner where nvcc is),
 #                   then env.txt: commit, date, nvidia-smi, nvcc, jax / jaxlib    1-2 min, then s
-#   tests           JAX_PLATFORMS=cuda,cpu pytest tests/library/test_gpu.py -> tests_gpu.log      ~3 min
+#   tests           JAX_PLATFORMS=cuda,cpu pytest tests/library/test_gpu.py
+#                   tests/experiments/test_gpu_planner.py -> tests_gpu.log               ~3 min
 #   gpu_check       gpu_check --sections=env,planner,moe -> gpu_check/                  ~3 min
 #   exchange        gpu_check --sections=env,exchange (5 XLA flag variants) -> exchange/  ~6 min
 #   replay_train    replay, --shape=deepseek_v3, DeepSeek-R1 at EP64, train, Mosaic GPU
@@ -150,7 +151,8 @@ for part in "${WANT[@]}"; do
     setup) part_setup ;;
     tests)
       run_part tests "$DIR/tests_gpu.log" env JAX_PLATFORMS="$([ $DRY = 1 ] && echo cpu || echo cuda,cpu)" \
-        $PY -m pytest -q -p no:cacheprovider tests/library/test_gpu.py ;;
+        $PY -m pytest -q -p no:cacheprovider tests/library/test_gpu.py \
+        tests/experiments/test_gpu_planner.py ;;
     tests_cpu)
       run_part tests_cpu "$DIR/tests_cpu.log" env JAX_PLATFORMS=cpu \
         $PY -m pytest -q -p no:cacheprovider tests/ ;;

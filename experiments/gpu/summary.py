@@ -75,7 +75,7 @@ def _cmd(cmds: dict, part: str) -> str:
 
 
 def tests_bar(folder: str, cmds: dict) -> list[str]:
-    """tests/library/test_gpu.py passes."""
+    """tests/library/test_gpu.py and tests/experiments/test_gpu_planner.py pass."""
     path = os.path.join(folder, "tests_gpu.log")
     if not os.path.exists(path):
         return ["- not run"]
@@ -278,7 +278,9 @@ def summary_lines(folder: str) -> list[str]:
     ]
     bars = [
         (
-            "tests/library/test_gpu.py passes (and jax " + env.get("jax", "?") + ")",
+            "tests/library/test_gpu.py and tests/experiments/test_gpu_planner.py pass (and jax "
+            + env.get("jax", "?")
+            + ")",
             tests_bar(folder, cmds),
         ),
         ("Planner <= 20 us at EP64/E256/S2 (CUDA events, one plan)", planner_bar(check, cmds)),

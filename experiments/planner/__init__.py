@@ -4,6 +4,6 @@
         python -m experiments.planner.exact   # exact mode's misses against an exact solver
 
 Modules: main (the entry: flags, tables), setup (its flags and load matrices), baselines (the
-baseline table), exact (entry: the miss rate), oracle (the exact solver, a mixed-integer
-program, and its random cases; the tests use it as the planner's oracle).
+baseline table), exact (entry: the miss rate; its exact solver, a mixed-integer program, and
+random cases are the tests' reference tests/references/oracle.py).
 """

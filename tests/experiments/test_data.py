@@ -18,6 +18,7 @@ import pytest
 from experiments.records import read_metrics
 from experiments.train import data as D
 from experiments.train import plot as P
+from tests.helpers import assert_integer_rule
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -169,6 +170,12 @@ def test_train_batch_wraps_around():
     assert [bytes(r.astype(np.uint8)) for r in huge] == [b"ijabc", b"cdefg"]
     with pytest.raises(ValueError):
         D.train_batch(train[:4], 0, 1, 4)
+
+
+def test_integer_arguments_follow_one_rule():
+    """``batch_size`` follows the library's rule for integer arguments (`assert_integer_rule`;
+    the library's and the model's: tests/library/test_robustness.py)."""
+    assert_integer_rule("batch_size", lambda v: D.train_batch(np.zeros(64, np.uint8), 0, v, 4))
 
 
 def test_eval_batches_cover_the_slice_from_its_start():

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experiments.loads import drift, ranks, traces, workloads
+from tests.helpers import assert_integer_rule
 
 R, E, T, K = 64, 256, 8192, 8  # UltraEP reference setup
 TRACES = traces.default_traces_dir()
@@ -100,6 +101,12 @@ def test_rank_zipf_rejects_bad_arguments():
         workloads.rank_zipf_loads(8, 32, T, K, 0.5, 0)  # below 1
     with pytest.raises(ValueError):
         workloads.rank_zipf_loads(8, 32, T, K, 8.0, 0)  # not below R
+
+
+def test_integer_arguments_follow_one_rule():
+    """``ep_size`` follows the library's rule for integer arguments (`assert_integer_rule`; the
+    library's and the model's: tests/library/test_robustness.py)."""
+    assert_integer_rule("ep_size", lambda v: workloads.rank_zipf_exponent(v, 64, 2, 1.5, 0))
 
 
 # ----------------------------------------------------------------------------- expert Zipf

@@ -1,8 +1,8 @@
 """The layer as a drop-in for other codebases: the per-shard core inside a user's `shard_map`,
 `routed_experts` and `MoE`, on meshes with data, EP and tensor ("model") axes, Explicit and Auto
 axis types, with padding masks, in float32 and bfloat16, with SwiGLU and GeGLU experts: values
-and gradients against a dense one-device reference that drops the masked tokens, and y's
-sharding equal to x's.
+and gradients against the dense one-device reference (tests/references/moe.py) with the masked
+tokens left out, and y's sharding equal to x's.
 
 The cases cover every pair of levels of the six factors (entry point, mesh, axis type, mask,
 dtype, activation) at least once (`_pairwise_cases`), rather than their full product: each case
@@ -24,8 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
 from tests.helpers import set_param
-from tests.references.moe import HIGHEST
-from ultraep_jax.experts.activations import ACTIVATIONS
+from tests.references.moe import reference_moe
 
 D, F, E, K = 16, 8, 8, 2
 B, L = 8, 6  # 48 tokens: 6 per device on 8 token devices, 12 on 4 (with a "model" axis)
@@ -114,22 +113,6 @@ def _mask(kind: str, seed: int):
     if kind == "all":
         return jnp.zeros((B, L), bool)
     return jnp.asarray(np.random.default_rng(seed + 7).random((B, L)) < 0.7)
-
-
-def dense_reference(x, ids, weights, params, mask, activation):
-    """float32 [B, L, D]: every token through its chosen experts on one device, weighted and
-    summed; 0 for masked tokens."""
-    act = ACTIVATIONS[activation]
-    x32 = x.astype(jnp.float32)
-    wg, wu, wd = (w.astype(jnp.float32) for w in params)
-    hi = HIGHEST
-    h = act(jnp.einsum("bld,edf->blef", x32, wg, precision=hi)) * jnp.einsum(
-        "bld,edf->blef", x32, wu, precision=hi
-    )
-    out = jnp.einsum("blef,efd->bled", h, wd, precision=hi)  # every expert on every token
-    chosen = jnp.take_along_axis(out, ids[..., None], axis=2)  # [B, L, K, D]
-    y = jnp.einsum("blk,blkd->bld", weights, chosen, precision=hi)
-    return y if mask is None else jnp.where(mask[..., None], y, 0)
 
 
 def _ep(mesh, activation, **kw):
@@ -240,7 +223,7 @@ def test_values_gradients_and_sharding_equal_dense_reference(case):
         if case["entry"] == "layer":  # the layer's own router, on the same x
             routing = uep.SoftmaxTopK(K)(x.reshape(-1, D).astype(jnp.float32) @ router)
             ids, weights = (a.reshape(B, L, K) for a in (routing.experts, routing.weights))
-        y = dense_reference(x, ids, weights, params, mask_h, case["activation"])
+        y = reference_moe(x, ids, weights, params, mask=mask_h, activation=case["activation"])
         return jnp.sum(y * cot), y
 
     ref_grad = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2), has_aux=True))
@@ -293,7 +276,7 @@ def test_mesh_without_ep_axis_runs_local_experts(shape, names):
     (_, (y, stats)), (gx, gp) = grad(x, params)
 
     def ref_loss(x, params):
-        y = dense_reference(x, ids, weights, params, mask, "silu")
+        y = reference_moe(x, ids, weights, params, mask=mask, activation="silu")
         return jnp.sum(y * cot), y
 
     (_, y_ref), (gx_ref, gp_ref) = jax.value_and_grad(ref_loss, argnums=(0, 1), has_aux=True)(
@@ -307,30 +290,28 @@ def test_mesh_without_ep_axis_runs_local_experts(shape, names):
     assert "ultraep_plan" not in hlo and "all_to_all" not in hlo
 
 
-def test_token_count_not_divisible_by_devices_is_padded():
+def test_token_count_not_divisible_by_devices_is_padded(ep8_mesh):
     """15 tokens on 8 devices: padded with masked tokens, which no stat counts."""
-    mesh = jax.make_mesh((8,), ("expert",))
-    ep = _ep(mesh, "silu")
-    x, params, ids, weights, _ = _routed_case(mesh, batch=3, seq=5)
+    ep = _ep(ep8_mesh, "silu")
+    x, params, ids, weights, _ = _routed_case(ep8_mesh, batch=3, seq=5)
     y, stats = uep.routed_experts(x, ids, weights, params, ep)
-    y_ref = dense_reference(x, ids, weights, params, None, "silu")
+    y_ref = reference_moe(x, ids, weights, params, activation="silu")
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5)
     assert int(stats.masked) == 0 and int(np.sum(stats.expert_load)) == 15 * K
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_masked_tokens_may_hold_any_id(jit):
+def test_masked_tokens_may_hold_any_id(jit, ep8_mesh):
     """Padding tokens' ids are never looked at: -1 or E at masked tokens neither raises eagerly
     nor counts as invalid under jit, and their weights (even NaN) reach nothing."""
-    mesh = jax.make_mesh((8,), ("expert",))
-    ep = _ep(mesh, "gelu")
-    x, params, ids, weights, _ = _routed_case(mesh)
+    ep = _ep(ep8_mesh, "gelu")
+    x, params, ids, weights, _ = _routed_case(ep8_mesh)
     mask = _mask("random", 2)
     garbage_ids = jnp.where(mask[..., None], ids, jnp.where(jnp.arange(K) == 0, -1, E))
     nan_weights = jnp.where(mask[..., None], weights, jnp.nan)
     call = lambda *a: uep.routed_experts(*a, ep, mask)  # noqa: E731
     y, stats = (jax.jit(call) if jit else call)(x, garbage_ids, nan_weights, params)
-    y_ref = dense_reference(x, ids, weights, params, mask, "gelu")
+    y_ref = reference_moe(x, ids, weights, params, mask=mask, activation="gelu")
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=2e-5)
     assert int(stats.invalid) == 0 and int(stats.masked) == int(np.sum(~np.asarray(mask)))
 
@@ -359,13 +340,12 @@ def _gradient_counts(fn, *args) -> tuple[int, int]:
     return plans, a2a
 
 
-def test_remat_policy_keeps_plan_and_exchanges():
+def test_remat_policy_keeps_plan_and_exchanges(ep8_mesh):
     """With ``save_only_these_names(*uep.remat.NAMES)`` the backward pass reuses the plan and the
     exchanged rows: one planner call per layer (two when nothing is saved) and fewer
     all-to-alls."""
-    mesh = jax.make_mesh((8,), ("expert",))
-    ep = _ep(mesh, "silu")
-    x, params, ids, weights, cot = _routed_case(mesh)
+    ep = _ep(ep8_mesh, "silu")
+    x, params, ids, weights, cot = _routed_case(ep8_mesh)
 
     def layers(x, params):  # two layers of different routing (XLA would merge equal plans)
         y, _ = uep.routed_experts(x, ids, weights, params, ep)

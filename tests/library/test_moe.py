@@ -1,8 +1,9 @@
-"""The balanced MoE layer (`uep.MoE`) against a dense one-device reference written here.
+"""The balanced MoE layer (`uep.MoE`) against the dense one-device reference.
 
-Everything runs on the 8 simulated CPU devices forced by conftest.py. The reference below is the
-independent oracle: it never calls the library, only the math of the layer (top-k routing, SwiGLU
-experts, the plan's quotas). Routing decisions are checked to have a clear margin (the k-th and
+Everything runs on the 8 simulated CPU devices forced by conftest.py. The reference is the
+independent oracle of tests/references: it never calls the library's layer, only the math of the
+layer (softmax top-k routing, routing.py; SwiGLU experts, moe.py; the plan's quotas, planner.py;
+the dispatch rules, dispatch.py). Routing decisions are checked to have a clear margin (the k-th and
 (k+1)-th logits differ by more than float32 noise), so that the layer and the reference pick the
 same experts.
 """
@@ -26,8 +27,9 @@ import ultraep_jax as uep
 from tests import helpers
 from tests.helpers import make_mesh, place_batch
 from tests.references.dispatch import kept_pairs, prefix_transport
-from tests.references.moe import HIGHEST
+from tests.references.moe import HIGHEST, reference_moe
 from tests.references.planner import reference_plan
+from tests.references.routing import Router, router_weights, select_experts
 
 # One test process computes the cases it caches (pytest-xdist).
 pytestmark = pytest.mark.xdist_group("test_moe")
@@ -39,44 +41,39 @@ ATOL = 1e-5
 PARAM_NAMES = ("router_kernel", "w_gate", "w_up", "w_down")
 
 
-# -- the dense one-device reference -----------------------------------------------------------
+# -- the reference: routing and the dense one-device MoE (tests/references) ----------------
 
 
-def reference_routing(x, router_kernel, top_k):
-    """Router of the reference: float32 softmax, top-k, weights renormalised over the k choices.
-
-    Returns (weights [T, k], experts [T, k], logits [T, E]) for tokens flattened in (batch, seq)
-    order.
-    """
-    xt = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    logits = jnp.dot(xt, router_kernel.astype(jnp.float32), precision=HIGHEST)
-    probs = jax.nn.softmax(logits, axis=-1)
-    vals, idx = jax.lax.top_k(probs, top_k)
-    return vals / jnp.sum(vals, axis=-1, keepdims=True), idx, logits
+def reference_experts(x, router_kernel, top_k):
+    """(experts int [T, k], margin): the softmax top-k choice of the reference router from
+    float64 logits, tokens flattened in (batch, seq) order, and its smallest logit margin."""
+    logits = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    logits = logits @ np.asarray(router_kernel, np.float64)
+    return select_experts(logits, Router("softmax", top_k))
 
 
-def reference_moe(x, router_kernel, w_gate, w_up, w_down, top_k, keep=None):
-    """Dense SwiGLU MoE on one device: every expert on every token, then the top-k are selected.
-
-    ``keep`` (optional, [T, k] of 0/1) zeroes the contribution of dropped (token, choice) pairs.
-    """
-    weights, idx, _ = reference_routing(x, router_kernel, top_k)
-    if keep is not None:
-        weights = weights * keep
+def reference_layer(x, params, experts, keep=None):
+    """[B, L, D]: the dense SwiGLU MoE (`reference_moe`) of the choice ``experts`` [T, k] with
+    the router's float32 softmax weights renormalised over the k choices. ``keep`` (optional,
+    [T, k] of 0/1) drops (token, choice) pairs."""
     xt = x.reshape(-1, x.shape[-1])
-    gate = jnp.einsum("td,edf->tef", xt, w_gate, precision=HIGHEST)
-    up = jnp.einsum("td,edf->tef", xt, w_up, precision=HIGHEST)
-    out = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, w_down, precision=HIGHEST)
-    chosen = jnp.take_along_axis(out, idx[:, :, None], axis=1)  # [T, k, D]
-    return jnp.sum(chosen * weights[:, :, None], axis=1).reshape(x.shape)
+    logits = jnp.dot(xt, params["router_kernel"], precision=HIGHEST)
+    weights = router_weights(logits, experts, Router("softmax", experts.shape[-1]))
+    expert_params = tuple(params[n] for n in ("w_gate", "w_up", "w_down"))
+    return reference_moe(xt, experts, weights, expert_params, keep).reshape(x.shape)
 
 
-@functools.partial(jax.jit, static_argnames="top_k")
 def reference_value_and_grads(x, params, cotangent, top_k):
-    """y and the gradients of sum(y * cotangent) w.r.t. x and every parameter (a dict)."""
+    """y and the gradients of sum(y * cotangent) w.r.t. x and every parameter (a dict), the
+    experts chosen by `reference_experts`."""
+    experts, _ = reference_experts(x, params["router_kernel"], top_k)
+    return _reference_value_and_grads(x, params, jnp.asarray(experts), cotangent)
 
+
+@jax.jit
+def _reference_value_and_grads(x, params, experts, cotangent):
     def loss(x, params):
-        y = reference_moe(x, *(params[n] for n in PARAM_NAMES), top_k)
+        y = reference_layer(x, params, experts)
         return jnp.sum(y * cotangent), y
 
     (_, y), (gx, gp) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
@@ -128,18 +125,9 @@ def make_inputs(rng, batch, seq, num_experts, top_k, skew, hot=(0, 1)):
     drawn again until every token's top-k choice has a clear logit margin."""
     for _ in range(50):
         x, params = helpers.draw_routed_inputs(rng, batch, seq, D, F, num_experts, skew, hot)
-        if routing_margin(x, params["router_kernel"], top_k) > 1e-3:
+        if reference_experts(x, params["router_kernel"], top_k)[1] > 1e-3:
             return x, params
     raise AssertionError("could not draw inputs with a clear routing margin")
-
-
-def routing_margin(x, router_kernel, top_k) -> float:
-    """Smallest gap between a token's k-th and (k+1)-th logit (inf when k == E)."""
-    logits = x.reshape(-1, x.shape[-1]).astype(np.float64) @ router_kernel.astype(np.float64)
-    if top_k == logits.shape[-1]:
-        return math.inf
-    part = -np.sort(-logits, axis=-1)
-    return float(np.min(part[:, top_k - 1] - part[:, top_k]))
 
 
 def build_layer(mesh, num_experts, top_k, balancer, capacity_factor, params=None, **options):
@@ -186,8 +174,8 @@ def independent_loads(x, router_kernel, top_k, mesh, num_experts):
     """int [G, R, E] (token, choice) pairs per EP group, source rank and expert, from the
     reference routing; device (g, r) holds the g*R + r-th slice of the batch."""
     G, R = mesh_groups(mesh)
-    _, idx, _ = reference_routing(jnp.asarray(x), jnp.asarray(router_kernel), top_k)
-    idx = np.asarray(idx).reshape(G, R, -1)
+    idx, _ = reference_experts(x, router_kernel, top_k)
+    idx = idx.reshape(G, R, -1)
     loads = np.zeros((G, R, num_experts), np.int64)
     for g, r in itertools.product(range(G), range(R)):
         loads[g, r] = np.bincount(idx[g, r], minlength=num_experts)
@@ -383,8 +371,8 @@ def expected_keep(x, params, mesh, num_experts, top_k, capacity, balancer):
     """[T, k] 0/1: the pairs the layer must keep, by the NumPy reference planner and the
     reference dispatch rules (tests/references/dispatch.py), per EP group."""
     G, R = mesh_groups(mesh)
-    _, idx, _ = reference_routing(jnp.asarray(x), jnp.asarray(params["router_kernel"]), top_k)
-    experts = np.asarray(idx).reshape(G, R, -1)  # each source's pairs in pair order
+    idx, _ = reference_experts(x, params["router_kernel"], top_k)
+    experts = idx.reshape(G, R, -1)  # each source's pairs in pair order
     loads = independent_loads(x, params["router_kernel"], top_k, mesh, num_experts)
     keep = np.zeros_like(experts, dtype=bool)
     plans = []
@@ -415,19 +403,19 @@ def expected_keep(x, params, mesh, num_experts, top_k, capacity, balancer):
     return keep.reshape(-1, top_k).astype(np.float32), plans
 
 
-def skewed_capacity_setup(mesh_kind, seed):
-    """Mesh, inputs and sizes for the capacity tests: E=8, top-2, 16 tokens per device, skewed."""
-    mesh = make_mesh(mesh_kind)
+def skewed_capacity_setup(mesh, seed):
+    """Inputs and sizes for the capacity tests on ``mesh``: E=8, top-2, 16 tokens per device,
+    skewed."""
     rng = np.random.default_rng(seed)
     batch, seq, num_experts, top_k = 8, 16, 8, 2
     x, params = make_inputs(rng, batch, seq, num_experts, top_k, skew=True, hot=[0, 1])
     tokens_per_device = batch * seq // mesh.size
-    return mesh, x, params, num_experts, top_k, tokens_per_device
+    return x, params, num_experts, top_k, tokens_per_device
 
 
-@pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
-def test_balanced_capacity_1_1_drops_nothing(mesh_kind):
-    mesh, x, params, E, k, _ = skewed_capacity_setup(mesh_kind, seed=10)
+@pytest.mark.parametrize("mesh", ["ep8", "dp2ep4"], indirect=True)
+def test_balanced_capacity_1_1_drops_nothing(mesh):
+    x, params, E, k, _ = skewed_capacity_setup(mesh, seed=10)
     balancer = balancer_config(mesh, E, slots=2, balance_eps=0.01)
     layer = build_layer(mesh, E, k, balancer, 1.1, params)
     y, stats = layer_forward(layer, place_batch(mesh, x))
@@ -436,22 +424,24 @@ def test_balanced_capacity_1_1_drops_nothing(mesh_kind):
     assert float(stats["imbalance_after"]) <= 1.05
     assert int(stats["replicas"]) > 0
     assert int(stats["rank_load_after"].sum()) == x.shape[0] * x.shape[1] * k
-    ref = reference_moe(jnp.asarray(x), *(jnp.asarray(params[n]) for n in PARAM_NAMES), k)
+    experts, _ = reference_experts(x, params["router_kernel"], k)
+    ref = reference_layer(jnp.asarray(x), {n: jnp.asarray(v) for n, v in params.items()}, experts)
     assert_close(y, ref, "balanced y with capacity 1.1")
 
 
 @pytest.mark.parametrize(
-    "mesh_kind, slots, factor",
+    "mesh, slots, factor",
     [("ep8", 0, 1.1), ("dp2ep4", 0, 1.1), ("ep8", 1, 0.8), ("dp2ep4", 1, 0.8)],
     ids=["plain-ep8", "plain-dp2ep4", "replicas-ep8", "replicas-dp2ep4"],
+    indirect=["mesh"],
 )
-def test_capacity_drops_exactly_the_pairs_the_rule_names(mesh_kind, slots, factor):
+def test_capacity_drops_exactly_the_pairs_the_rule_names(mesh, slots, factor):
     """Under a receive buffer too small for the load (plain EP, or balanced with too few slots
     and a buffer below the mean), the layer drops exactly the pairs named by the rule: plan,
     locality-first reroute, destination stores sources in rank order, each by local group, each
     group in pair order, keeps the first ``capacity`` rows. Output equals the dense reference with
     those pairs removed; the drop count matches."""
-    mesh, x, params, E, k, tokens_per_device = skewed_capacity_setup(mesh_kind, seed=10)
+    x, params, E, k, tokens_per_device = skewed_capacity_setup(mesh, seed=10)
     capacity = capacity_rows(factor, k, tokens_per_device)
     balancer = balancer_config(mesh, E, slots=slots) if slots else None
     layer = build_layer(mesh, E, k, balancer, factor, params)
@@ -464,9 +454,9 @@ def test_capacity_drops_exactly_the_pairs_the_rule_names(mesh_kind, slots, facto
         assert int(stats["replicas"]) > 0, "no replica: the case does not test drops with replicas"
         over = sum(int(max(p["rank_load"]) > capacity) for p in plans)
         assert int(stats["over_capacity"]) == over > 0
-    ref = reference_moe(
-        jnp.asarray(x), *(jnp.asarray(params[n]) for n in PARAM_NAMES), k, keep=jnp.asarray(keep)
-    )
+    experts, _ = reference_experts(x, params["router_kernel"], k)
+    params_j = {n: jnp.asarray(v) for n, v in params.items()}
+    ref = reference_layer(jnp.asarray(x), params_j, experts, keep=jnp.asarray(keep))
     assert_close(y, ref, "output with the rule's pairs dropped")
 
 
@@ -486,16 +476,15 @@ def _pure_forward(layer):
     return fn, params, rest
 
 
-def _hlo_layer(balanced: bool):
-    mesh = make_mesh("ep8")
+def _hlo_layer(mesh, balanced: bool):
     rng = np.random.default_rng(20)
     x, params = make_inputs(rng, 8, 8, 8, 2, skew=True)
     balancer = balancer_config(mesh, 8, slots=2) if balanced else None
     return mesh, build_layer(mesh, 8, 2, balancer, 1.25, params), place_batch(mesh, x)
 
 
-def test_cpu_lowering_has_planner_custom_call_no_callback_no_ragged():
-    _, layer, x = _hlo_layer(balanced=True)
+def test_cpu_lowering_has_planner_custom_call_no_callback_no_ragged(ep8_mesh):
+    _, layer, x = _hlo_layer(ep8_mesh, balanced=True)
     fn, params, rest = _pure_forward(layer)
     text = jax.jit(fn).lower(params, rest, x).as_text()
     assert "ultraep_plan" in text
@@ -600,7 +589,7 @@ def test_bad_configuration_raises_one_line_at_construction(kwargs, match):
     assert "\n" not in str(info.value)
 
 
-def test_numpy_scalars_are_accepted_as_python_numbers():
+def test_numpy_scalars_are_accepted_as_python_numbers(ep8_mesh):
     """NumPy integers and floats are accepted wherever Python ones are (as `BalancerConfig` does)
     and stored as Python numbers, so configurations compare and hash alike."""
     layer = _layer(num_experts=np.int64(8), top_k=np.int32(2), capacity_factor=np.float32(1.1))
@@ -609,9 +598,8 @@ def test_numpy_scalars_are_accepted_as_python_numbers():
     assert type(layer.ep.capacity_factor) is float
     assert layer.ep.capacity_factor == float(np.float32(1.1))
     assert layer.capacity(32) == math.ceil(float(np.float32(1.1)) * 2 * 32)
-    mesh = make_mesh("ep8")
-    assert uep.ExpertParallel(mesh, np.int64(8), capacity_factor=np.float64(1.5)) == (
-        uep.ExpertParallel(mesh, 8, capacity_factor=1.5)
+    assert uep.ExpertParallel(ep8_mesh, np.int64(8), capacity_factor=np.float64(1.5)) == (
+        uep.ExpertParallel(ep8_mesh, 8, capacity_factor=1.5)
     )
 
 
@@ -665,7 +653,7 @@ def test_bad_input_raises_when_called_eagerly():
 # -- eager use ------------------------------------------------------------------------------
 
 
-def test_eager_calls_compile_once_and_match_jit():
+def test_eager_calls_compile_once_and_match_jit(ep8_mesh):
     """The layer called outside `jax.jit` compiles a handful of programs on the first call and
     none on later calls of the same shape, and gives the jitted result."""
     compiles = []
@@ -676,11 +664,10 @@ def test_eager_calls_compile_once_and_match_jit():
             else None
         )
     )
-    mesh = make_mesh("ep8")
     rng = np.random.default_rng(30)
     x, params = make_inputs(rng, 8, 8, 8, 2, skew=True)
-    layer = build_layer(mesh, 8, 2, balancer_config(mesh, 8, slots=2), 1.25, params)
-    xs = place_batch(mesh, x)
+    layer = build_layer(ep8_mesh, 8, 2, balancer_config(ep8_mesh, 8, slots=2), 1.25, params)
+    xs = place_batch(ep8_mesh, x)
     y_jit, stats_jit = layer_forward(layer, xs)
     before = len(compiles)
     y1, _ = layer(xs)

@@ -1,5 +1,6 @@
 """The parallel form of the planner (ffi/planner_parallel.h) against the sequential core and the
-NumPy reference, bit for bit.
+NumPy reference, bit for bit (on the experiments' generated workloads and the traces:
+tests/experiments/test_plan_parallel_workloads.py).
 
 On the CPU the parallel form runs as its host emulation: the same header code the CUDA kernel
 runs, with the warps one after the other and each warp's lanes in a loop. It is reached two ways:
@@ -9,20 +10,16 @@ the probe rounds fall everywhere in the search's probe lists.
 """
 
 import ctypes
-import functools
-import itertools
 
 import jax
 import numpy as np
 import pytest
-from conftest import skip_without_traces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ultraep_jax as uep
-from experiments.loads import workloads
-from experiments.planner.oracle import random_cases
 from tests.library.test_plan_vs_reference import CONFIGS, _random_loads
+from tests.references.oracle import random_cases
 from tests.references.planner import check_plan_invariants, reference_plan, reference_plan_info
 from ultraep_jax.planning import native as _native
 
@@ -131,24 +128,6 @@ def test_parallel_equals_core_and_reference_property(
     _assert_same(host_plan(loads, S, F, eps, K, cap or 0, warps), want, f"{context}, {warps} warps")
 
 
-@pytest.mark.parametrize("mean_frac", [1.0, 1.02, 0.9])
-@pytest.mark.parametrize("eps", [0.0, 0.01])
-def test_parallel_equals_core_with_capacity(eps, mean_frac):
-    # The capacity window at, just above and below (unreachable) the mean rank load.
-    R, E, S, F = 16, 64, 2, 256
-    cfg = uep.BalancerConfig(E, R, S, F, eps)
-    rng = np.random.default_rng(12)
-    batch = np.stack([workloads.rank_zipf_loads(R, E, 4096, 4, 2.5, s) for s in range(6)])
-    batch = np.concatenate([batch, np.stack([_random_loads(rng, R, E, "hot", 5000)] * 2)])
-    cap = int(mean_frac * -(-int(batch[0].sum(dtype=np.int64)) // R))
-    core = _batched(cfg, batch, capacity=cap)
-    par = _batched(cfg, batch, capacity=cap, parallel=True)
-    for i, loads in enumerate(batch):
-        want = reference_plan(loads, S, F, eps, 1, capacity=cap)
-        _assert_same(_item(par, i), want, f"item {i}, capacity {cap}")
-        _assert_same(_item(core, i), want, f"item {i}, capacity {cap}")
-
-
 def test_negative_and_overflowing_loads_are_reported_as_by_the_core():
     cfg = uep.BalancerConfig(num_experts=16, ep_size=4, slots_per_rank=2)
     loads = np.ones((4, 16), np.int32)
@@ -233,68 +212,3 @@ def test_target_ties_go_to_the_smallest_rank(parallel):
     assert np.asarray(plan.slot_quota).tolist() == [[0], [2], [1]]
     assert np.asarray(plan.master_quota).tolist() == [20, 18, 18]
     assert np.asarray(plan.rank_load).tolist() == [20, 20, 19]
-
-
-# -- EP64/E256/S2 and the traces -------------------------------------------------------------
-
-
-@functools.cache
-def _ep64_batch() -> np.ndarray:
-    """int32 [3, 64, 256]: UltraEP's reference setup at initial max/mean 1.5, 2 and 3."""
-    return np.stack([workloads.rank_zipf_loads(64, 256, 8192, 8, t, 0) for t in (1.5, 2.0, 3.0)])
-
-
-@pytest.mark.parametrize("eps, capacity", [(0.01, None), (0.0, None), (0.01, 1.0), (0.0, 1.001)])
-def test_parallel_equals_core_and_reference_at_ep64(eps, capacity):
-    # EP64/E256/S2 runs on parallel_warps = 14 warps.
-    R, E, S, F = 64, 256, 2, 1024
-    assert _native.parallel_warps(R, E, S) == 14
-    batch = _ep64_batch()
-    cap = None if capacity is None else int(capacity * batch[0].sum(dtype=np.int64) / R)
-    cfg = uep.BalancerConfig(E, R, S, F, eps)
-    core = _batched(cfg, batch, cap)
-    par = _batched(cfg, batch, cap, parallel=True)
-    for i, loads in enumerate(batch):
-        _assert_same(_item(par, i), _item(core, i), f"item {i}")
-        _assert_same(_item(par, i), reference_plan(loads, S, F, eps, 1, cap or 0), f"item {i}")
-
-
-@functools.cache
-def _trace_batch(trace: str, ep_size: int) -> np.ndarray:
-    """int32 [N, R, E]: the first 120 layers of a trace as the benchmarks plan them."""
-    try:
-        rows = itertools.islice(workloads.trace_workloads(trace, ep_size, 8192, 8, 0), 120)
-        return np.stack([loads for _, loads in rows])
-    except FileNotFoundError as err:
-        skip_without_traces(f"traces not available: {err}")
-
-
-@pytest.mark.parametrize(
-    "trace, ep_size, eps",
-    [
-        ("deepseek-r1", 64, 0.01),
-        ("deepseek-r1", 64, 0.0),
-        ("qwen1.5-moe", 12, 0.01),
-        ("switch-base-128", 64, 0.01),
-    ],
-)
-def test_parallel_equals_core_on_traces(trace, ep_size, eps):
-    batch = _trace_batch(trace, ep_size)
-    cfg = uep.BalancerConfig(batch.shape[2], ep_size, 2, 1024, eps)
-    core, par = _batched(cfg, batch), _batched(cfg, batch, parallel=True)
-    for name in FIELDS:
-        np.testing.assert_array_equal(par[name], core[name], err_msg=f"{trace}: {name}")
-    assert (par["slot_expert"] >= 0).sum() > len(batch)  # the layers were balanced
-
-
-def test_sizes_beyond_the_shared_memory_budget_run_the_core():
-    # EP512/E512/S8: one warp's state (58 KB) exceeds a block's shared memory, so the parallel
-    # target runs the sequential core (the same plan by definition); smaller sizes do not.
-    assert _native.parallel_warps(512, 512, 8) == 0
-    assert _native.parallel_warps(256, 256, 4) == 2
-    assert _native.parallel_warps(8, 64, 2) == 16
-    loads = workloads.rank_zipf_loads(512, 512, 64, 2, 2.0, 0)
-    cfg = uep.BalancerConfig(512, 512, 8, 16)
-    core, par = uep.plan(loads, cfg), uep.plan(loads, cfg, parallel=True)
-    for name in FIELDS:
-        np.testing.assert_array_equal(getattr(par, name), getattr(core, name), err_msg=name)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import tests.library.test_moe as tm
 import ultraep_jax as uep
-from tests.helpers import expert_mesh, fetch_with_grads
+from tests.helpers import fetch_with_grads
 from tests.references.relay import reference_schedule, reference_send_copies
 from ultraep_jax import comm
 from ultraep_jax.config import execution
@@ -148,7 +148,7 @@ def _portable_exchange(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["portable", "ragged"])
 @pytest.mark.parametrize("f", [1, 2])
-def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch):
+def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch, ep8_mesh):
     """8 ranks, 2 masters each, 2 slots: expert 0 on 6 ranks (relayed through 2 or 3 levels),
     expert 3 on 2; every slot gets its expert, and each master's gradient is the sum of the
     cotangents of every slot holding it (summed through the relays)."""
@@ -161,14 +161,15 @@ def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch):
     )
     sched = reference_schedule(slot_expert, em, f)
     assert sched["hop"].max() >= 2, "the layout must need relays"
-    mesh = expert_mesh(R)
     rng = np.random.default_rng(f)
     masters = [
         rng.normal(size=(E, 3, 5)).astype(np.float32),
         rng.normal(size=(E, 4)).astype(np.float32),
     ]
     cot = [rng.normal(size=(R * S, *w.shape[1:])).astype(np.float32) for w in masters]
-    got, grads = fetch_with_grads(mesh, masters, slot_expert, cot, backend=backend, max_fanout=f)
+    got, grads = fetch_with_grads(
+        ep8_mesh, masters, slot_expert, cot, backend=backend, max_fanout=f
+    )
     flat = slot_expert.reshape(-1)
     for g, w in zip(got, masters, strict=True):
         want = np.stack([w[e] if e >= 0 else np.zeros_like(w[0]) for e in flat])
@@ -181,11 +182,10 @@ def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch):
         np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
 
 
-def test_relay_hops_lower_for_cuda_with_ragged_all_to_all():
+def test_relay_hops_lower_for_cuda_with_ragged_all_to_all(ep8_mesh):
     """The relayed transfer exports for CUDA: one ragged all-to-all for hop 1 and one per later
     hop (inside a conditional), whose transposes carry the gradients back."""
     R, em, S = 8, 2, 2
-    mesh = expert_mesh(R)
 
     def per_rank(slots_RS, w):
         (got,) = transfer.fetch_replica_experts(
@@ -193,14 +193,18 @@ def test_relay_hops_lower_for_cuda_with_ragged_all_to_all():
         )
         return got
 
-    fetch = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P("expert")), out_specs=P("expert"))
+    fetch = jax.shard_map(
+        per_rank, mesh=ep8_mesh, in_specs=(P(), P("expert")), out_specs=P("expert")
+    )
 
     def loss(w, slots):
         return jnp.sum(fetch(slots, w) ** 2)
 
     args = (
-        jax.ShapeDtypeStruct((R * em, 4), jnp.float32, sharding=NamedSharding(mesh, P("expert"))),
-        jax.ShapeDtypeStruct((R, S), jnp.int32, sharding=NamedSharding(mesh, P())),
+        jax.ShapeDtypeStruct(
+            (R * em, 4), jnp.float32, sharding=NamedSharding(ep8_mesh, P("expert"))
+        ),
+        jax.ShapeDtypeStruct((R, S), jnp.int32, sharding=NamedSharding(ep8_mesh, P())),
     )
     exported = jax.export.export(
         jax.jit(jax.grad(loss)),
@@ -220,12 +224,11 @@ def test_relay_hops_lower_for_cuda_with_ragged_all_to_all():
 LAYER_EXPERTS = 8
 
 
-def _relayed_layer_case(mesh_kind, f, backend, monkeypatch, chunks=1, seed=0):
+def _relayed_layer_case(mesh, f, backend, monkeypatch, chunks=1, seed=0):
     """The balanced layer on skewed inputs (E=8, top-2) with ``max_fanout=f``; returns its
     results, the reference's and the plans' slots of each EP group (by the FFI planner)."""
     if backend == "ragged":
         _portable_exchange(monkeypatch)
-    mesh = tm.make_mesh(mesh_kind)
     G, R = tm.mesh_groups(mesh)
     rng = np.random.default_rng(seed)
     E, k, batch, seq = LAYER_EXPERTS, 2, 8, 8
@@ -262,10 +265,10 @@ def want_send_max(slots, f) -> float:
 
 @pytest.mark.parametrize("backend", ["portable", "ragged"])
 @pytest.mark.parametrize("f", [1, 2])
-@pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
-def test_layer_with_relays_equals_dense_reference(mesh_kind, f, backend, monkeypatch):
+@pytest.mark.parametrize("mesh", ["ep8", "dp2ep4"], indirect=True)
+def test_layer_with_relays_equals_dense_reference(mesh, f, backend, monkeypatch):
     (y, stats, gx, gp), (ref_y, ref_gx, ref_gp), slots = _relayed_layer_case(
-        mesh_kind, f, backend, monkeypatch
+        mesh, f, backend, monkeypatch
     )
     assert deepest_hop(slots, f) >= 2, "no expert was relayed"
     assert int(stats["dropped"]) == 0
@@ -279,13 +282,11 @@ def test_layer_with_relays_equals_dense_reference(mesh_kind, f, backend, monkeyp
 
 @pytest.mark.parametrize("backend", ["portable", "ragged"])
 @pytest.mark.parametrize("chunks", [2, 4])
-@pytest.mark.parametrize("mesh_kind", ["ep8", "dp2ep4"])
-def test_layer_with_streamed_transfer_equals_dense_reference(
-    mesh_kind, chunks, backend, monkeypatch
-):
+@pytest.mark.parametrize("mesh", ["ep8", "dp2ep4"], indirect=True)
+def test_layer_with_streamed_transfer_equals_dense_reference(mesh, chunks, backend, monkeypatch):
     """The replica weights in 2 or 4 chunks of the hidden width (through relays, f = 2)."""
     (y, stats, gx, gp), (ref_y, ref_gx, ref_gp), slots = _relayed_layer_case(
-        mesh_kind, 2, backend, monkeypatch, chunks=chunks, seed=1
+        mesh, 2, backend, monkeypatch, chunks=chunks, seed=1
     )
     assert int(stats["replicas"]) > 0, "no replica"
     assert int(stats["dropped"]) == 0
@@ -306,10 +307,9 @@ def test_hidden_chunks_cover_the_width(d_ff, chunks, sizes):
     assert all(a.stop == b.start for a, b in zip(got[:-1], got[1:], strict=True))
 
 
-def test_streamed_transfer_moves_each_chunk_separately():
+def test_streamed_transfer_moves_each_chunk_separately(ep8_mesh):
     """With n chunks the CPU lowering holds n reduce-scatters per hop (one transfer per chunk)
     where one chunk holds one."""
-    mesh = tm.make_mesh("ep8")
 
     def count(chunks):
         layer = uep.MoE(
@@ -317,8 +317,8 @@ def test_streamed_transfer_moves_each_chunk_separately():
             d_ff=tm.F,
             num_experts=8,
             top_k=2,
-            mesh=mesh,
-            balancer=tm.balancer_config(mesh, 8, slots=1, max_fanout=0),
+            mesh=ep8_mesh,
+            balancer=tm.balancer_config(ep8_mesh, 8, slots=1, max_fanout=0),
             transfer_chunks=chunks,
             rngs=nnx.Rngs(0),
         )
@@ -340,16 +340,21 @@ def test_streamed_transfer_moves_each_chunk_separately():
         ({"transfer_chunks": 17}, ValueError, r"transfer_chunks=17 exceeds d_ff=16"),
     ],
 )
-def test_bad_transfer_chunks_raise_one_line(kwargs, error, match):
-    mesh = tm.make_mesh("ep8")
+def test_bad_transfer_chunks_raise_one_line(kwargs, error, match, ep8_mesh):
     with pytest.raises(error, match=match) as err:
         uep.MoE(
-            d_model=tm.D, d_ff=tm.F, num_experts=8, top_k=2, mesh=mesh, rngs=nnx.Rngs(0), **kwargs
+            d_model=tm.D,
+            d_ff=tm.F,
+            num_experts=8,
+            top_k=2,
+            mesh=ep8_mesh,
+            rngs=nnx.Rngs(0),
+            **kwargs,
         )
     assert "\n" not in str(err.value)
     if kwargs["transfer_chunks"] != 17:
         with pytest.raises(error, match=match):
-            uep.ExpertParallel(mesh, 8, **kwargs)
+            uep.ExpertParallel(ep8_mesh, 8, **kwargs)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
@@ -358,12 +363,11 @@ def test_bad_max_fanout_raises(value):
         uep.BalancerConfig(8, 4, max_fanout=value)
 
 
-def test_transfer_send_max_is_zero_without_replicas():
-    mesh = tm.make_mesh("ep8")
+def test_transfer_send_max_is_zero_without_replicas(ep8_mesh):
     rng = np.random.default_rng(3)
     x, params = tm.make_inputs(rng, 8, 8, 8, 2, skew=True)
-    for balancer in (None, tm.balancer_config(mesh, 8, slots=0)):
-        layer = tm.build_layer(mesh, 8, 2, balancer, None, params)
-        _, stats = tm.layer_forward(layer, tm.place_batch(mesh, x))
+    for balancer in (None, tm.balancer_config(ep8_mesh, 8, slots=0)):
+        layer = tm.build_layer(ep8_mesh, 8, 2, balancer, None, params)
+        _, stats = tm.layer_forward(layer, tm.place_batch(ep8_mesh, x))
         assert stats["transfer_send_max"].dtype == np.float32
         assert float(stats["transfer_send_max"]) == 0.0

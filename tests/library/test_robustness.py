@@ -1,9 +1,9 @@
 """Bad values stay where they are, and bad arguments fail early with one line.
 
-The layer (`uep.routed_experts`, routing given explicitly) against a dense one-device reference
-written here: every (token, choice) pair runs its own expert's SwiGLU on the gathered weights, and
-pairs that reach no expert (an id outside [0, E), or dropped for capacity by the rule of
-tests/references/dispatch.py) are selected out. Covered: inf/NaN in one expert's weights (they
+The layer (`uep.routed_experts`, routing given explicitly) against the dense one-device reference
+(tests/references/moe.py): every (token, choice) pair runs its own expert's SwiGLU on the gathered
+weights, and pairs that reach no expert (an id outside [0, E), or dropped for capacity by the rule
+of tests/references/dispatch.py) are selected out. Covered: inf/NaN in one expert's weights (they
 must not reach tokens or gradients of other experts, through replicas and relays), NaN/inf routing
 weights on skipped pairs, capacity drops together with relays and streamed transfers, and the
 argument checks.
@@ -12,7 +12,6 @@ argument checks.
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,13 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from tests.helpers import expert_mesh, fetch_with_grads
+from tests.helpers import (
+    assert_integer_rule,
+    assert_raises_one_line,
+    expert_mesh,
+    fetch_with_grads,
+    routed_value_and_grads,
+)
 from tests.library.test_relay import _portable_exchange, random_slots
 from tests.references.dispatch import kept_pairs, prefix_transport
 from tests.references.moe import reference_moe
@@ -39,20 +44,6 @@ def _balancer(max_fanout: int = 2) -> uep.BalancerConfig:
     )
 
 
-def value_and_grads(fn, x, weights, params, experts, cot):
-    """y, and the gradients of sum(y * cot) w.r.t. x, weights and params, of ``fn(x, weights,
-    params, experts) -> (y, aux)``, jitted (so the ids are traced, as in training); returns
-    (y, aux, gx, gw, gparams) as NumPy."""
-
-    def loss(x, weights, params, experts):
-        y, aux = fn(x, weights, params, experts)
-        return jnp.sum(y * cot), (y, aux)
-
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (_, (y, aux)), (gx, gw, gp) = grad(x, weights, params, experts)
-    return np.asarray(y), jax.tree.map(np.asarray, aux), np.asarray(gx), np.asarray(gw), gp
-
-
 def layer_and_reference(x, experts, weights, params, ep, keep, cot):
     """The layer's and the reference's (y, stats or None, gx, gweights, gparams)."""
 
@@ -68,7 +59,7 @@ def layer_and_reference(x, experts, weights, params, ep, keep, cot):
         tuple(jnp.asarray(w) for w in params),
         jnp.asarray(experts),
     )
-    return value_and_grads(layer, *args, cot), value_and_grads(ref, *args, cot)
+    return routed_value_and_grads(layer, *args, cot), routed_value_and_grads(ref, *args, cot)
 
 
 def assert_close(got, want, what):
@@ -366,7 +357,7 @@ def test_mixed_parameter_dtypes_raise_one_line():
     ids, weights = np.zeros((R, 2, 1), np.int32), np.ones((R, 2, 1), np.float32)
     for balancer in (None, _balancer()):
         ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer)
-        _one_line(
+        assert_raises_one_line(
             TypeError,
             r"w_gate, w_up and w_down must have one dtype, got float16, float32, float32",
             uep.routed_experts,
@@ -381,15 +372,8 @@ def test_mixed_parameter_dtypes_raise_one_line():
 # -- 5-7. errors: one line, naming the value, where the value is given --------------------------
 
 
-def _one_line(error, match, fn, *args, **kwargs):
-    """Asserts that ``fn(*args, **kwargs)`` raises ``error`` with one line matching ``match``."""
-    with pytest.raises(error, match=match) as info:
-        fn(*args, **kwargs)
-    assert "\n" not in str(info.value)
-
-
 def test_max_fanout_is_bounded_where_the_config_is_built():
-    _one_line(
+    assert_raises_one_line(
         ValueError,
         r"^BalancerConfig.max_fanout must be <= 2147483647, got 2147483648$",
         uep.BalancerConfig,
@@ -441,7 +425,7 @@ def test_largest_max_fanout_sends_every_copy_from_the_master():
 
 def test_plan_of_no_ranks_raises_one_line():
     for shape in ((0, 8), (4, 0)):
-        _one_line(
+        assert_raises_one_line(
             ValueError,
             rf"^plan: loads \[ep_size, num_experts\] must have both sizes >= 1, got "
             rf"\[{shape[0]}, {shape[1]}\]$",
@@ -452,7 +436,7 @@ def test_plan_of_no_ranks_raises_one_line():
 
 
 def test_ragged_backend_on_cpu_devices_raises_at_construction():
-    _one_line(
+    assert_raises_one_line(
         ValueError,
         r"comm_backend='ragged' cannot run on CPU devices",
         uep.ExpertParallel,
@@ -487,7 +471,7 @@ def test_sizes_past_int32_raise_one_line(per_device, top_k, factor, match):
         S((R * per_device, 1, top_k), jnp.float32),
     )
     params = (S((E, D, F), jnp.float32), S((E, D, F), jnp.float32), S((E, F, D), jnp.float32))
-    _one_line(
+    assert_raises_one_line(
         ValueError,
         match,
         jax.eval_shape,
@@ -509,7 +493,7 @@ def test_transfer_chunks_beyond_the_width_raise_without_a_balancer():
     weights = np.ones((R, 2, 1), np.float32)
     for balancer in (None, uep.BalancerConfig()):
         ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer, transfer_chunks=F + 1)
-        _one_line(
+        assert_raises_one_line(
             ValueError,
             rf"^MoE: transfer_chunks={F + 1} exceeds d_ff={F} ",
             uep.routed_experts,
@@ -525,12 +509,11 @@ def test_transfer_chunks_beyond_the_width_raise_without_a_balancer():
 
 
 def _integer_arguments():
-    """(name, fn(value)) for a sample of integer arguments of the library, the model and the
-    experiments: each must raise TypeError for a non-integer and ValueError below its minimum."""
+    """(name, fn(value)) for a sample of integer arguments of the library and the model (the
+    experiments' follow the same rule: tests/experiments/test_data.py, test_workloads.py): each
+    must raise TypeError for a non-integer and ValueError below its minimum."""
     from flax import nnx
 
-    from experiments.loads import workloads
-    from experiments.train import data
     from models.moe_lm import ModelConfig
 
     mesh = expert_mesh(8)
@@ -550,8 +533,6 @@ def _integer_arguments():
         ("plan: capacity", lambda v: uep.plan(np.ones((8, 8), np.int32), uep.BalancerConfig(), v)),
         ("ModelConfig.top_k", lambda v: ModelConfig(top_k=v)),
         ("ModelConfig.shared_d_ff", lambda v: ModelConfig(shared_d_ff=v)),
-        ("batch_size", lambda v: data.train_batch(np.zeros(64, np.uint8), 0, v, 4)),
-        ("ep_size", lambda v: workloads.rank_zipf_exponent(v, 64, 2, 1.5, 0)),
     ]
 
 
@@ -559,12 +540,7 @@ def test_integer_arguments_follow_one_rule():
     """TypeError (one line naming the argument) for a bool, a float (even 2.0) or a string;
     ValueError for an integer below the minimum; NumPy integers accepted."""
     for name, fn in _integer_arguments():
-        for bad in (True, np.bool_(False), 2.0, np.float32(3), "2"):
-            _one_line(TypeError, rf"^{re.escape(name)} must be an int, got ", fn, bad)
-        _one_line(
-            ValueError, rf"^{re.escape(name)} must be (a positive int|an int >= 0), got -1$", fn, -1
-        )
-        fn(np.int64(8))  # accepted
+        assert_integer_rule(name, fn)
 
 
 # -- 1 (kernels). a group's inf/NaN stays in its rows ---------------------------------------------

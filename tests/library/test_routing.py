@@ -1,5 +1,6 @@
 """Routers (`ultraep_jax.routers`), the layer with each router, and `uep.routed_experts` called
-directly, against a dense one-device reference written here.
+directly, against the references of tests/references: the routers (routing.py) and the dense
+one-device MoE (moe.py).
 
 The reference never calls the library's routing code: routing decisions are made in NumPy
 float64 (softmax top-k is top-k of the logits; DeepSeek-V3 sigmoid routing picks on sigmoid
@@ -30,8 +31,10 @@ from tests.helpers import (
     layer_value_and_grads,
     make_mesh,
     place_batch,
+    routed_value_and_grads,
 )
-from tests.references.moe import HIGHEST
+from tests.references.moe import HIGHEST, reference_moe
+from tests.references.routing import Router, router_losses, router_weights, select_experts
 from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, update_bias
 
 D, F, FS = 8, 8, 8  # model width, expert hidden width, shared expert hidden width
@@ -55,15 +58,9 @@ def assert_close(got, want, what, rtol=RTOL, atol=ATOL):
 
 
 @dataclasses.dataclass(frozen=True)
-class Spec:
-    """A router as the reference sees it; `library` builds the library's router from it."""
-
-    kind: str  # "softmax" or "sigmoid"
-    top_k: int
-    renormalize: bool = True
-    num_groups: int = 1
-    top_groups: int = 1
-    scale: float = 1.0
+class Spec(Router):
+    """A router as the reference sees it (`Router`); `library` builds the library's router from
+    it."""
 
     def library(self, bias_rate: float = 1e-3):
         if self.kind == "softmax":
@@ -77,73 +74,6 @@ class Spec:
         if self.kind == "softmax":
             return f"softmax-k{self.top_k}-{'renorm' if self.renormalize else 'raw'}"
         return f"sigmoid-k{self.top_k}-g{self.top_groups}of{self.num_groups}-s{self.scale}"
-
-
-def _sigmoid64(z):
-    return 1.0 / (1.0 + np.exp(-np.asarray(z, np.float64)))
-
-
-def ref_select(logits, spec: Spec, bias=None):
-    """(experts int [T, k] best first, margin): the reference's choice from float64 logits, and
-    the smallest gap at any decision it made (k-th vs (k+1)-th key, groups kept vs dropped)."""
-    logits = np.asarray(logits, np.float64)
-    T, n = logits.shape
-    k = spec.top_k
-    margin = math.inf
-    if spec.kind == "softmax":
-        key = logits  # softmax is monotone
-    else:
-        key = _sigmoid64(logits) + (0.0 if bias is None else np.asarray(bias, np.float64))
-        G, TG = spec.num_groups, spec.top_groups
-        if TG < G:
-            grouped = key.reshape(T, G, n // G)
-            best = -np.sort(-grouped, axis=-1)[..., :2]
-            group_score = best.sum(-1)  # sum of the (up to) two best biased scores
-            keep = np.argsort(-group_score, axis=-1, kind="stable")[:, :TG]
-            allowed = np.zeros((T, G), bool)
-            allowed[np.arange(T)[:, None], keep] = True
-            key = np.where(np.repeat(allowed, n // G, axis=1), key, -np.inf)
-            srt = -np.sort(-group_score, axis=-1)
-            margin = min(margin, float(np.min(srt[:, TG - 1] - srt[:, TG])))
-    experts = np.argsort(-key, axis=-1, kind="stable")[:, :k]
-    srt = -np.sort(-key, axis=-1)
-    if k < n and np.all(np.isfinite(srt[:, k])):
-        margin = min(margin, float(np.min(srt[:, k - 1] - srt[:, k])))
-    elif k < n:
-        finite = np.isfinite(srt[:, k])
-        if finite.any():
-            margin = min(margin, float(np.min((srt[:, k - 1] - srt[:, k])[finite])))
-    return experts, margin
-
-
-def ref_probs(logits, spec: Spec):
-    """[T, E] the normalised scores the aux loss averages: softmax, or sigmoid / row sum."""
-    if spec.kind == "softmax":
-        ex = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-        return ex / jnp.sum(ex, axis=-1, keepdims=True)
-    s = 1.0 / (1.0 + jnp.exp(-logits))
-    return s / jnp.sum(s, axis=-1, keepdims=True)
-
-
-def ref_weights(logits, experts, spec: Spec):
-    """[T, k] the weights of the fixed choices ``experts``: chosen softmax probabilities
-    (renormalised or not), or chosen unbiased sigmoid scores normalised to 1, times ``scale``."""
-    if spec.kind == "softmax":
-        w = jnp.take_along_axis(ref_probs(logits, spec), experts, axis=-1)
-        return w / jnp.sum(w, axis=-1, keepdims=True) if spec.renormalize else w
-    s = jnp.take_along_axis(1.0 / (1.0 + jnp.exp(-logits)), experts, axis=-1)
-    return spec.scale * s / jnp.sum(s, axis=-1, keepdims=True)
-
-
-def ref_losses(logits, experts, spec: Spec):
-    """(aux, z): ``E/(K T) sum_e count_e mean_t p_te`` and ``mean_t logsumexp(logits_t)^2``."""
-    T, n = logits.shape
-    k = experts.shape[-1]
-    count = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(1.0)
-    aux = n / (k * T) * jnp.sum(count * jnp.mean(ref_probs(logits, spec), axis=0))
-    m = jnp.max(logits, axis=-1)
-    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
-    return aux, jnp.mean(lse**2)
 
 
 def logit(p):
@@ -232,7 +162,7 @@ SIGMOID_HAND = {
 def test_sigmoid_topk_hand_examples(name):
     scores, bias, spec, want = SIGMOID_HAND[name]
     logits = logit([scores])
-    ref, margin = ref_select(logits, spec, None if bias is None else np.asarray(bias))
+    ref, margin = select_experts(logits, spec, None if bias is None else np.asarray(bias))
     np.testing.assert_array_equal(ref, [want], err_msg="the reference disagrees with the hand")
     assert margin > 1e-3
     bias_arr = None if bias is None else np.asarray(bias, np.float32)
@@ -266,10 +196,10 @@ def _random_logits(spec, seed, T=6):
         bias = None
         if spec.kind == "sigmoid":
             bias = (0.3 * rng.normal(size=E)).astype(np.float32)
-        experts, margin = ref_select(logits, spec, bias)
+        experts, margin = select_experts(logits, spec, bias)
         if margin < 1e-3:
             continue
-        if bias is not None and np.array_equal(experts, ref_select(logits, spec)[0]):
+        if bias is not None and np.array_equal(experts, select_experts(logits, spec)[0]):
             continue
         return logits, bias, experts
     raise AssertionError("could not draw logits with a clear routing margin")
@@ -287,8 +217,8 @@ def test_router_values_and_gradients_match_reference(seed, spec):
     r = router(jnp.asarray(logits), bias_j)
     np.testing.assert_array_equal(np.asarray(r.experts), want_experts)
     idx = jnp.asarray(want_experts)
-    ref_aux, ref_z = ref_losses(jnp.asarray(logits), idx, spec)
-    assert_close(r.weights, ref_weights(jnp.asarray(logits), idx, spec), "weights", 1e-5, 1e-6)
+    ref_aux, ref_z = router_losses(jnp.asarray(logits), idx, spec)
+    assert_close(r.weights, router_weights(jnp.asarray(logits), idx, spec), "weights", 1e-5, 1e-6)
     assert_close(r.aux_loss, ref_aux, "aux_loss", 1e-5, 1e-6)
     assert_close(r.z_loss, ref_z, "z_loss", 1e-5, 1e-6)
     cot = jnp.asarray(np.random.default_rng(1).normal(size=want_experts.shape), jnp.float32)
@@ -298,9 +228,9 @@ def test_router_values_and_gradients_match_reference(seed, spec):
         "z": lambda l: router(l, bias_j).z_loss,
     }
     ref_fns = {
-        "weights": lambda l: jnp.sum(ref_weights(l, idx, spec) * cot),
-        "aux": lambda l: ref_losses(l, idx, spec)[0],
-        "z": lambda l: ref_losses(l, idx, spec)[1],
+        "weights": lambda l: jnp.sum(router_weights(l, idx, spec) * cot),
+        "aux": lambda l: router_losses(l, idx, spec)[0],
+        "z": lambda l: router_losses(l, idx, spec)[1],
     }
     for what, lib_fn in lib_fns.items():
         got = jax.grad(lib_fn)(jnp.asarray(logits))
@@ -355,29 +285,14 @@ def draw_layer_inputs(rng, spec: Spec, batch, seq, skew=True, bias_scale=0.0):
         params |= {k: v.astype(np.float32) for k, v in shared.items()}
         bias = (bias_scale * rng.normal(size=E)).astype(np.float32)
         logits = x.reshape(-1, D).astype(np.float64) @ params["router_kernel"].astype(np.float64)
-        experts, margin = ref_select(logits, spec, bias)
+        experts, margin = select_experts(logits, spec, bias)
         threshold = 1e-3 if spec.kind == "softmax" else 1e-4
         if margin < threshold:
             continue
-        if bias_scale and np.array_equal(experts, ref_select(logits, spec)[0]):
+        if bias_scale and np.array_equal(experts, select_experts(logits, spec)[0]):
             continue
         return x, params, bias, experts
     raise AssertionError("could not draw inputs with a clear routing margin")
-
-
-def dense_experts(xt, params, experts, weights, shared: bool):
-    """[T, D]: every expert on every token, the chosen ones weighted and summed; plus the shared
-    expert."""
-    gate = jnp.einsum("td,edf->tef", xt, params["w_gate"], precision=HIGHEST)
-    up = jnp.einsum("td,edf->tef", xt, params["w_up"], precision=HIGHEST)
-    out = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, params["w_down"], precision=HIGHEST)
-    chosen = jnp.take_along_axis(out, experts[:, :, None], axis=1)  # [T, k, D]
-    y = jnp.sum(chosen * weights[:, :, None], axis=1)
-    if shared:
-        g = jnp.dot(xt, params["shared_gate"], precision=HIGHEST)
-        h = jax.nn.silu(g) * jnp.dot(xt, params["shared_up"], precision=HIGHEST)
-        y = y + jnp.dot(h, params["shared_down"], precision=HIGHEST)
-    return y
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "shared"))
@@ -388,9 +303,15 @@ def reference_layer(x, params, experts, cotangent, spec: Spec, shared: bool):
     def loss(x, params):
         xt = x.reshape(-1, D)
         logits = jnp.dot(xt, params["router_kernel"], precision=HIGHEST)
-        weights = ref_weights(logits, experts, spec)
-        y = dense_experts(xt, params, experts, weights, shared).reshape(x.shape)
-        return jnp.sum(y * cotangent), (y, *ref_losses(logits, experts, spec))
+        weights = router_weights(logits, experts, spec)
+        y = reference_moe(
+            xt,
+            experts,
+            weights,
+            tuple(params[n] for n in EXPERT_NAMES),
+            shared=tuple(params[n] for n in SHARED_NAMES) if shared else None,
+        ).reshape(x.shape)
+        return jnp.sum(y * cotangent), (y, *router_losses(logits, experts, spec))
 
     (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
     return aux, grads
@@ -504,19 +425,14 @@ def hand_routing(batch, seq, k):
 @jax.jit
 def reference_routed(x, weights, params, experts):
     """[B, L, D]: the dense experts of the fixed routing ``experts``, ``weights`` [B, L, k]."""
-    k = experts.shape[-1]
-    y = dense_experts(
-        x.reshape(-1, D), params, experts.reshape(-1, k), weights.reshape(-1, k), False
-    )
-    return y.reshape(x.shape)
+    return reference_moe(x, experts, weights, tuple(params[n] for n in EXPERT_NAMES))
 
 
-def test_routed_experts_with_hand_routing_equals_reference():
+def test_routed_experts_with_hand_routing_equals_reference(dp2ep4_mesh):
     """`uep.routed_experts` outside any layer, balanced, with a hand-made routing (NumPy expert
     ids, some tokens choosing one expert twice): the eager call's output equals the dense
     reference and its loads are the bincount of the ids. (Its gradients are those of the layer
     tests, which run it under the routers' weights.)"""
-    mesh = make_mesh("dp2ep4")
     rng = np.random.default_rng(11)
     batch, seq, k = 8, 4, 2
     x = rng.normal(size=(batch, seq, D)).astype(np.float32)
@@ -527,7 +443,7 @@ def test_routed_experts_with_hand_routing_equals_reference():
         "w_up": rng.normal(size=(E, D, F)).astype(np.float32) / math.sqrt(D),
         "w_down": rng.normal(size=(E, F, D)).astype(np.float32) / math.sqrt(F),
     }
-    ep = uep.ExpertParallel(mesh, E, balancer_for(mesh), capacity_factor=None)
+    ep = uep.ExpertParallel(dp2ep4_mesh, E, balancer_for(dp2ep4_mesh), capacity_factor=None)
     wparams = tuple(jnp.asarray(params[n]) for n in EXPERT_NAMES)
     ref_y = reference_routed(jnp.asarray(x), jnp.asarray(weights), params, jnp.asarray(experts))
 
@@ -562,38 +478,13 @@ def test_routed_experts_rejects_concrete_experts_out_of_range(bad):
         uep.routed_experts(x, experts, weights, params, ep)
 
 
-@jax.jit
-def reference_routed_grads(x, weights, params, experts, cotangent):
-    """y and the gradients of sum(y * cotangent) w.r.t. x, weights and params (a dict) of
-    `reference_routed`."""
-
-    def loss(x, weights, params):
-        y = reference_routed(x, weights, params, experts)
-        return jnp.sum(y * cotangent), y
-
-    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, weights, params)
-
-
-@functools.partial(jax.jit, static_argnums=4)
-def routed_grads(x, weights, params, experts, ep, cotangent):
-    """`routed_experts` under `jit` (traced expert ids): (y, stats) and the gradients of
-    sum(y * cotangent) w.r.t. x, weights and params."""
-
-    def loss(x, weights, params):
-        y, stats = uep.routed_experts(x, experts, weights, params, ep)
-        return jnp.sum(y * cotangent), (y, stats)
-
-    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, weights, params)
-
-
 @pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "plain"])
-def test_routed_experts_under_jit_skips_experts_out_of_range(balanced):
+def test_routed_experts_under_jit_skips_experts_out_of_range(balanced, dp2ep4_mesh):
     """Under `jit` expert ids cannot be checked: a pair whose id is outside [0, E) (-1, E, a large
     value, a large negative one) contributes nothing. Every output and gradient equals the dense
     reference of the routing without those pairs (the other tokens on the same devices are
     unaffected), the loads are the bincount of the valid ids, and the bad pairs are counted in
     ``invalid`` only (not in ``dropped``)."""
-    mesh = make_mesh("dp2ep4")
     rng = np.random.default_rng(12)
     batch, seq, k = 8, 4, 2
     x = rng.normal(size=(batch, seq, D)).astype(np.float32)
@@ -615,16 +506,24 @@ def test_routed_experts_under_jit_skips_experts_out_of_range(balanced):
     }
     for index, value in bad_ids.items():
         experts[index], bad[index] = value, True
-    ep = uep.ExpertParallel(mesh, E, balancer_for(mesh) if balanced else None, capacity_factor=None)
-    wparams = tuple(jnp.asarray(params[n]) for n in EXPERT_NAMES)
-    (_, (y, stats)), (gx, gw, gp) = routed_grads(
-        jnp.asarray(x), jnp.asarray(weights), wparams, jnp.asarray(experts), ep, cotangent
+    ep = uep.ExpertParallel(
+        dp2ep4_mesh, E, balancer_for(dp2ep4_mesh) if balanced else None, capacity_factor=None
     )
+    wparams = tuple(jnp.asarray(params[n]) for n in EXPERT_NAMES)
 
+    def layer(x, weights, params, experts):
+        return uep.routed_experts(x, experts, weights, params, ep)
+
+    def ref(x, weights, params, experts):
+        return reference_routed(x, weights, params, experts), None
+
+    y, stats, gx, gw, gp = routed_value_and_grads(
+        layer, jnp.asarray(x), jnp.asarray(weights), wparams, jnp.asarray(experts), cotangent
+    )
     valid_weights = np.where(bad, 0, weights).astype(np.float32)
     valid_experts = np.where(bad, 0, experts)
-    (_, ref_y), (ref_gx, ref_gw, ref_gp) = reference_routed_grads(
-        jnp.asarray(x), jnp.asarray(valid_weights), params, jnp.asarray(valid_experts), cotangent
+    ref_y, _, ref_gx, ref_gw, ref_gp = routed_value_and_grads(
+        ref, jnp.asarray(x), jnp.asarray(valid_weights), params, valid_experts, cotangent
     )
     assert_close(y, ref_y, "y")
     assert_close(gx, ref_gx, "d/dx")
@@ -749,11 +648,10 @@ def test_routers_accept_numpy_scalars_and_check_the_experts():
 # -- the router bias -------------------------------------------------------------------------
 
 
-def test_update_router_bias_moves_toward_balance():
+def test_update_router_bias_moves_toward_balance(ep8_mesh):
     """From a call's stats, the bias goes down by the rate for experts above the mean load and up
     for those below; the next call routes by the new bias (a large rate changes choices). Eager
     and in a jitted step, with x placed on the user's `jax.make_mesh` mesh (Explicit axes)."""
-    mesh = make_mesh("ep8")
     rng = np.random.default_rng(21)
     spec, rate = GROUPED, 0.2
     x, params, bias, experts = draw_layer_inputs(rng, spec, 8, 4, bias_scale=0.3)
@@ -761,13 +659,13 @@ def test_update_router_bias_moves_toward_balance():
     load = np.bincount(experts.ravel(), minlength=E)
     assert (load != load.mean()).all(), "an expert sits at the mean load: pick another seed"
     want_bias = (bias + rate * np.sign(load.mean() - load)).astype(np.float32)
-    experts2, margin2 = ref_select(logits, spec, want_bias)
+    experts2, margin2 = select_experts(logits, spec, want_bias)
     assert margin2 > 1e-4, "the updated bias leaves a near tie: pick another seed"
     load2 = np.bincount(experts2.ravel(), minlength=E)
     assert not np.array_equal(load2, load), "the bias step changes nothing: pick another seed"
 
-    layer = build_routed_layer(mesh, spec, False, False, params, bias, bias_rate=rate)
-    xs = place_batch(mesh, x)
+    layer = build_routed_layer(ep8_mesh, spec, False, False, params, bias, bias_rate=rate)
+    xs = place_batch(ep8_mesh, x)
     _, stats = layer(xs)
     np.testing.assert_array_equal(np.asarray(stats.expert_load), load)
     layer.update_router_bias(stats)
@@ -793,8 +691,8 @@ def test_update_router_bias_moves_toward_balance():
     np.testing.assert_allclose(np.asarray(layer.router_bias[...]), want_bias2, rtol=1e-6, atol=1e-6)
 
 
-def test_update_router_bias_on_softmax_layer_raises():
-    layer = uep.MoE(D, F, E, 2, make_mesh("ep8"), rngs=nnx.Rngs(0))
+def test_update_router_bias_on_softmax_layer_raises(ep8_mesh):
+    layer = uep.MoE(D, F, E, 2, ep8_mesh, rngs=nnx.Rngs(0))
     assert not hasattr(layer, "router_bias")
     zeros = {f.name: jnp.int32(0) for f in dataclasses.fields(uep.MoEStats)}
     stats = uep.MoEStats(**(zeros | {"expert_load": jnp.zeros((E,), jnp.int32)}))
@@ -805,11 +703,10 @@ def test_update_router_bias_on_softmax_layer_raises():
 # -- bfloat16 --------------------------------------------------------------------------------
 
 
-def test_bf16_layer_close_to_float32_reference_with_float32_routing():
+def test_bf16_layer_close_to_float32_reference_with_float32_routing(ep8_mesh):
     """bf16 parameters and input under jit: the output is close to the float32 reference of the
     same (upcast) weights, and the routed loads are those of float32 logits of the upcast values,
     on an input where logits rounded to bfloat16 would route differently."""
-    mesh = make_mesh("ep8")
     spec = Spec("softmax", 2)
     rng = np.random.default_rng(31)
     bf16 = jnp.bfloat16
@@ -820,9 +717,9 @@ def test_bf16_layer_close_to_float32_reference_with_float32_routing():
             k: np.asarray(jnp.asarray(v, bf16).astype(jnp.float32)) for k, v in params.items()
         }
         logits = x.reshape(-1, D).astype(np.float64) @ params["router_kernel"].astype(np.float64)
-        experts, margin = ref_select(logits, spec)
+        experts, margin = select_experts(logits, spec)
         rounded = np.asarray(jnp.asarray(logits, bf16).astype(jnp.float32), np.float64)
-        experts_bf16, _ = ref_select(rounded, spec)
+        experts_bf16, _ = select_experts(rounded, spec)
         load = np.bincount(experts.ravel(), minlength=E)
         if margin > 1e-3 and not np.array_equal(
             load, np.bincount(experts_bf16.ravel(), minlength=E)
@@ -831,11 +728,11 @@ def test_bf16_layer_close_to_float32_reference_with_float32_routing():
     else:
         raise AssertionError("no input separates float32 from bfloat16 routing")
 
-    layer = build_routed_layer(mesh, spec, True, True, params, dtype=bf16)
+    layer = build_routed_layer(ep8_mesh, spec, True, True, params, dtype=bf16)
     assert layer.w_gate[...].dtype == bf16 and layer.router_kernel[...].dtype == bf16
     graphdef, state, rest = nnx.split(layer, nnx.Param, ...)
     fwd = jax.jit(lambda s, r, x: nnx.merge(graphdef, s, r)(x))
-    y, stats = fwd(state, rest, place_batch(mesh, jnp.asarray(x, bf16)))
+    y, stats = fwd(state, rest, place_batch(ep8_mesh, jnp.asarray(x, bf16)))
     assert y.dtype == bf16 and y.shape == x.shape
     assert int(stats.replicas) > 0 and int(stats.dropped) == 0
     np.testing.assert_array_equal(np.asarray(stats.expert_load), load)

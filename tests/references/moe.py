@@ -6,18 +6,44 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ultraep_jax.experts.activations import ACTIVATIONS
+
 #: The matmul precision of every reference (exact float32 products on every backend).
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def reference_moe(x, experts, weights, params, keep):
-    """[B, L, D]: ``sum_j keep * weights[..., j] * swiglu_{experts[..., j]}(x)``, each pair on its
-    own expert's weights (gathered, so an expert no pair chooses is never read); pairs with
-    ``keep`` False are selected out (ids outside [0, E) are clipped first, then unused)."""
-    w_gate, w_up, w_down = params
+def reference_moe(
+    x, experts, weights, params, keep=None, *, mask=None, activation="silu", shared=None
+):
+    """float32 [..., D]: ``sum_j keep * weights[..., j] * glu_{experts[..., j]}(x)``, plus the
+    shared expert's ``glu(x)`` when ``shared`` is given, and 0 at the tokens ``mask`` leaves out.
+
+    ``x`` [..., D] and ``experts``, ``weights`` [..., k] (the same leading shape); ``params``
+    (w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]); ``glu_e(x) = (act(x @ w_gate[e]) *
+    (x @ w_up[e])) @ w_down[e]`` with ``act`` the library's activation named ``activation``
+    (`ultraep_jax.experts.activations.ACTIVATIONS`). Each pair runs on its own expert's weights
+    (gathered, so an expert no pair chooses is never read); pairs with ``keep`` [..., k] False
+    are selected out (ids outside [0, E) are clipped first, then unused). ``mask`` [...]: the
+    real tokens; a masked token's pairs are selected out too. ``shared``: (gate [D, F_s], up
+    [D, F_s], down [F_s, D]), the always-on expert with the same activation. Everything in
+    float32, every matmul at `HIGHEST`.
+    """
+    act = ACTIVATIONS[activation]
+    f32 = lambda a: jnp.asarray(a).astype(jnp.float32)  # noqa: E731
+    x, weights = f32(x), f32(weights)
+    w_gate, w_up, w_down = (f32(w) for w in params)
+    if keep is None:
+        keep = jnp.ones(weights.shape, bool)
+    if mask is not None:
+        keep = jnp.logical_and(keep, jnp.asarray(mask)[..., None])
     E = w_gate.shape[0]
     e = jnp.clip(experts, 0, E - 1)
-    gate = jnp.einsum("bld,blkdf->blkf", x, w_gate[e], precision=HIGHEST)
-    up = jnp.einsum("bld,blkdf->blkf", x, w_up[e], precision=HIGHEST)
-    out = jnp.einsum("blkf,blkfd->blkd", jax.nn.silu(gate) * up, w_down[e], precision=HIGHEST)
-    return jnp.sum(jnp.where(keep, weights, 0)[..., None] * out, axis=2)
+    gate = jnp.einsum("...d,...kdf->...kf", x, w_gate[e], precision=HIGHEST)
+    up = jnp.einsum("...d,...kdf->...kf", x, w_up[e], precision=HIGHEST)
+    out = jnp.einsum("...kf,...kfd->...kd", act(gate) * up, w_down[e], precision=HIGHEST)
+    y = jnp.sum(jnp.where(keep, weights, 0)[..., None] * out, axis=-2)
+    if shared is not None:
+        s_gate, s_up, s_down = (f32(w) for w in shared)
+        h = act(jnp.dot(x, s_gate, precision=HIGHEST)) * jnp.dot(x, s_up, precision=HIGHEST)
+        y = y + jnp.dot(h, s_down, precision=HIGHEST)
+    return y if mask is None else jnp.where(jnp.asarray(mask)[..., None], y, 0)

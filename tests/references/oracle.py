@@ -1,19 +1,20 @@
 """The exact side of the planner's comparisons: whether any plan reaches a threshold (a
 mixed-integer program, `scipy.optimize.milp`; scipy comes with the ``test`` extra), and the small
-random cases it is asked about (`experiments.planner.exact`,
-tests/experiments/test_planner_exact.py)."""
+random cases it is asked about (tests/experiments/test_planner_exact.py, the planner's tests
+where the repairs run, and the experiment `experiments.planner.exact`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from experiments.loads import ranks
+from tests.references.planner import rank_loads_before
 
 
 def exact_plan_exists(load_e, ep_size: int, slots: int, keep: int, tau: int) -> bool:
-    """Whether some plan puts every rank at or below ``tau``: expert ``e``'s master (on its home
-    rank, `ranks.home_ranks`) keeps at least ``min(keep, load_e[e])`` of its tokens, and every
-    other rank holds at most ``slots`` replicas, each of a distinct expert, with any quotas.
+    """Whether some plan puts every rank at or below ``tau``: expert ``e``'s master (on rank
+    ``e // (E / R)``, ffi/PLANNER.md) keeps at least ``min(keep, load_e[e])`` of its tokens, and
+    every other rank holds at most ``slots`` replicas, each of a distinct expert, with any
+    quotas.
 
     A mixed-integer program: binary ``y[t, e]`` (rank ``t`` holds a replica of ``e``) and quotas
     ``q[t, e] >= 0``. Given ``y`` the quotas are a flow problem with integer data, so real quotas
@@ -24,8 +25,10 @@ def exact_plan_exists(load_e, ep_size: int, slots: int, keep: int, tau: int) -> 
 
     load_e = [int(v) for v in load_e]
     E, R = len(load_e), ep_size
-    home = ranks.home_ranks(E, R).tolist()
-    L = ranks.home_rank_loads(np.asarray(load_e, dtype=np.int64), R).tolist()
+    home = [e // (E // R) for e in range(E)]
+    totals = np.zeros((R, E), np.int64)
+    totals[0] = load_e  # only the expert totals matter
+    L = rank_loads_before(totals).tolist()
     if max(L) <= tau:
         return True
     give = [max(v - keep, 0) for v in load_e]  # what each master may give away

@@ -1,0 +1,98 @@
+"""The routers' reference, written independently of `ultraep_jax.routers`: which experts a token
+picks (NumPy float64), and the differentiable parts on a fixed choice (plain jnp): the weights,
+the normalised scores and the two router losses.
+
+Softmax top-k picks the k largest logits (softmax is monotone) and weighs each choice by its
+probability, renormalised over the k choices or not. DeepSeek-V3 sigmoid routing picks on
+sigmoid scores plus the bias, among the experts of the ``top_groups`` groups whose two best biased
+scores sum highest, and weighs each choice by its unbiased score normalised over the k, times
+``scale``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """A router as the reference sees it."""
+
+    kind: str  # "softmax" or "sigmoid"
+    top_k: int
+    renormalize: bool = True
+    num_groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
+
+
+def _sigmoid64(z):
+    return 1.0 / (1.0 + np.exp(-np.asarray(z, np.float64)))
+
+
+def select_experts(logits, router: Router, bias=None):
+    """(experts int [T, k] best first, margin): the choice from float64 logits [T, E], and the
+    smallest gap at any decision it made (k-th vs (k+1)-th key, groups kept vs dropped; inf
+    where there was no decision). Ties go to the smaller index."""
+    logits = np.asarray(logits, np.float64)
+    T, n = logits.shape
+    k = router.top_k
+    margin = math.inf
+    if router.kind == "softmax":
+        key = logits  # softmax is monotone
+    else:
+        key = _sigmoid64(logits) + (0.0 if bias is None else np.asarray(bias, np.float64))
+        G, TG = router.num_groups, router.top_groups
+        if TG < G:
+            grouped = key.reshape(T, G, n // G)
+            best = -np.sort(-grouped, axis=-1)[..., :2]
+            group_score = best.sum(-1)  # sum of the (up to) two best biased scores
+            keep = np.argsort(-group_score, axis=-1, kind="stable")[:, :TG]
+            allowed = np.zeros((T, G), bool)
+            allowed[np.arange(T)[:, None], keep] = True
+            key = np.where(np.repeat(allowed, n // G, axis=1), key, -np.inf)
+            srt = -np.sort(-group_score, axis=-1)
+            margin = min(margin, float(np.min(srt[:, TG - 1] - srt[:, TG])))
+    experts = np.argsort(-key, axis=-1, kind="stable")[:, :k]
+    srt = -np.sort(-key, axis=-1)
+    if k < n and np.all(np.isfinite(srt[:, k])):
+        margin = min(margin, float(np.min(srt[:, k - 1] - srt[:, k])))
+    elif k < n:
+        finite = np.isfinite(srt[:, k])
+        if finite.any():
+            margin = min(margin, float(np.min((srt[:, k - 1] - srt[:, k])[finite])))
+    return experts, margin
+
+
+def router_probs(logits, router: Router):
+    """[T, E] the normalised scores the aux loss averages: softmax, or sigmoid / row sum."""
+    if router.kind == "softmax":
+        ex = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        return ex / jnp.sum(ex, axis=-1, keepdims=True)
+    s = 1.0 / (1.0 + jnp.exp(-logits))
+    return s / jnp.sum(s, axis=-1, keepdims=True)
+
+
+def router_weights(logits, experts, router: Router):
+    """[T, k] the weights of the fixed choices ``experts``: chosen softmax probabilities
+    (renormalised or not), or chosen unbiased sigmoid scores normalised to 1, times ``scale``."""
+    if router.kind == "softmax":
+        w = jnp.take_along_axis(router_probs(logits, router), experts, axis=-1)
+        return w / jnp.sum(w, axis=-1, keepdims=True) if router.renormalize else w
+    s = jnp.take_along_axis(1.0 / (1.0 + jnp.exp(-logits)), experts, axis=-1)
+    return router.scale * s / jnp.sum(s, axis=-1, keepdims=True)
+
+
+def router_losses(logits, experts, router: Router):
+    """(aux, z): ``E/(K T) sum_e count_e mean_t p_te`` and ``mean_t logsumexp(logits_t)^2``."""
+    T, n = logits.shape
+    k = experts.shape[-1]
+    count = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+    aux = n / (k * T) * jnp.sum(count * jnp.mean(router_probs(logits, router), axis=0))
+    m = jnp.max(logits, axis=-1)
+    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
+    return aux, jnp.mean(lse**2)
