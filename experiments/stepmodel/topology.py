@@ -319,6 +319,11 @@ TRACE_LABELS = {
     "switch-base-128": "Switch-Base-128",
 }
 TOPOLOGY_LABELS = {"hgx-h100": "8-GPU nodes", "gb200-nvl72": "NVL72"}
+#: The plot's panel titles per topology (the layouts EP32-128 take).
+PLOT_TITLES = {
+    "hgx-h100": "8-GPU nodes (d=8)",
+    "gb200-nvl72": "NVL72 (EP32, EP64: one domain; EP128: 2 racks x 64)",
+}
 
 
 def _three(s: dict, digits: int) -> str:
@@ -408,7 +413,7 @@ def plot(rows: list[dict], path) -> None:
                 marks = [a2a[g] for g in groups]
                 ax.scatter(x, marks, marker="_", s=300, color="red", label="one all-to-all")
             ax.set_xticks(x, labels, fontsize=8)
-            ax.set_title(f"{TOPOLOGY_LABELS[name]}: {title}", fontsize=10)
+            ax.set_title(f"{PLOT_TITLES[name]}:\n{title}", fontsize=9)
             ax.grid(True, axis="y", alpha=0.3)
         axes[i][1].legend(fontsize=8)
     fig.suptitle(
