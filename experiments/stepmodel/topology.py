@@ -491,6 +491,9 @@ def _define_flags():
     _BALANCER = cli.define_balancer_flags()
     flags.register_validator("traces", lambda v: set(v) <= set(TRACES), "unknown trace")
     flags.register_validator("topologies", lambda v: set(v) <= set(TOPOLOGIES), "unknown cluster")
+    flags.register_validator(
+        "ep_sizes", lambda v: all(e.isdigit() and int(e) > 0 for e in v), "positive integers"
+    )
     for name in ("stride", "max_fanout"):
         flags.register_validator(name, lambda v: v >= 1, "must be >= 1")
 
