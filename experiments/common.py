@@ -1,6 +1,6 @@
 """Helpers every experiment shares: simulated CPU devices, the batched planner and its timing,
-the batched replica-transfer schedule, the ``--json_out`` file, and `run_main` (the programs'
-command-line conventions; their flags are made in `experiments.cli`).
+the batched replica-transfer schedule and its counts, the ``--json_out`` file, and `run_main`
+(the programs' command-line conventions; their flags are made in `experiments.cli`).
 
 ``force_cpu_devices`` must run before JAX initialises a backend; it is the only place the
 experiments touch ``XLA_FLAGS``. JAX, absl and ultraep_jax are imported inside the functions, so
@@ -66,6 +66,23 @@ def batched_transfer(ep_size: int, experts_per_rank: int, max_fanout: int):
         sent_HR, received_HR = relay.hop_copies(schedule, hops)
         length = jnp.sum(jnp.maximum(sent_HR.max(axis=1), received_HR.max(axis=1)))
         return jnp.max(relay.send_copies(schedule)), length, jnp.max(schedule.hop_RS)
+
+    return jax.jit(jax.vmap(one))
+
+
+@functools.cache
+def batched_schedule(ep_size: int, experts_per_rank: int, max_fanout: int, domain_size=None):
+    """``jit(vmap(...))`` of the relay schedule (`replicas.relay.relay_schedule`) of held-expert
+    matrices ``[N, R, C]`` (as `batched_transfer` takes them) under the relay bound
+    ``max_fanout`` and fast domains of ``domain_size`` ranks (None: one domain). Returns its
+    ``hop_RS`` and ``sender_RS``, int32 [N, R, C] each."""
+    import jax
+
+    from ultraep_jax.replicas import relay
+
+    def one(held_RC):
+        schedule = relay.relay_schedule(held_RC, experts_per_rank, max_fanout, domain_size)
+        return schedule.hop_RS, schedule.sender_RS
 
     return jax.jit(jax.vmap(one))
 

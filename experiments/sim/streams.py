@@ -22,15 +22,23 @@ from experiments.stepmodel.shapes import ModelShape
 TOPK_DRAWS = 16384
 
 
+#: The HarMoEny file each of its traces is read from as runs, and the layers kept of it.
+HARMOENY_RUNS = {
+    "switch-base-128": ("expert_freq_switch128_datasets.csv", traces.SWITCH_ENCODER_LAYERS),
+    "qwen1.5-moe": ("expert_freq_qwen_policy_datasets.csv", None),
+}
+
+
 @functools.cache
 def trace_runs(trace: str, traces_dir: str | None = None) -> tuple[np.ndarray, ...]:
     """A trace as runs of per-layer counts, each ``[layers, E]``.
 
     deepseek-r1: one run per file (12 serving runs x 58 MoE layers). switch-base-128: one run per
     (dataset, iteration) of ``expert_freq_switch128_datasets.csv`` (4 x 30 runs), encoder layers
-    0-5 only (see `traces.SWITCH_ENCODER_LAYERS`). ``traces_dir`` is the folder holding the trace
-    folders (default `traces.default_traces_dir`); FileNotFoundError when the trace is not
-    there.
+    0-5 only (see `traces.SWITCH_ENCODER_LAYERS`). qwen1.5-moe: one run per (dataset, iteration)
+    of ``expert_freq_qwen_policy_datasets.csv`` (4 x 20 runs x 12 layers). ``traces_dir`` is the
+    folder holding the trace folders (default `traces.default_traces_dir`); FileNotFoundError
+    when the trace is not there.
     """
     base = traces.default_traces_dir() if traces_dir is None else pathlib.Path(traces_dir)
     root = base / trace
@@ -38,10 +46,10 @@ def trace_runs(trace: str, traces_dir: str | None = None) -> tuple[np.ndarray, .
         raise FileNotFoundError(f"trace folder not found: {root} (see --traces_dir)")
     if trace == "deepseek-r1":
         return tuple(traces.deepseek_trace_expert_counts(p) for p in sorted(root.glob("*.json")))
-    rows = traces.harmoeny_trace_rows(root / "expert_freq_switch128_datasets.csv")
+    file, kept = HARMOENY_RUNS[trace]
     runs: dict = {}
-    for meta, counts in rows:
-        if meta["layer"] < traces.SWITCH_ENCODER_LAYERS:
+    for meta, counts in traces.harmoeny_trace_rows(root / file):
+        if kept is None or meta["layer"] < kept:
             runs.setdefault((meta["dataset"], meta["iteration"]), {})[meta["layer"]] = counts
     return tuple(
         np.stack([layers[k] for k in sorted(layers)]) for _, layers in sorted(runs.items())

@@ -10,6 +10,8 @@ beyond what this machine runs (sim, replay, bench.fanout, the GPU runbook's summ
   pinned        the model of this machine's two pinned ranks from measured rates
                 (python -m experiments.bench.rates), against the measured ratios
   anchor        UltraEP's EP64 setup with the overheads a GPU adds, its plans and ours
+  topology      topology-aware against topology-blind replica transfer on the traces, 8-GPU
+                nodes and NVL72 (python -m experiments.stepmodel.topology)
 
 The registry of balancing policies is `experiments.loads.policies`.
 """

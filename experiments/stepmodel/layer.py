@@ -203,6 +203,7 @@ def layer_time(
     cluster: Cluster,
     params: CostParams,
     expert_s: float | None = None,
+    transfer_s: float | None = None,
 ) -> LayerTime:
     """Time of one MoE layer and microbatch from the busiest rank's rows.
 
@@ -214,6 +215,9 @@ def layer_time(
         in backward takes the same time (the reverse hops).
       plan_seconds: planner time on the critical path (0: no planner in the step); the load
         all-gather is added when it is positive.
+      transfer_s: one direction of the replica transfer in seconds when the caller times it per
+        link class (`links.relay_seconds`); None: ``copy_times`` copies at one copy's expected
+        time to a random rank of the group (`copy_seconds`).
     """
     tokens = params.tokens_per_rank
     other = train_seconds(
@@ -224,7 +228,9 @@ def layer_time(
     experts = expert_s
     if experts is None:
         experts = expert_train_seconds(max_rank_load, model, cluster, params)
-    xfer = copy_times * copy_seconds(replica_bytes(model, params), ep, cluster, params)
+    xfer = transfer_s
+    if xfer is None:
+        xfer = copy_times * copy_seconds(replica_bytes(model, params), ep, cluster, params)
     plan = (
         plan_seconds + gather_seconds(ep, model.num_experts, cluster, params)
         if plan_seconds > 0

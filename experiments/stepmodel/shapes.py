@@ -3,7 +3,9 @@ published setups the figures are compared against.
 
 The figures, with the config files and datasheets they come from, are in ``shapes.toml`` next to
 this file (the one place they are written); :data:`MODELS`, :data:`CLUSTERS`, :data:`SCENARIOS`
-and :data:`SETUPS` hold them by name, in file order.
+and :data:`SETUPS` hold them by name, in file order; :data:`TRACE_MODELS` the traced models whose
+expert count fits none of the scenarios (not in :data:`MODELS`, which the simulator runs on
+every scenario).
 """
 
 from __future__ import annotations
@@ -159,15 +161,20 @@ class Setup:
         return self.shape.num_experts // self.ep
 
 
-def _read(path: pathlib.Path) -> tuple[dict, dict, dict, dict]:
-    """``(models, clusters, scenarios, setups)`` of a shapes file, each ``{name: shape}`` in file
-    order."""
+def _models(table: dict) -> dict:
+    """``{name: ModelShape}`` of a shapes file's table of models, in file order."""
+    return {
+        name: ModelShape(name=name, **{**row, "attention": tuple(row["attention"])})
+        for name, row in table.items()
+    }
+
+
+def _read(path: pathlib.Path) -> tuple[dict, dict, dict, dict, dict]:
+    """``(models, trace_models, clusters, scenarios, setups)`` of a shapes file, each ``{name:
+    shape}`` in file order."""
     with path.open("rb") as f:
         tables = tomllib.load(f)
-    models = {
-        name: ModelShape(name=name, **{**row, "attention": tuple(row["attention"])})
-        for name, row in tables["models"].items()
-    }
+    models, trace_models = _models(tables["models"]), _models(tables["trace_models"])
     clusters = {name: Cluster(name=name, **row) for name, row in tables["clusters"].items()}
     scenarios = {name: Scenario(name=name, **row) for name, row in tables["scenarios"].items()}
     setups = {
@@ -176,10 +183,12 @@ def _read(path: pathlib.Path) -> tuple[dict, dict, dict, dict]:
         )
         for name, row in tables["setups"].items()
     }
-    return models, clusters, scenarios, setups
+    return models, trace_models, clusters, scenarios, setups
 
 
-MODELS, CLUSTERS, SCENARIOS, SETUPS = _read(pathlib.Path(__file__).with_name("shapes.toml"))
+MODELS, TRACE_MODELS, CLUSTERS, SCENARIOS, SETUPS = _read(
+    pathlib.Path(__file__).with_name("shapes.toml")
+)
 #: UltraEP's published EP64 setup (DeepSeek-V3, 8192 tokens per rank): the real shape of every
 #: program that charges a layer at a real model's bytes.
 ANCHOR = SETUPS["ultraep-ep64"]
