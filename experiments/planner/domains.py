@@ -1,6 +1,6 @@
 """Fast domains and the planner: would replica targets chosen by domain cut slow-link copies?
 
-        python -m experiments.planner.domains                 # every case, a few minutes
+        python -m experiments.planner.domains          # every case, about 6 minutes on 2 cores
         python -m experiments.planner.domains --cases=deepseek-r1:64:8 --stride=4
 
 With ``BalancerConfig.ranks_per_domain = d`` the replica transfer sends an expert's weights over
