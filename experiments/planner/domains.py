@@ -1,0 +1,374 @@
+"""Fast domains and the planner: would replica targets chosen by domain cut slow-link copies?
+
+        python -m experiments.planner.domains          # every case, about 6 minutes on 2 cores
+        python -m experiments.planner.domains --cases=deepseek-r1:64:8 --stride=4
+
+With ``BalancerConfig.ranks_per_domain = d`` the replica transfer sends an expert's weights over
+the slow links once per remote domain holding a replica of it (ffi/TRANSFER.md, "Fast
+domains"): a layer's slow-link copies are the (expert, domain other than its master's) pairs with
+at least one replica. The planner does not know the domains. This program measures whether it
+should: each layer of the real traces is planned by the planner of ffi/PLANNER.md (the default
+path: ``balance_eps > 0``, no capacity) and by variants of it that prefer, among the targets it
+chooses from, a rank in the master's domain or in a domain that already holds a replica of the
+expert (a "near" target; every other target is "far"):
+
+  * ``tie``: only among targets the planner finds equal (the same slack): near first.
+  * ``fit``: among the targets that take all the tokens the source still needs (any of them ends
+    the source's excess with this replica), near ones first, then the least slack as before.
+  * ``near``: near targets whenever there is one (then the planner's own rule among them); far
+    ones only when no near one has slack and a free slot.
+  * ``floor=N``: a far target only where its replica carries at least ``min(N, need)`` tokens
+    (a larger ``min_tokens_per_replica`` for copies over the slow links).
+
+The variants live in this file only (a copy of the planner's attempts and threshold search in
+plain Python, which reproduces `ultraep_jax.plan` bit for bit when no variant is chosen: checked
+on every layer it plans); the planner itself takes no domains.
+
+Loads: each layer as `experiments.planner` builds it (`experiments.loads.workloads`, the trace's
+own top-k, ``--tokens_per_rank`` tokens per rank, seed 0), every ``--stride``-th layer.
+Figures per case: slow-link copies per layer (median, p90, total over the layers) and the final
+max/mean rank load (mean and worst over the layers).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from absl import flags
+
+import ultraep_jax as uep
+from experiments import cli, common
+from experiments.loads import traces, workloads
+from experiments.stepmodel import shapes
+
+_CASES = flags.DEFINE_list(
+    "cases",
+    [
+        "deepseek-r1:32:8",
+        "deepseek-r1:64:8",
+        "deepseek-r1:128:8",
+        "switch-base-128:32:8",
+        "switch-base-128:64:8",
+        "switch-base-128:128:8",
+        "qwen1.5-moe:12:4",
+        "qwen1.5-moe:60:4",
+    ],
+    "trace:ep_size:ranks_per_domain triples (Qwen1.5-MoE's 60 experts divide no multiple of 8).",
+)
+_VARIANTS = flags.DEFINE_list(
+    "variants",
+    ["tie", "fit", "fit-home", "near", "floor=2048", "floor=4096", "floor=8192"],
+    "Variants to compare with the planner (tie, fit, fit-home, near, floor=N).",
+)
+_STRIDE = flags.DEFINE_integer("stride", 1, "Keep every n-th layer of each trace (1: all).")
+_TOKENS = flags.DEFINE_integer(
+    "tokens_per_rank", shapes.ANCHOR.tokens_per_rank, "Tokens per source rank."
+)
+_BALANCER = cli.define_balancer_flags()
+_TRACES_DIR = cli.define_traces_dir()
+_JSON = cli.define_json_out()
+
+#: The final max/mean a variant may reach on every layer to be worth adopting.
+BALANCE_LIMIT = 1.02
+
+
+def _case_ok(item: str) -> bool:
+    name, ep, d = (item.split(":") + ["", ""])[:3]
+    return (
+        name in traces.TRACE_NAMES
+        and ep.isdigit()
+        and d.isdigit()
+        and int(d) > 0
+        and int(ep) % int(d) == 0
+        and traces.TRACE_NUM_EXPERTS[name] % int(ep) == 0
+    )
+
+
+def _variant_ok(v: str) -> bool:
+    return v in ("tie", "fit", "fit-home", "near") or (v.startswith("floor=") and v[6:].isdigit())
+
+
+flags.register_validator("stride", lambda v: v >= 1, "must be >= 1")
+flags.register_validator(
+    "cases",
+    lambda v: all(map(_case_ok, v)),
+    "each must be trace:ep:d with d dividing ep and ep dividing the trace's experts",
+)
+flags.register_validator(
+    "variants", lambda v: all(map(_variant_ok, v)), "tie, fit, fit-home, near, floor=N"
+)
+
+
+# --- The planner of ffi/PLANNER.md with domain-aware target choices ------------------------------
+# The default path only (balance_eps > 0, no capacity: every probe keeps the floor F). ``mode``:
+# None (the planner), "tie", "fit" or "near"; ``far_floor``: 0 or the far targets' floor.
+
+
+def _pick(slack, free, need, a, rule, near, mode, far_ok):
+    """pick_target of PLANNER.md over the candidates ``far_ok`` allows, with ``mode``'s
+    preference for the ranks in ``near``; -1 when there is none."""
+    cands = [t for t in range(len(slack)) if free[t] > 0 and slack[t] > 0 and far_ok(t)]
+    if not cands:
+        return -1
+    if mode == "near":
+        close = [t for t in cands if t in near]
+        cands = close or cands
+    tie = (lambda t: t not in near) if mode == "tie" else (lambda t: False)
+
+    def most(ts):
+        return min(ts, key=lambda t: (-slack[t], tie(t), t))
+
+    if rule == "most":
+        return most(cands)
+    if rule == "strict":
+        cands = [t for t in cands if not (free[t] == 1 and slack[t] > a)] or cands
+    fits = [t for t in cands if slack[t] >= need]
+    if mode in ("fit", "fit-home"):
+        fits = [t for t in fits if t in near] or fits
+    if fits:
+        return min(fits, key=lambda t: (slack[t], tie(t), t))
+    return most(cands)
+
+
+def _attempt(tau, load_e, L, S, F, K, rule, order, dsz, mode, far_floor):
+    """attempt(tau, F, rule, order): ``(replicas or None, the source that failed)``."""
+    R = len(L)
+    E_m = len(load_e) // R
+    slack = [max(tau - v, 0) for v in L]
+    free = [S] * R
+    exported = [0] * len(load_e)
+    held = {}  # expert -> the domains holding a replica of it
+    replicas = []
+    X = sum(max(v - tau, 0) for v in L)
+    for d in order:
+        x = L[d] - tau
+        X -= x
+        masters = range(d * E_m, (d + 1) * E_m)
+        while x > 0:
+            fl = min(F, x)
+            e = min(masters, key=lambda m: (-(load_e[m] - K - exported[m]), m))
+            avail = load_e[e] - K - exported[e]
+            if avail < fl:
+                return None, d
+            doms = {d // dsz} | (set() if mode == "fit-home" else held.get(e, set()))
+            near = {t for t in range(R) if t // dsz in doms}
+            if far_floor:
+                floor, cap = min(far_floor, x), min(avail, x + X)
+
+                def far_ok(t, floor=floor, cap=cap, near=near):
+                    return t in near or min(slack[t], cap) >= floor
+            else:
+
+                def far_ok(t):
+                    return True
+
+            t = _pick(slack, free, min(x, avail), avail, rule, near, mode, far_ok)
+            if t == -1:
+                return None, d
+            q = min(slack[t], avail, x + X)
+            if q < fl:
+                return None, d
+            replicas.append((e, t, q))
+            held.setdefault(e, set()).add(t // dsz)
+            slack[t] -= q
+            free[t] -= 1
+            x -= q
+            exported[e] += q
+        slack[d] = -x
+    return replicas, None
+
+
+def _try(tau, load_e, L, S, F, K, dsz, mode, far_floor):
+    """try(tau) with the floor F: the plain attempts, then the repairs; replicas or None."""
+    if tau >= max(L):
+        return []
+    plain = [d for d in sorted(range(len(L)), key=lambda d: (-L[d], d)) if L[d] > tau]
+    args = (dsz, mode, far_floor)
+    for rule in ("loose", "strict"):
+        replicas, _ = _attempt(tau, load_e, L, S, F, K, rule, plain, *args)
+        if replicas is not None:
+            return replicas
+    for rule in ("loose", "strict", "most"):
+        order = plain
+        replicas, d = _attempt(tau, load_e, L, S, F, K, rule, order, *args)
+        for _ in range(3):
+            if replicas is not None or d == order[0]:
+                break
+            order = [d] + [u for u in order if u != d]
+            replicas, d = _attempt(tau, load_e, L, S, F, K, rule, order, *args)
+        if replicas is not None:
+            return replicas
+    return None
+
+
+def plan_replicas(loads, S, F, K, eps, dsz, mode=None, far_floor=0):
+    """The replicas ``[(expert, target, quota)]`` in creation order and the final rank loads
+    [R] of the threshold search of PLANNER.md (fast path, then the fallback's coarse and refine
+    probes) over ``_try``."""
+    assert eps > 0, "the default path only"
+    R, E = loads.shape
+    E_m = E // R
+    load_e = [int(v) for v in loads.sum(axis=0, dtype=np.int64)]
+    L = [sum(load_e[d * E_m : (d + 1) * E_m]) for d in range(R)]
+    T, Lmax = sum(L), max(L)
+    won = []
+
+    def probe(tau):
+        replicas = [] if tau >= Lmax else _try(tau, load_e, L, S, F, K, dsz, mode, far_floor)
+        if replicas is not None:
+            won.append(replicas)
+        return replicas is not None
+
+    def search():
+        if T == 0 or S == 0 or R == 1:
+            return
+        tau0 = max(-(-T // R), int(np.floor(float(T) * (1.0 + eps) / float(R))))
+        if tau0 >= Lmax:
+            return
+        delta = max(1, int(np.ceil(float(T) * eps / float(R) / 2.0)))
+        if any(probe(tau0 + k * delta) for k in range(4)):
+            return
+        lo = tau0 + 3 * delta
+        c = [lo] + [lo + ((Lmax - lo) * j) // 32 for j in range(1, 32)]
+        for j in range(1, 32):
+            if probe(c[j]):
+                for i in range(1, 16):
+                    r = c[j - 1] + ((c[j] - c[j - 1]) * i) // 16
+                    if c[j - 1] < r < c[j] and probe(r):
+                        return
+                return  # else c_j's replicas win
+
+    search()
+    replicas = won[-1] if won else []
+    rank_load = list(L)
+    for e, t, q in replicas:
+        rank_load[e // E_m] -= q
+        rank_load[t] += q
+    return replicas, np.asarray(rank_load, np.int64)
+
+
+def slow_copies(replicas, E_m: int, dsz: int) -> int:
+    """(expert, remote domain) pairs with a replica: the slow-link copies of the layer."""
+    return len({(e, t // dsz) for e, t, _ in replicas if t // dsz != (e // E_m) // dsz})
+
+
+# --- The measurement ---------------------------------------------------------------------------
+
+
+def _variant(name: str) -> tuple[str | None, int]:
+    """``(mode, far_floor)`` of a variant's name ("planner": the planner itself)."""
+    if name.startswith("floor="):
+        return None, int(name[6:])
+    return (None if name == "planner" else name), 0
+
+
+def _trace_batch(name: str, ep: int) -> np.ndarray:
+    """int32 [N, R, E]: every ``--stride``-th layer of the trace (seed 0, its own top-k)."""
+    top_k = traces.TRACE_TOP_K[name]
+    rows = workloads.trace_workloads(name, ep, _TOKENS.value, top_k, 0, _TRACES_DIR.value)
+    return np.stack([loads for i, (_, loads) in enumerate(rows) if i % _STRIDE.value == 0])
+
+
+def measure(name: str, ep: int, dsz: int, variants: list[str]) -> dict:
+    """Slow-link copies and final max/mean of every layer of one case, per variant."""
+    batch = _trace_batch(name, ep)
+    E = batch.shape[2]
+    b = _BALANCER()
+    S, F, eps = b["slots_per_rank"], b["min_tokens_per_replica"], b["balance_eps"]
+    K = uep.BalancerConfig().master_keep_tokens
+    plans = common.batched_planner(uep.BalancerConfig(E, ep, **b))(batch)
+    ffi_load = np.asarray(plans.rank_load)
+    ffi_slots = np.asarray(plans.slot_expert)
+    out = {}
+    for v in ["planner"] + variants:
+        mode, far_floor = _variant(v)
+        copies, balance, replicas = [], [], []
+        for n, loads in enumerate(batch):
+            reps, rank_load = plan_replicas(loads, S, F, K, eps, dsz, mode, far_floor)
+            if v == "planner":  # this file's copy of the planner is the planner
+                assert (rank_load == ffi_load[n]).all(), (name, ep, n)
+                assert sorted((e, t) for e, t, _ in reps) == sorted(
+                    (int(e), t) for t in range(ep) for e in ffi_slots[n, t] if e >= 0
+                ), (name, ep, n)
+            copies.append(slow_copies(reps, E // ep, dsz))
+            balance.append(rank_load.max() * ep / rank_load.sum())
+            replicas.append(len(reps))
+        c = np.asarray(copies, np.float64)
+        out[v] = {
+            "copies_median": float(np.median(c)),
+            "copies_p90": float(np.percentile(c, 90)),
+            "copies_total": int(c.sum()),
+            "final_mean": float(np.mean(balance)),
+            "final_worst": float(np.max(balance)),
+            "replicas_mean": float(np.mean(replicas)),
+        }
+    return {"trace": name, "ep": ep, "d": dsz, "layers": int(len(batch)), "variants": out}
+
+
+_HEADER = (
+    f"{'trace':16s} {'EP':>4s} {'d':>2s} {'layers':>6s} {'variant':>11s} "
+    f"{'slow copies med/p90/total':>26s} {'vs planner':>10s} {'final mean':>10s} "
+    f"{'final worst':>11s} {'replicas':>8s}"
+)
+
+
+def table(cells: list[dict]) -> list[str]:
+    """One line per case and variant."""
+    lines = [_HEADER]
+    for c in cells:
+        base = c["variants"]["planner"]["copies_total"]
+        for v, r in c["variants"].items():
+            cut = "" if v == "planner" else f"{100 * (r['copies_total'] / base - 1):+.1f}%"
+            lines.append(
+                f"{c['trace']:16s} {c['ep']:4d} {c['d']:2d} {c['layers']:6d} {v:>11s} "
+                f"{r['copies_median']:8g} / {r['copies_p90']:5g} / {r['copies_total']:7d} "
+                f"{cut:>10s} {r['final_mean']:10.4f} {r['final_worst']:11.4f} "
+                f"{r['replicas_mean']:8.1f}"
+            )
+    return lines
+
+
+def main(argv):
+    """Plans every case's layers with the planner and each variant; prints the table."""
+    del argv
+    start = time.perf_counter()
+    b = _BALANCER()
+    layers = "every layer" if _STRIDE.value == 1 else f"every {_STRIDE.value}-th layer"
+    print(
+        f"Slow-link copies per layer and final max/mean, {_TOKENS.value} tokens/rank, "
+        f"{b['slots_per_rank']} slots/rank, min_tokens_per_replica="
+        f"{b['min_tokens_per_replica']}, eps={b['balance_eps']}, {layers} "
+        f"(d: ranks per fast domain):"
+    )
+    cells = []
+    for item in _CASES.value:
+        name, ep, dsz = item.split(":")
+        cells.append(measure(name, int(ep), int(dsz), list(_VARIANTS.value)))
+        print("\n".join(table(cells[-1:])[1 if len(cells) > 1 else 0 :]), flush=True)
+    worst = {v: max(c["variants"][v]["final_worst"] for c in cells) for v in cells[0]["variants"]}
+    base = max(1, sum(c["variants"]["planner"]["copies_total"] for c in cells))
+    change = {v: sum(c["variants"][v]["copies_total"] for c in cells) / base - 1 for v in worst}
+    least = {
+        v: max(
+            c["variants"][v]["copies_total"] / c["variants"]["planner"]["copies_total"] - 1
+            for c in cells
+        )
+        for v in worst
+    }
+    print(
+        "\nOver every case: slow-link copies against the planner (all cases' total; the case "
+        "that gained least), worst final max/mean:"
+    )
+    for v in worst:
+        ok = "within" if worst[v] <= BALANCE_LIMIT else "above"
+        print(
+            f"  {v:>11s}: {100 * change[v]:+6.1f}% ({100 * least[v]:+6.1f}%)  {worst[v]:.4f} "
+            f"({ok} {BALANCE_LIMIT})"
+        )
+    print(f"({time.perf_counter() - start:.0f} s)")
+    common.write_json(_JSON.value, {"cases": cells, "balance_limit": BALANCE_LIMIT})
+
+
+if __name__ == "__main__":
+    common.run_main(main)
