@@ -71,22 +71,47 @@ def test_one_domain_is_the_default_schedule(R, em, S, f):
 
 def test_hand_computed_domain_tree():
     """8 ranks in domains {0..3} and {4..7}; expert 0 (master rank 0) on ranks 1, 2, 5, 6, 7,
-    f = 2. The master sends to ranks 1 and 2 in its domain and to one gateway, rank 5, over the
-    slow link (hop 1); rank 5 sends to ranks 6 and 7 (hop 2). One slow copy, where the
-    topology-blind tree (levels 1, 2 | 5, 6, 7) sends three."""
-    slots = np.full((8, 1), -1, np.int32)
+    f = 2. The master sends to ranks 1 and 2 in its domain and to the one gateway, rank 5, over
+    the slow link (hop 1); rank 5 sends to ranks 6 and 7 (hop 2). Expert 4 (master rank 2) only
+    on rank 6: its master sends it in hop 1. Two slow copies; the topology-blind tree (rank 2
+    masters a replicated expert, so it comes last: 1, 5 | 6, 7, 2 from 1, 5, 1) sends three."""
+    slots = np.full((8, 2), -1, np.int32)
     slots[[1, 2, 5, 6, 7], 0] = 0
-    got = schedule(slots, 1, 2, 4)
-    np.testing.assert_array_equal(got["hop"][:, 0], [0, 1, 1, 0, 0, 1, 2, 2])
-    np.testing.assert_array_equal(got["sender"][:, 0], [8, 0, 0, 8, 8, 0, 5, 5])
-    np.testing.assert_array_equal(got["source"][:, 0], [0, 0, 0, 0, 0, 0, 0, 0])
-    assert reference_slow_copies(slots, 1, reference_schedule(slots, 1, 2, 4), 4) == 1
-    blind = schedule(slots, 1, 2)
-    np.testing.assert_array_equal(blind["sender"][:, 0], [8, 0, 0, 8, 8, 1, 2, 1])
-    assert reference_slow_copies(slots, 1, reference_schedule(slots, 1, 2), 4) == 3
+    slots[6, 1] = 4
+    got = schedule(slots, 2, 2, 4)
+    np.testing.assert_array_equal(
+        got["hop"], [[0, 0], [1, 0], [1, 0], [0, 0], [0, 0], [1, 0], [2, 1], [2, 0]]
+    )
+    np.testing.assert_array_equal(
+        got["sender"], [[8, 8], [0, 8], [0, 8], [8, 8], [8, 8], [0, 8], [5, 2], [5, 8]]
+    )
+    np.testing.assert_array_equal(got["source"], np.zeros((8, 2)))
+    assert reference_slow_copies(slots, 2, reference_schedule(slots, 2, 2, 4), 4) == 2
+    blind = schedule(slots, 2, 2)
+    np.testing.assert_array_equal(blind["sender"][:, 0], [8, 0, 1, 8, 8, 0, 1, 5])
+    assert reference_slow_copies(slots, 2, reference_schedule(slots, 2, 2), 4) == 3
 
 
-@pytest.mark.parametrize("R, f, d, want", [(8, 2, 4, 3), (8, 2, 2, 3), (8, 0, 2, 2), (64, 2, 8, 6)])
+def test_master_with_more_than_f_experts_to_send_across_hands_them_to_a_local_relay():
+    """Rank 0 masters experts 0, 1, 2 (E_m = 4), each on rank 1 (its domain) and rank 5 (the
+    other), f = 2: sending three slow copies itself would exceed f, so it sends the three over
+    the fast link to rank 1 (hop 1), which sends them across to rank 5 (hop 2). With f = 3 the
+    master sends its three slow copies itself, in hop 1."""
+    slots = np.full((8, 3), -1, np.int32)
+    slots[1] = slots[5] = [0, 1, 2]
+    got = schedule(slots, 4, 2, 4)
+    np.testing.assert_array_equal(got["hop"][[1, 5]], [[1, 1, 1], [2, 2, 2]])
+    np.testing.assert_array_equal(got["sender"][[1, 5]], [[0, 0, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(got["source"][[1, 5]], [[0, 1, 2], [0, 1, 2]])
+    wide = schedule(slots, 4, 3, 4)
+    np.testing.assert_array_equal(wide["hop"][[1, 5]], [[1, 1, 1], [1, 1, 1]])
+    np.testing.assert_array_equal(wide["sender"][[1, 5]], [[0, 0, 0], [0, 0, 0]])
+    for f in (2, 3):
+        want = reference_schedule(slots, 4, f, 4)
+        assert reference_slow_copies(slots, 4, want, 4) == 3
+
+
+@pytest.mark.parametrize("R, f, d, want", [(8, 2, 4, 4), (8, 2, 2, 4), (8, 0, 2, 3), (64, 2, 8, 7)])
 def test_schedule_hops(R, f, d, want):
     assert relay.schedule_hops(R, f, d) == want
 

@@ -40,13 +40,23 @@ def reference_schedule(
     def holders(e):
         return [(t, s) for t in range(R) for s in range(S) if slot_expert[t, s] == e]
 
-    # c(r), and its parts with a replica inside / outside the master's domain.
-    c, c_fast, c_slow = (np.zeros(R, np.int64) for _ in range(3))
+    # c(r); its experts with a replica inside the master's domain; and those with one outside
+    # it only (whose gateways the master sends to itself).
+    c, c_fast, c_cross, c_slow = (np.zeros(R, np.int64) for _ in range(4))
     for e in experts:
         m = e // em
         c[m] += 1
         c_fast[m] += any(t // d == m // d for t, _ in holders(e))
-        c_slow[m] += any(t // d != m // d for t, _ in holders(e))
+        c_cross[m] += any(t // d != m // d for t, _ in holders(e))
+
+    def relayed(e):  # a master with more than f experts to send across hands them to a local relay
+        m = e // em
+        local = any(t // d == m // d for t, _ in holders(e))
+        return local and f > 0 and c_cross[m] > f
+
+    for e in experts:
+        m = e // em
+        c_slow[m] += any(t // d != m // d for t, _ in holders(e)) and not relayed(e)
     for e in experts:
         m = e // em
         # Relays first from ranks that master no replicated expert, then by distance.
@@ -64,7 +74,11 @@ def reference_schedule(
 
         fan = len(nodes) if f == 0 else f
         _tree(root_fanout(c_fast[m], local), local, fan, 1, *out, m, e % em)
-        _tree(root_fanout(c_slow[m], gateways), gateways, fan, 1, *out, m, e % em)
+        if relayed(e):  # the first local node relays to the gateways, from hop 2
+            (lt, ls) = local[0]
+            _tree(fan, gateways, fan, 2, *out, lt, ls)
+        else:
+            _tree(root_fanout(c_slow[m], gateways), gateways, fan, 1, *out, m, e % em)
         for members in remote.values():
             gt, gs = members[0]
             _tree(fan, members[1:], fan, hop[gt, gs] + 1, *out, gt, gs)

@@ -16,7 +16,8 @@ copies of one expert flow down a tree rooted at its master (ffi/TRANSFER.md is t
 With fast domains (``domain_size`` d < R: a node's GPUs, joined by slow links between nodes)
 that tree covers the master's domain only; in each remote domain holding replicas the first node
 is its gateway, the gateways form a tree of their own from the master (one slow-link crossing per
-remote domain), and each gateway roots its domain's tree; f bounds each link class separately.
+remote domain; a master with more than f experts to send across hands those with a local replica
+to it), and each gateway roots its domain's tree; f bounds each link class separately.
 
 Every rank computes the same schedule from the plan's ``slot_expert`` alone (jnp, inside jit, no
 communication). Shapes follow the package's axis legend (`ultraep_jax`).
@@ -106,11 +107,13 @@ def _tree_levels(node_N, root_N, fanout: int, num_hops: int):
 
 
 def schedule_hops(ep_size: int, max_fanout: int, domain_size: int | None = None) -> int:
-    """The most hops any plan's schedule can take: the gateway tree over the ``ep_size /
-    domain_size`` domains (none with one domain), then a domain's own tree (ffi/TRANSFER.md)."""
+    """The most hops any plan's schedule can take: the hop into the gateway tree's root, the
+    gateway tree over the ``ep_size / domain_size`` domains (neither with one domain), then a
+    domain's own tree (ffi/TRANSFER.md)."""
     d = ep_size if domain_size is None else domain_size
     domains = ep_size // d
-    return (static_hops(domains, max_fanout) if domains > 1 else 0) + static_hops(d, max_fanout)
+    gateways = 1 + static_hops(domains, max_fanout) if domains > 1 else 0
+    return gateways + static_hops(d, max_fanout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,24 +197,42 @@ def _domain_trees(slots: _Slots, max_fanout: int):
     return level_N, sender_N, source_N, gateway_flat_N, node_N
 
 
-def _gateway_tree(slots: _Slots, gate_N: jax.Array, max_fanout: int):
+def _gateway_tree(slots: _Slots, gate_N: jax.Array, domain_node_N: jax.Array, max_fanout: int):
     """(hop, sender, source), int32 [N] each: every expert's gateways (``gate_N``) in one tree
-    rooted at the master, over the slow links."""
+    over the slow links, rooted at the master; or, when the master has more than f experts to
+    send across and this one has a replica in the master's domain, at that first local node
+    (reached over a fast link in hop 1). ``domain_node_N``: each slot's node in its domain's
+    tree (1: the first)."""
     n, R, d = slots.expert_N.shape[0], slots.layout.ep_size, slots.domain_size
-    order, start_N, node_N = slots.nodes(
-        jnp.where(gate_N, slots.expert_N, slots.layout.num_experts)
+    E = slots.layout.num_experts
+    first_local_N = slots.filled_N & slots.local_N & (domain_node_N == 1)
+    relay_E = (
+        jnp.full(E, -1, jnp.int32)
+        .at[jnp.where(first_local_N, slots.expert_N, E)]
+        .set(jnp.arange(n, dtype=jnp.int32), mode="drop")
     )
+    relay_N = relay_E[jnp.clip(slots.expert_N, 0, E - 1)]
+    # Only a master with more experts to send across than f hands them to local relays.
+    crossing_N = slots.masters_with(slots.filled_N & ~slots.local_N)[slots.master_N]
+    relayed_N = (relay_N >= 0) & (max_fanout > 0) & (crossing_N > max_fanout)
+    relay_N = jnp.maximum(relay_N, 0)
+    fanout = n + 1 if max_fanout == 0 else max_fanout
+    # The master shares f slow copies among its replicated experts that have no local relay.
+    master_root_N = _root_fanout(slots, slots.filled_N & ~slots.local_N & ~relayed_N, max_fanout)
+    order, start_N, node_N = slots.nodes(jnp.where(gate_N, slots.expert_N, E))
     level_N, parent_N = _tree_levels(
         node_N,
-        _root_fanout(slots, slots.filled_N & ~slots.local_N, max_fanout),
-        n + 1 if max_fanout == 0 else max_fanout,
+        jnp.where(relayed_N, min(fanout, n + 1), master_root_N),
+        fanout,
         static_hops(R // d, max_fanout),
     )
     parent_flat_N = order[jnp.clip(start_N + parent_N - 1, 0, n - 1)]
-    from_master_N = parent_N == 0
-    sender_N = jnp.where(from_master_N, slots.master_N, slots.rank_N[parent_flat_N])
-    source_N = jnp.where(from_master_N, slots.master_row(), slots.slot_N[parent_flat_N])
-    return level_N, sender_N, source_N
+    root_rank_N = jnp.where(relayed_N, slots.rank_N[relay_N], slots.master_N)
+    root_source_N = jnp.where(relayed_N, slots.slot_N[relay_N], slots.master_row())
+    from_root_N = parent_N == 0
+    sender_N = jnp.where(from_root_N, root_rank_N, slots.rank_N[parent_flat_N])
+    source_N = jnp.where(from_root_N, root_source_N, slots.slot_N[parent_flat_N])
+    return level_N + relayed_N, sender_N, source_N
 
 
 def relay_schedule(
@@ -237,7 +258,7 @@ def relay_schedule(
     hop_N, sender_N, source_N, gateway_flat_N, node_N = _domain_trees(slots, max_fanout)
     if d < R:
         gate_N = slots.filled_N & ~slots.local_N & (node_N == 1)
-        gate_hop_N, gate_sender_N, gate_source_N = _gateway_tree(slots, gate_N, max_fanout)
+        gate_hop_N, gate_sender_N, gate_source_N = _gateway_tree(slots, gate_N, node_N, max_fanout)
         sender_N = jnp.where(gate_N, gate_sender_N, sender_N)
         source_N = jnp.where(gate_N, gate_source_N, source_N)
         # A gateway receives in its gateway tree's hop; its domain's tree follows it.
