@@ -87,6 +87,21 @@ def batched_schedule(ep_size: int, experts_per_rank: int, max_fanout: int, domai
     return jax.jit(jax.vmap(one))
 
 
+def summary(values, stats=("median", "p90", "max", "min", "mean")) -> dict:
+    """The ``stats`` (median, p90, max, min, mean) of per-layer ``values``, as floats."""
+    import numpy as np
+
+    v = np.asarray(values, np.float64)
+    every = {
+        "median": np.median,
+        "p90": lambda a: np.percentile(a, 90),
+        "max": np.max,
+        "min": np.min,
+        "mean": np.mean,
+    }
+    return {k: float(every[k](v)) for k in stats}
+
+
 def median_seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
     """Median seconds per call of ``fn()`` over ``repeats`` samples, each ``inner`` back-to-back
     calls blocked on once (so the host's dispatch overlaps the device's work), after one warm-up

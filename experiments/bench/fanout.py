@@ -105,12 +105,7 @@ def masters_replicated(slot_expert_RS: np.ndarray, num_experts: int, ep: int) ->
 
 def distribution(values) -> dict:
     """median, p90 and max of per-layer values."""
-    v = np.asarray(values, np.float64)
-    return {
-        "median": float(np.median(v)),
-        "p90": float(np.percentile(v, 90)),
-        "max": float(v.max()),
-    }
+    return common.summary(values, ("median", "p90", "max"))
 
 
 def copy_ms(copies: float, link_gbps: float) -> float:

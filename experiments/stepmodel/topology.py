@@ -197,18 +197,6 @@ def layer_figures(rows, hop, sender, model, ep, topo: Topology, params) -> dict:
     }
 
 
-def summary(values) -> dict:
-    """Median, p90, max, min and mean of per-layer ``values``."""
-    v = np.asarray(values, np.float64)
-    return {
-        "median": float(np.median(v)),
-        "p90": float(np.percentile(v, 90)),
-        "max": float(v.max()),
-        "min": float(v.min()),
-        "mean": float(v.mean()),
-    }
-
-
 def regime(model, ep, topo: Topology, params) -> dict:
     """What a layer's transfer is weighed against on ``topo``: one replica's bytes, one token
     all-to-all at the mean rows and the ideal layer (ms)."""
@@ -251,7 +239,7 @@ def cell_rows(trace, ep, plans: Plans, model, experts, topo, fanout, params, sch
         figures[policy] = layer_figures(rows, hop, sender, model, ep, topo, params)
     out = []
     for policy, f in figures.items():
-        row = {**base, "policy": policy, **{k: summary(v) for k, v in f.items()}}
+        row = {**base, "policy": policy, **{k: common.summary(v) for k, v in f.items()}}
         if policy == "aware":
             blind = figures["blind"]
             row["vs_blind"] = {

@@ -120,13 +120,15 @@ def test_config_accepts_numpy_scalars_and_normalises_them(int_type, float_type):
         min_tokens_per_replica=int_type(64),
         balance_eps=float_type(0.25) if float_type is not np.int8 else float_type(0),
         master_keep_tokens=int_type(1),
+        ranks_per_domain=int_type(4),
     )
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
         assert type(value) is (float if field.name == "balance_eps" else int), field.name
     want_eps = float(float_type(0.25)) if float_type is not np.int8 else 0.0
-    assert cfg == uep.BalancerConfig(16, 8, 2, 64, want_eps, 1)
-    assert hash(cfg) == hash(uep.BalancerConfig(16, 8, 2, 64, want_eps, 1))
+    same = uep.BalancerConfig(16, 8, 2, 64, want_eps, 1, ranks_per_domain=4)
+    assert cfg == same
+    assert hash(cfg) == hash(same)
     # and the planner takes it (np.float32 used to raise TypeError, huge ints OverflowError)
     loads = _skewed_loads(np.random.default_rng(3), 8, 16)
     got = _as_numpy(uep.plan(loads, cfg))
