@@ -33,6 +33,7 @@ auto BindPlanCall(Binding&& binding) {
       .template Attr<int64_t>("master_keep_tokens")
       .template Attr<double>("balance_eps")
       .template Attr<int64_t>("capacity")
+      .template Attr<int64_t>("ranks_per_domain")
       .template Ret<ffi::Buffer<ffi::S32>>()   // slot_expert
       .template Ret<ffi::Buffer<ffi::S32>>()   // slot_quota
       .template Ret<ffi::Buffer<ffi::S32>>()   // master_quota
@@ -69,7 +70,8 @@ inline std::string dims_str(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
-inline ffi::Error check_options(const PlanOptions& o) {
+// The options' checks, for R ranks (the fast domains must split them evenly).
+inline ffi::Error check_options(int64_t R, const PlanOptions& o) {
   if (o.min_tokens_per_replica < 1)
     return ffi::Error::InvalidArgument("ultraep_plan: min_tokens_per_replica must be >= 1");
   if (o.master_keep_tokens < 0)
@@ -77,6 +79,8 @@ inline ffi::Error check_options(const PlanOptions& o) {
   if (!(o.eps >= 0.0)) return ffi::Error::InvalidArgument("ultraep_plan: balance_eps must be >= 0");
   if (o.capacity < 0)
     return ffi::Error::InvalidArgument("ultraep_plan: capacity must be >= 0 (0: unbounded)");
+  if (o.ranks_per_domain < 1 || R % o.ranks_per_domain != 0)
+    return ffi::Error::InvalidArgument("ultraep_plan: ranks_per_domain must be >= 1 and divide R");
   return ffi::Error::Success();
 }
 
@@ -93,8 +97,8 @@ template <class Run>
 ffi::Error HandlePlanCall(const Run& run, WorkspaceElems workspace_of, Int32In loads,
                           int64_t slots_per_rank, int64_t min_tokens_per_replica,
                           int64_t master_keep_tokens, double balance_eps, int64_t capacity,
-                          Int32Out slot_expert, Int32Out slot_quota, Int32Out master_quota,
-                          Int32Out rank_load, Int32Out workspace) {
+                          int64_t ranks_per_domain, Int32Out slot_expert, Int32Out slot_quota,
+                          Int32Out master_quota, Int32Out rank_load, Int32Out workspace) {
   auto ld = loads.dimensions();
   if (ld.size() < 2)
     return ffi::Error::InvalidArgument("ultraep_plan: loads must be [..., R, E], got " +
@@ -104,8 +108,9 @@ ffi::Error HandlePlanCall(const Run& run, WorkspaceElems workspace_of, Int32In l
     return ffi::Error::InvalidArgument(
         "ultraep_plan: loads [..., R, E] needs R >= 1 and E % R == 0, got " + dims_str(ld));
   if (S < 0) return ffi::Error::InvalidArgument("ultraep_plan: slots_per_rank must be >= 0");
-  const PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity};
-  if (ffi::Error e = check_options(o); e.failure()) return e;
+  const PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity,
+                      ranks_per_domain};
+  if (ffi::Error e = check_options(R, o); e.failure()) return e;
   int64_t count = 1;
   for (size_t i = 0; i + 2 < ld.size(); ++i) count *= ld[i];
   const PlanDims d{R, E, S};

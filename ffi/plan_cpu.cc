@@ -92,15 +92,18 @@ extern "C" __attribute__((visibility("default"))) int64_t ultraep_parallel_warps
 
 // Test hook (no XLA): one plan of loads [R, E] with the parallel form's host emulation on `warps`
 // warps (1 .. 16, so that tests can put the probe rounds' boundaries anywhere; the device uses
-// ultraep_parallel_warps). Returns a PlanStatus (the outputs as the handler's), or -1 for
-// dimensions, options or a warp count the handler would not run.
+// ultraep_parallel_warps), `ranks_per_domain` as the handler's attribute. Returns a PlanStatus (the
+// outputs as the handler's), or -1 for dimensions, options or a warp count the handler would not
+// run.
 extern "C" __attribute__((visibility("default"))) int32_t ultraep_plan_parallel_host(
     int64_t R, int64_t E, int64_t S, int64_t min_tokens_per_replica, int64_t master_keep_tokens,
-    double balance_eps, int64_t capacity, int64_t warps, const int32_t* loads, int32_t* slot_expert,
-    int32_t* slot_quota, int32_t* master_quota, int32_t* rank_load) {
+    double balance_eps, int64_t capacity, int64_t ranks_per_domain, int64_t warps,
+    const int32_t* loads, int32_t* slot_expert, int32_t* slot_quota, int32_t* master_quota,
+    int32_t* rank_load) {
   const ultraep::PlanDims d{R, E, S};
-  const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity};
-  if (!d.valid() || ultraep::check_options(o).failure() || !ultraep::par::int32_indices(d) ||
+  const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity,
+                               ranks_per_domain};
+  if (!d.valid() || ultraep::check_options(R, o).failure() || !ultraep::par::indices_fit(d) ||
       warps < 1 || warps > ultraep::par::kMaxWarps)
     return -1;
   const int w = static_cast<int>(warps);

@@ -105,19 +105,20 @@ cudaError_t time_launches(const ultraep::PlanCall& c, Launch launch, int iters, 
 
 // Benchmark and test hook (no XLA): plans `count` >= 1 matrices loads_host [count, R, E] on the
 // current device with a handler's kernel (`parallel` 0: ultraep_plan's, else
-// ultraep_plan_parallel's) and options (capacity 0: unbounded), `iters` timed launches of the
-// whole batch after one warm-up, each timed with CUDA events into times_ms[k]; copies the last
-// launch's plans into the host outputs (poisoned first on the device, so that an unwritten entry
-// shows). Returns 0, or a CUDA error code (cudaErrorInvalidValue for dimensions or options the
-// handler would reject).
+// ultraep_plan_parallel's) and options (capacity 0: unbounded; ranks_per_domain R: one domain),
+// `iters` timed launches of the whole batch after one warm-up, each timed with CUDA events into
+// times_ms[k]; copies the last launch's plans into the host outputs (poisoned first on the device,
+// so that an unwritten entry shows). Returns 0, or a CUDA error code (cudaErrorInvalidValue for
+// dimensions or options the handler would reject).
 extern "C" __attribute__((visibility("default"))) int ultraep_plan_cuda_bench(
     int parallel, int64_t R, int64_t E, int64_t S, int64_t min_tokens_per_replica,
-    int64_t master_keep_tokens, double balance_eps, int64_t capacity, int64_t count,
-    const int32_t* loads_host, int iters, float* times_ms, int32_t* slot_expert,
+    int64_t master_keep_tokens, double balance_eps, int64_t capacity, int64_t ranks_per_domain,
+    int64_t count, const int32_t* loads_host, int iters, float* times_ms, int32_t* slot_expert,
     int32_t* slot_quota, int32_t* master_quota, int32_t* rank_load) {
   const ultraep::PlanDims d{R, E, S};
-  const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity};
-  if (!d.valid() || count < 1 || iters < 0 || ultraep::check_options(o).failure())
+  const ultraep::PlanOptions o{min_tokens_per_replica, master_keep_tokens, balance_eps, capacity,
+                               ranks_per_domain};
+  if (!d.valid() || count < 1 || iters < 0 || ultraep::check_options(R, o).failure())
     return static_cast<int>(cudaErrorInvalidValue);
   const int64_t ws = parallel ? par::parallel_workspace_elems(d) : ultraep::workspace_elems(d);
   BenchBuffers b;

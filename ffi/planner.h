@@ -23,6 +23,7 @@ struct PlanOptions {
   int64_t master_keep_tokens;      // K: tokens a master always keeps (>= 0)
   double eps;                      // balance tolerance (>= 0, not NaN); 0 is exact mode
   int64_t capacity;                // per-rank receive-buffer rows to stay within; 0: unbounded
+  int64_t ranks_per_domain;        // g: consecutive ranks per fast domain (divides R; R: one)
 };
 
 enum PlanStatus : int32_t {
@@ -131,24 +132,45 @@ struct Workspace {
   }
 };
 
-// The best fit and the most slack among the candidates seen so far (ties -> smallest rank).
+// Whether rank t is near for a replica of expert e given by source rank src (PLANNER.md,
+// pick_target): in src's fast domain (dsz consecutive ranks each), or in a domain that already
+// holds a replica of e. Only src's masters give while src is the source, so e's replicas are among
+// its replicas rep_*[first, nrep). With one domain (dsz = R) every rank is near.
+template <class Index>
+UEP_HD bool is_near(int64_t t, int64_t src, int64_t e, int64_t dsz, const Index* rep_expert,
+                    const Index* rep_target, int64_t first, int64_t nrep) {
+  const int64_t dom = t / dsz;
+  if (dom == src / dsz) return true;
+  for (int64_t i = first; i < nrep; ++i)
+    if (rep_expert[i] == e && rep_target[i] / dsz == dom) return true;
+  return false;
+}
+
+// The best fit, the best near fit and the most slack among the candidates seen so far (ties ->
+// smallest rank).
 struct Choice {
   int64_t fit = -1, fit_s = 0, fit_t = 0;     // least slack >= need: position, slack, rank
+  int64_t near = -1, near_s = 0, near_t = 0;  // the same among the near ranks
   int64_t most = -1, most_s = 0, most_t = 0;  // most slack
 
-  UEP_HD void see(int64_t k, int64_t t, int64_t s, int64_t need) {
-    if (s >= need && (fit < 0 || s < fit_s || (s == fit_s && t < fit_t))) {
-      fit = k;
-      fit_s = s;
-      fit_t = t;
-    }
+  // (*k, *ks, *kt) becomes (k, t, s) if that has less slack (or as much and a smaller rank).
+  UEP_HD static void least(int64_t* k, int64_t* ks, int64_t* kt, int64_t pos, int64_t t,
+                           int64_t s) {
+    if (*k >= 0 && (s > *ks || (s == *ks && t >= *kt))) return;
+    *k = pos;
+    *ks = s;
+    *kt = t;
+  }
+  UEP_HD void see(int64_t k, int64_t t, int64_t s, int64_t need, bool nearby) {
+    if (s >= need) least(&fit, &fit_s, &fit_t, k, t, s);
+    if (s >= need && nearby) least(&near, &near_s, &near_t, k, t, s);
     if (most < 0 || s > most_s || (s == most_s && t < most_t)) {
       most = k;
       most_s = s;
       most_t = t;
     }
   }
-  UEP_HD int64_t pick() const { return fit >= 0 ? fit : most; }
+  UEP_HD int64_t pick() const { return near >= 0 ? near : (fit >= 0 ? fit : most); }
 };
 
 // The target rules of pick_target (PLANNER.md).
@@ -157,17 +179,20 @@ enum Rule { kLoose, kStrict, kMost };
 // The target for a replica that should carry `need` tokens of an expert that can give `a`: among
 // ranks with a free slot and slack (ws.active[0, n_active)), with kMost the one with the most
 // slack; else the one with the least slack that still takes all of `need` (best fit keeps large
-// slacks for large excesses), else the one with the most slack; ties -> smallest rank. With
-// kStrict, a rank whose last free slot would strand slack (free == 1, slack > a) is left out unless
-// no other candidate exists. Returns the position in ws.active, -1 if there is no candidate.
-UEP_HD inline int64_t pick_target(const Workspace& ws, int64_t n_active, int64_t need, int64_t a,
-                                  Rule rule) {
+// slacks for large excesses), a near one (near(t), see is_near) before any other, else the one
+// with the most slack; ties -> smallest rank. With kStrict, a rank whose last free slot would
+// strand slack (free == 1, slack > a) is left out unless no other candidate exists. Returns the
+// position in ws.active, -1 if there is no candidate.
+template <class Near>
+UEP_HD int64_t pick_target(const Workspace& ws, int64_t n_active, int64_t need, int64_t a,
+                           Rule rule, const Near& near) {
   const bool strict = rule == kStrict;
   Choice all, kept;  // every candidate; the strict rule's candidates
   for (int64_t k = 0; k < n_active; ++k) {
     const int64_t t = ws.active[k], s = ws.slack[t];
-    all.see(k, t, s, need);
-    if (strict && !(ws.free_slots[t] == 1 && s > a)) kept.see(k, t, s, need);
+    const bool nearby = rule != kMost && s >= need && near(t);  // only a fit's nearness counts
+    all.see(k, t, s, need, nearby);
+    if (strict && !(ws.free_slots[t] == 1 && s > a)) kept.see(k, t, s, need, nearby);
   }
   if (rule == kMost) return all.most;
   return (strict && kept.most >= 0) ? kept.pick() : all.pick();
@@ -217,12 +242,16 @@ UEP_HD inline Outcome attempt(const PlanDims& d, const PlanOptions& o, Workspace
     int64_t x = ws.L[src] - tau;
     later -= x;
     *failed = src;
+    const int64_t first = nrep;  // src's replicas: rep_*[first, nrep)
     while (x > 0) {
       const int64_t fl = min64(f, x);
       int64_t avail = 0;
       const int64_t e = richest_master(d, ws, src, o.master_keep_tokens, &avail);
       if (avail < fl) return f == 1 ? kInfeasible : kFailed;
-      const int64_t k = pick_target(ws, n_active, min64(x, avail), avail, rule);
+      const auto near = [&](int64_t t) {
+        return is_near(t, src, e, o.ranks_per_domain, ws.rep_expert, ws.rep_target, first, nrep);
+      };
+      const int64_t k = pick_target(ws, n_active, min64(x, avail), avail, rule, near);
       if (k < 0) return kFailed;
       const int64_t t = ws.active[k];
       // Fill the target as far as the expert allows, even past the source's need (but not past

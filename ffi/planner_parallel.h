@@ -51,15 +51,19 @@ constexpr int64_t kInt32Max = 2147483647;
 // int32 entries of one warp's state: exported [E]; slack, free slots, order [R]; 3 x [R * S].
 UEP_HD inline int64_t warp_state_elems(const PlanDims& d) { return d.E + 3 * d.R + 3 * d.R * d.S; }
 
-// Whether every rank, expert and slot index fits in int32 (the warp state's entries).
-UEP_HD inline bool int32_indices(const PlanDims& d) {
-  return d.E <= kInt32Max && d.S <= kInt32Max / d.R;
+// The ranks the target key's rank field holds (its 30 bits, see target_key).
+constexpr int64_t kMaxKeyRanks = int64_t{1} << 30;
+
+// Whether every rank, expert and slot index fits in int32 (the warp state's entries) and every
+// rank in the target key.
+UEP_HD inline bool indices_fit(const PlanDims& d) {
+  return d.E <= kInt32Max && d.S <= kInt32Max / d.R && d.R <= kMaxKeyRanks;
 }
 
 // Warps per block: as many as the warp-state budget holds, at most kMaxWarps; 0 where one does not
-// fit or where the indices do not fit in int32 (then the sequential core runs).
+// fit or where the indices do not fit (indices_fit; then the sequential core runs).
 UEP_HD inline int parallel_warps(const PlanDims& d) {
-  if (!int32_indices(d)) return 0;
+  if (!indices_fit(d)) return 0;
   const int64_t w = kWarpStateBytes / (4 * warp_state_elems(d));
   return static_cast<int>(w < kMaxWarps ? w : kMaxWarps);
 }
@@ -218,27 +222,31 @@ struct HostBlock {
 // Packed keys: one max-reduction picks what the core's loops pick, ties included.
 
 constexpr uint64_t kLow31 = (uint64_t{1} << 31) - 1;
+constexpr uint64_t kLow30 = (uint64_t{1} << 30) - 1;
 
 // The target key of rank t (slack s, f free slots) for a replica that should carry `need` tokens
-// of an expert that can give `a`; 0 when t is no candidate. Bits: 63 kept (the strict rule's
-// filter passed; always set for loose and most), 62 fits (s >= need; never set for most), 61..31
-// the slack part (kLow31 - s when it fits, so that the least slack is the largest; else s), 30..0
-// kLow31 - t (ties to the smallest rank). The maximum is then pick_target's choice: a kept rank
-// before any other, among those a fitting one by least slack, else the most slack, then the
-// smallest rank. s <= tau < 2^31 and t < 2^31, so every field fits.
+// of an expert that can give `a`, `near` whether t is near (detail::is_near); 0 when t is no
+// candidate. Bits: 63 kept (the strict rule's filter passed; always set for loose and most), 62
+// fits (s >= need; never set for most), 61 near (only with fits), 60..30 the slack part (kLow31 -
+// s when it fits, so that the least slack is the largest; else s), 29..0 kLow30 - t (ties to the
+// smallest rank). The maximum is then pick_target's choice: a kept rank before any other, among
+// those a fitting one, a near one first, by least slack, else the most slack, then the smallest
+// rank. s <= tau < 2^31 and t < R <= 2^30 (indices_fit), so every field fits.
 UEP_HD inline uint64_t target_key(int64_t t, int64_t s, int64_t f, int64_t need, int64_t a,
-                                  Rule rule) {
+                                  Rule rule, bool near) {
   if (f <= 0 || s <= 0) return 0;
   const uint64_t kept = rule != kStrict || !(f == 1 && s > a);
   const uint64_t fits = rule != kMost && s >= need;
+  const uint64_t nearby = fits && near;
   const uint64_t slack_part = fits ? kLow31 - static_cast<uint64_t>(s) : static_cast<uint64_t>(s);
-  return (kept << 63) | (fits << 62) | (slack_part << 31) | (kLow31 - static_cast<uint64_t>(t));
+  return (kept << 63) | (fits << 62) | (nearby << 61) | (slack_part << 30) |
+         (kLow30 - static_cast<uint64_t>(t));
 }
 UEP_HD inline int64_t key_rank(uint64_t key) {
-  return static_cast<int64_t>(kLow31 - (key & kLow31));
+  return static_cast<int64_t>(kLow30 - (key & kLow30));
 }
 UEP_HD inline int64_t key_slack(uint64_t key) {
-  const uint64_t part = (key >> 31) & kLow31;
+  const uint64_t part = (key >> 30) & kLow31;
   return static_cast<int64_t>((key >> 62) & 1 ? kLow31 - part : part);
 }
 
@@ -305,6 +313,7 @@ UEP_HD void move_to_front(const Lanes& lanes, WarpState& ws, int64_t failed) {
 template <class Lanes>
 UEP_HD Outcome shed(const Lanes& lanes, const Shared& sh, WarpState& ws, int64_t src, int64_t f,
                     Rule rule, int64_t later, int64_t* x, int64_t* nrep) {
+  const int64_t first = *nrep, dsz = sh.o.ranks_per_domain;  // src's replicas: [first, *nrep)
   while (*x > 0) {
     const int64_t fl = min64(f, *x);  // adaptive floor
     int64_t avail = 0;
@@ -312,7 +321,10 @@ UEP_HD Outcome shed(const Lanes& lanes, const Shared& sh, WarpState& ws, int64_t
     if (avail < fl) return f == 1 ? kInfeasible : kFailed;
     const int64_t need = min64(*x, avail);
     const uint64_t key = lanes.max_key(sh.d.R, [&](int64_t t) {
-      return target_key(t, ws.slack[t], ws.free_slots[t], need, avail, rule);
+      const int64_t s = ws.slack[t];  // only a fit's nearness counts
+      const bool near = s >= need && rule != kMost &&
+                        detail::is_near(t, src, e, dsz, ws.rep_expert, ws.rep_target, first, *nrep);
+      return target_key(t, s, ws.free_slots[t], need, avail, rule, near);
     });
     if (key == 0) return kFailed;
     const int64_t t = key_rank(key);
@@ -619,7 +631,7 @@ UEP_HD int32_t plan_one(Block& block, const PlanDims& d, const PlanOptions& o, c
   return kPlanOk;
 }
 
-// The host form with `warps` warps (1 .. kMaxWarps; needs int32_indices(d)): plan_one with
+// The host form with `warps` warps (1 .. kMaxWarps; needs indices_fit(d)): plan_one with
 // HostBlock, the warps' states after the shared part of the workspace (host_workspace_elems).
 inline int32_t plan_one_host(const PlanDims& d, const PlanOptions& o, const int32_t* loads,
                              PlanOut out, int64_t* workspace, int warps) {

@@ -120,6 +120,7 @@ def _bench_lib():
         i64,  # master_keep_tokens
         ctypes.c_double,  # balance_eps
         i64,  # capacity (0: unbounded)
+        i64,  # ranks_per_domain (R: one domain)
         i64,  # count
         i32p,  # loads [count, R, E]
         ctypes.c_int,  # iters
@@ -138,7 +139,8 @@ def cuda_bench(
 ):
     """Runs the CUDA library's hook: (plans as 4 int32 arrays, per-launch ms of ``iters``
     launches of the whole batch). ``capacity`` and ``parallel`` (the kernel of the parallel
-    form, else the sequential core's) as in ``uep.plan`` (None: unbounded)."""
+    form, else the sequential core's) as in ``uep.plan`` (None: unbounded), the fast domains
+    ``cfg.ranks_per_domain`` (None: one)."""
     fn = _bench_lib()
     loads = np.ascontiguousarray(loads, np.int32)
     n, R, E = loads.shape
@@ -163,6 +165,7 @@ def cuda_bench(
         cfg.master_keep_tokens,
         float(cfg.balance_eps),
         0 if capacity is None else int(capacity),
+        R if cfg.ranks_per_domain is None else cfg.ranks_per_domain,
         n,
         p32(loads),
         iters,

@@ -6,23 +6,25 @@
 With ``BalancerConfig.ranks_per_domain = d`` the replica transfer sends an expert's weights over
 the slow links once per remote domain holding a replica of it (ffi/TRANSFER.md, "Fast
 domains"): a layer's slow-link copies are the (expert, domain other than its master's) pairs with
-at least one replica. The planner does not know the domains. This program measures whether it
-should: each layer of the real traces is planned by the planner of ffi/PLANNER.md (the default
-path: ``balance_eps > 0``, no capacity) and by variants of it that prefer, among the targets it
-chooses from, a rank in the master's domain or in a domain that already holds a replica of the
-expert (a "near" target; every other target is "far"):
+at least one replica. This program measured whether the planner should know the domains: each
+layer of the real traces is planned by the planner of ffi/PLANNER.md with one domain (the
+default path: ``balance_eps > 0``, no capacity; "planner" below) and by variants of it that
+prefer, among the targets it chooses from, a rank in the master's domain or in a domain that
+already holds a replica of the expert (a "near" target; every other target is "far"):
 
   * ``tie``: only among targets the planner finds equal (the same slack): near first.
   * ``fit``: among the targets that take all the tokens the source still needs (any of them ends
     the source's excess with this replica), near ones first, then the least slack as before.
+    The library's planner has adopted it: ``uep.plan`` with ``ranks_per_domain = d``.
+  * ``fit-home``: as ``fit``, only the master's domain near.
   * ``near``: near targets whenever there is one (then the planner's own rule among them); far
     ones only when no near one has slack and a free slot.
   * ``floor=N``: a far target only where its replica carries at least ``min(N, need)`` tokens
     (a larger ``min_tokens_per_replica`` for copies over the slow links).
 
-The variants live in this file only (a copy of the planner's attempts and threshold search in
-plain Python, which reproduces `ultraep_jax.plan` bit for bit when no variant is chosen: checked
-on every layer it plans); the planner itself takes no domains.
+The variants live in this file (a copy of the planner's attempts and threshold search in plain
+Python, which reproduces `ultraep_jax.plan` bit for bit: with no variant the plan of one domain,
+with ``fit`` the plan with ``ranks_per_domain = d``; both checked on every layer it plans).
 
 Loads: each layer as `experiments.planner` builds it (`experiments.loads.workloads`, the trace's
 own top-k, ``--tokens_per_rank`` tokens per rank, seed 0), every ``--stride``-th layer.
@@ -102,7 +104,8 @@ flags.register_validator(
 
 # --- The planner of ffi/PLANNER.md with domain-aware target choices ------------------------------
 # The default path only (balance_eps > 0, no capacity: every probe keeps the floor F). ``mode``:
-# None (the planner), "tie", "fit" or "near"; ``far_floor``: 0 or the far targets' floor.
+# None (the planner with one domain), "tie", "fit" (the planner with domains of ``dsz`` ranks),
+# "fit-home" or "near"; ``far_floor``: 0 or the far targets' floor.
 
 
 def _pick(slack, free, need, a, rule, near, mode, far_ok):
@@ -248,6 +251,23 @@ def plan_replicas(loads, S, F, K, eps, dsz, mode=None, far_floor=0):
     return replicas, np.asarray(rank_load, np.int64)
 
 
+#: The fields of a `uep.Plan` that `assert_is_library` compares.
+PLAN_FIELDS = ("slot_expert", "slot_quota", "rank_load")
+
+
+def assert_is_library(replicas, rank_load, plan: dict, context) -> None:
+    """Asserts that ``(replicas, rank_load)`` of `plan_replicas` are the library's ``plan``
+    (NumPy arrays of `PLAN_FIELDS` of one `uep.Plan`): the same rank loads and the same replicas
+    in the same slots (slot s of rank t holds the s-th replica created on t)."""
+    assert (np.asarray(rank_load) == plan["rank_load"]).all(), context
+    slots, quotas = np.full_like(plan["slot_expert"], -1), np.zeros_like(plan["slot_quota"])
+    taken = [0] * slots.shape[0]
+    for e, t, q in replicas:
+        slots[t, taken[t]], quotas[t, taken[t]] = e, q
+        taken[t] += 1
+    assert (slots == plan["slot_expert"]).all() and (quotas == plan["slot_quota"]).all(), context
+
+
 def slow_copies(replicas, E_m: int, dsz: int) -> int:
     """(expert, remote domain) pairs with a replica: the slow-link copies of the layer."""
     return len({(e, t // dsz) for e, t, _ in replicas if t // dsz != (e // E_m) // dsz})
@@ -257,7 +277,7 @@ def slow_copies(replicas, E_m: int, dsz: int) -> int:
 
 
 def _variant(name: str) -> tuple[str | None, int]:
-    """``(mode, far_floor)`` of a variant's name ("planner": the planner itself)."""
+    """``(mode, far_floor)`` of a variant's name ("planner": the planner with one domain)."""
     if name.startswith("floor="):
         return None, int(name[6:])
     return (None if name == "planner" else name), 0
@@ -277,20 +297,21 @@ def measure(name: str, ep: int, dsz: int, variants: list[str]) -> dict:
     b = _BALANCER()
     S, F, eps = b["slots_per_rank"], b["min_tokens_per_replica"], b["balance_eps"]
     K = uep.BalancerConfig().master_keep_tokens
-    plans = common.batched_planner(uep.BalancerConfig(E, ep, **b))(batch)
-    ffi_load = np.asarray(plans.rank_load)
-    ffi_slots = np.asarray(plans.slot_expert)
+    library = {}  # this file's copies of the planner are the library's, with and without domains
+    for v, d in (("planner", None), ("fit", dsz)):
+        if v not in ["planner"] + variants:
+            continue
+        plans = common.batched_planner(uep.BalancerConfig(E, ep, ranks_per_domain=d, **b))(batch)
+        library[v] = {k: np.asarray(getattr(plans, k)) for k in PLAN_FIELDS}
     out = {}
     for v in ["planner"] + variants:
         mode, far_floor = _variant(v)
         copies, balance, replicas = [], [], []
         for n, loads in enumerate(batch):
             reps, rank_load = plan_replicas(loads, S, F, K, eps, dsz, mode, far_floor)
-            if v == "planner":  # this file's copy of the planner is the planner
-                assert (rank_load == ffi_load[n]).all(), (name, ep, n)
-                assert sorted((e, t) for e, t, _ in reps) == sorted(
-                    (int(e), t) for t in range(ep) for e in ffi_slots[n, t] if e >= 0
-                ), (name, ep, n)
+            if v in library:
+                item = {k: a[n] for k, a in library[v].items()}
+                assert_is_library(reps, rank_load, item, (name, ep, dsz, v, n))
             copies.append(slow_copies(reps, E // ep, dsz))
             balance.append(rank_load.max() * ep / rank_load.sum())
             replicas.append(len(reps))
@@ -339,7 +360,8 @@ def main(argv):
         f"Slow-link copies per layer and final max/mean, {_TOKENS.value} tokens/rank, "
         f"{b['slots_per_rank']} slots/rank, min_tokens_per_replica="
         f"{b['min_tokens_per_replica']}, eps={b['balance_eps']}, {layers} "
-        f"(d: ranks per fast domain):"
+        f"(d: ranks per fast domain; planner and fit: checked against uep.plan with one domain "
+        f"and with ranks_per_domain=d on every layer):"
     )
     cells = []
     for item in _CASES.value:

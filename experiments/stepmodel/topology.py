@@ -11,14 +11,18 @@ Each trace is charged at the model shape the step model maps it to (`shapes.toml
 model whose ``trace`` it is; Qwen1.5-MoE, whose 60 experts divide none of the EP sizes, at its
 own shape in ``trace_models``, padded with idle experts to 64, so at EP32 and EP64 only).
 
-Policies, on the same plans (the plan does not depend on the schedule):
+Policies:
 
   none    no balancing: every expert on its master, nothing moves
-  blind   the replicas' weights along ``relay_schedule(domain_size=None)``: one tree per expert
-          over all ranks, whatever their links (today's default)
-  aware   along ``relay_schedule(domain_size=d)`` (``BalancerConfig.ranks_per_domain = d``): an
-          expert's copy crosses the slow links once per remote domain, to a gateway replica, and
-          fans out inside the domain over fast links
+  blind   the plans of one domain (``ranks_per_domain`` None), the replicas' weights along
+          ``relay_schedule(domain_size=None)``: one tree per expert over all ranks, whatever their
+          links (today's default)
+  aware   ``BalancerConfig.ranks_per_domain = d``: the plans of ``uep.plan`` with the domains (its
+          targets prefer ranks in a domain that already gets the expert: ffi/PLANNER.md,
+          pick_target), the weights along ``relay_schedule(domain_size=d)``: an expert's copy
+          crosses the slow links once per remote domain, to a gateway replica, and fans out
+          inside the domain over fast links. With one domain (d = EP) the plans and the schedule
+          are blind's.
 
 Topologies (`TOPOLOGIES`), ranks laid out domain-contiguously:
 
@@ -35,7 +39,7 @@ sending or receiving sets the hop, the hops one after another; one direction), t
 transfer and the layer as % of the force-balanced ideal (`layer.layer_time`, training: the
 transfer runs beside the all-to-all of its pass and only what outlasts it counts, forward and
 backward). Rates: the clusters' nominal figures at the step model's link and GEMM efficiencies
-(`Calibration`); the planner's time is not charged (the same plan for both schedules).
+(`Calibration`); the planner's time is not charged.
 """
 
 from __future__ import annotations
@@ -211,9 +215,12 @@ def regime(model, ep, topo: Topology, params) -> dict:
     }
 
 
-def cell_rows(trace, ep, plans: Plans, model, experts, topo, fanout, params, schedules) -> list:
-    """The rows of one (trace, EP, topology), one per policy; ``schedules`` caches
-    ``schedule`` per domain."""
+def cell_rows(
+    trace, ep, plans: Plans, model, experts, topo, fanout, params, schedules, aware_plans=None
+) -> list:
+    """The rows of one (trace, EP, topology), one per policy: none and blind on ``plans`` (one
+    domain), aware on ``aware_plans`` (planned with ``ranks_per_domain = topo.domain``; None: on
+    ``plans``); ``schedules`` caches ``schedule`` per (plans' domain, schedule's domain)."""
     epr = experts // ep
     base = {
         "trace": trace,
@@ -228,14 +235,17 @@ def cell_rows(trace, ep, plans: Plans, model, experts, topo, fanout, params, sch
     }
     figures = {}
     for policy in POLICIES:
-        rows = plans.none_rows if policy == "none" else plans.balanced_rows
+        own = policy == "aware" and aware_plans is not None
+        source = aware_plans if own else plans
+        rows = source.none_rows if policy == "none" else source.balanced_rows
         hop = sender = None
         if policy != "none":
             domain = topo.domain if policy == "aware" else None
             key = None if domain is None or domain >= ep else domain
-            if key not in schedules:
-                schedules[key] = schedule(plans.held, epr, fanout, key)
-            hop, sender = schedules[key]
+            cached = (key if own else None, key)
+            if cached not in schedules:
+                schedules[cached] = schedule(source.held, epr, fanout, key)
+            hop, sender = schedules[cached]
         figures[policy] = layer_figures(rows, hop, sender, model, ep, topo, params)
     out = []
     for policy, f in figures.items():
@@ -267,8 +277,9 @@ class Run:
 
 
 def evaluate(run: Run, cfg_kwargs: dict, params: CostParams, traces_dir=None, log=print) -> list:
-    """Every row of ``run``: per trace and EP size, the plans once, then per topology and policy
-    (`cell_rows`); cells the trace's experts cannot fill are skipped, with a line to ``log``."""
+    """Every row of ``run``: per trace and EP size, the plans once per domain size (one domain
+    for none and blind, each topology's for aware), then per topology and policy (`cell_rows`);
+    cells the trace's experts cannot fill are skipped, with a line to ``log``."""
     out = []
     for trace in run.traces:
         model = trace_model(trace)
@@ -289,11 +300,23 @@ def evaluate(run: Run, cfg_kwargs: dict, params: CostParams, traces_dir=None, lo
                 traces_dir=traces_dir,
             )
             cfg = uep.BalancerConfig(num_experts=experts, ep_size=ep, **cfg_kwargs)
-            plans, schedules = plan(loads, cfg), {}
+            by_domain, schedules = {None: plan(loads, cfg)}, {}
             for name in run.topologies:
                 topo = topology(name, ep)
+                d = None if topo.domain >= ep else topo.domain
+                if d not in by_domain:
+                    by_domain[d] = plan(loads, dataclasses.replace(cfg, ranks_per_domain=d))
                 out += cell_rows(
-                    trace, ep, plans, model, experts, topo, run.max_fanout, params, schedules
+                    trace,
+                    ep,
+                    by_domain[None],
+                    model,
+                    experts,
+                    topo,
+                    run.max_fanout,
+                    params,
+                    schedules,
+                    aware_plans=by_domain[d],
                 )
             log(f"{trace} EP{ep}: {len(loads)} layers, {time.perf_counter() - start:.0f} s")
     return out
@@ -435,6 +458,7 @@ def main(argv):
     rows = evaluate(run, cfg_kwargs, params, f.traces_dir)
     text = [
         "Modelled, not measured: the step model (experiments/stepmodel) on the library's plans "
+        "(none and blind: one domain; aware: ranks_per_domain=d, its targets chosen by domain) "
         f"and relay schedules; BalancerConfig({cfg_kwargs}), max_fanout={run.max_fanout}, "
         f"{params.tokens_per_rank} tokens per rank, links at nominal x "
         f"{params.calibration.link_efficiency}, GEMMs at {params.calibration.gemm_efficiency} "

@@ -18,12 +18,13 @@ from tests.references.planner import reference_plan
 from ultraep_jax.planning import native as _native
 
 
+@pytest.mark.parametrize("g", [None, 4])
 @pytest.mark.parametrize("mean_frac", [1.0, 1.02, 0.9])
 @pytest.mark.parametrize("eps", [0.0, 0.01])
-def test_parallel_equals_core_with_capacity(eps, mean_frac):
+def test_parallel_equals_core_with_capacity(eps, mean_frac, g):
     # The capacity window at, just above and below (unreachable) the mean rank load.
     R, E, S, F = 16, 64, 2, 256
-    cfg = uep.BalancerConfig(E, R, S, F, eps)
+    cfg = uep.BalancerConfig(E, R, S, F, eps, ranks_per_domain=g)
     rng = np.random.default_rng(12)
     batch = np.stack([workloads.rank_zipf_loads(R, E, 4096, 4, 2.5, s) for s in range(6)])
     batch = np.concatenate([batch, np.stack([_random_loads(rng, R, E, "hot", 5000)] * 2)])
@@ -31,7 +32,7 @@ def test_parallel_equals_core_with_capacity(eps, mean_frac):
     core = _batched(cfg, batch, capacity=cap)
     par = _batched(cfg, batch, capacity=cap, parallel=True)
     for i, loads in enumerate(batch):
-        want = reference_plan(loads, S, F, eps, 1, capacity=cap)
+        want = reference_plan(loads, S, F, eps, 1, capacity=cap, ranks_per_domain=g)
         _assert_same(_item(par, i), want, f"item {i}, capacity {cap}")
         _assert_same(_item(core, i), want, f"item {i}, capacity {cap}")
 
@@ -45,19 +46,21 @@ def _ep64_batch() -> np.ndarray:
     return np.stack([workloads.rank_zipf_loads(64, 256, 8192, 8, t, 0) for t in (1.5, 2.0, 3.0)])
 
 
+@pytest.mark.parametrize("g", [None, 8])
 @pytest.mark.parametrize("eps, capacity", [(0.01, None), (0.0, None), (0.01, 1.0), (0.0, 1.001)])
-def test_parallel_equals_core_and_reference_at_ep64(eps, capacity):
-    # EP64/E256/S2 runs on parallel_warps = 14 warps.
+def test_parallel_equals_core_and_reference_at_ep64(eps, capacity, g):
+    # EP64/E256/S2 runs on parallel_warps = 14 warps; one domain or 8-GPU domains.
     R, E, S, F = 64, 256, 2, 1024
     assert _native.parallel_warps(R, E, S) == 14
     batch = _ep64_batch()
     cap = None if capacity is None else int(capacity * batch[0].sum(dtype=np.int64) / R)
-    cfg = uep.BalancerConfig(E, R, S, F, eps)
+    cfg = uep.BalancerConfig(E, R, S, F, eps, ranks_per_domain=g)
     core = _batched(cfg, batch, cap)
     par = _batched(cfg, batch, cap, parallel=True)
     for i, loads in enumerate(batch):
         _assert_same(_item(par, i), _item(core, i), f"item {i}")
-        _assert_same(_item(par, i), reference_plan(loads, S, F, eps, 1, cap or 0), f"item {i}")
+        want = reference_plan(loads, S, F, eps, 1, cap or 0, ranks_per_domain=g)
+        _assert_same(_item(par, i), want, f"item {i}")
 
 
 @functools.cache
@@ -71,17 +74,21 @@ def _trace_batch(trace: str, ep_size: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "trace, ep_size, eps",
+    "trace, ep_size, eps, g",
     [
-        ("deepseek-r1", 64, 0.01),
-        ("deepseek-r1", 64, 0.0),
-        ("qwen1.5-moe", 12, 0.01),
-        ("switch-base-128", 64, 0.01),
+        ("deepseek-r1", 64, 0.01, None),
+        ("deepseek-r1", 64, 0.01, 8),
+        ("deepseek-r1", 64, 0.0, None),
+        ("deepseek-r1", 64, 0.0, 8),
+        ("qwen1.5-moe", 12, 0.01, None),
+        ("qwen1.5-moe", 12, 0.01, 4),
+        ("switch-base-128", 64, 0.01, None),
+        ("switch-base-128", 64, 0.01, 8),
     ],
 )
-def test_parallel_equals_core_on_traces(trace, ep_size, eps):
+def test_parallel_equals_core_on_traces(trace, ep_size, eps, g):
     batch = _trace_batch(trace, ep_size)
-    cfg = uep.BalancerConfig(batch.shape[2], ep_size, 2, 1024, eps)
+    cfg = uep.BalancerConfig(batch.shape[2], ep_size, 2, 1024, eps, ranks_per_domain=g)
     core, par = _batched(cfg, batch), _batched(cfg, batch, parallel=True)
     for name in FIELDS:
         np.testing.assert_array_equal(par[name], core[name], err_msg=f"{trace}: {name}")

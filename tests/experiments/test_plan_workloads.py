@@ -30,13 +30,14 @@ def test_huge_eps_means_no_replicas(eps):
     _assert_same({n: getattr(got, n) for n in FIELDS}, reference_plan(loads, 2, 1024, eps), "eps")
 
 
+@pytest.mark.parametrize("g", [None, 4])
 @pytest.mark.parametrize("eps", [0.0, 0.01])
 @pytest.mark.parametrize("mean_frac", [1.0, 1.02, 0.9])
-def test_ffi_equals_reference_with_capacity(eps, mean_frac):
+def test_ffi_equals_reference_with_capacity(eps, mean_frac, g):
     # EP16/E64 batches with the capacity at, just above and below the mean rank load (the last
-    # is unreachable: every plan is then the one without a capacity).
+    # is unreachable: every plan is then the one without a capacity); one fast domain or four.
     R, E, S, F = 16, 64, 2, 256
-    cfg = uep.BalancerConfig(E, R, S, F, eps)
+    cfg = uep.BalancerConfig(E, R, S, F, eps, ranks_per_domain=g)
     rng = np.random.default_rng(11)
     batch = np.stack([workloads.rank_zipf_loads(R, E, 4096, 4, 2.5, s) for s in range(6)])
     batch = np.concatenate([batch, np.stack([_random_loads(rng, R, E, "hot", 5000)] * 2)])
@@ -46,7 +47,7 @@ def test_ffi_equals_reference_with_capacity(eps, mean_frac):
     got = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg, capacity=cap)))(batch)
     unbounded = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))(batch)
     for i, loads in enumerate(batch):
-        want = reference_plan(loads, S, F, eps, 1, capacity=cap)
+        want = reference_plan(loads, S, F, eps, 1, capacity=cap, ranks_per_domain=g)
         _assert_same({n: np.asarray(getattr(got, n))[i] for n in FIELDS}, want, f"item {i}")
         check_plan_invariants(loads, want, S)
         free = np.asarray(unbounded.rank_load[i])
@@ -65,10 +66,17 @@ def test_ffi_equals_reference_with_capacity(eps, mean_frac):
 ULTRAEP_REPLICAS = {1.5: 38, 2.0: 46, 3.0: 51}
 
 
+@pytest.mark.parametrize("g", [None, 8])
 @pytest.mark.parametrize("initial", sorted(ULTRAEP_REPLICAS))
-def test_ultraep_reference_setup(initial):
+def test_ultraep_reference_setup(initial, g):
+    # With 8-GPU domains too: the fit rule keeps the balance and the replica budget here.
     cfg = uep.BalancerConfig(
-        num_experts=256, ep_size=64, slots_per_rank=2, min_tokens_per_replica=1024, balance_eps=0.01
+        num_experts=256,
+        ep_size=64,
+        slots_per_rank=2,
+        min_tokens_per_replica=1024,
+        balance_eps=0.01,
+        ranks_per_domain=g,
     )
     batch = np.stack(
         [workloads.rank_zipf_loads(64, 256, 8192, 8, initial, seed) for seed in range(5)]
@@ -83,8 +91,9 @@ def test_ultraep_reference_setup(initial):
         check_plan_invariants(loads, {n: np.asarray(getattr(plans, n))[i] for n in FIELDS}, 2)
 
 
+@pytest.mark.parametrize("g", [None, 8])
 @pytest.mark.parametrize("ep_size", [32, 64])
-def test_deepseek_r1_traces(ep_size):
+def test_deepseek_r1_traces(ep_size, g):
     try:
         rows = list(workloads.trace_workloads("deepseek-r1", ep_size, 8192, 8, seed=0))
     except FileNotFoundError as err:
@@ -95,6 +104,7 @@ def test_deepseek_r1_traces(ep_size):
         slots_per_rank=2,
         min_tokens_per_replica=1024,
         balance_eps=0.01,
+        ranks_per_domain=g,
     )
     batch = np.stack([loads for _, loads in rows])
     plans = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))(batch)

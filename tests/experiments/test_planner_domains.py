@@ -1,6 +1,7 @@
 """The domain experiment's planner copy (experiments.planner.domains): with no variant it is the
-planner of ffi/PLANNER.md (the NumPy reference and the native plan, on the default path); with
-one domain every variant is the planner; the slow-link copy count on a hand-worked plan."""
+planner of ffi/PLANNER.md with one domain, and with the variant "fit" the planner with fast
+domains (the NumPy reference and the native plan, on the default path); with one domain every
+variant is the planner; the slow-link copy count on a hand-worked plan."""
 
 import numpy as np
 import pytest
@@ -31,6 +32,23 @@ def test_no_variant_is_the_planner():
         assert replicas == [tuple(r) for r in info["replicas"]]
         cfg = uep.BalancerConfig(loads.shape[1], R, S, F, 0.01, 1)
         np.testing.assert_array_equal(rank_load, np.asarray(uep.plan(loads, cfg).rank_load))
+
+
+def test_fit_is_the_planner_with_domains():
+    # The rule the library adopted: the copy's "fit" is uep.plan with ranks_per_domain = d (the
+    # same replicas in the same slots, as the program asserts on every layer) and the reference.
+    changed = 0
+    for loads, S, F in _cases():
+        R = loads.shape[0]
+        for d in sorted({1, max(1, R // 4), max(1, R // 2)}):
+            replicas, rank_load = domains.plan_replicas(loads, S, F, 1, 0.01, d, "fit")
+            _, info = reference_plan_info(loads, S, F, 0.01, 1, ranks_per_domain=d)
+            assert replicas == [tuple(r) for r in info["replicas"]]
+            cfg = uep.BalancerConfig(loads.shape[1], R, S, F, 0.01, 1, ranks_per_domain=d)
+            plan = {k: np.asarray(getattr(uep.plan(loads, cfg), k)) for k in domains.PLAN_FIELDS}
+            domains.assert_is_library(replicas, rank_load, plan, (R, S, F, d))
+            changed += replicas != domains.plan_replicas(loads, S, F, 1, 0.01, d)[0]
+    assert changed > 0  # the domains changed some of these plans
 
 
 @pytest.mark.parametrize(("mode", "far_floor"), VARIANTS)

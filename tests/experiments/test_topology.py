@@ -107,6 +107,37 @@ def test_aware_never_sends_more_across_domains_on_real_layers():
     assert by["aware"]["transfer_ms"] == by["blind"]["transfer_ms"]
 
 
+def test_aware_plans_with_the_domains_on_real_layers():
+    # The aware policy's plans are uep.plan's with ranks_per_domain = d (its targets prefer a
+    # domain that already gets the expert); none and blind keep one domain. On 8-GPU nodes that
+    # takes fewer slow-link copies than the aware schedule on one domain's plans; on one NVL72
+    # domain (d = EP) the plans and rows are blind's.
+    if not (traces.default_traces_dir() / "deepseek-r1").is_dir():
+        skip_without_traces("no deepseek-r1 trace")
+    model, ep, experts = topology.trace_model("deepseek-r1"), 32, 256
+    _, loads = topology.trace_loads("deepseek-r1", model, ep, experts, 8192, stride=116)
+    cfg = topology.uep.BalancerConfig(num_experts=experts, ep_size=ep)
+    one = topology.plan(loads, cfg)
+    aware = topology.plan(loads, topology.dataclasses.replace(cfg, ranks_per_domain=8))
+    assert (aware.held != one.held).any()
+    params = CostParams()
+    nodes = topology.topology("hgx-h100", ep)
+    rows = topology.cell_rows(
+        "deepseek-r1", ep, one, model, experts, nodes, 2, params, {}, aware_plans=aware
+    )
+    same = topology.cell_rows("deepseek-r1", ep, one, model, experts, nodes, 2, params, {})
+    by, by_same = {r["policy"]: r for r in rows}, {r["policy"]: r for r in same}
+    assert by["blind"] == by_same["blind"] and by["none"] == by_same["none"]
+    assert by["aware"]["slow_gb"]["mean"] < by_same["aware"]["slow_gb"]["mean"]
+    run = topology.Run(traces=("deepseek-r1",), ep_sizes=(32,), stride=116)
+    got = topology.evaluate(run, {}, params, log=lambda line: None)
+    assert [r for r in got if r["topology"] == "hgx-h100"] == rows
+    rack = [r for r in got if r["topology"] == "gb200-nvl72"]
+    assert rack == topology.cell_rows(
+        "deepseek-r1", ep, one, model, experts, topology.topology("gb200-nvl72", ep), 2, params, {}
+    )
+
+
 @pytest.mark.parametrize("trace", topology.TRACES)
 def test_every_trace_has_a_model_shape(trace):
     assert topology.trace_model(trace).trace == trace

@@ -88,6 +88,22 @@ PLANNER_CASES = {
         {"num_experts": 8, "ep_size": 1, "slots_per_rank": 2, "min_tokens_per_replica": 16},
         (10, 1, 8, 4096, (0.0, 2.0)),
     ),
+    # fast domains: the fit rule (ffi/PLANNER.md, pick_target) in either kernel
+    "EP64_E256_S2_D8": (
+        {"num_experts": 256, "ep_size": 64, "slots_per_rank": 2, "ranks_per_domain": 8},
+        (50, 64, 256, 8192, (0.5, 2.0)),
+    ),
+    "EP16_E32_S1_F256_eps0_D4": (
+        {
+            "num_experts": 32,
+            "ep_size": 16,
+            "slots_per_rank": 1,
+            "min_tokens_per_replica": 256,
+            "balance_eps": 0.0,
+            "ranks_per_domain": 4,
+        },
+        (100, 16, 32, 8192, (1.0, 3.0)),
+    ),
 }
 
 

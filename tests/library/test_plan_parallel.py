@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ultraep_jax as uep
-from tests.library.test_plan_vs_reference import CONFIGS, _random_loads
+from tests.library.test_plan_vs_reference import CONFIGS, DOMAINS, _random_loads, domain_or_skip
 from tests.references.oracle import random_cases
 from tests.references.planner import check_plan_invariants, reference_plan, reference_plan_info
 from ultraep_jax.planning import native as _native
@@ -27,8 +27,8 @@ FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
 KINDS = ["uniform", "hot", "zipf", "one", "equal"]
 
 
-def _config(R, E, S, F, K, eps) -> uep.BalancerConfig:
-    return uep.BalancerConfig(E, R, S, F, eps, K)
+def _config(R, E, S, F, K, eps, g=None) -> uep.BalancerConfig:
+    return uep.BalancerConfig(E, R, S, F, eps, K, ranks_per_domain=g)
 
 
 def _batched(cfg, batch, capacity=None, parallel=False) -> dict:
@@ -42,14 +42,15 @@ def _host_hook():
     lib = _native.cpu_library()
     fn = lib.ultraep_plan_parallel_host
     i64, i32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
-    # R, E, S, F, K, eps, capacity, warps, loads [R, E], the four outputs
-    fn.argtypes = [i64] * 5 + [ctypes.c_double, i64, i64] + [i32p] * 5
+    # R, E, S, F, K, eps, capacity, ranks_per_domain, warps, loads [R, E], the four outputs
+    fn.argtypes = [i64] * 5 + [ctypes.c_double, i64, i64, i64] + [i32p] * 5
     fn.restype = ctypes.c_int32
     return fn
 
 
-def host_plan(loads, S, F, eps, K=1, capacity=0, warps=1) -> dict:
-    """The host form on ``warps`` warps through the test hook (raises on a nonzero status)."""
+def host_plan(loads, S, F, eps, K=1, capacity=0, warps=1, g=None) -> dict:
+    """The host form on ``warps`` warps through the test hook, with fast domains of ``g`` ranks
+    (None: one; raises on a nonzero status)."""
     loads = np.ascontiguousarray(loads, np.int32)
     R, E = loads.shape
     outs = {
@@ -59,7 +60,7 @@ def host_plan(loads, S, F, eps, K=1, capacity=0, warps=1) -> dict:
         "rank_load": np.zeros(R, np.int32),
     }
     ptrs = [a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)) for a in (loads, *outs.values())]
-    status = _host_hook()(R, E, S, F, K, float(eps), capacity, warps, *ptrs)
+    status = _host_hook()(R, E, S, F, K, float(eps), capacity, R if g is None else g, warps, *ptrs)
     if status != 0:
         raise ValueError(f"ultraep_plan_parallel_host: status {status}")
     return outs
@@ -77,11 +78,12 @@ def _item(plans, i):
 # -- uep.plan(..., parallel=True): the FFI target with the device's warps -----------------------
 
 
+@pytest.mark.parametrize("g", DOMAINS)
 @pytest.mark.parametrize("R, E, S, F, K, eps", CONFIGS)
-def test_parallel_equals_core_and_reference_on_random_batches(R, E, S, F, K, eps):
+def test_parallel_equals_core_and_reference_on_random_batches(R, E, S, F, K, eps, g):
     # The core's own fuzz configurations and load kinds (tests/library/test_plan_vs_reference.py);
     # the reference on every matrix up to EP16 and on four of the EP64 ones (it is slow there).
-    cfg = _config(R, E, S, F, K, eps)
+    cfg = _config(R, E, S, F, K, eps, domain_or_skip(R, g))
     rng = np.random.default_rng(R * 1000 + E + S + 1)
     batch = np.stack([_random_loads(rng, R, E, k, s) for k in KINDS for s in (1, 7, 1000, 200_000)])
     core, par = _batched(cfg, batch), _batched(cfg, batch, parallel=True)
@@ -89,7 +91,8 @@ def test_parallel_equals_core_and_reference_on_random_batches(R, E, S, F, K, eps
     for i, loads in enumerate(batch):
         _assert_same(_item(par, i), _item(core, i), f"{cfg}, item {i} (core)")
         if R <= 16 or i % 5 == 1:
-            _assert_same(_item(par, i), reference_plan(loads, S, F, eps, K), f"item {i} (ref)")
+            want = reference_plan(loads, S, F, eps, K, ranks_per_domain=g)
+            _assert_same(_item(par, i), want, f"item {i} (ref)")
         check_plan_invariants(loads, _item(par, i), S)
         replicas += int((par["slot_expert"][i] >= 0).sum())
     if S > 0 and R > 1:
@@ -109,23 +112,26 @@ def test_parallel_equals_core_and_reference_on_random_batches(R, E, S, F, K, eps
     scale=st.sampled_from([3, 500, 60_000, 4_000_000]),
     capacity=st.one_of(st.none(), st.floats(0.9, 1.5)),
     warps=st.integers(1, 16),
+    g=st.sampled_from(DOMAINS),
 )
 def test_parallel_equals_core_and_reference_property(
-    R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, warps
+    R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, warps, g
 ):
     E = R * experts_per_rank
     loads = _random_loads(
         np.random.default_rng(seed), R, E, kind, scale // E + 1 if scale > 100_000 else scale
     )
     cap = None if capacity is None else max(1, int(capacity * loads.sum(dtype=np.int64) / R))
-    cfg = _config(R, E, S, F, K, eps)
+    g = g if g is None or R % g == 0 else R
+    cfg = _config(R, E, S, F, K, eps, g)
     core = uep.plan(loads, cfg, capacity=cap)
     par = uep.plan(loads, cfg, capacity=cap, parallel=True)
-    want = reference_plan(loads, S, F, eps, K, capacity=cap or 0)
+    want = reference_plan(loads, S, F, eps, K, capacity=cap or 0, ranks_per_domain=g)
     context = f"{cfg}, capacity {cap}"
     _assert_same({n: np.asarray(getattr(par, n)) for n in FIELDS}, want, context)
     _assert_same({n: np.asarray(getattr(core, n)) for n in FIELDS}, want, context)
-    _assert_same(host_plan(loads, S, F, eps, K, cap or 0, warps), want, f"{context}, {warps} warps")
+    hosted = host_plan(loads, S, F, eps, K, cap or 0, warps, g)
+    _assert_same(hosted, want, f"{context}, {warps} warps")
 
 
 def test_negative_and_overflowing_loads_are_reported_as_by_the_core():
@@ -145,10 +151,11 @@ def test_negative_and_overflowing_loads_are_reported_as_by_the_core():
 # -- the probe rounds: the host form on few warps ------------------------------------------------
 
 
+@pytest.mark.parametrize("g", [None, 1])
 @pytest.mark.parametrize(
     "S, F, eps, capacity", [(1, 1, 0.0, 0), (2, 3, 0.0, 0), (1, 2, 0.05, 40), (1, 1, 0.5, 40)]
 )
-def test_host_form_on_few_warps_where_repairs_and_windows_run(S, F, eps, capacity):
+def test_host_form_on_few_warps_where_repairs_and_windows_run(S, F, eps, capacity, g):
     # Small loads and one or two slots (the exact solver's cases, R 3..4): plain attempts fail,
     # the repairs and the capacity step's second window decide. On 1, 2 and 3 warps a search of
     # more probes than warps spans several rounds.
@@ -160,9 +167,9 @@ def test_host_form_on_few_warps_where_repairs_and_windows_run(S, F, eps, capacit
             K += 8
         loads = np.zeros((R, len(load_e)), np.int32)
         loads[0] = load_e
-        want, info = reference_plan_info(loads, S, F, eps, K, capacity=capacity)
+        want, info = reference_plan_info(loads, S, F, eps, K, capacity=capacity, ranks_per_domain=g)
         for warps in (1, 2, 3):
-            got = host_plan(loads, S, F, eps, K, capacity, warps)
+            got = host_plan(loads, S, F, eps, K, capacity, warps, g)
             _assert_same(got, want, f"{load_e}, K {K}, {warps} warps")
         probes.append(len(info["probes"]))
     probes = np.asarray(probes)
@@ -212,3 +219,41 @@ def test_target_ties_go_to_the_smallest_rank(parallel):
     assert np.asarray(plan.slot_quota).tolist() == [[0], [2], [1]]
     assert np.asarray(plan.master_quota).tolist() == [20, 18, 18]
     assert np.asarray(plan.rank_load).tolist() == [20, 20, 19]
+
+
+# -- fast domains: the fit rule in the core and in the packed key --------------------------------
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["core", "parallel"])
+def test_fit_prefers_a_near_target(parallel):
+    # Hand-worked (tests/references/test_planner.py has the steps; S = 1, F = 1, K = 1).
+    # R = 4, L = [30, 6, 10, 18], eps 0.25: tau = 20, rank 0's 10 tokens fit ranks 1 (slack 14)
+    # and 2 (slack 10). One domain: the least slack, rank 2. Domains of 2: rank 1, in the
+    # master's domain.
+    loads = np.diag([30, 6, 10, 18]).astype(np.int32)
+    for g, target in [(None, 2), (4, 2), (1, 2), (2, 1)]:
+        plan = uep.plan(
+            loads, uep.BalancerConfig(4, 4, 1, 1, 0.25, ranks_per_domain=g), None, parallel=parallel
+        )
+        want = [[-1]] * 4
+        want[target] = [0]
+        assert np.asarray(plan.slot_expert).tolist() == want, g
+        assert np.asarray(plan.rank_load).max() == 20
+    # R = 6, L = [36, 20, 8, 10, 12, 20], eps 0.15: tau = 20; rank 0's first replica takes the
+    # most slack (rank 2, 12 tokens), its last 4 tokens fit ranks 3 (slack 10) and 4 (slack 8).
+    # Domains of 2: rank 3, whose domain now holds expert 0; otherwise rank 4.
+    loads = np.diag([36, 20, 8, 10, 12, 20]).astype(np.int32)
+    for g, second in [(None, 4), (6, 4), (3, 4), (2, 3)]:
+        cfg = uep.BalancerConfig(6, 6, 1, 1, 0.15, ranks_per_domain=g)
+        plan = uep.plan(loads, cfg, parallel=parallel)
+        quota = [0] * 6
+        quota[2], quota[second] = 12, 4
+        assert np.asarray(plan.slot_quota).ravel().tolist() == quota, g
+        assert np.asarray(plan.rank_load).max() == 20
+
+
+def test_hook_rejects_domains_that_do_not_split_the_ranks():
+    loads = np.diag([30, 6, 10, 18]).astype(np.int32)
+    for g in (0, 3, 8):
+        with pytest.raises(ValueError, match="status -1"):
+            host_plan(loads, 1, 1, 0.25, g=g)

@@ -1,6 +1,7 @@
 """The C++ planner (FFI custom call) against the independent NumPy reference, bit for bit, on
-random loads, hand-worked cases and boundaries (on the experiments' generated workloads and the
-traces, with the balance quality there: tests/experiments/test_plan_workloads.py)."""
+random loads, hand-worked cases and boundaries, with one fast domain and with several
+(`BalancerConfig.ranks_per_domain`; on the experiments' generated workloads and the traces, with
+the balance quality there: tests/experiments/test_plan_workloads.py)."""
 
 import dataclasses
 import itertools
@@ -66,31 +67,51 @@ CONFIGS = [
 ]
 
 
-def _config(S, F, K, eps) -> uep.BalancerConfig:
+#: Fast domain sizes the random cases run with (None: one domain); a size that does not divide R
+#: is skipped.
+DOMAINS = [None, 1, 2, 4]
+
+
+def _config(S, F, K, eps, g=None) -> uep.BalancerConfig:
     """The balancer of a case, in the reference planner's argument names (E and R: `uep.plan`
-    reads them from the loads' shape)."""
+    reads them from the loads' shape; ``g``: ranks per fast domain)."""
     return uep.BalancerConfig(
-        slots_per_rank=S, min_tokens_per_replica=F, master_keep_tokens=K, balance_eps=eps
+        slots_per_rank=S,
+        min_tokens_per_replica=F,
+        master_keep_tokens=K,
+        balance_eps=eps,
+        ranks_per_domain=g,
     )
 
 
+def domain_or_skip(R: int, g):
+    """``g`` if it splits R ranks evenly (None too), else skips the test."""
+    if g is not None and R % g:
+        pytest.skip(f"{g} ranks per domain do not divide R = {R}")
+    return g
+
+
+@pytest.mark.parametrize("g", DOMAINS)
 @pytest.mark.parametrize("R, E, S, F, K, eps", CONFIGS)
-def test_ffi_equals_reference_on_random_batches(R, E, S, F, K, eps):
-    cfg = _config(S, F, K, eps)
+def test_ffi_equals_reference_on_random_batches(R, E, S, F, K, eps, g):
+    cfg = _config(S, F, K, eps, domain_or_skip(R, g))
     rng = np.random.default_rng(R * 1000 + E + S)
     kinds = ["uniform", "hot", "zipf", "one", "equal"]
     scales = [1, 7, 1000, 200_000]
     batch = np.stack([_random_loads(rng, R, E, k, s) for k, s in itertools.product(kinds, scales)])
     got = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))(batch)
     got = {name: np.asarray(getattr(got, name)) for name in FIELDS}
+    one = jax.jit(jax.vmap(lambda l: uep.plan(l, _config(S, F, K, eps))))(batch).slot_expert
     replicas = 0
     for i, loads in enumerate(batch):
-        want = reference_plan(loads, S, F, eps, K)
+        want = reference_plan(loads, S, F, eps, K, ranks_per_domain=g)
         _assert_same({n: got[n][i] for n in FIELDS}, want, f"config {cfg}, batch item {i}")
         check_plan_invariants(loads, want, S)
         replicas += int((want["slot_expert"] >= 0).sum())
     if S > 0 and R > 1:
         assert replicas > 0  # the sweep exercised replication, not only trivial plans
+    if R >= 8 and g in (2, 4):  # and the fit rule chose other targets than one domain's
+        assert (got["slot_expert"] != np.asarray(one)).any()
 
 
 @settings(max_examples=60, deadline=None)
@@ -105,23 +126,26 @@ def test_ffi_equals_reference_on_random_batches(R, E, S, F, K, eps):
     kind=st.sampled_from(["uniform", "hot", "zipf", "one", "equal"]),
     scale=st.sampled_from([3, 500, 60_000, 4_000_000]),
     capacity=st.one_of(st.none(), st.floats(0.9, 1.5)),
+    g=st.sampled_from(DOMAINS),
 )
 def test_ffi_equals_reference_property(
-    R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity
+    R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, g
 ):
     E = R * experts_per_rank
     rng = np.random.default_rng(seed)
     loads = _random_loads(rng, R, E, kind, scale // E + 1 if scale > 100_000 else scale)
-    cfg = _config(S, F, K, eps)
+    g = g if g is None or R % g == 0 else R
+    cfg = _config(S, F, K, eps, g)
     # capacity as a multiple of the mean rank load (below, at and above it)
     cap = None if capacity is None else max(1, int(capacity * loads.sum(dtype=np.int64) / R))
     got = uep.plan(loads, cfg, capacity=cap)
-    want = reference_plan(loads, S, F, eps, K, capacity=cap or 0)
+    want = reference_plan(loads, S, F, eps, K, capacity=cap or 0, ranks_per_domain=g)
     _assert_same({n: getattr(got, n) for n in FIELDS}, want, f"{cfg}, capacity {cap}")
     check_plan_invariants(loads, want, S)
     assert np.asarray(got.rank_load).max() <= rank_loads_before(loads).max()
 
 
+@pytest.mark.parametrize("g", [None, 1])
 @pytest.mark.parametrize(
     "S, F, eps, capacity",
     [
@@ -133,11 +157,12 @@ def test_ffi_equals_reference_property(
         (1, 2, 0.05, 40),  # tau0 < 40: window(tau0, 40), then window(M, tau0 - 1)
     ],
 )
-def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity):
+def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity, g):
     # Small loads and few slots (the exact solver's random cases, R 3..4), where the plain
     # attempts fail now and then and the repairs, or the capacity step's second window, decide.
     # With a capacity the loads are scaled to a mean of about 36 and the masters keep 8 more
-    # tokens, so that the capacity often cannot be met and both windows run.
+    # tokens, so that the capacity often cannot be met and both windows run. g = 1: every rank
+    # its own domain (the only size below R that divides both 3 and 4).
     rng = np.random.default_rng(S * 10 + F)
     repaired = below = 0
     for R, load_e, K in random_cases(rng, 600, ranks=(3, 4), experts_per_rank=(2, 3)):
@@ -146,8 +171,11 @@ def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity):
             K += 8
         loads = np.zeros((R, len(load_e)), np.int32)
         loads[0] = load_e
-        got = uep.plan(loads, uep.BalancerConfig(len(load_e), R, S, F, eps, K), capacity)
-        want, info = reference_plan_info(loads, S, F, eps, K, capacity=capacity or 0)
+        cfg = uep.BalancerConfig(len(load_e), R, S, F, eps, K, ranks_per_domain=g)
+        got = uep.plan(loads, cfg, capacity)
+        want, info = reference_plan_info(
+            loads, S, F, eps, K, capacity=capacity or 0, ranks_per_domain=g
+        )
         _assert_same({n: getattr(got, n) for n in FIELDS}, want, f"{load_e}, K {K}")
         check_plan_invariants(loads, want, S)
         repaired += info["how"] is not None and info["how"][0] == "repair"
@@ -184,12 +212,15 @@ def test_exact_mode_is_eps_zero_even_where_subnormals_flush(eps):
 TRAIN_STEP_LOAD_E = [0, 0, 412, 212, 572, 12, 199, 717, 538, 639, 7, 0, 3, 766, 12, 7]
 
 
-def test_training_loads_balance_with_two_slots():
+@pytest.mark.parametrize("g", [None, 8])  # one domain, also when stated: the plan as before
+def test_training_loads_balance_with_two_slots(g):
     load_e = np.asarray(TRAIN_STEP_LOAD_E, np.int64)
     loads = np.tile(load_e // 8, (8, 1))
     loads[0] += load_e % 8  # spread over the 8 source ranks; only the column sums matter
     loads = loads.astype(np.int32)
-    cfg = uep.BalancerConfig(16, 8, slots_per_rank=2, min_tokens_per_replica=8, balance_eps=0.01)
+    cfg = uep.BalancerConfig(
+        16, 8, slots_per_rank=2, min_tokens_per_replica=8, balance_eps=0.01, ranks_per_domain=g
+    )
     before = rank_loads_before(loads)
     assert before.tolist() == [0, 624, 584, 916, 1177, 7, 769, 19] and before.sum() == 4096
     got = {n: np.asarray(getattr(uep.plan(loads, cfg), n)) for n in FIELDS}
@@ -204,6 +235,28 @@ def test_training_loads_balance_with_two_slots():
     # And in exact mode every rank lands on the mean.
     exact = uep.plan(loads, dataclasses.replace(cfg, balance_eps=0.0))
     assert np.asarray(exact.rank_load).tolist() == [512] * 8
+
+
+@pytest.mark.parametrize("R, E, S, F, K, eps", [c for c in CONFIGS if c[0] > 1])
+def test_one_domain_is_the_plan_without_domains(R, E, S, F, K, eps):
+    # ranks_per_domain = R (one domain, every rank near) plans as None, bit for bit, and as the
+    # reference without domains; domains of one rank do change some plans (near: the master only,
+    # or a rank that already holds the expert), which stay valid.
+    rng = np.random.default_rng(R * 7 + E)
+    batch = np.stack([_random_loads(rng, R, E, k, 1000) for k in ("hot", "zipf", "uniform")] * 2)
+    plans = {
+        g: jax.jit(jax.vmap(lambda l, g=g: uep.plan(l, _config(S, F, K, eps, g))))(batch)
+        for g in (None, R, 1)
+    }
+    for name in FIELDS:
+        np.testing.assert_array_equal(getattr(plans[R], name), getattr(plans[None], name))
+    for i, loads in enumerate(batch):
+        want = reference_plan(loads, S, F, eps, K) if R <= 16 else None
+        for g in (None, 1):
+            got = {n: np.asarray(getattr(plans[g], n))[i] for n in FIELDS}
+            check_plan_invariants(loads, got, S)
+            if want is not None and g is None:
+                _assert_same(got, want, f"item {i}")
 
 
 def test_loads_in_the_millions_and_boundaries():

@@ -10,8 +10,9 @@ with the C++ planner, so every tie break follows the spec literally.
 Public API:
 
 - ``reference_plan(loads, slots_per_rank, min_tokens_per_replica, balance_eps,
-  master_keep_tokens=1, capacity=0) -> dict`` with int32 arrays ``slot_expert [R,S]`` (-1 empty),
-  ``slot_quota [R,S]``, ``master_quota [E]``, ``rank_load [R]``.
+  master_keep_tokens=1, capacity=0, ranks_per_domain=None) -> dict`` with int32 arrays
+  ``slot_expert [R,S]`` (-1 empty), ``slot_quota [R,S]``, ``master_quota [E]``, ``rank_load [R]``
+  (``ranks_per_domain``: the fast domains of the fit rule in pick_target; None: one domain).
 - ``reference_plan_info(...)``: same arguments; returns ``(plan, info)`` where ``info`` also
   holds the chosen threshold ``tau``, ``tau0``, ``delta``, the replicas in creation order, the
   probes that were evaluated and which attempt made the replicas (useful for debugging a mismatch
@@ -148,11 +149,21 @@ def _rule(rule) -> str:
     return rule
 
 
-def _pick_target(slack: list[int], free: list[int], need: int, a: int, rule: str) -> int:
+def _near_ranks(R: int, ranks_per_domain: int, source: int, e: int, replicas) -> set[int]:
+    """The near ranks for a replica of expert ``e`` given by ``source``: every rank of a fast
+    domain (``ranks_per_domain`` consecutive ranks) that is the source's or already holds a replica
+    of ``e`` among ``replicas`` (the attempt's so far)."""
+    domains = {source // ranks_per_domain}
+    domains |= {t // ranks_per_domain for x, t, _ in replicas if x == e}
+    return {t for t in range(R) if t // ranks_per_domain in domains}
+
+
+def _pick_target(slack: list[int], free: list[int], need: int, a: int, rule: str, near=None) -> int:
     """Among ranks with a free slot and slack: with ``most`` the most slack; else (with ``strict``
     leaving out those with one free slot and more slack than ``a``, unless that leaves none) the
-    least slack >= need (best fit), else the most slack; ties -> smallest rank. -1 if there is no
-    candidate."""
+    least slack >= need (best fit; among those a rank in ``near`` first, when there is one), else
+    the most slack; ties -> smallest rank. -1 if there is no candidate. ``near`` None: every rank
+    is near (one domain)."""
     candidates = [t for t in range(len(slack)) if free[t] > 0 and slack[t] > 0]
     if not candidates:
         return -1
@@ -165,13 +176,25 @@ def _pick_target(slack: list[int], free: list[int], need: int, a: int, rule: str
             candidates = kept
             most = min(candidates, key=lambda t: (-slack[t], t))
     fits = [t for t in candidates if slack[t] >= need]
+    near_fits = [t for t in fits if near is None or t in near]
+    if near_fits:  # the fit rule: a near target that takes everything, before a far one
+        return min(near_fits, key=lambda t: (slack[t], t))
     if fits:
         return min(fits, key=lambda t: (slack[t], t))
     return most
 
 
-def attempt_in_order(tau, load_e, L, S, f, K, rule, order):
-    """``attempt(tau, f, rule, order)`` of PLANNER.md.
+def _domain_size(R: int, ranks_per_domain) -> int:
+    """d: ranks per fast domain (R, one domain, for None); it must divide R."""
+    d = R if ranks_per_domain is None else int(ranks_per_domain)
+    if d < 1 or R % d:
+        raise ValueError(f"ranks_per_domain must be >= 1 and divide R={R}, got {ranks_per_domain}")
+    return d
+
+
+def attempt_in_order(tau, load_e, L, S, f, K, rule, order, ranks_per_domain=None):
+    """``attempt(tau, f, rule, order)`` of PLANNER.md with fast domains of ``ranks_per_domain``
+    ranks (None: one domain).
 
     ``order`` lists the overloaded ranks (L > tau), each once. Returns ``(success, replicas,
     failed)``: ``replicas`` a list of ``(expert, target, quota)`` in creation order (empty on
@@ -179,6 +202,7 @@ def attempt_in_order(tau, load_e, L, S, f, K, rule, order):
     """
     rule = _rule(rule)
     R = len(L)
+    dsz = _domain_size(R, ranks_per_domain)
     E_m = len(load_e) // R
     Lmax = max(L) if L else 0
     if tau >= Lmax:
@@ -200,7 +224,8 @@ def attempt_in_order(tau, load_e, L, S, f, K, rule, order):
             avail = load_e[e] - K - exported[e]
             if avail < fl:
                 return False, [], d
-            t = _pick_target(slack, free, min(x, avail), avail, rule)
+            near = _near_ranks(R, dsz, d, e, replicas)
+            t = _pick_target(slack, free, min(x, avail), avail, rule, near)
             if t == -1:
                 return False, [], d
             # fill the target as far as the expert allows and the later ranks can use
@@ -216,36 +241,49 @@ def attempt_in_order(tau, load_e, L, S, f, K, rule, order):
     return True, replicas, None
 
 
-def attempt(tau: int, load_e: list[int], L: list[int], S: int, f: int, K: int, rule, order=None):
+def attempt(
+    tau: int,
+    load_e: list[int],
+    L: list[int],
+    S: int,
+    f: int,
+    K: int,
+    rule,
+    order=None,
+    ranks_per_domain=None,
+):
     """``attempt(tau, f, rule, order)`` of PLANNER.md with ``rule`` a target rule's name or a bool
-    (the ``strict`` flag: False loose, True strict) and ``order`` the plain order D unless given.
+    (the ``strict`` flag: False loose, True strict), ``order`` the plain order D unless given and
+    fast domains of ``ranks_per_domain`` ranks (None: one domain).
 
     Returns ``(success, replicas)`` with ``replicas`` a list of ``(expert, target, quota)`` in
     creation order (empty on failure).
     """
     order = plain_order(L, tau) if order is None else order
-    ok, replicas, _ = attempt_in_order(tau, load_e, L, S, f, K, rule, order)
+    ok, replicas, _ = attempt_in_order(tau, load_e, L, S, f, K, rule, order, ranks_per_domain)
     return ok, replicas
 
 
-def repair(tau, load_e, L, S, f, K, rule):
+def repair(tau, load_e, L, S, f, K, rule, ranks_per_domain=None):
     """``repair(tau, f, rule)`` of PLANNER.md: the plain attempt, then up to ``REPAIR_MOVES`` more,
     each with the source that failed the previous one moved to the front of the order.
 
     Returns ``(success, replicas, order)`` (the order of the successful attempt, or the last one).
     """
+    dsz = ranks_per_domain
     order = plain_order(L, tau)
-    ok, replicas, d = attempt_in_order(tau, load_e, L, S, f, K, rule, order)
+    ok, replicas, d = attempt_in_order(tau, load_e, L, S, f, K, rule, order, dsz)
     for _ in range(REPAIR_MOVES):
         if ok or d == order[0]:
             break
         order = [d] + [u for u in order if u != d]
-        ok, replicas, d = attempt_in_order(tau, load_e, L, S, f, K, rule, order)
+        ok, replicas, d = attempt_in_order(tau, load_e, L, S, f, K, rule, order, dsz)
     return ok, replicas, order
 
 
-def oracle_info(tau, load_e, L, S, F, K, exact=False):
-    """``try(tau)`` of PLANNER.md, with how it succeeded.
+def oracle_info(tau, load_e, L, S, F, K, exact=False, ranks_per_domain=None):
+    """``try(tau)`` of PLANNER.md (fast domains of ``ranks_per_domain`` ranks; None: one), with
+    how it succeeded.
 
     Returns ``(success, replicas, how)``: ``how`` is ``(pass, f, rule, order)`` of the successful
     attempt (``pass`` "plain" or "repair"; None when ``tau >= Lmax`` or on failure).
@@ -254,20 +292,30 @@ def oracle_info(tau, load_e, L, S, F, K, exact=False):
         return True, [], None
     floors = [F, 1] if exact and F > 1 else [F]
     D = plain_order(L, tau)
+    dsz = ranks_per_domain
     for f in floors:
         for rule in (LOOSE, STRICT):
-            ok, replicas, _ = attempt_in_order(tau, load_e, L, S, f, K, rule, D)
+            ok, replicas, _ = attempt_in_order(tau, load_e, L, S, f, K, rule, D, dsz)
             if ok:
                 return True, replicas, ("plain", f, rule, D)
     for f in floors:
         for rule in (LOOSE, STRICT, MOST):
-            ok, replicas, order = repair(tau, load_e, L, S, f, K, rule)
+            ok, replicas, order = repair(tau, load_e, L, S, f, K, rule, dsz)
             if ok:
                 return True, replicas, ("repair", f, rule, order)
     return False, [], None
 
 
-def oracle(tau: int, load_e: list[int], L: list[int], S: int, F: int, K: int, exact: bool = False):
+def oracle(
+    tau: int,
+    load_e: list[int],
+    L: list[int],
+    S: int,
+    F: int,
+    K: int,
+    exact: bool = False,
+    ranks_per_domain=None,
+):
     """``try(tau)`` of PLANNER.md: the plain attempts (F, loose), (F, strict), and, if the probe may
     give up the floor (``exact``: exact mode or a capacity-window probe) and F > 1, also
     (1, loose), (1, strict); then the repairs for the same floors with the rules loose, strict and
@@ -275,7 +323,7 @@ def oracle(tau: int, load_e: list[int], L: list[int], S: int, F: int, K: int, ex
 
     Returns ``(success, replicas)`` of the first successful attempt (``(False, [])`` if none).
     """
-    ok, replicas, _ = oracle_info(tau, load_e, L, S, F, K, exact)
+    ok, replicas, _ = oracle_info(tau, load_e, L, S, F, K, exact, ranks_per_domain)
     return ok, replicas
 
 
@@ -396,9 +444,11 @@ def reference_plan_info(
     balance_eps: float,
     master_keep_tokens: int = 1,
     capacity: int = 0,
+    ranks_per_domain: int | None = None,
 ):
-    """The plan of PLANNER.md for ``loads[R, E]`` (``capacity`` 0: unbounded) and how the
-    search reached it: ``(plan, info)``.
+    """The plan of PLANNER.md for ``loads[R, E]`` (``capacity`` 0: unbounded; fast domains of
+    ``ranks_per_domain`` consecutive ranks, None: one domain) and how the search reached it:
+    ``(plan, info)``.
 
     ``plan``: a dict of int32 NumPy arrays: ``slot_expert [R,S]`` (-1 empty), ``slot_quota
     [R,S]`` (0 empty), ``master_quota [E]``, ``rank_load [R]``.
@@ -434,6 +484,7 @@ def reference_plan_info(
         raise ValueError("balance_eps must be a double >= 0 (not NaN)")
     if C < 0:
         raise ValueError("capacity must be >= 0 (0: unbounded)")
+    dsz = _domain_size(R, ranks_per_domain)
     exact = eps == 0.0
     E_m = E // R
 
@@ -448,7 +499,7 @@ def reference_plan_info(
 
     def probe_with(any_floor: bool):
         def try_tau(tau: int) -> bool:
-            ok, replicas, how = oracle_info(tau, load_e, L, S, F, K, any_floor)
+            ok, replicas, how = oracle_info(tau, load_e, L, S, F, K, any_floor, dsz)
             if ok:
                 won.update(tau=tau, replicas=replicas, how=how)
             return ok

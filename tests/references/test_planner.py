@@ -428,6 +428,45 @@ def test_hand_best_fit_reaches_tau0_where_most_slack_would_fail():
     check_plan_invariants(loads, plan, 1)
 
 
+def test_hand_fit_prefers_a_near_target_over_a_smaller_far_fit():
+    # The fit rule. R=4, E=4 (E_m=1), S=1, F=1, K=1, eps=0.25; domains of 2 ranks: {0, 1}, {2, 3}.
+    # load_e = L = [30, 6, 10, 18]; T = 64; tau0 = max(16, floor(64.0 * 1.25 / 4.0 = 20.0)) = 20.
+    # try(20): slack = [0, 14, 10, 2]; only rank 0 is above 20 (x = 10, X after it 0).
+    #   e0 (avail 29), need = min(10, 29) = 10: ranks 1 (14) and 2 (10) take all of it. Without
+    #   domains the least slack wins: rank 2. With domains of 2, rank 1 is near (the master's
+    #   domain) and rank 2 is not: rank 1, q = min(14, 29, 10) = 10. Both at the first probe.
+    loads = loads_from_expert_totals([30, 6, 10, 18], 4)
+    plan, info = reference_plan_info(loads, 1, 1, 0.25, 1, ranks_per_domain=2)
+    assert info["probes"] == [20] and info["replicas"] == [(0, 1, 10)]
+    assert_plan(
+        plan, [[-1], [0], [-1], [-1]], [[0], [10], [0], [0]], [20, 6, 10, 18], [20, 16, 10, 18]
+    )
+    # One domain (None or 4) and domains of one rank (nothing near but the master): rank 2.
+    for g in (None, 4, 1):
+        plan, info = reference_plan_info(loads, 1, 1, 0.25, 1, ranks_per_domain=g)
+        assert info["replicas"] == [(0, 2, 10)], g
+        assert plan["rank_load"].tolist() == [20, 6, 20, 18]
+
+
+def test_hand_fit_counts_a_domain_that_holds_a_replica_as_near():
+    # R=6, E=6 (E_m=1), S=1, F=1, K=1, eps=0.15; domains of 2: {0, 1}, {2, 3}, {4, 5}.
+    # load_e = L = [36, 20, 8, 10, 12, 20]; T = 106; tau0 = max(18, floor(121.9 / 6 = 20.3)) = 20.
+    # try(20): slack = [0, 0, 12, 10, 8, 0]; only rank 0 is above 20 (x = 16).
+    #   e0 (avail 35), need 16: no slack takes it -> the most slack, rank 2 (domain 1): q = 12,
+    #   x = 4. e0 (avail 23), need 4: ranks 3 (10) and 4 (8) take it. Without domains, the least
+    #   slack: rank 4. With domains of 2, rank 3 is near (domain 1 now holds a replica of e0) and
+    #   rank 4 is not: rank 3, q = 4. e0 then crosses into one remote domain instead of two.
+    #   Domains of 3 ({0, 1, 2}, {3, 4, 5}): ranks 3 and 4 are both far, so rank 4 as before.
+    loads = loads_from_expert_totals([36, 20, 8, 10, 12, 20], 6)
+    want = {None: (4, [20, 20, 20, 10, 16, 20]), 2: (3, [20, 20, 20, 14, 12, 20])}
+    want[3], want[6] = want[None], want[None]
+    for g, (second, rank_load) in want.items():
+        plan, info = reference_plan_info(loads, 1, 1, 0.15, 1, ranks_per_domain=g)
+        assert info["probes"] == [20] and info["replicas"] == [(0, 2, 12), (0, second, 4)], g
+        assert plan["rank_load"].tolist() == rank_load, g
+        check_plan_invariants(loads, plan, 1)
+
+
 def test_hand_the_master_with_the_most_avail_gives_next():
     # R=4, E=8 (E_m=2), S=1, F=1, K=1, eps=0. load_e = [12, 12, 0, 0, 3, 2, 1, 5];
     # L = [24, 0, 5, 6]; T = 35; Lmax = 24; tau0 = max(ceil(35 / 4), floor(8.75)) = 9; delta = 1.
@@ -965,7 +1004,9 @@ def planner_inputs(draw):
     load_e = _make_expert_loads(rng, E, skew, scale)
     loads = _split_rows(rng, load_e, R)
     assert loads.max(initial=0) <= INT32_MAX
-    return loads.astype(np.int32), S, F, K, eps
+    # fast domains: one (None), or any size that divides R
+    g = draw(st.sampled_from([None] + [g for g in range(1, R + 1) if R % g == 0]))
+    return loads.astype(np.int32), S, F, K, eps, g
 
 
 def _giving_order(replicas, E_m) -> list[int]:
@@ -987,14 +1028,17 @@ def _is_repair_order(order, before, tau) -> bool:
     return any(order[k:] == [u for u in D if u not in order[:k]] for k in range(4))
 
 
-def _replays(replicas, before, load_e, tau, R, S, f, K, rule, order) -> bool:
+def _replays(replicas, before, load_e, tau, R, S, f, K, rule, order, g=None) -> bool:
     """Whether ``replicas`` (creation order) is what attempt(tau, f, rule, order) of PLANNER.md
     makes, checked step by step against the rules rather than recomputed: each source rank (in
     ``order``) gives until its excess is gone; each replica's expert is the source's master with
     the most avail (ties -> smallest index); its target is a candidate (free slot, slack) with, for
     rule "most", the most slack, else (strict: not a last slot that the expert cannot fill, unless
-    no other candidate) the least slack >= need, else the most slack (ties -> smallest rank); its
-    quota is min(slack, avail, x + X) and at least the adaptive floor min(f, x)."""
+    no other candidate) the least slack >= need (one in a near domain if any: the source's, or one
+    where an earlier replica of the expert went; domains of ``g`` ranks, None: one), else the most
+    slack (ties -> smallest rank); its quota is min(slack, avail, x + X) and at least the adaptive
+    floor min(f, x)."""
+    g = R if g is None else g
     E_m = len(load_e) // R
     slack = [max(tau - int(before[u]), 0) for u in range(R)]
     free = [S] * R
@@ -1020,6 +1064,8 @@ def _replays(replicas, before, load_e, tau, R, S, f, K, rule, order) -> bool:
             if t not in cands:
                 return False
             fits = [u for u in cands if slack[u] >= need]
+            near = {d // g} | {u // g for x, u, _ in replicas[: i - 1] if x == e}
+            fits = [u for u in fits if u // g in near] or fits
             want = min(fits, key=lambda u: (slack[u], u)) if fits and rule != "most" else None
             if want is None:
                 want = min(cands, key=lambda u: (-slack[u], u))
@@ -1033,8 +1079,8 @@ def _replays(replicas, before, load_e, tau, R, S, f, K, rule, order) -> bool:
     return i == len(replicas)
 
 
-def _check_properties(loads, S, F, K, eps):
-    plan, info = reference_plan_info(loads, S, F, eps, K)
+def _check_properties(loads, S, F, K, eps, g=None):
+    plan, info = reference_plan_info(loads, S, F, eps, K, ranks_per_domain=g)
     check_plan_invariants(loads, plan, S)
     R, E = loads.shape
     E_m = E // R
@@ -1116,7 +1162,7 @@ def _check_properties(loads, S, F, K, eps):
         floors = [F, 1] if eps == 0.0 and F > 1 else [F]
         modes = [(f, rule) for f in floors for rule in ("loose", "strict", "most")]
         assert any(
-            _replays(replicas, before, load_e, tau, R, S, f, K, rule, order) for f, rule in modes
+            _replays(replicas, before, load_e, tau, R, S, f, K, rule, order, g) for f, rule in modes
         ), (replicas, tau, modes)
     else:
         # no replicas: nothing moved
@@ -1129,8 +1175,8 @@ def _check_properties(loads, S, F, K, eps):
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(planner_inputs())
 def test_properties_random(args):
-    loads, S, F, K, eps = args
-    _check_properties(loads, S, F, K, eps)
+    loads, S, F, K, eps, g = args
+    _check_properties(loads, S, F, K, eps, g)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -1140,14 +1186,14 @@ def test_capacity_properties(args, frac):
     # included): every probe at or below C comes before any above it; the plan stays within C
     # whenever the window finds a plan (and always when the plan without a capacity does);
     # otherwise it is exactly the plan without a capacity.
-    loads, S, F, K, eps = args
+    loads, S, F, K, eps, g = args
     R = loads.shape[0]
     before = rank_loads_before(loads)
     T, Lmax = int(before.sum()), int(before.max(initial=0))
     M = -(-T // R)
     C = max(1, M - 1 + int(frac * (Lmax - M + 2)))
-    free, free_info = reference_plan_info(loads, S, F, eps, K)
-    plan, info = _check_capacity_plan(loads, S, F, K, eps, C)
+    free, free_info = reference_plan_info(loads, S, F, eps, K, ranks_per_domain=g)
+    plan, info = _check_capacity_plan(loads, S, F, K, eps, C, g)
     probes = info["probes"]
     first_above = next((i for i, p in enumerate(probes) if p > C), len(probes))
     window = 0 < C < Lmax and C >= M and S > 0 and R > 1 and T > 0
@@ -1165,8 +1211,8 @@ def test_capacity_properties(args, frac):
         assert max(plan["rank_load"], default=0) <= C
 
 
-def _check_capacity_plan(loads, S, F, K, eps, C):
-    plan, info = reference_plan_info(loads, S, F, eps, K, capacity=C)
+def _check_capacity_plan(loads, S, F, K, eps, C, g=None):
+    plan, info = reference_plan_info(loads, S, F, eps, K, capacity=C, ranks_per_domain=g)
     check_plan_invariants(loads, plan, S)
     assert max(plan["rank_load"], default=0) <= max(rank_loads_before(loads), default=0)
     return plan, info
@@ -1177,13 +1223,13 @@ def _check_capacity_plan(loads, S, F, K, eps, C):
 def test_plan_depends_only_on_expert_totals(args, seed):
     # The plan is a pure function of load_e: redistributing tokens over source rows (or calling
     # twice) gives the same plan.
-    loads, S, F, K, eps = args
-    p1 = reference_plan(loads, S, F, eps, K)
-    p2 = reference_plan(loads, S, F, eps, K)
+    loads, S, F, K, eps, g = args
+    p1 = reference_plan(loads, S, F, eps, K, ranks_per_domain=g)
+    p2 = reference_plan(loads, S, F, eps, K, ranks_per_domain=g)
     R = loads.shape[0]
     rng = np.random.default_rng(seed)
     other = _split_rows(rng, loads.astype(np.int64).sum(axis=0), R).astype(np.int32)
-    p3 = reference_plan(other, S, F, eps, K)
+    p3 = reference_plan(other, S, F, eps, K, ranks_per_domain=g)
     for k in p1:
         np.testing.assert_array_equal(p1[k], p2[k])
         np.testing.assert_array_equal(p1[k], p3[k])
@@ -1366,8 +1412,9 @@ def test_loads_in_the_millions():
     loads = _split_rows(rng, load_e, 8).astype(np.int32)
     for F in (1, 1000, 100_000):
         for K in (0, 1, 50_000):
-            plan, info = _check_properties(loads, 2, F, K, 0.02)
-            assert plan["rank_load"].max() <= rank_loads_before(loads).max()
+            for g in (None, 2):
+                plan, info = _check_properties(loads, 2, F, K, 0.02, g)
+                assert plan["rank_load"].max() <= rank_loads_before(loads).max()
     # F = 1 balances this layer far below its initial max.
     plan, info = reference_plan_info(loads, 2, 1, 0.02, 1)
     before = rank_loads_before(loads)
@@ -1406,6 +1453,9 @@ def test_limits_and_invalid_input():
         reference_plan(np.zeros((2, 2), dtype=np.int32), 1, 1, -0.1)
     with pytest.raises(ValueError):
         reference_plan(np.zeros((2, 2), dtype=np.int32), 1, 1, 0.0, -1)
+    for g in (0, 3):  # fast domains must split the ranks evenly
+        with pytest.raises(ValueError, match="ranks_per_domain"):
+            reference_plan(np.zeros((4, 4), dtype=np.int32), 1, 1, 0.0, ranks_per_domain=g)
 
 
 def test_check_plan_invariants_catches_violations():

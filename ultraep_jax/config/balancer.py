@@ -98,8 +98,12 @@ class BalancerConfig:
             one node), each domain ``d`` consecutive ranks of the EP axis; must divide the EP
             size. The replica transfer then sends an expert's weights across the slow links once
             per remote domain that needs them and fans them out inside it (ffi/TRANSFER.md,
-            "Fast domains"; ``max_fanout`` bounds each link class). None (default): one domain,
-            the whole EP group. Not a planner input.
+            "Fast domains"; ``max_fanout`` bounds each link class). The planner reads it too:
+            among the targets that can take all a rank still has to shed, it prefers one in the
+            master's domain or in a domain already holding a replica of the expert, which cut the
+            slow-link copies by 10.6-26.1 % on the real traces at the same balance
+            (ffi/PLANNER.md, ``pick_target``; docs/results.md). None (default): one domain, the
+            whole EP group (the plans and the schedule of no domains, bit for bit).
     """
 
     num_experts: int | None = None

@@ -148,5 +148,6 @@ def _ffi_plan(loads, config: BalancerConfig, cap: int, parallel: bool) -> Plan:
         master_keep_tokens=np.int64(config.master_keep_tokens),
         balance_eps=np.float64(config.balance_eps),
         capacity=np.int64(cap),
+        ranks_per_domain=np.int64(config.domain_size),  # the EP size when None: one domain
     )
     return Plan(slot_expert, slot_quota, master_quota, rank_load)
