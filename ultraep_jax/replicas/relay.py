@@ -116,6 +116,14 @@ def schedule_hops(ep_size: int, max_fanout: int, domain_size: int | None = None)
     return gateways + static_hops(d, max_fanout)
 
 
+def _masters_with(layout: Layout, expert_N: jax.Array, replica_N: jax.Array) -> jax.Array:
+    """int32 [R]: experts each rank masters that have a slot (expert ``expert_N``) where
+    ``replica_N``."""
+    E = layout.num_experts
+    marked_E = jnp.zeros(E, jnp.int32).at[jnp.where(replica_N, expert_N, E)].set(1, mode="drop")
+    return layout.master_loads(marked_E)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Slots:
     """What the schedule needs of each of the R * S slots (int32/bool [N] each)."""
@@ -128,6 +136,7 @@ class _Slots:
     slot_N: jax.Array
     master_N: jax.Array
     local_N: jax.Array  # in its master's domain
+    busy_N: jax.Array  # on a rank that masters a replicated expert
 
     @classmethod
     def of(cls, slot_expert_RS: jax.Array, experts_per_rank: int, d: int) -> _Slots:
@@ -139,15 +148,12 @@ class _Slots:
         master_N = jnp.where(filled_N, layout.master_rank(expert_N), 0)
         slot_N = jnp.arange(R * S, dtype=jnp.int32) % S
         local_N = rank_N // d == master_N // d
-        return cls(layout, d, expert_N, filled_N, rank_N, slot_N, master_N, local_N)
+        busy_N = _masters_with(layout, expert_N, filled_N)[rank_N] > 0
+        return cls(layout, d, expert_N, filled_N, rank_N, slot_N, master_N, local_N, busy_N)
 
     def masters_with(self, replica_N: jax.Array) -> jax.Array:
         """int32 [R]: experts each rank masters that have a slot where ``replica_N``."""
-        E = self.layout.num_experts
-        marked_E = (
-            jnp.zeros(E, jnp.int32).at[jnp.where(replica_N, self.expert_N, E)].set(1, mode="drop")
-        )
-        return self.layout.master_loads(marked_E)
+        return _masters_with(self.layout, self.expert_N, replica_N)
 
     def master_row(self) -> jax.Array:
         """int32 [N]: the master's local row of each slot's expert."""
@@ -156,9 +162,24 @@ class _Slots:
     def nodes(self, group_N: jax.Array):
         """`_tree_nodes` of the groups ``group_N``, relays first from ranks that master no
         replicated expert (they have sending to spare)."""
-        busy_N = self.masters_with(self.filled_N)[self.rank_N] > 0
-        R = self.layout.ep_size
-        return _tree_nodes(group_N, self.rank_N, self.master_N, busy_N, R)
+        return _tree_nodes(group_N, self.rank_N, self.master_N, self.busy_N, self.layout.ep_size)
+
+    def senders(self, order, start_N, parent_N, first_N, root_rank_N, root_source_N):
+        """(sender, source), int32 [N]: the root's (``root_*_N``) for a node whose parent is
+        node 0, else the rank and slot of its parent, node ``parent_N`` of a tree whose node 1
+        sits at ``order[start_N + first_N]``."""
+        n = self.expert_N.shape[0]
+        parent_flat_N = order[jnp.clip(start_N + first_N + parent_N - 1, 0, n - 1)]
+        from_root_N = parent_N == 0
+        sender_N = jnp.where(from_root_N, root_rank_N, self.rank_N[parent_flat_N])
+        source_N = jnp.where(from_root_N, root_source_N, self.slot_N[parent_flat_N])
+        return sender_N, source_N
+
+
+def _level_fanout(slots: _Slots, max_fanout: int) -> int:
+    """The fan-out of every level below a root: f, or with no bound (0) more than any expert
+    has replicas."""
+    return slots.expert_N.shape[0] + 1 if max_fanout == 0 else max_fanout
 
 
 def _root_fanout(slots: _Slots, replica_N: jax.Array, max_fanout: int) -> jax.Array:
@@ -180,20 +201,20 @@ def _domain_trees(slots: _Slots, max_fanout: int):
     E, local_N = slots.layout.num_experts, slots.local_N
     group_N = jnp.where(slots.filled_N, slots.expert_N * (R // d) + slots.rank_N // d, E * (R // d))
     order, start_N, node_N = slots.nodes(group_N)
-    fanout = n + 1 if max_fanout == 0 else max_fanout
+    fanout = _level_fanout(slots, max_fanout)
     root_N = jnp.where(
         local_N, _root_fanout(slots, slots.filled_N & local_N, max_fanout), min(fanout, n + 1)
     )
+    # A remote tree's node 0 is its gateway, the group's first slot in order.
     level_N, parent_N = _tree_levels(
         node_N - (~local_N), root_N, fanout, static_hops(d, max_fanout)
     )
-    parent_flat_N = order[jnp.clip(start_N + parent_N - 1 + (~local_N), 0, n - 1)]
     gateway_flat_N = order[start_N]
     root_rank_N = jnp.where(local_N, slots.master_N, slots.rank_N[gateway_flat_N])
     root_source_N = jnp.where(local_N, slots.master_row(), slots.slot_N[gateway_flat_N])
-    from_root_N = parent_N == 0
-    sender_N = jnp.where(from_root_N, root_rank_N, slots.rank_N[parent_flat_N])
-    source_N = jnp.where(from_root_N, root_source_N, slots.slot_N[parent_flat_N])
+    sender_N, source_N = slots.senders(
+        order, start_N, parent_N, (~local_N).astype(jnp.int32), root_rank_N, root_source_N
+    )
     return level_N, sender_N, source_N, gateway_flat_N, node_N
 
 
@@ -216,7 +237,7 @@ def _gateway_tree(slots: _Slots, gate_N: jax.Array, domain_node_N: jax.Array, ma
     crossing_N = slots.masters_with(slots.filled_N & ~slots.local_N)[slots.master_N]
     relayed_N = (relay_N >= 0) & (max_fanout > 0) & (crossing_N > max_fanout)
     relay_N = jnp.maximum(relay_N, 0)
-    fanout = n + 1 if max_fanout == 0 else max_fanout
+    fanout = _level_fanout(slots, max_fanout)
     # The master shares f slow copies among its replicated experts that have no local relay.
     master_root_N = _root_fanout(slots, slots.filled_N & ~slots.local_N & ~relayed_N, max_fanout)
     order, start_N, node_N = slots.nodes(jnp.where(gate_N, slots.expert_N, E))
@@ -226,12 +247,9 @@ def _gateway_tree(slots: _Slots, gate_N: jax.Array, domain_node_N: jax.Array, ma
         fanout,
         static_hops(R // d, max_fanout),
     )
-    parent_flat_N = order[jnp.clip(start_N + parent_N - 1, 0, n - 1)]
     root_rank_N = jnp.where(relayed_N, slots.rank_N[relay_N], slots.master_N)
     root_source_N = jnp.where(relayed_N, slots.slot_N[relay_N], slots.master_row())
-    from_root_N = parent_N == 0
-    sender_N = jnp.where(from_root_N, root_rank_N, slots.rank_N[parent_flat_N])
-    source_N = jnp.where(from_root_N, root_source_N, slots.slot_N[parent_flat_N])
+    sender_N, source_N = slots.senders(order, start_N, parent_N, 0, root_rank_N, root_source_N)
     return level_N + relayed_N, sender_N, source_N
 
 
