@@ -388,7 +388,7 @@ def fallback_note(tokens_per_rank: int, threshold: int, subject: str) -> str:
         return ""
     return (
         f"note: {tokens_per_rank} tokens per rank is below --min_tokens_per_rank={threshold}: "
-        f"{subject} plain expert parallelism at the same buffer (pairs beyond it are dropped); "
+        f"{subject} plain expert parallelism with a buffer for every pair (nothing dropped); "
         f"--min_tokens_per_rank=0 balances anyway"
     )
 

@@ -1,7 +1,10 @@
 """Input checks of the routed experts: one line naming the value, at trace time (shapes, dtypes)
-or, for concrete expert ids, at call time."""
+or, for concrete expert ids, at call time. Each message begins with the public entry point the
+user called (``caller``: "MoE", "routed_experts", "routed_experts_local")."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -10,22 +13,22 @@ import numpy as np
 from ultraep_jax.config import ExpertParallel
 
 
-def check_dtype(name: str, a, want=jnp.floating) -> None:
+def check_dtype(caller: str, name: str, a, want=jnp.floating) -> None:
     """Raises (one line naming the value) unless ``a``'s dtype is of the kind ``want``
     (`jnp.floating`: real floating point; `jnp.integer`)."""
     if not jnp.issubdtype(a.dtype, want):
         kind = "an integer" if want is jnp.integer else "a real floating-point"
-        raise TypeError(f"MoE: {name} must have {kind} dtype, got {a.dtype}")
+        raise TypeError(f"{caller}: {name} must have {kind} dtype, got {a.dtype}")
 
 
-def _check_arrays(x, experts, weights, params, ep, token_mask) -> None:
+def _check_arrays(caller: str, x, experts, weights, params, ep, token_mask) -> None:
     """Types, dtypes and the shapes every caller shares: x [..., D], experts and weights
     [..., K], token_mask [...] (x's leading shape)."""
     if not isinstance(ep, ExpertParallel):
-        raise TypeError(f"MoE: ep must be an ExpertParallel, got {type(ep).__name__}")
+        raise TypeError(f"{caller}: ep must be an ExpertParallel, got {type(ep).__name__}")
     if not isinstance(params, (tuple, list)) or len(params) != 3:
         raise ValueError(
-            f"MoE: params must be (w_gate, w_up, w_down), got {type(params).__name__}"
+            f"{caller}: params must be (w_gate, w_up, w_down), got {type(params).__name__}"
             + (f" of {len(params)}" if isinstance(params, (tuple, list)) else "")
         )
     named = {"x": x, "experts": experts, "weights": weights}
@@ -34,75 +37,77 @@ def _check_arrays(x, experts, weights, params, ep, token_mask) -> None:
         named["token_mask"] = token_mask
     for name, a in named.items():
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-            raise TypeError(f"MoE: {name} must be an array, got {type(a).__name__}")
+            raise TypeError(f"{caller}: {name} must be an array, got {type(a).__name__}")
         if name == "token_mask":
             if a.dtype != jnp.bool_:
-                raise TypeError(f"MoE: token_mask must be a bool array, got {a.dtype}")
+                raise TypeError(f"{caller}: token_mask must be a bool array, got {a.dtype}")
         else:
-            check_dtype(name, a, jnp.integer if name == "experts" else jnp.floating)
+            check_dtype(caller, name, a, jnp.integer if name == "experts" else jnp.floating)
     if x.ndim < 2:
-        raise ValueError(f"MoE: x must be [..., d_model] with tokens, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{caller}: x must be [..., d_model] with tokens, got shape {tuple(x.shape)}"
+        )
     lead = tuple(x.shape[:-1])
     if experts.shape != weights.shape or tuple(experts.shape[:-1]) != lead:
         raise ValueError(
-            f"MoE: experts {tuple(experts.shape)} and weights {tuple(weights.shape)} must both "
-            f"be [..., top_k] with x's leading shape {lead}"
+            f"{caller}: experts {tuple(experts.shape)} and weights {tuple(weights.shape)} must "
+            f"both be [..., top_k] with x's leading shape {lead}"
         )
     if token_mask is not None and tuple(token_mask.shape) != lead:
         raise ValueError(
-            f"MoE: token_mask {tuple(token_mask.shape)} must have x's leading shape {lead}"
+            f"{caller}: token_mask {tuple(token_mask.shape)} must have x's leading shape {lead}"
         )
     if 0 in x.shape or experts.shape[-1] == 0:
         raise ValueError(
-            f"MoE: tokens, d_model and top_k must be >= 1, got x {tuple(x.shape)} and "
+            f"{caller}: tokens, d_model and top_k must be >= 1, got x {tuple(x.shape)} and "
             f"experts {tuple(experts.shape)}"
         )
 
 
-def _check_weights(params, num_experts: int, d_model: int, where: str) -> None:
+def _check_weights(caller: str, params, num_experts: int, d_model: int, where: str) -> None:
     """w_gate, w_up [E', D, F] and w_down [E', F, D] with E' = ``num_experts``."""
     w_gate, w_up, w_down = params
     E, D, F = num_experts, d_model, w_gate.shape[-1]
     if (w_gate.shape, w_up.shape, w_down.shape) != ((E, D, F), (E, D, F), (E, F, D)):
         raise ValueError(
-            f"MoE: expert weights must be w_gate, w_up [{where}={E}, D={D}, F] and w_down "
+            f"{caller}: expert weights must be w_gate, w_up [{where}={E}, D={D}, F] and w_down "
             f"[{where}, F, D]; got {tuple(w_gate.shape)}, {tuple(w_up.shape)}, "
             f"{tuple(w_down.shape)}"
         )
     if len({w.dtype for w in params}) != 1:
         raise TypeError(
-            "MoE: w_gate, w_up and w_down must have one dtype, got "
+            f"{caller}: w_gate, w_up and w_down must have one dtype, got "
             f"{', '.join(str(w.dtype) for w in params)}"
         )
 
 
-def check_chunks(ep: ExpertParallel, d_ff: int) -> None:
+def check_chunks(caller: str, ep: ExpertParallel, d_ff: int) -> None:
     """Raises one line unless ``ep.execution.transfer_chunks`` fits in ``d_ff`` hidden columns."""
-    check_chunk_count(ep.execution.transfer_chunks, d_ff)
+    check_chunk_count(ep.execution.transfer_chunks, d_ff, caller)
 
 
-def check_chunk_count(chunks: int, d_ff: int) -> None:
+def check_chunk_count(chunks: int, d_ff: int, caller: str = "Execution") -> None:
     """Raises one line unless ``chunks`` (a positive int: `Execution` checks that) fits in
     ``d_ff``: a chunk of the replica transfer is at least one hidden column."""
     if chunks > d_ff:
         raise ValueError(
-            f"MoE: transfer_chunks={chunks} exceeds d_ff={d_ff} (a chunk is at "
+            f"{caller}: transfer_chunks={chunks} exceeds d_ff={d_ff} (a chunk is at "
             "least one hidden column)"
         )
 
 
-def check_int32_sizes(pairs: int, capacity: int) -> None:
+def check_int32_sizes(caller: str, pairs: int, capacity: int) -> None:
     """Raises (one line naming the value) unless the pairs on a device and the receive buffer's
     rows fit the int32 indices of `dispatch`."""
     limit = 2**31 - 1
     if pairs > limit:
         raise ValueError(
-            f"MoE: {pairs} (token, choice) pairs per device exceed 2**31 - 1 (dispatch indexes "
-            "them in int32); split the batch over more devices"
+            f"{caller}: {pairs} (token, choice) pairs per device exceed 2**31 - 1 (dispatch "
+            "indexes them in int32); split the batch over more devices"
         )
     if capacity > limit:
         raise ValueError(
-            f"MoE: a receive buffer of {capacity} rows per device exceeds 2**31 - 1 (dispatch "
+            f"{caller}: a receive buffer of {capacity} rows per device exceeds 2**31 - 1 (dispatch "
             "indexes it in int32); set a capacity_factor or split the batch over more devices"
         )
 
@@ -110,13 +115,17 @@ def check_int32_sizes(pairs: int, capacity: int) -> None:
 def check_call_inputs(x, experts, weights, params, ep, token_mask) -> None:
     """Raises (one line naming the value) unless `expert_parallel.routed_experts` can run on
     these global arrays; concrete expert ids of real tokens are range-checked."""
-    _check_arrays(x, experts, weights, params, ep, token_mask)
-    _check_weights(params, ep.num_experts, x.shape[-1], "E")
-    check_chunks(ep, params[0].shape[-1])
+    caller = "routed_experts"
+    _check_arrays(caller, x, experts, weights, params, ep, token_mask)
+    _check_weights(caller, params, ep.num_experts, x.shape[-1], "E")
+    check_chunks(caller, ep, params[0].shape[-1])
+    per_device = -(-math.prod(x.shape[:-1]) // ep.token_devices)  # padded to the devices
+    top_k = experts.shape[-1]
+    check_int32_sizes(caller, per_device * top_k, ep.capacity(per_device, top_k))
     for e in _readable_ids(experts, token_mask):
         if e.size and (e.min() < 0 or e.max() >= ep.num_experts):
             raise ValueError(
-                f"MoE: experts must be in [0, {ep.num_experts}), got {e.min()}..{e.max()}"
+                f"{caller}: experts must be in [0, {ep.num_experts}), got {e.min()}..{e.max()}"
             )
 
 
@@ -162,6 +171,9 @@ def _readable_ids(experts, token_mask) -> list[np.ndarray]:
 def check_local_inputs(x, experts, weights, params, ep, token_mask) -> None:
     """Raises (one line naming the value) unless `core.routed_experts_local` can run on this
     device's arrays: the weights are this device's E / R experts."""
-    _check_arrays(x, experts, weights, params, ep, token_mask)
-    _check_weights(params, ep.num_experts // ep.ep_size, x.shape[-1], "E/R")
-    check_chunks(ep, params[0].shape[-1])
+    caller = "routed_experts_local"
+    _check_arrays(caller, x, experts, weights, params, ep, token_mask)
+    _check_weights(caller, params, ep.num_experts // ep.ep_size, x.shape[-1], "E/R")
+    check_chunks(caller, ep, params[0].shape[-1])
+    tokens, top_k = math.prod(x.shape[:-1]), experts.shape[-1]
+    check_int32_sizes(caller, tokens * top_k, ep.capacity(tokens, top_k))

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ultraep_jax import comm, remat
 from ultraep_jax._vma import vary, varying_axes
-from ultraep_jax.checks import check_int32_sizes, check_local_inputs
+from ultraep_jax.checks import check_local_inputs
 from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.dispatch import combine, from_groups, plan_dispatch, to_groups
 from ultraep_jax.experts.registry import local_experts
@@ -70,14 +70,13 @@ def routed_experts_local(
     check_local_inputs(x, experts, weights, params, ep, token_mask)
     if ep.has_ep_axis and jax.lax.axis_size(ep.expert_axis) != ep.ep_size:
         raise ValueError(
-            f"MoE: the shard_map's axis {ep.expert_axis!r} has {jax.lax.axis_size(ep.expert_axis)}"
-            f" devices, the ExpertParallel's mesh {ep.ep_size}"
+            f"routed_experts_local: the shard_map's axis {ep.expert_axis!r} has "
+            f"{jax.lax.axis_size(ep.expert_axis)} devices, the ExpertParallel's mesh {ep.ep_size}"
         )
     D, K = x.shape[-1], experts.shape[-1]
     T = math.prod(x.shape[:-1])
     mask_T = None if token_mask is None else token_mask.reshape(T)
     capacity = ep.capacity(T, K)
-    check_int32_sizes(T * K, capacity)
     y_TD, stats = _pipeline(
         x.reshape(T, D), experts.reshape(T, K), weights.reshape(T, K), mask_T, params, ep, capacity
     )
@@ -87,10 +86,9 @@ def routed_experts_local(
 def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, capacity: int):
     """plan -> dispatch -> experts -> combine -> stats on this device's [T, ...] tokens."""
     T, K = experts_TK.shape
-    # Below the balancer's token threshold (static: T) the layer compiles plain EP.
-    balancer = ep.active_balancer
-    balancer = balancer if balancer and balancer.applies(T) else None
-    replicas = balancer is not None and balancer.slots_per_rank > 0
+    # Below the balancer's token threshold (static: T) the layer compiles plain EP, dropless
+    # (`ExpertParallel.capacity`).
+    balancer = ep.active_balancer if ep.balances(T) else None
     experts_N = pair_experts(experts_TK, ep.num_experts, mask_T)
     masked = jnp.int32(0) if mask_T is None else T - jnp.sum(mask_T, dtype=jnp.int32)
 
@@ -103,22 +101,22 @@ def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, 
         sent_CD = _exchange(x_TD[dispatch.send_order_N // K], dispatch.exchange, ep)
         rows_CD = checkpoint_name(to_groups(sent_CD, dispatch), remat.RECEIVED)
     with jax.named_scope("experts"):
-        done_CD = _experts(rows_CD, params, plan, dispatch.group_sizes_G, ep, balancer, replicas)
+        done_CD = _experts(rows_CD, params, plan, dispatch.group_sizes_G, ep, balancer)
     with jax.named_scope("combine"):
         back_ND = _exchange(from_groups(done_CD, dispatch), dispatch.exchange.reversed(), ep)
         back_ND = checkpoint_name(back_ND, remat.RETURNED)
         y_TD = combine(back_ND, dispatch, weights_TK)
         if mask_T is not None:
             y_TD = jnp.where(mask_T[:, None], y_TD, 0)
-    send_max = _transfer_send_max(plan, params, balancer) if replicas else 0.0
+    send_max = 0.0 if balancer is None else _transfer_send_max(plan, params, balancer)
     stats = _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, dispatch, send_max)
     return y_TD.astype(x_TD.dtype), stats
 
 
-def _experts(rows_CD, params, plan, group_sizes_G, ep: ExpertParallel, balancer, replicas: bool):
-    """[C, D]: the received rows through the masters and, with replicas, the plan's slots."""
+def _experts(rows_CD, params, plan, group_sizes_G, ep: ExpertParallel, balancer):
+    """[C, D]: the received rows through the masters and, with a balancer, the plan's slots."""
     how = ep.execution
-    if not replicas:
+    if balancer is None:
         return local_experts(
             rows_CD, params, None, group_sizes_G, how.expert_kernel, how.activation
         )

@@ -94,7 +94,7 @@ class MoE(nnx.Module):
             for name, value in (("d_model", d_model), ("d_ff", d_ff), ("top_k", top_k))
         )
         self.ep = ExpertParallel(mesh, num_experts, balancer, capacity_factor, **ep_options)
-        check_chunks(self.ep, d_ff)
+        check_chunks("MoE", self.ep, d_ff)
         num_experts = self.ep.num_experts
         router = _checked_router(router, top_k, num_experts)
         shared_d_ff = check_positive_int("MoE", "shared_d_ff", shared_d_ff, minimum=0)
@@ -145,7 +145,7 @@ class MoE(nnx.Module):
         if 0 in x.shape:
             raise ValueError(f"MoE: batch and seq must be >= 1, got x of shape {tuple(x.shape)}")
         # Before the router casts x to float32: jax deprecates casting complex to real.
-        check_dtype("x", x)
+        check_dtype("MoE", "x", x)
         if token_mask is not None and (
             getattr(token_mask, "dtype", None) != jnp.bool_ or token_mask.shape != x.shape[:2]
         ):

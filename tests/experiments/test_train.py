@@ -667,6 +667,16 @@ def test_no_references_to_internal_documents():
     assert not found, "\n".join(found)
 
 
+def test_fallback_below_the_threshold_drops_nothing(tmp_path):
+    """--batch_size=8 (32 tokens per rank on 8 devices, below the default threshold 256) with
+    balancing and its 1.05x buffers: the layers run plain EP and drop no pair (they dropped a
+    third of them when the fallback kept the balanced buffer)."""
+    records = _run(tmp_path, "fallback", balance="ultraep", min_tokens_per_rank=256, steps=3)
+    assert _summary(tmp_path / "fallback")["config"]["capacity_factor"] == 1.05
+    assert all(sum(r["replicas"]) == 0 for r in records)  # plain EP: the fallback ran
+    assert all(sum(r["dropped"]) == 0 for r in records)
+
+
 def test_fallback_note_below_the_threshold():
     """A balanced run whose batch gives each rank fewer tokens than --min_tokens_per_rank says so
     at start; at or above it, or without balancing, nothing."""

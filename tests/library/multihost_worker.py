@@ -94,7 +94,7 @@ def main(address: str, process_id: int) -> None:
     try:
         uep.routed_experts(gx, global_array(mesh, tokens, bad), gw, gp, ep)
     except ValueError as err:
-        assert str(err) == f"MoE: experts must be in [0, {E}), got 0..{E}", err
+        assert str(err) == f"routed_experts: experts must be in [0, {E}), got 0..{E}", err
     else:
         raise AssertionError("an id outside [0, E) was not reported")
     print(f"process {process_id}: ok")

@@ -260,10 +260,11 @@ def _routed_case(mesh, seed=0, dtype=jnp.float32, batch=B, seq=L):
     "shape, names", [((8,), ("data",)), ((8, 1), ("data", "expert"))], ids=["no_ep", "ep1"]
 )
 def test_mesh_without_ep_axis_runs_local_experts(shape, names):
-    """No EP axis (or one of size 1): every device runs every expert on its own tokens; no plan,
-    no exchange; values and gradients equal the dense reference."""
+    """No EP axis (asked for with ``expert_axis=None``) or one of size 1: every device runs every
+    expert on its own tokens; no plan, no exchange; values and gradients equal the dense
+    reference."""
     mesh = jax.make_mesh(shape, names)
-    ep = _ep(mesh, "silu")
+    ep = _ep(mesh, "silu", **({} if "expert" in names else {"expert_axis": None}))
     assert ep.ep_size == 1 and ep.active_balancer is None
     x, params, ids, weights, cot = _routed_case(mesh)
     mask = _mask("random", 1)

@@ -190,3 +190,72 @@ def test_plan_without_replica_equals_plain_ep(setup, kernel, chunks):
                 atol=1e-6,
                 err_msg=f"{name} d{key}",
             )
+
+
+# -- the fallback never drops a pair (issue: never silently less than asked) --------------------
+
+
+def _run_at(mesh, x, params, balancer, capacity_factor):
+    """(y, stats, receive-buffer rows) of the layer with ``capacity_factor`` on x."""
+    layer = helpers.build_layer(
+        mesh,
+        params,
+        d_model=D,
+        d_ff=F,
+        num_experts=E,
+        top_k=K,
+        balancer=balancer,
+        capacity_factor=capacity_factor,
+    )
+    fn, p, r = _forward(layer)
+    y, stats = fn(p, r, helpers.place_batch(mesh, x))
+    return np.asarray(y), jax.tree.map(np.asarray, stats), layer.capacity(TOKENS_PER_RANK)
+
+
+def test_fallback_is_dropless_at_a_balanced_buffer(setup):
+    """Below the threshold a balanced layer at 1.05x buffers runs plain EP with a buffer for
+    every pair: nothing dropped on a skewed load, the dense result; plain EP asked for the same
+    1.05x buffer (a user-set capacity, no balancer) still drops what does not fit."""
+    mesh, x, params = setup
+    y, stats, rows = _run_at(mesh, x, params, _balancer(TOKENS_PER_RANK + 1), 1.05)
+    assert float(stats.imbalance_before) > 1.5
+    assert rows == 8 * K * TOKENS_PER_RANK  # every pair of every rank could land on one rank
+    assert int(stats.dropped) == 0 and int(stats.replicas) == 0
+    want = _numpy_moe(x, params)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(want).max()))
+    _, plain, plain_rows = _run_at(mesh, x, params, None, 1.05)
+    assert plain_rows == int(np.ceil(1.05 * K * TOKENS_PER_RANK))
+    assert int(plain.dropped) > 0
+
+
+def test_balanced_path_keeps_its_buffer(setup):
+    """At or above the threshold the capacity factor sizes the balanced path's buffer; below it
+    the fallback's buffer holds every pair; without a balancer the factor always applies."""
+    T = TOKENS_PER_RANK
+    ep = uep.ExpertParallel(setup[0], E, _balancer(T), capacity_factor=1.05)
+    assert ep.balances(T) and not ep.balances(T - 1)
+    assert ep.capacity(T, K) == int(np.ceil(1.05 * K * T))
+    assert ep.capacity(T - 1, K) == 8 * K * (T - 1)
+    plain = uep.ExpertParallel(setup[0], E, None, capacity_factor=1.05)
+    assert plain.capacity(T - 1, K) == int(np.ceil(1.05 * K * (T - 1)))
+
+
+def test_readme_layer_at_half_the_batch_drops_nothing():
+    """README's layer example (2 x 4 mesh, E=16, top-2, 1.05x buffers) with a batch of 32
+    instead of 64: 128 tokens per rank, below the default threshold, so it falls back, and
+    drops nothing (it dropped 50 of 2,048 pairs when the fallback kept the 1.05x buffer)."""
+    mesh = helpers.expert_mesh(4, 2)
+    layer = uep.MoE(
+        d_model=64,
+        d_ff=128,
+        num_experts=16,
+        top_k=2,
+        mesh=mesh,
+        balancer=uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=8),
+        capacity_factor=1.05,
+        rngs=nnx.Rngs(0),
+    )
+    x = jax.random.normal(jax.random.key(0), (32, 32, 64))
+    _, stats = layer(x)
+    assert int(stats.dropped) == 0 and int(stats.replicas) == 0
+    assert int(np.sum(stats.expert_load)) == 32 * 32 * 2

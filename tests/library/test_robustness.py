@@ -12,11 +12,13 @@ argument checks.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import ultraep_jax as uep
 from tests.helpers import (
@@ -454,8 +456,8 @@ def test_ragged_backend_on_cpu_devices_raises_at_construction():
 @pytest.mark.parametrize(
     "per_device, top_k, factor, match",
     [
-        (2**30, 8, 1.0, r"^MoE: 8589934592 \(token, choice\) pairs per device exceed 2\*\*31 - 1"),
-        (2**25, 8, None, r"^MoE: a receive buffer of 2147483648 rows per device exceeds 2\*\*31"),
+        (2**30, 8, 1.0, r"^routed_experts: 8589934592 \(token, choice\) pairs per device exceed"),
+        (2**25, 8, None, r"^routed_experts: a receive buffer of 2147483648 rows per device exc"),
     ],
     ids=["pairs", "buffer"],
 )
@@ -495,7 +497,7 @@ def test_transfer_chunks_beyond_the_width_raise_without_a_balancer():
         ep = uep.ExpertParallel(expert_mesh(R), E, balancer=balancer, transfer_chunks=F + 1)
         assert_raises_one_line(
             ValueError,
-            rf"^MoE: transfer_chunks={F + 1} exceeds d_ff={F} ",
+            rf"^routed_experts: transfer_chunks={F + 1} exceeds d_ff={F} ",
             uep.routed_experts,
             x,
             ids,
@@ -512,16 +514,14 @@ def _integer_arguments():
     """(name, fn(value)) for a sample of integer arguments of the library and the model (the
     experiments' follow the same rule: tests/experiments/test_data.py, test_workloads.py): each
     must raise TypeError for a non-integer and ValueError below its minimum."""
-    from flax import nnx
-
     from models.moe_lm import ModelConfig
 
     mesh = expert_mesh(8)
     return [
         ("BalancerConfig.max_fanout", lambda v: uep.BalancerConfig(max_fanout=v)),
         ("BalancerConfig.slots_per_rank", lambda v: uep.BalancerConfig(slots_per_rank=v)),
-        ("MoE: transfer_chunks", lambda v: uep.ExpertParallel(mesh, 8, transfer_chunks=v)),
-        ("MoE: num_experts", lambda v: uep.ExpertParallel(mesh, v)),
+        ("Execution: transfer_chunks", lambda v: uep.ExpertParallel(mesh, 8, transfer_chunks=v)),
+        ("ExpertParallel: num_experts", lambda v: uep.ExpertParallel(mesh, v)),
         (
             "MoE: top_k",
             lambda v: uep.MoE(
@@ -589,3 +589,73 @@ def test_pallas_grouped_matmul_keeps_nonfinite_values_in_their_group():
         rows = slice(starts[g], starts[g] + sizes[g])
         want = lhs64[rows].T @ cot64[rows]
         np.testing.assert_allclose(d_rhs[g], want, rtol=1e-5, atol=1e-5, err_msg=f"d_rhs {g}")
+
+
+# -- settings that could not do what they say are one-line errors ----------------------------------
+
+
+def test_balancer_without_spare_slots_raises_one_line():
+    """``slots_per_rank=0`` with a balancer never balances (1.068 -> 1.068 before): refused; the
+    planner alone still takes S = 0 (a plan that keeps every token on its master)."""
+    mesh = expert_mesh(8)
+    for build in (
+        lambda: uep.ExpertParallel(mesh, 8, uep.BalancerConfig(slots_per_rank=0)),
+        lambda: uep.MoE(
+            d_model=D,
+            d_ff=F,
+            num_experts=8,
+            top_k=2,
+            mesh=mesh,
+            balancer=uep.BalancerConfig(slots_per_rank=0),
+            rngs=nnx.Rngs(0),
+        ),
+    ):
+        assert_raises_one_line(
+            ValueError, r"^ExpertParallel: BalancerConfig\(slots_per_rank=0\) leaves", build
+        )
+    plan = uep.plan(np.ones((8, 8), np.int32), uep.BalancerConfig(slots_per_rank=0))
+    assert plan.slot_expert.shape == (8, 0)
+
+
+@pytest.mark.parametrize(
+    "names, expert_axis",
+    [(("data", "ep"), "expert"), (("data", "expert"), "experts"), (("data",), "expert")],
+    ids=["mesh_axis_ep", "typo", "no_ep_axis"],
+)
+def test_ep_axis_missing_from_the_mesh_raises_one_line(names, expert_axis):
+    """An EP axis the mesh lacks used to run every expert locally and report 1.0 -> 1.0 (which
+    reads as perfect balance): now an error naming the mesh's axes; local experts only when asked
+    for with ``expert_axis=None``."""
+    shape = (8,) if len(names) == 1 else (2, 4)
+    mesh = jax.make_mesh(shape, names)
+    assert_raises_one_line(
+        ValueError,
+        rf"^ExpertParallel: the mesh has no axis '{expert_axis}' "
+        rf"\(its axes: {re.escape(str(names))}\)",
+        uep.ExpertParallel,
+        mesh,
+        8,
+        uep.BalancerConfig(),
+        expert_axis=expert_axis,
+    )
+    local = uep.ExpertParallel(mesh, 8, uep.BalancerConfig(), expert_axis=None)
+    assert local.ep_size == 1 and local.active_balancer is None and not local.has_ep_axis
+
+
+@pytest.mark.parametrize(
+    "call, prefix",
+    [
+        ("global", "routed_experts"),
+        ("local", "routed_experts_local"),
+    ],
+)
+def test_errors_name_the_entry_point_called(call, prefix):
+    """`routed_experts` and `routed_experts_local` name themselves in their errors (they said
+    "MoE:", a layer the caller never built)."""
+    ep = uep.ExpertParallel(expert_mesh(1), 8)
+    x = jnp.zeros((4, D), jnp.float32)
+    ids, weights = jnp.zeros((4, 2), jnp.float32), jnp.ones((4, 2), jnp.float32)
+    params = draw_params(np.random.default_rng(0), 8)
+    fn = uep.routed_experts if call == "global" else uep.routed_experts_local
+    match = rf"^{prefix}: experts must have an integer dtype"
+    assert_raises_one_line(TypeError, match, fn, x, ids, weights, params, ep)

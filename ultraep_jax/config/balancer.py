@@ -60,7 +60,8 @@ class BalancerConfig:
             Optional, like ``num_experts`` (read from the loads' shape or the mesh).
         slots_per_rank: S, spare slots per rank, each able to hold one replica expert's weights,
             0 to 4096 (a rank fills at most ``num_experts - num_experts / ep_size`` of them). 0
-            disables replication (the plan then keeps every token on its master).
+            disables replication in `plan` (every token stays on its master); a layer refuses a
+            balancer with 0 (it could never balance: pass ``balancer=None`` for plain EP).
         min_tokens_per_replica: the least tokens a replica may carry (each replica costs a weight
             transfer), 1 to 2**31 - 1 (no expert has more tokens, loads being int32); a smaller
             replica is allowed only when it exactly clears a rank's remaining excess, or in exact
@@ -89,8 +90,8 @@ class BalancerConfig:
         min_tokens_per_rank: the fallback threshold: a layer whose EP ranks each hold fewer
             tokens than this (a static shape, so decided when the layer is traced) compiles plain
             expert parallelism, with no planner call, no replica slots and no weight transfer
-            (`applies`), at the layer's own buffer (with a capacity factor, it drops what plain
-            EP at that buffer drops, counted in ``MoEStats.dropped``). Small batches, such as
+            (`applies`), with a receive buffer that holds every pair (`ExpertParallel.capacity`:
+            the fallback never drops a pair the balanced path would have kept). Small batches, such as
             decode steps padded to fixed buffers, gain too little from balancing to repay the
             planner and the transfer. The default, 256, is where balancing began to pay
             against plain dropless EP on skewed loads (docs/serving.md); 0: always balance.

@@ -29,14 +29,14 @@ def check_platform(comm_backend: str, platform: str | None) -> None:
     ``comm_backend``: "ragged" on CPU (XLA:CPU has no `ragged_all_to_all`)."""
     if comm_backend == "ragged" and platform == "cpu":
         raise ValueError(
-            "MoE: comm_backend='ragged' cannot run on CPU devices (XLA:CPU has no "
+            "Execution: comm_backend='ragged' cannot run on CPU devices (XLA:CPU has no "
             "ragged_all_to_all); use 'portable' or 'auto'"
         )
 
 
 def _check_name(name: str, value, allowed) -> None:
     if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"MoE: {name} must be one of {tuple(allowed)}, got {value!r}")
+        raise ValueError(f"Execution: {name} must be one of {tuple(allowed)}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Execution:
         _check_name("comm_backend", self.comm_backend, BACKENDS)
         _check_name("expert_kernel", self.expert_kernel, KERNELS)
         _check_name("activation", self.activation, ACTIVATIONS)
-        chunks = check_positive_int("MoE", "transfer_chunks", self.transfer_chunks)
+        chunks = check_positive_int("Execution", "transfer_chunks", self.transfer_chunks)
         object.__setattr__(self, "transfer_chunks", chunks)
 
     def on(self, platform: str | None, exchanges: bool = True) -> Execution:

@@ -56,7 +56,7 @@ class ExpertParallel:
     num_experts: int
     balancer: BalancerConfig | None = None
     capacity_factor: float | None = 1.25
-    expert_axis: str = "expert"
+    expert_axis: str | None = "expert"
     _: dataclasses.KW_ONLY
     token_axes: tuple[str, ...] | None = None
     execution: Execution = Execution()
@@ -68,33 +68,62 @@ class ExpertParallel:
     def __post_init__(self, *how):
         if not isinstance(self.mesh, Mesh | AbstractMesh):
             raise TypeError(
-                "MoE: mesh must be a jax.sharding.Mesh or AbstractMesh, got "
+                "ExpertParallel: mesh must be a jax.sharding.Mesh or AbstractMesh, got "
                 f"{type(self.mesh).__name__}"
             )
-        if not isinstance(self.expert_axis, str):
-            raise TypeError(f"MoE: expert_axis must be a str, got {self.expert_axis!r}")
+        self._check_expert_axis()
         object.__setattr__(self, "token_axes", self._checked_token_axes())
         object.__setattr__(
-            self, "num_experts", check_positive_int("MoE", "num_experts", self.num_experts)
+            self,
+            "num_experts",
+            check_positive_int("ExpertParallel", "num_experts", self.num_experts),
         )
-        check_divisible(self.num_experts, self.ep_size, f"MoE (mesh axis {self.expert_axis!r})")
+        check_divisible(
+            self.num_experts, self.ep_size, f"ExpertParallel (mesh axis {self.expert_axis!r})"
+        )
         object.__setattr__(self, "balancer", self._sized_balancer())
         if self.capacity_factor is not None:
-            cf = check_finite("MoE", "capacity_factor", self.capacity_factor, positive=True)
+            cf = check_finite(
+                "ExpertParallel", "capacity_factor", self.capacity_factor, positive=True
+            )
             object.__setattr__(self, "capacity_factor", cf)
         object.__setattr__(self, "execution", self._resolved_execution(how))
         object.__setattr__(self, "mesh", _auto_axes_mesh(self.mesh))
 
-    def _sized_balancer(self) -> BalancerConfig | None:
-        """``balancer`` with E and R filled in; raises one line for a wrong type or sizes."""
-        b = self.balancer
-        if b is not None and not isinstance(b, BalancerConfig):
+    def _check_expert_axis(self) -> None:
+        """Raises one line unless ``expert_axis`` is None or an axis of the mesh: a misspelt
+        name would otherwise run every expert locally and report perfect balance."""
+        names = tuple(self.mesh.axis_names)
+        if self.expert_axis is None:
+            return
+        if not isinstance(self.expert_axis, str):
             raise TypeError(
-                f"MoE: balancer must be a BalancerConfig or None, got {type(b).__name__}"
+                f"ExpertParallel: expert_axis must be a str or None, got {self.expert_axis!r}"
             )
-        return (
-            None if b is None else b.sized(self.num_experts, self.ep_size, "the layer and its mesh")
-        )
+        if self.expert_axis not in names:
+            raise ValueError(
+                f"ExpertParallel: the mesh has no axis {self.expert_axis!r} (its axes: {names}); "
+                "name the EP axis with expert_axis=..., or pass expert_axis=None to run every "
+                "expert on every device"
+            )
+
+    def _sized_balancer(self) -> BalancerConfig | None:
+        """``balancer`` with E and R filled in; raises one line for a wrong type or sizes, or
+        for a balancer with no spare slot."""
+        b = self.balancer
+        if b is None:
+            return None
+        if not isinstance(b, BalancerConfig):
+            raise TypeError(
+                f"ExpertParallel: balancer must be a BalancerConfig or None, got {type(b).__name__}"
+            )
+        if b.slots_per_rank == 0:
+            raise ValueError(
+                "ExpertParallel: BalancerConfig(slots_per_rank=0) leaves the balancer no spare "
+                "slot to replicate into; use slots_per_rank >= 1, or balancer=None for plain "
+                "expert parallelism"
+            )
+        return b.sized(self.num_experts, self.ep_size, "the layer and its mesh")
 
     def _resolved_execution(self, how: tuple) -> Execution:
         """``execution`` with the keywords in ``how`` (comm_backend, expert_kernel,
@@ -102,7 +131,8 @@ class ExpertParallel:
         platform."""
         if not isinstance(self.execution, Execution):
             raise TypeError(
-                f"MoE: execution must be an Execution, got {type(self.execution).__name__}"
+                "ExpertParallel: execution must be an Execution, got "
+                f"{type(self.execution).__name__}"
             )
         given = dict(zip(_HOW, how, strict=True))
         execution = dataclasses.replace(
@@ -121,19 +151,20 @@ class ExpertParallel:
         unknown = [a for a in axes if a not in names]
         if unknown or len(set(axes)) != len(axes):
             raise ValueError(
-                f"MoE: token_axes must be distinct axes of the mesh {names}, got {axes}"
+                f"ExpertParallel: token_axes must be distinct axes of the mesh {names}, got {axes}"
             )
         if self.expert_axis in names and self.expert_axis not in axes:
             raise ValueError(
-                f"MoE: token_axes {axes} must include the EP axis {self.expert_axis!r} (tokens "
-                "are split over the EP ranks that exchange them)"
+                f"ExpertParallel: token_axes {axes} must include the EP axis "
+                f"{self.expert_axis!r} (tokens are split over the EP ranks that exchange them)"
             )
         return tuple(a for a in names if a in axes)
 
     @property
     def has_ep_axis(self) -> bool:
-        """Whether the mesh has the EP axis (of any size)."""
-        return self.expert_axis in self.mesh.axis_names
+        """Whether the experts are split over an EP axis (of any size): False only with
+        ``expert_axis=None``."""
+        return self.expert_axis is not None
 
     @property
     def ep_size(self) -> int:
@@ -155,12 +186,23 @@ class ExpertParallel:
         """The balancer that runs: None with one EP rank (nothing to balance)."""
         return self.balancer if self.ep_size > 1 else None
 
+    def balances(self, tokens_per_device: int) -> bool:
+        """Whether a call with ``tokens_per_device`` tokens on each device (static) runs the
+        balancer: it is active (`active_balancer`) and the tokens reach its
+        ``min_tokens_per_rank``."""
+        b = self.active_balancer
+        return b is not None and b.applies(tokens_per_device)
+
     def capacity(self, tokens_per_device: int, top_k: int) -> int:
         """C, receive-buffer rows per rank for ``tokens_per_device`` tokens choosing ``top_k``
-        experts on each device."""
+        experts on each device: ``ceil(capacity_factor * pairs)``, or the worst case (every pair
+        to one rank: nothing dropped) without a factor, and in the small-batch fallback (an
+        active balancer below its ``min_tokens_per_rank``), which must never drop a pair the
+        balanced path would have kept."""
         pairs = top_k * tokens_per_device
         worst = self.ep_size * pairs
-        if self.capacity_factor is None:
+        fallback = self.active_balancer is not None and not self.balances(tokens_per_device)
+        if self.capacity_factor is None or fallback:
             return worst
         return max(1, min(worst, math.ceil(self.capacity_factor * pairs)))
 
