@@ -91,10 +91,10 @@ class BalancerConfig:
             tokens than this (a static shape, so decided when the layer is traced) compiles plain
             expert parallelism, with no planner call, no replica slots and no weight transfer
             (`applies`), with a receive buffer that holds every pair (`ExpertParallel.capacity`:
-            the fallback never drops a pair the balanced path would have kept). Small batches, such as
-            decode steps padded to fixed buffers, gain too little from balancing to repay the
-            planner and the transfer. The default, 256, is where balancing began to pay
-            against plain dropless EP on skewed loads (docs/serving.md); 0: always balance.
+            the fallback never drops a pair the balanced path would have kept). Small batches
+            gain too little from balancing to repay the planner and the transfer. The default,
+            256, is where balancing began to pay against plain dropless EP on skewed loads
+            (docs/serving.md); 0: always balance.
         ranks_per_domain: d, the EP ranks joined by fast links (an NVLink domain: the GPUs of
             one node), each domain ``d`` consecutive ranks of the EP axis; must divide the EP
             size. The replica transfer then sends an expert's weights across the slow links once
