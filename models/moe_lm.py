@@ -156,7 +156,16 @@ class CausalSelfAttention(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block: attention, then the balanced MoE feed-forward layer."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, balancer, capacity_factor, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        mesh: Mesh,
+        balancer,
+        capacity_factor,
+        *,
+        force_balanced: bool = False,
+        rngs: nnx.Rngs,
+    ):
         dtype = cfg.dtype
         self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.num_heads, dtype, rngs=rngs)
@@ -171,6 +180,7 @@ class Block(nnx.Module):
             capacity_factor=capacity_factor,
             router=cfg.make_router(),
             shared_d_ff=cfg.shared_d_ff,
+            force_balanced=force_balanced,
             param_dtype=dtype,
             rngs=rngs,
         )
@@ -196,11 +206,20 @@ class MoELM(nnx.Module):
         split over all of its axes.
       balancer: a `uep.BalancerConfig` for every MoE layer, or None for plain expert parallelism.
       capacity_factor: receive-buffer size of each MoE layer (see `uep.MoE`); None is dropless.
+      force_balanced: every MoE layer runs the force-balanced ideal (`uep.MoE`'s
+        ``force_balanced``: a timing reference that changes the model's math).
       rngs: initialisation randomness.
     """
 
     def __init__(
-        self, cfg: ModelConfig, mesh: Mesh, balancer=None, capacity_factor=None, *, rngs: nnx.Rngs
+        self,
+        cfg: ModelConfig,
+        mesh: Mesh,
+        balancer=None,
+        capacity_factor=None,
+        *,
+        force_balanced: bool = False,
+        rngs: nnx.Rngs,
     ):
         self.cfg = cfg
         dtype = cfg.dtype
@@ -212,7 +231,9 @@ class MoELM(nnx.Module):
         )
 
         def block(rngs):
-            return Block(cfg, mesh, balancer, capacity_factor, rngs=rngs)
+            return Block(
+                cfg, mesh, balancer, capacity_factor, force_balanced=force_balanced, rngs=rngs
+            )
 
         if cfg.scan_layers:
             make = nnx.split_rngs(splits=cfg.num_layers)(nnx.vmap(block, in_axes=0, out_axes=0))

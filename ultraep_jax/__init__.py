@@ -24,6 +24,7 @@ _HOMES = {
     "BalancerConfig": "ultraep_jax.config",
     "Execution": "ultraep_jax.config",
     "ExpertParallel": "ultraep_jax.config",
+    "force_balanced": "ultraep_jax.ideal",
     "MoE": "ultraep_jax.layer",
     "MoEStats": "ultraep_jax.stats",
     "Plan": "ultraep_jax.planning.planner",
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from ultraep_jax.dispatch import reroute
     from ultraep_jax.expert_parallel import routed_experts
     from ultraep_jax.experts.activations import ACTIVATIONS
+    from ultraep_jax.ideal import force_balanced
     from ultraep_jax.layer import MoE, RouterBias
     from ultraep_jax.planning.planner import Plan, plan
     from ultraep_jax.routers import Routing, SigmoidTopK, SoftmaxTopK, update_bias
@@ -79,6 +81,7 @@ __all__ = [
     "BalancerConfig",
     "Execution",
     "ExpertParallel",
+    "force_balanced",
     "MoE",
     "MoEStats",
     "Plan",

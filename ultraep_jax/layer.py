@@ -16,6 +16,7 @@ from ultraep_jax.checks import check_chunks, check_dtype
 from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.expert_parallel import routed_experts
 from ultraep_jax.experts.dense import dense_glu
+from ultraep_jax.ideal import force_balanced
 from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
 from ultraep_jax.sharding import place, with_auto_axes
 from ultraep_jax.stats import MoEStats
@@ -56,6 +57,9 @@ class MoE(nnx.Module):
       shared_d_ff: hidden width of an always-on SwiGLU expert every token goes through beside
         the routed ones (DeepSeek's shared expert; 0: none). Its weights are replicated and it
         runs outside the expert exchange, so XLA may overlap the two.
+      force_balanced: the force-balanced ideal, a timing reference that changes the model's
+        math: the router's choices replaced by an even assignment (`ideal.force_balanced`), its
+        weights kept; only with ``balancer=None``. Default False.
       param_dtype: dtype of the parameters (router math is float32 whatever it is).
       rngs: initialisation randomness.
       **ep_options: more `ExpertParallel` keywords, with its defaults: ``expert_axis``,
@@ -85,6 +89,7 @@ class MoE(nnx.Module):
         *,
         router: SoftmaxTopK | SigmoidTopK | None = None,
         shared_d_ff: int = 0,
+        force_balanced: bool = False,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
         **ep_options,
@@ -100,6 +105,14 @@ class MoE(nnx.Module):
         shared_d_ff = check_positive_int("MoE", "shared_d_ff", shared_d_ff, minimum=0)
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.router, self.shared_d_ff = router, shared_d_ff
+        if not isinstance(force_balanced, bool):
+            raise TypeError(f"MoE: force_balanced must be a bool, got {force_balanced!r}")
+        if force_balanced and self.ep.active_balancer is not None:
+            raise ValueError(
+                "MoE: force_balanced=True is the ideal a balancer is measured against: pass "
+                "balancer=None with it (no planner, no replica)"
+            )
+        self.force_balanced = force_balanced
         self._init_params(rngs, param_dtype)
 
     def _init_params(self, rngs: nnx.Rngs, param_dtype) -> None:
@@ -160,7 +173,7 @@ class MoE(nnx.Module):
         if self.shared_d_ff:
             shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
         kernel = self.router_kernel[...]
-        statics = (self.ep, self.router)
+        statics = (self.ep, self.router, self.force_balanced)
         return with_auto_axes(_forward, statics, x, token_mask, kernel, bias, experts, shared)
 
     def update_router_bias(self, stats: MoEStats) -> None:
@@ -176,14 +189,16 @@ class MoE(nnx.Module):
 
 
 # Jitted so that the layer called outside `jax.jit` compiles once per shape; inlined in a step.
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _forward(ep, router, x, token_mask, router_kernel, bias, experts, shared):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _forward(ep, router, ideal, x, token_mask, router_kernel, bias, experts, shared):
     B, L, D = x.shape
     mask_T = None if token_mask is None else token_mask.reshape(-1)
     with jax.named_scope("route"):
         routing = router(router_logits(x.reshape(-1, D), router_kernel), bias, mask_T)
     shape = (B, L, router.top_k)
     ids, weights = routing.experts.reshape(shape), routing.weights.reshape(shape)
+    if ideal:
+        ids = force_balanced(ids, ep, token_mask)
     y, stats = routed_experts(x, ids, weights, experts, ep, token_mask)
     if shared is not None:
         with jax.named_scope("shared_experts"):

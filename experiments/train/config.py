@@ -43,10 +43,15 @@ _POSITIVE = (
 )
 
 
+#: --balance: plain EP, balanced, or the force-balanced ideal (a timing reference).
+BALANCE_MODES = ("none", "ultraep", "ideal")
+
+
 def auto_capacity_factor(balance: str) -> float | None:
     """The capacity factor that ``"auto"`` stands for: `BALANCED_CAPACITY_FACTOR` when the run
-    balances (the buffer fits the balanced load), None (dropless, worst-case buffers) without."""
-    return BALANCED_CAPACITY_FACTOR if balance == "ultraep" else None
+    balances or runs the force-balanced ideal (the buffer fits the balanced load), None
+    (dropless, worst-case buffers) without."""
+    return BALANCED_CAPACITY_FACTOR if balance in ("ultraep", "ideal") else None
 
 
 def parse_capacity_factor(text: str) -> float | str | None:
@@ -95,7 +100,9 @@ class TrainConfig:
         runs/default, or runs/<preset> for another --preset, plus -<flag>=<value> for each model
         flag given (runs/deepseek_v3-num_layers=4), so that another model gets a folder of its
         own.
-      balance: expert load balancing: none or ultraep.
+      balance: expert load balancing: none, ultraep, or ideal (the force-balanced ideal: the
+        router's choices replaced by an even assignment; a timing reference that changes the
+        model's math, never a model to keep).
       steps: training steps (total, across resumes).
       data: text files: a path, folder or glob (default: the Python standard library's source
         files).
@@ -148,8 +155,10 @@ class TrainConfig:
     profile_loads: bool = False
 
     def __post_init__(self):
-        if self.balance not in ("none", "ultraep"):
-            raise ValueError(f"unknown --balance={self.balance!r}; expected none or ultraep")
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(
+                f"unknown --balance={self.balance!r}; expected one of {', '.join(BALANCE_MODES)}"
+            )
         check_positive_ints(self, _POSITIVE, "--")
         if self.slots_per_rank < 0 or self.ep_size < 0 or self.min_tokens_per_rank < 0:
             raise ValueError("--slots_per_rank, --ep_size and --min_tokens_per_rank must be >= 0")

@@ -56,9 +56,24 @@ def build_model(cfg: TrainConfig, mesh) -> MoELM:
             balance_eps=cfg.balance_eps,
             min_tokens_per_rank=cfg.min_tokens_per_rank,
         )
-    model = MoELM(cfg.model, mesh, balancer, cfg.capacity_factor, rngs=nnx.Rngs(cfg.seed))
+    model = MoELM(
+        cfg.model,
+        mesh,
+        balancer,
+        cfg.capacity_factor,
+        force_balanced=cfg.balance == "ideal",
+        rngs=nnx.Rngs(cfg.seed),
+    )
     place_on_mesh(model, mesh)
     return model
+
+
+#: Printed at the start of a --balance=ideal run: what it is, so that nobody keeps its model.
+IDEAL_NOTE = (
+    "note: --balance=ideal is the force-balanced ideal, a timing reference: every MoE layer's "
+    "router choices are replaced by an even assignment (its weights kept), so the loss is not a "
+    "model's; compare its step time, not its loss"
+)
 
 
 def fallback_note(cfg: TrainConfig, num_devices: int) -> str:
@@ -187,9 +202,9 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, cali
             f"{'resuming after' if start else 'starting at'} step {start}",
             flush=True,
         )
-        note = fallback_note(cfg, jax.device_count())
-        if note:
-            print(note, flush=True)
+        for note in (fallback_note(cfg, jax.device_count()), cfg.balance == "ideal" and IDEAL_NOTE):
+            if note:
+                print(note, flush=True)
 
     batch_sharding = NamedSharding(mesh, P(("data", "expert")))
 

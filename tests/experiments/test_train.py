@@ -687,3 +687,19 @@ def test_fallback_note_below_the_threshold():
     assert trainer.fallback_note(TrainConfig(workdir="w"), 8) == ""  # 16 x 128 / 8 = 256
     assert trainer.fallback_note(dataclasses.replace(below, min_tokens_per_rank=0), 8) == ""
     assert trainer.fallback_note(TrainConfig(workdir="w", batch_size=8, balance="none"), 8) == ""
+
+
+def test_ideal_mode_runs_balanced_loads_and_says_what_it_is(tmp_path, capsys):
+    """--balance=ideal: the force-balanced ideal at the balanced run's 1.05x buffers: every
+    layer's ranks at the mean (32 tokens per rank, 64 pairs over 8 experts), no pair dropped, no
+    replica, and the run says it is a timing reference."""
+    records = _run(tmp_path, "ideal", balance="ideal", steps=2)
+    assert _summary(tmp_path / "ideal")["config"]["capacity_factor"] == 1.05
+    assert "note: --balance=ideal is the force-balanced ideal, a timing reference" in (
+        capsys.readouterr().out
+    )
+    for r in records:
+        assert sum(r["dropped"]) == 0 and sum(r["replicas"]) == 0
+        assert all(v == 1.0 for v in r["imbalance_before"])
+    with pytest.raises(ValueError, match=r"unknown --balance='idea'; expected one of none, "):
+        TrainConfig(balance="idea")
