@@ -45,6 +45,7 @@ __all__ = [
     "flag_text",
     "given_values",
     "parse_capacity_factor",
+    "run_folder",
 ]
 
 _DEFINE = {
@@ -60,6 +61,14 @@ _BALANCER_FIELDS = ("slots_per_rank", "min_tokens_per_replica", "balance_eps")
 
 #: ``--capacity_factor=auto``: the program's own default buffer (`check_capacity_factor`).
 AUTO = "auto"
+
+
+def run_folder(program: str) -> str:
+    """Where ``program`` writes its figures by default: ``runs/<program>`` in the working folder
+    (beside `experiments.train`'s ``runs/default``). The committed results (docs/,
+    experiments/results/) are rewritten only when a flag names them, so that their provenance
+    (the command, commit and date recorded with them) stays that of the run that made them."""
+    return f"runs/{program}"
 
 
 def parse_capacity_factor(text: str) -> float | str | None:
