@@ -165,3 +165,21 @@ def test_gpu_summary_docstring_example_runs(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: --dir={missing} is not a folder: give the folder run_all.sh wrote (its --out)"
     ], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_no_backend_probe_line_on_cpu():
+    """JAX's INFO line "Unable to initialize backend 'tpu'" opened the output of the programs on a
+    CPU machine (absl's handler shows INFO); `common.run_main` leaves that logger at WARNING."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.stepmodel.anchor"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Unable to initialize backend" not in proc.stderr + proc.stdout, proc.stderr[:500]
+    assert proc.stdout.startswith("UltraEP's EP64 setup"), proc.stdout[:200]
