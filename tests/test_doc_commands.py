@@ -183,3 +183,15 @@ def test_no_backend_probe_line_on_cpu():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Unable to initialize backend" not in proc.stderr + proc.stdout, proc.stderr[:500]
     assert proc.stdout.startswith("UltraEP's EP64 setup"), proc.stdout[:200]
+
+
+def test_api_compile_time_says_one_ratio_from_results():
+    """docs/api.md's compile-time paragraph gave seven different ratios; it now gives the current
+    one, the one docs/results.md's compile_layer table gives."""
+    api = (ROOT / "docs" / "api.md").read_text()
+    paragraph = api[api.index("Compile time.") :].split("\n\n", 1)[0]
+    ratios = set(re.findall(r"(\d+\.\d+)x", paragraph))
+    results = (ROOT / "docs" / "results.md").read_text()
+    section = results[results.index("## Compile time of one layer") :].split("\n## ", 1)[0]
+    assert ratios == set(re.findall(r"\*\*balanced\*\* \| [\d.]+ s \| \*\*(\d+\.\d+)\*\*", section))
+    assert len(ratios) == 1, ratios
