@@ -342,6 +342,9 @@ def test_documented_command_runs_from_another_folder(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((run / "serve.json").read_text())
     assert len(res["prompts"]) == 24 and res["tokens_per_rank"] == 279
+    # docs/serving.md's reason why decode runs plain EP: the window, not the new tokens, per rank.
+    assert res["decode"]["tokens_per_rank"] == 327 > ServeConfig("w").min_tokens_per_rank
+    assert "327 per rank" in (ROOT / "docs" / "serving.md").read_text()
     assert "next-token predictions the same for" in proc.stdout
 
 
