@@ -86,9 +86,9 @@ def documented_commands() -> dict[str, list[list[str]]]:
                 if "-m" not in words or "python" not in words:
                     continue
                 at = words.index("-m")
-                module = words[at + 1]
-                if not module.startswith("experiments"):
-                    continue
+                module = words[at + 1] if at + 1 < len(words) else ""
+                if not re.fullmatch(r"experiments(\.\w+)*", module):
+                    continue  # prose about the programs (`python -m experiments.*`)
                 argv = [w for w in words[at + 2 :] if w != "&" and not w.endswith("=...")]
                 if argv not in found[module]:
                     found[module].append(argv)
