@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
 import types
 import typing
@@ -33,7 +34,9 @@ from absl import flags
 flags.disclaim_key_flags()
 
 __all__ = [
+    "AUTO",
     "attribute_help",
+    "check_capacity_factor",
     "define_balancer_flags",
     "define_flags",
     "define_json_out",
@@ -41,6 +44,8 @@ __all__ = [
     "define_verbose_ranks",
     "flag_text",
     "given_values",
+    "parse_capacity_factor",
+    "run_folder",
 ]
 
 _DEFINE = {
@@ -52,6 +57,56 @@ _DEFINE = {
 _ENTRY = re.compile(r"(\w+):\s*(.*)")
 #: The BalancerConfig fields a benchmark sets from the command line (the sizes come from its setup).
 _BALANCER_FIELDS = ("slots_per_rank", "min_tokens_per_replica", "balance_eps")
+
+
+#: ``--capacity_factor=auto``: the program's own default buffer (`check_capacity_factor`).
+AUTO = "auto"
+
+
+def run_folder(program: str) -> str:
+    """Where ``program`` writes its figures by default: ``runs/<program>`` in the working folder
+    (beside `experiments.train`'s ``runs/default``). The committed results (docs/,
+    experiments/results/) are rewritten only when a flag names them, so that their provenance
+    (the command, commit and date recorded with them) stays that of the run that made them."""
+    return f"runs/{program}"
+
+
+def parse_capacity_factor(text: str) -> float | str | None:
+    """The ``--capacity_factor`` flag's value in every program that builds a balanced layer:
+    ``"auto"`` (`AUTO`), None for ``none`` (dropless: worst-case buffers), or a float (checked by
+    `check_capacity_factor`).
+
+    Raises:
+      ValueError: one line naming the flag when ``text`` is none of these.
+    """
+    value = text.strip().lower()
+    if value in (AUTO, "none"):
+        return None if value == "none" else AUTO
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(
+            f"--capacity_factor must be a number, auto or none, got {text!r}"
+        ) from None
+
+
+def check_capacity_factor(value, auto: float | None) -> float | None:
+    """``value`` (a `parse_capacity_factor` result or a number) as a float, or None (dropless);
+    ``"auto"`` stands for ``auto``.
+
+    Raises:
+      ValueError: one line naming the flag when ``value`` is not a finite number > 0, None or
+        ``"auto"``.
+    """
+    if value == AUTO:
+        value = auto
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"--capacity_factor must be a number, auto or none, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--capacity_factor must be a finite number > 0, got {value}")
+    return float(value)
 
 
 def attribute_help(cls) -> dict[str, str]:

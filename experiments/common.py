@@ -153,6 +153,23 @@ def write_json(path: str | os.PathLike | None, obj) -> None:
         os.replace(tmp, path)
 
 
+def check_output_path(path: str | os.PathLike, flag: str) -> None:
+    """Checks, before a long run, that `write_json` can write ``path`` (given by ``flag``): it is
+    no folder, and its nearest existing folder is a writable folder, not a file.
+
+    Raises:
+      ValueError: one line naming ``flag`` and the problem.
+    """
+    path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag}={path} is a folder; name a file")
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise ValueError(f"{flag}={path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag}={path}: the folder {parent} is not writable")
+
+
 _HELP_ARGS = ("--help", "-help", "--helpshort", "-helpshort", "-?")
 
 
@@ -190,10 +207,22 @@ def parse_flags(argv: list[str]) -> list[str]:
         raise
 
 
+#: JAX's logger that reports, at INFO, each backend it tried and skipped quietly (on a CPU
+#: machine: "Unable to initialize backend 'tpu': ... libtpu.so ..."). Python's own logging shows
+#: only warnings, but absl's handler, which `absl.app.run` installs, shows INFO (``--verbosity``
+#: defaults to 0), so that line opened the output of every program. A backend that is asked
+#: for (``JAX_PLATFORMS``) and fails still raises.
+_BACKEND_PROBE_LOGGER = "jax._src.xla_bridge"
+
+
 def run_main(main: Callable[[list[str]], object]) -> None:
-    """``absl.app.run(main)`` with `parse_flags`."""
+    """``absl.app.run(main)`` with `parse_flags`, without JAX's INFO lines about the backends it
+    probed and skipped (`_BACKEND_PROBE_LOGGER`)."""
+    import logging
+
     from absl import app
 
+    logging.getLogger(_BACKEND_PROBE_LOGGER).setLevel(logging.WARNING)
     app.run(main, flags_parser=parse_flags)
 
 

@@ -54,3 +54,21 @@ def test_doc_links_exist():
             if "://" not in target and not (page.parent / target).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {target}")
     assert not missing, missing
+
+
+def test_readme_lists_the_test_extra():
+    """README listed the test extra as pytest, pytest-xdist and hypothesis; pyproject also has
+    filelock and scipy."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[<>=\[ ]", req)[0] for req in extra["optional-dependencies"]["test"]]
+    names = [name for name in names if name != extra["name"]]
+    listed = re.search(r"`test` adds ([^.]+)\.", " ".join(README.read_text().split())).group(1)
+    assert sorted(re.split(r", | and ", listed)) == sorted(names), listed
+
+
+def test_readme_says_where_to_run_the_experiments():
+    """`python -m experiments.*` works only from the checkout's root, and nothing said so."""
+    text = " ".join(README.read_text().split())
+    assert "Run both from the checkout's root: `python -m experiments.*`" in text

@@ -11,7 +11,9 @@ compiled and timed interleaved (medians of ``--repeats`` rounds) on ``--pinned_r
 each pinned to a core of its own with one CPU device, so that the wall clock is the busiest
 rank's (a calibration line says how close). The layer shape is `experiments.bench.moe`'s flags
 (default here D=128, F=512, E=8, top-2, all hot experts on rank 0). Prints the table and the
-break-even per mode and skew (`breakeven_report`), writes ``--json_out`` and the plot ``--plot``.
+break-even per mode and skew (`breakeven_report`), writes ``--json_out`` and the plot ``--plot``
+(default: runs/breakeven/; ``--json_out=docs/breakeven.json --plot=docs/breakeven.png`` replaces
+the committed ones that docs/serving.md shows).
 Needs a quiet machine: other load on the cores changes the clock.
 """
 
@@ -26,7 +28,7 @@ from absl import flags
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments import common
+from experiments import cli, common
 from experiments.bench import (
     breakeven_report,
     moe,  # its flags: the layer's shape, the balancer, the skew
@@ -42,12 +44,17 @@ _MODES = flags.DEFINE_list("modes", ["train", "prefill"], "train and/or prefill.
 _QUICK = flags.DEFINE_bool(
     "quick", False, "A smoke test: tokens 64 and 256, skews 0 and 3, 3 rounds."
 )
-_PLOT = flags.DEFINE_string("plot", "docs/breakeven.png", "Write the plot here (empty: no plot).")
+_RUN = cli.run_folder("breakeven")
+_PLOT = flags.DEFINE_string(
+    "plot",
+    f"{_RUN}/breakeven.png",
+    "Write the plot here (empty: no plot; docs/breakeven.png: the committed one).",
+)
 flags.FLAGS.set_default("d_model", 128)
 flags.FLAGS.set_default("d_ff", 512)
 flags.FLAGS.set_default("num_experts", 8)
 flags.FLAGS.set_default("pinned_ranks", 2)
-flags.FLAGS.set_default("json_out", "docs/breakeven.json")
+flags.FLAGS.set_default("json_out", f"{_RUN}/breakeven.json")
 
 FLAGS = flags.FLAGS
 LAYERS = {

@@ -1,6 +1,7 @@
 """This machine's rates for the step model, at the break-even's layer shape, on pinned ranks.
 
-    python -m experiments.bench.rates       # writes experiments/results/rates_cpu.json
+    python -m experiments.bench.rates       # writes runs/rates/rates_cpu.json
+    python -m experiments.bench.rates --json_out=experiments/results/rates_cpu.json  # committed
     python -m experiments.bench.rates --modes=train --tokens=256,2048 --json_out=/tmp/r.json
 
 The break-even's layers (`experiments.bench.breakeven`: D=128, F=512, E=8, top-2, EP=2 as two
@@ -39,7 +40,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments import common
+from experiments import cli, common
 from experiments.bench import (
     breakeven,  # the layer's shape and sweep flags (--tokens, --modes)
     moe,
@@ -48,7 +49,8 @@ from experiments.stepmodel import calibration
 from ultraep_jax.experts.registry import grouped_glu
 from ultraep_jax.replicas import streaming
 
-flags.FLAGS.set_default("json_out", "experiments/results/rates_cpu.json")
+# experiments/results/rates_cpu.json, which the step model's tests read, only when named.
+flags.FLAGS.set_default("json_out", f"{cli.run_folder('rates')}/rates_cpu.json")
 flags.FLAGS.set_default("tokens", ["256", "1024", "2048", "4096", "8192"])
 flags.FLAGS.set_default("repeats", 5)
 FLAGS = flags.FLAGS

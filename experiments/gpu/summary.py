@@ -2,7 +2,9 @@
 exchanges, overlap, replay, GPU tests), read from the run's JSON and logs, whether its target is
 met, and the command that produced it.
 
-        python -m experiments.gpu.summary --dir=experiments/results/gpu_20261124
+        bash experiments/gpu/run_all.sh --dry_run                # on a CPU: runs/gpu_all_dry
+        python -m experiments.gpu.summary --dir=runs/gpu_all_dry
+        python -m experiments.gpu.summary --dir=experiments/results/gpu_<UTC date>  # a GPU run
 
 Reads, in ``--dir``: ``commands.tsv`` (part, exit code, seconds, command: one line per part run),
 ``env.txt``, ``tests_gpu.log``, ``gpu_check/gpu_results.json``, ``exchange/gpu_results.json``,
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 
 from absl import flags
 
@@ -299,8 +302,17 @@ def summary_lines(folder: str) -> list[str]:
 
 
 def main(argv):
-    """Writes summary.md into ``--dir`` and prints it."""
+    """Writes summary.md into ``--dir`` and prints it; one line ``error: ...`` (exit code 2)
+    when ``--dir`` is no folder."""
     del argv
+    if not os.path.isdir(_DIR.value):
+        print(
+            f"error: --dir={_DIR.value} is not a folder: give the folder run_all.sh wrote "
+            "(its --out)",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(2)
     text = "\n".join(summary_lines(_DIR.value))
     with open(os.path.join(_DIR.value, "summary.md"), "w") as f:
         f.write(text + "\n")

@@ -18,7 +18,7 @@ import collections
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 # A test reference: tests/references imports nothing from experiments/ or models/ (no cycle).
 from tests.references.oracle import exact_plan_exists, random_cases
@@ -78,4 +78,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from experiments import common
+
+    common.run_main(main)

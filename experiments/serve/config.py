@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 
+from experiments.cli import check_capacity_factor
 from experiments.train.config import BALANCED_CAPACITY_FACTOR
 from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK
 
@@ -12,6 +14,8 @@ from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK
 BALANCE_MODES = ("ultraep", "none", "both")
 #: ``--output`` default, inside the workdir.
 OUTPUT_FILE = "serve.json"
+#: ``--prompts`` default: the 24 prompts shipped beside this module (found from any folder).
+DEFAULT_PROMPTS = str(pathlib.Path(__file__).resolve().with_name("prompts"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +26,7 @@ class ServeConfig:
       workdir: a folder written by experiments.train: its config.json gives the model's shape,
         its newest checkpoint the parameters.
       prompts: the prompts: a file, a folder (every file below it) or a glob; each file is one
-        prompt, its bytes the tokens.
+        prompt, its bytes the tokens (default: the 24 prompts of experiments/serve/prompts).
       balance: expert load balancing: ultraep (balanced), none (plain expert parallelism), or
         both: each mode prefills the same batch and the report compares them.
       output: JSON file of each prompt's next-token prediction and greedy continuation (empty:
@@ -30,7 +34,9 @@ class ServeConfig:
       new_tokens: greedy continuation length per prompt, as decode steps on the fallback path
         (plain expert parallelism, dropless); 0: none.
       capacity_factor: receive buffer per rank of the balanced prefill, as a multiple of the
-        pairs it routes; pairs beyond it are dropped (and counted). Plain prefill is dropless.
+        pairs it routes; pairs beyond it are dropped (and counted). auto: 1.05 (room for the
+        balanced load); none: dropless (worst-case buffers); or a number. Plain prefill is
+        dropless.
       slots_per_rank: spare slots per rank (0: the workdir's training value).
       min_tokens_per_replica: least tokens a replica carries.
       balance_eps: balance tolerance over the mean.
@@ -41,11 +47,11 @@ class ServeConfig:
     """
 
     workdir: str = ""
-    prompts: str = ""
+    prompts: str = DEFAULT_PROMPTS
     balance: str = "both"
     output: str = ""
     new_tokens: int = 16
-    capacity_factor: float = BALANCED_CAPACITY_FACTOR
+    capacity_factor: float | str | None = BALANCED_CAPACITY_FACTOR
     slots_per_rank: int = 0
     min_tokens_per_replica: int = 8
     balance_eps: float = 0.01
@@ -73,20 +79,14 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"--{name} must be an int >= {minimum}, got {value!r}")
-        cf = self.capacity_factor
-        if (
-            isinstance(cf, bool)
-            or not isinstance(cf, (int, float))
-            or not (math.isfinite(cf) and cf > 0)
-        ):
-            raise ValueError(f"--capacity_factor must be a finite number > 0, got {cf!r}")
+        cf = check_capacity_factor(self.capacity_factor, BALANCED_CAPACITY_FACTOR)
+        object.__setattr__(self, "capacity_factor", cf)
         if not (
             isinstance(self.balance_eps, (int, float))
             and math.isfinite(self.balance_eps)
             and self.balance_eps >= 0
         ):
             raise ValueError(f"--balance_eps must be finite and >= 0, got {self.balance_eps!r}")
-        object.__setattr__(self, "capacity_factor", float(cf))
 
     @property
     def modes(self) -> tuple[str, ...]:

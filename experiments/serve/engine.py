@@ -147,8 +147,10 @@ def greedy_step(model: MoELM, mesh, new_tokens: int):
 
 def decode_balancer(balancer: uep.BalancerConfig | None, tokens_per_rank: int):
     """The balancer of the decode steps: ``balancer`` with its fallback threshold above the
-    steps' ``tokens_per_rank``, so that they compile plain EP (a decode step's handful of new
-    tokens per rank is below any useful threshold); None stays None."""
+    steps' ``tokens_per_rank``, so that they compile plain EP. Without a KV cache each step runs
+    the whole window (327 tokens per rank for the shipped prompts, above the default threshold)
+    to predict one token per row; a cached decode step would route those new tokens alone, a
+    few per rank, which is what the fallback is for. None stays None."""
     if balancer is None:
         return None
     threshold = max(balancer.min_tokens_per_rank, tokens_per_rank + 1)

@@ -2,15 +2,15 @@
 parallelism, and show what the model predicts.
 
     python -m experiments.train                  # the main job: runs/default
-    python -m experiments.serve --workdir=runs/default --prompts=experiments/serve/prompts
+    python -m experiments.serve --workdir=runs/default   # prompts: experiments/serve/prompts
     python -m experiments.serve --workdir=runs/default --prompts='my/*.txt' --balance=ultraep
     # EP=2 as two processes pinned to a core each (the prefill time is the busiest rank's):
     python -m experiments.serve --workdir=runs/default --prompts=experiments/serve/prompts \
         --pinned_ranks=2
 
-``experiments/serve/prompts`` holds 24 short prompts of Python source (the default run's training
-text): padded into 24 x 93 tokens, 279 per rank on 8 devices, above the default
-``--min_tokens_per_rank=256``, so the balanced prefill balances.
+``experiments/serve/prompts`` (the default ``--prompts``) holds 24 short prompts of Python
+source (the default run's training text): padded into 24 x 93 tokens, 279 per rank on 8
+devices, above the default ``--min_tokens_per_rank=256``, so the balanced prefill balances.
 
 Each prompt file is one prompt (its bytes are the tokens, as in training). The prompts are padded
 into one batch, at the end of each row and with empty rows up to a multiple of the devices, and
@@ -42,7 +42,7 @@ from experiments.serve.config import OUTPUT_FILE, ServeConfig
 from experiments.serve.prompts import Prompt, as_text, pad_batch, read_prompts
 from experiments.serve.report import report
 
-_VALUES = cli.define_flags(ServeConfig)
+_VALUES = cli.define_flags(ServeConfig, {"capacity_factor": cli.parse_capacity_factor})
 flags.DEFINE_integer(
     "cpu_devices", 8, "Simulated CPU devices per process when there is no accelerator."
 )
@@ -74,6 +74,8 @@ def main(argv):
         cfg = ServeConfig(**_VALUES())
         workdir, train_cfg = _engine().read_train_config(cfg.workdir)
         prompts = read_prompts(cfg.prompts, train_cfg.model.max_seq_len)
+        output = cfg.output or str(workdir / OUTPUT_FILE)
+        common.check_output_path(output, "--output")
     except ValueError as err:  # RunError included
         _fail(err)
     if FLAGS.pinned_ranks and FLAGS.num_processes == 1:  # this process only starts the ranks
@@ -95,7 +97,6 @@ def main(argv):
 
     if jax.process_index() == 0:
         print(report(result), flush=True)
-        output = cfg.output or str(workdir / OUTPUT_FILE)
         common.write_json(output, result)
         print(f"wrote {output}", flush=True)
 

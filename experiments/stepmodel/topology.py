@@ -1,6 +1,8 @@
 """Topology-aware against topology-blind replica transfer, through the one step model.
 
-    python -m experiments.stepmodel.topology          # the table and plot of docs/results.md
+    python -m experiments.stepmodel.topology          # the tables and plot, into runs/topology/
+    python -m experiments.stepmodel.topology --json_out=experiments/results/topology.json \
+        --table_out=experiments/results/topology.md --plot=docs/topology.png  # the committed ones
     python -m experiments.stepmodel.topology --traces=deepseek-r1 --ep_sizes=64 --stride=8
 
 Loads: every (run, layer) of each real trace, made into an EP-R load matrix as the simulator
@@ -67,11 +69,10 @@ TRACES = ("deepseek-r1", "qwen1.5-moe", "switch-base-128")
 TOPOLOGIES = ("hgx-h100", "gb200-nvl72")
 #: The policies, in table order.
 POLICIES = ("none", "blind", "aware")
-#: Where the program writes, relative to the repository root.
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-JSON_OUT = "experiments/results/topology.json"
-TABLE_OUT = "experiments/results/topology.md"
-PLOT_OUT = "docs/topology.png"
+#: Where the program writes by default (docs/results.md's files only when the flags name them).
+JSON_OUT = f"{cli.run_folder('topology')}/topology.json"
+TABLE_OUT = f"{cli.run_folder('topology')}/topology.md"
+PLOT_OUT = f"{cli.run_folder('topology')}/topology.png"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,8 +437,12 @@ def plot(rows: list[dict], path) -> None:
 
 
 def _out(path: str) -> pathlib.Path | None:
-    """``path`` relative to the repository root (absolute paths as they are; '' for none)."""
-    return None if not path else ROOT / path
+    """``path`` with its folder created (None for '')."""
+    if not path:
+        return None
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def main(argv):

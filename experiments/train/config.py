@@ -12,12 +12,12 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from experiments.cli import flag_text
+from experiments.cli import AUTO, check_capacity_factor, flag_text
+from experiments.cli import parse_capacity_factor as parse_capacity_factor  # the flag's parser
 from models.moe_lm import ModelConfig, check_positive_ints
 from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK
 
-#: ``capacity_factor`` default: resolved on construction by `auto_capacity_factor`.
-AUTO = "auto"
+# ``capacity_factor``'s default, AUTO, is resolved on construction by `auto_capacity_factor`.
 #: The receive buffer of a balanced run, as a multiple of the mean routed load: room for the
 #: balanced load (within ``balance_eps``) plus rounding, so nothing is dropped in practice.
 BALANCED_CAPACITY_FACTOR = 1.05
@@ -52,23 +52,6 @@ def auto_capacity_factor(balance: str) -> float | None:
     balances or runs the force-balanced ideal (the buffer fits the balanced load), None
     (dropless, worst-case buffers) without."""
     return BALANCED_CAPACITY_FACTOR if balance in ("ultraep", "ideal") else None
-
-
-def parse_capacity_factor(text: str) -> float | str | None:
-    """The ``--capacity_factor`` flag's value: ``"auto"``, None for ``none``, or a float.
-
-    Raises:
-      ValueError: one line naming the flag when ``text`` is none of these.
-    """
-    value = text.strip().lower()
-    if value in (AUTO, "none"):
-        return None if value == "none" else AUTO
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(
-            f"--capacity_factor must be a number, auto or none, got {text!r}"
-        ) from None
 
 
 def default_workdir(preset: str | None, model_values: Mapping[str, object]) -> str:
@@ -177,17 +160,18 @@ class TrainConfig:
             )
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.capacity_factor == AUTO:
-            object.__setattr__(self, "capacity_factor", auto_capacity_factor(self.balance))
-        cf = self.capacity_factor
-        if cf is not None:
-            if isinstance(cf, bool) or not isinstance(cf, (int, float)):
-                raise ValueError(f"--capacity_factor must be a number, auto or none, got {cf!r}")
-            if not (math.isfinite(cf) and cf > 0):
-                raise ValueError(f"--capacity_factor must be a finite number > 0, got {cf}")
-            object.__setattr__(self, "capacity_factor", float(cf))
-        if self.learning_rate <= 0 or self.balance_eps < 0:
-            raise ValueError("--learning_rate must be > 0 and --balance_eps >= 0")
+        cf = check_capacity_factor(self.capacity_factor, auto_capacity_factor(self.balance))
+        object.__setattr__(self, "capacity_factor", cf)
+        for name in ("learning_rate", "balance_eps"):  # nan and inf would train to a nan loss
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"--{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"--{name} must be finite, got {value}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        if self.balance_eps < 0:
+            raise ValueError(f"--balance_eps must be >= 0, got {self.balance_eps}")
         if not self.workdir:
             raise ValueError("--workdir must be set")
 

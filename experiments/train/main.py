@@ -57,16 +57,11 @@ from experiments.common import (
     run_main,
     start_distributed,
 )
-from experiments.train.config import (
-    MODEL_FIELDS,
-    TrainConfig,
-    default_workdir,
-    parse_capacity_factor,
-)
+from experiments.train.config import MODEL_FIELDS, TrainConfig, default_workdir
 from models.presets import PRESETS, preset
 
 # Fields whose flag is text that a parser turns into the value (auto, none or a number).
-_PARSERS = {"capacity_factor": parse_capacity_factor}
+_PARSERS = {"capacity_factor": cli.parse_capacity_factor}
 cli.define_flags(TrainConfig, _PARSERS)
 _DEFAULT_PRESET = "tiny"
 flags.DEFINE_enum(

@@ -18,9 +18,9 @@ import pytest
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments import common
+from experiments import cli, common
 from experiments.serve import engine
-from experiments.serve.config import ServeConfig
+from experiments.serve.config import DEFAULT_PROMPTS, ServeConfig
 from experiments.serve.prompts import Prompt, pad_batch
 from experiments.serve.report import report
 from experiments.train import trainer
@@ -273,6 +273,79 @@ def test_bad_config_raises_one_line(kwargs, match):
     with pytest.raises(ValueError, match=match) as info:
         ServeConfig(**{"workdir": "w", "prompts": "p", **kwargs})
     assert "\n" not in str(info.value)
+
+
+def test_capacity_factor_takes_trains_values():
+    """Serve rejected --capacity_factor=none, which train accepts: one parser reads both."""
+    for text, value in (("auto", 1.05), ("none", None), ("1.5", 1.5), (" 2 ", 2.0)):
+        parsed = cli.parse_capacity_factor(text)
+        assert ServeConfig("w", "p", capacity_factor=parsed).capacity_factor == value, text
+        assert TrainConfig(workdir="w", capacity_factor=parsed).capacity_factor == value, text
+    for bad in (0, -1.0, float("nan"), True, "lots"):
+        for make in (
+            lambda cf: ServeConfig("w", "p", capacity_factor=cf),
+            lambda cf: TrainConfig(workdir="w", capacity_factor=cf),
+        ):
+            with pytest.raises(ValueError, match="--capacity_factor must be a"):
+                make(bad)
+
+
+def test_default_prompts_are_the_shipped_ones():
+    """experiments/README.md's command (`--workdir=runs/default` alone) ended with "--prompts must
+    name a prompt file, folder or glob"."""
+    shipped = ROOT / "experiments" / "serve" / "prompts"
+    assert pathlib.Path(ServeConfig("w").prompts) == pathlib.Path(DEFAULT_PROMPTS) == shipped
+    assert len(list(shipped.iterdir())) == 24
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_folder"])
+def test_unwritable_output_fails_before_the_prefill(tmp_path, workdir, prompt_dir, where):
+    """An --output under an existing file ran the whole prefill, then died with a 56-line
+    FileExistsError."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    output = afile / "serve.json" if where == "under_a_file" else tmp_path
+    proc = _serve(f"--workdir={workdir}", f"--prompts={prompt_dir}", f"--output={output}")
+    _one_error_line(proc, f"--output={output}")
+    assert "prefill" not in proc.stdout and "Traceback" not in proc.stderr
+    assert afile.read_text() == "x"
+
+
+def test_check_output_path(tmp_path):
+    common.check_output_path(tmp_path / "new" / "deeper" / "out.json", "--out")  # created later
+    (tmp_path / "f").write_text("")
+    common.check_output_path(tmp_path / "f", "--out")  # replaced
+    with pytest.raises(ValueError, match=r"--out=.*f/x.json: .*f is a file, not a folder"):
+        common.check_output_path(tmp_path / "f" / "x.json", "--out")
+    with pytest.raises(ValueError, match="is a folder; name a file"):
+        common.check_output_path(tmp_path, "--out")
+
+
+def test_documented_command_runs_from_another_folder(tmp_path_factory):
+    """experiments/README.md's serve command, as written, on a run folder runs/default (a tiny
+    model whose positions cover the shipped prompts), from a folder other than the checkout:
+    the default prompts are found beside the program."""
+    here = tmp_path_factory.mktemp("elsewhere")
+    run = here / "runs" / "default"
+    trainer.run(TrainConfig.from_flat({"workdir": str(run), **TINY, "max_seq_len": 128}))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    command = "python -m experiments.serve --workdir=runs/default"
+    proc = subprocess.run(
+        [sys.executable, *command.split()[1:]],
+        cwd=here,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((run / "serve.json").read_text())
+    assert len(res["prompts"]) == 24 and res["tokens_per_rank"] == 279
+    # docs/serving.md's reason why decode runs plain EP: the window, not the new tokens, per rank.
+    assert res["decode"]["tokens_per_rank"] == 327 > ServeConfig("w").min_tokens_per_rank
+    assert "327 per rank" in (ROOT / "docs" / "serving.md").read_text()
+    assert "next-token predictions the same for" in proc.stdout
 
 
 def test_config_modes():

@@ -174,6 +174,30 @@ def test_capacity_factor_auto_none_and_numbers():
             TrainConfig(workdir="w", capacity_factor=bad)
 
 
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("learning_rate", float("nan"), "--learning_rate must be finite, got nan"),
+        ("learning_rate", float("inf"), "--learning_rate must be finite, got inf"),
+        ("learning_rate", 0.0, "--learning_rate must be > 0, got 0.0"),
+        ("learning_rate", "fast", "--learning_rate must be a number, got 'fast'"),
+        ("balance_eps", -1.0, "--balance_eps must be >= 0, got -1.0"),
+        ("balance_eps", float("nan"), "--balance_eps must be finite, got nan"),
+        ("eval_fraction", float("nan"), "--eval_fraction must be in (0, 1), got nan"),
+        ("capacity_factor", float("nan"), "--capacity_factor must be a finite number > 0"),
+    ],
+)
+def test_float_fields_are_finite_and_errors_name_their_flag(name, value, message):
+    """--learning_rate=nan trained to a nan loss; --balance_eps=-1 said "--learning_rate must be
+    > 0 and --balance_eps >= 0" without saying which was wrong."""
+    with pytest.raises(ValueError) as info:
+        TrainConfig(workdir="w", **{name: value})
+    text = str(info.value)
+    assert text.startswith(message) and "\n" not in text, text
+    others = ("--learning_rate", "--balance_eps", "--eval_fraction", "--capacity_factor")
+    assert [flag for flag in others if flag in text] == [f"--{name}"], text
+
+
 def test_saved_config_blocks_only_state_changes():
     saved = TrainConfig(workdir="a").to_json()
     same_state = TrainConfig(
@@ -532,8 +556,9 @@ def test_sigterm_twice_still_saves(tmp_path):
         (["--preset=nonexistent"], "flag --preset=nonexistent: value should be one of"),
         (["--steps=abc"], "flag --steps=abc: invalid literal"),
         (["--slots_per_rank=0"], "--slots_per_rank=0 leaves --balance=ultraep no spare slot"),
+        (["--learning_rate=nan"], "--learning_rate must be finite, got nan"),
     ],
-    ids=["preset", "steps", "slots0"],
+    ids=["preset", "steps", "slots0", "lr_nan"],
 )
 def test_unparsable_flags_end_with_one_line_and_exit_2(tmp_path, args, message):
     """absl's own parse errors printed two lines and exited 1; `--slots_per_rank=0` with

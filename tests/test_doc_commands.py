@@ -1,0 +1,197 @@
+"""Every ``python -m experiments...`` command of README.md, docs/*.md and experiments/README.md
+parses as written: the program's flags and their validators accept it (`parsed_as_written`).
+
+What runs how (a full run of most of them takes minutes to hours, so this file only parses):
+  - every command: its flags parsed by the program's own parser (`common.parse_flags`, with the
+    program's validators), one process per program, without running its ``main``; marked slow
+    (a JAX import per program, about a minute in all);
+  - every program's defaults: no figure is written under docs/ or experiments/results/ unless a
+    flag names the file (`test_defaults_write_no_committed_file`);
+  - run in full elsewhere: experiments/README.md's serve command as written
+    (tests/experiments/test_serve.py::test_documented_command_runs_from_another_folder), the
+    README's ```python blocks (tests/test_readme.py), train's documented flags on small models
+    (tests/experiments/test_train.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = (
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "experiments" / "README.md",
+)
+# Committed results: a program writes there only when a flag names the file.
+COMMITTED = ("docs/", "experiments/results/")
+# Runs the program module with `run_main` replaced by: parse each argv (one line `error: ...`
+# and exit 2 when one does not parse), then exit 0 without running main.
+_RUNNER = """
+import json, runpy, sys
+from absl import app, flags
+from experiments import common
+module, argvs = sys.argv[1], json.loads(sys.argv[2])
+
+def parse_only(main, **kwargs):
+    for argv in argvs:
+        flags.FLAGS.unparse_flags()
+        common.parse_flags([module, *argv])
+    if "--defaults" in sys.argv:  # every string flag's default
+        values = {name: flags.FLAGS[name].default for name in flags.FLAGS}
+        print(json.dumps({k: v for k, v in values.items() if isinstance(v, str)}))
+    sys.exit(0)
+
+common.run_main = app.run = parse_only
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def _shell_lines(text: str) -> list[str]:
+    """The command lines of a markdown page: its indented code lines (continued after a
+    backslash) and its inline code spans (fenced blocks are output, not commands)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    lines = re.findall(r"`([^`]+)`", text)
+    rows = text.splitlines()
+    i = 0
+    while i < len(rows):
+        if rows[i].startswith("    "):
+            line = rows[i].strip()
+            while line.endswith("\\") and i + 1 < len(rows):
+                i += 1
+                line = line[:-1] + " " + rows[i].strip()
+            lines.append(line)
+        i += 1
+    return [" ".join(line.split()) for line in lines]
+
+
+def documented_commands() -> dict[str, list[list[str]]]:
+    """``{module: [argv, ...]}``: every ``python -m experiments.X ...`` of the pages, its shell
+    wrappers (``VAR=value``, ``chrt -r 10``, ``timeout ...``, ``&&``, ``&``) and comments left out,
+    ``[--optional]`` flags given, and placeholder values (``--flag=...``) dropped."""
+    found = collections.defaultdict(list)
+    for page in PAGES:
+        for line in _shell_lines(page.read_text()):
+            for part in re.split(r"&&|;|\|", line):
+                words = shlex.split(part.replace("[", "").replace("]", ""), comments=True)
+                if "-m" not in words or "python" not in words:
+                    continue
+                at = words.index("-m")
+                module = words[at + 1] if at + 1 < len(words) else ""
+                if not re.fullmatch(r"experiments(\.\w+)*", module):
+                    continue  # prose about the programs (`python -m experiments.*`)
+                argv = [w for w in words[at + 2 :] if w != "&" and not w.endswith("=...")]
+                if argv not in found[module]:
+                    found[module].append(argv)
+    return dict(found)
+
+
+COMMANDS = documented_commands()
+
+
+def _run(module: str, argvs: list[list[str]], *extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["JAX_PLATFORMS"] = "cpu"  # parsing touches no device
+    return subprocess.run(
+        [sys.executable, "-c", _RUNNER, module, json.dumps(argvs), *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_commands_are_found():
+    """The extraction finds the pages' commands (experiments/README.md's table names 18)."""
+    assert len(COMMANDS) >= 18, sorted(COMMANDS)
+    assert (
+        [] in COMMANDS["experiments.train"]
+        and ["--workdir=runs/default"] in COMMANDS["experiments.serve"]
+    )
+    assert ["--dir=DIR"] in COMMANDS["experiments.gpu.summary"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", sorted(COMMANDS))
+def test_parsed_as_written(module):
+    proc = _run(module, COMMANDS[module])
+    assert proc.returncode == 0, (COMMANDS[module], proc.stderr[-2000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", sorted(COMMANDS))
+def test_defaults_write_no_committed_file(module):
+    """bench.breakeven, bench.rates and stepmodel.topology overwrote docs/breakeven.json and .png,
+    experiments/results/rates_cpu.json and topology.json by default."""
+    proc = _run(module, [max(COMMANDS[module], key=len)], "--defaults")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    defaults = json.loads(proc.stdout.strip().splitlines()[-1])
+    inputs = {"rates", "breakeven", "calibration", "traces_dir", "workdir", "dir", "prompts"}
+    writes = {k: v for k, v in defaults.items() if k not in inputs and v}
+    assert not [v for v in writes.values() if v.startswith(COMMITTED)], writes
+
+
+@pytest.mark.slow
+def test_gpu_summary_docstring_example_runs(tmp_path):
+    """experiments.gpu.summary's docstring named a folder that does not exist (a traceback): its
+    example is now the dry run's folder, and a missing folder is one error line."""
+    from experiments.gpu import summary
+
+    assert "--dir=runs/gpu_all_dry" in summary.__doc__
+    assert (
+        "run_all.sh --dry_run" in summary.__doc__
+        and "DIR=runs/gpu_all_dry" in (ROOT / "experiments" / "gpu" / "run_all.sh").read_text()
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    missing = tmp_path / "nothing"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.gpu.summary", f"--dir={missing}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: --dir={missing} is not a folder: give the folder run_all.sh wrote (its --out)"
+    ], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_no_backend_probe_line_on_cpu():
+    """JAX's INFO line "Unable to initialize backend 'tpu'" opened the output of the programs on a
+    CPU machine (absl's handler shows INFO); `common.run_main` leaves that logger at WARNING."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.stepmodel.anchor"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Unable to initialize backend" not in proc.stderr + proc.stdout, proc.stderr[:500]
+    assert proc.stdout.startswith("UltraEP's EP64 setup"), proc.stdout[:200]
+
+
+def test_api_compile_time_says_one_ratio_from_results():
+    """docs/api.md's compile-time paragraph gave seven different ratios; it now gives the current
+    one, the one docs/results.md's compile_layer table gives."""
+    api = (ROOT / "docs" / "api.md").read_text()
+    paragraph = api[api.index("Compile time.") :].split("\n\n", 1)[0]
+    ratios = set(re.findall(r"(\d+\.\d+)x", paragraph))
+    results = (ROOT / "docs" / "results.md").read_text()
+    section = results[results.index("## Compile time of one layer") :].split("\n## ", 1)[0]
+    assert ratios == set(re.findall(r"\*\*balanced\*\* \| [\d.]+ s \| \*\*(\d+\.\d+)\*\*", section))
+    assert len(ratios) == 1, ratios
