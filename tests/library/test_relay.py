@@ -364,10 +364,13 @@ def test_bad_max_fanout_raises(value):
 
 
 def test_transfer_send_max_is_zero_without_replicas(ep8_mesh):
+    """Plain EP, and a balancer whose plan makes no replica (a tolerance no load exceeds; a
+    balancer with no spare slot, the case this covered before, is now refused at construction)."""
     rng = np.random.default_rng(3)
     x, params = tm.make_inputs(rng, 8, 8, 8, 2, skew=True)
-    for balancer in (None, tm.balancer_config(ep8_mesh, 8, slots=0)):
+    for balancer in (None, tm.balancer_config(ep8_mesh, 8, slots=1, balance_eps=1e9)):
         layer = tm.build_layer(ep8_mesh, 8, 2, balancer, None, params)
         _, stats = tm.layer_forward(layer, tm.place_batch(ep8_mesh, x))
+        assert int(stats["replicas"]) == 0
         assert stats["transfer_send_max"].dtype == np.float32
         assert float(stats["transfer_send_max"]) == 0.0
