@@ -158,7 +158,7 @@ def _plan(experts_N, masked, ep: ExpertParallel, balancer: BalancerConfig | None
     if balancer is None:
         plan = masters_only_plan(loads_RE)
     else:
-        plan = make_plan(loads_RE, balancer, capacity=capacity)
+        plan = make_plan(loads_RE, balancer, capacity=capacity, planner=ep.execution.planner)
     # The FFI result carries no sharding type: it is identical across the EP group but differs
     # between EP groups, so it varies over whatever the loads vary over.
     axes = varying_axes(loads_RE)

@@ -24,6 +24,13 @@ from tests.references.planner import (
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
 
 
+@pytest.fixture(params=["native", "portable"])
+def planner(request):
+    """The planner under test: the C++ core through its FFI handler, or the portable planner
+    (JAX); both against the same reference, with the same assertions."""
+    return request.param
+
+
 def _random_loads(rng, R, E, kind, scale):
     if kind == "uniform":
         loads = rng.integers(0, scale + 1, size=(R, E))
@@ -93,15 +100,17 @@ def domain_or_skip(R: int, g):
 
 @pytest.mark.parametrize("g", DOMAINS)
 @pytest.mark.parametrize("R, E, S, F, K, eps", CONFIGS)
-def test_ffi_equals_reference_on_random_batches(R, E, S, F, K, eps, g):
+def test_ffi_equals_reference_on_random_batches(R, E, S, F, K, eps, g, planner):
     cfg = _config(S, F, K, eps, domain_or_skip(R, g))
     rng = np.random.default_rng(R * 1000 + E + S)
     kinds = ["uniform", "hot", "zipf", "one", "equal"]
     scales = [1, 7, 1000, 200_000]
     batch = np.stack([_random_loads(rng, R, E, k, s) for k, s in itertools.product(kinds, scales)])
-    got = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))(batch)
+    got = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg, planner=planner)))(batch)
     got = {name: np.asarray(getattr(got, name)) for name in FIELDS}
-    one = jax.jit(jax.vmap(lambda l: uep.plan(l, _config(S, F, K, eps))))(batch).slot_expert
+    one = jax.jit(jax.vmap(lambda l: uep.plan(l, _config(S, F, K, eps), planner=planner)))(
+        batch
+    ).slot_expert
     replicas = 0
     for i, loads in enumerate(batch):
         want = reference_plan(loads, S, F, eps, K, ranks_per_domain=g)
@@ -112,6 +121,24 @@ def test_ffi_equals_reference_on_random_batches(R, E, S, F, K, eps, g):
         assert replicas > 0  # the sweep exercised replication, not only trivial plans
     if R >= 8 and g in (2, 4):  # and the fit rule chose other targets than one domain's
         assert (got["slot_expert"] != np.asarray(one)).any()
+
+
+def _check_property_case(
+    planner, R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, g
+):
+    """One property case: ``planner``'s plan equals the reference's and keeps the invariants."""
+    E = R * experts_per_rank
+    rng = np.random.default_rng(seed)
+    loads = _random_loads(rng, R, E, kind, scale // E + 1 if scale > 100_000 else scale)
+    g = g if g is None or R % g == 0 else R
+    cfg = _config(S, F, K, eps, g)
+    # capacity as a multiple of the mean rank load (below, at and above it)
+    cap = None if capacity is None else max(1, int(capacity * loads.sum(dtype=np.int64) / R))
+    got = uep.plan(loads, cfg, capacity=cap, planner=planner)
+    want = reference_plan(loads, S, F, eps, K, capacity=cap or 0, ranks_per_domain=g)
+    _assert_same({n: getattr(got, n) for n in FIELDS}, want, f"{cfg}, capacity {cap}")
+    check_plan_invariants(loads, want, S)
+    assert np.asarray(got.rank_load).max() <= rank_loads_before(loads).max()
 
 
 @settings(max_examples=60, deadline=None)
@@ -131,18 +158,32 @@ def test_ffi_equals_reference_on_random_batches(R, E, S, F, K, eps, g):
 def test_ffi_equals_reference_property(
     R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, g
 ):
-    E = R * experts_per_rank
-    rng = np.random.default_rng(seed)
-    loads = _random_loads(rng, R, E, kind, scale // E + 1 if scale > 100_000 else scale)
-    g = g if g is None or R % g == 0 else R
-    cfg = _config(S, F, K, eps, g)
-    # capacity as a multiple of the mean rank load (below, at and above it)
-    cap = None if capacity is None else max(1, int(capacity * loads.sum(dtype=np.int64) / R))
-    got = uep.plan(loads, cfg, capacity=cap)
-    want = reference_plan(loads, S, F, eps, K, capacity=cap or 0, ranks_per_domain=g)
-    _assert_same({n: getattr(got, n) for n in FIELDS}, want, f"{cfg}, capacity {cap}")
-    check_plan_invariants(loads, want, S)
-    assert np.asarray(got.rank_load).max() <= rank_loads_before(loads).max()
+    _check_property_case(
+        "native", R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, g
+    )
+
+
+# Fewer examples: the portable planner compiles once per configuration (about 3 s each).
+@settings(max_examples=12, deadline=None)
+@given(
+    R=st.sampled_from([2, 4, 8]),
+    experts_per_rank=st.integers(1, 4),
+    S=st.integers(0, 3),
+    F=st.sampled_from([1, 5, 64, 4096]),
+    K=st.sampled_from([0, 1, 7]),
+    eps=st.sampled_from([0.0, 0.003, 0.01, 0.25, 1e17, 1e300]),
+    seed=st.integers(0, 2**31),
+    kind=st.sampled_from(["uniform", "hot", "zipf", "one", "equal"]),
+    scale=st.sampled_from([3, 500, 60_000, 4_000_000]),
+    capacity=st.one_of(st.none(), st.floats(0.9, 1.5)),
+    g=st.sampled_from(DOMAINS),
+)
+def test_portable_equals_reference_property(
+    R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, g
+):
+    _check_property_case(
+        "portable", R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, g
+    )
 
 
 @pytest.mark.parametrize("g", [None, 1])
@@ -157,7 +198,7 @@ def test_ffi_equals_reference_property(
         (1, 2, 0.05, 40),  # tau0 < 40: window(tau0, 40), then window(M, tau0 - 1)
     ],
 )
-def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity, g):
+def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity, g, planner):
     # Small loads and few slots (the exact solver's random cases, R 3..4), where the plain
     # attempts fail now and then and the repairs, or the capacity step's second window, decide.
     # With a capacity the loads are scaled to a mean of about 36 and the masters keep 8 more
@@ -172,7 +213,7 @@ def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity, g):
         loads = np.zeros((R, len(load_e)), np.int32)
         loads[0] = load_e
         cfg = uep.BalancerConfig(len(load_e), R, S, F, eps, K, ranks_per_domain=g)
-        got = uep.plan(loads, cfg, capacity)
+        got = uep.plan(loads, cfg, capacity, planner=planner)
         want, info = reference_plan_info(
             loads, S, F, eps, K, capacity=capacity or 0, ranks_per_domain=g
         )
@@ -188,7 +229,7 @@ def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity, g):
 
 
 @pytest.mark.parametrize("eps", [5e-324, 2.0**-1030, -0.0])
-def test_exact_mode_is_eps_zero_even_where_subnormals_flush(eps):
+def test_exact_mode_is_eps_zero_even_where_subnormals_flush(eps, planner):
     # XLA's CPU threads treat subnormal doubles as zero; exact mode is eps == 0 as an IEEE value
     # (PLANNER.md), so a subnormal eps is a tolerance (keeping the floor) and -0.0 is exact mode.
     # HOT8 loads (R=4, E=8, S=2, F=30): tau0 = 43 either way, but only exact mode gives up the
@@ -197,7 +238,7 @@ def test_exact_mode_is_eps_zero_even_where_subnormals_flush(eps):
     loads = np.zeros((4, 8), np.int32)
     loads[0] = load_e
     cfg = uep.BalancerConfig(8, 4, 2, 30, eps)
-    got = uep.plan(loads, cfg)
+    got = uep.plan(loads, cfg, planner=planner)
     want = reference_plan(loads, 2, 30, eps, 1)
     _assert_same({n: getattr(got, n) for n in FIELDS}, want, f"eps {eps!r}")
     exact = eps == 0.0
@@ -213,7 +254,7 @@ TRAIN_STEP_LOAD_E = [0, 0, 412, 212, 572, 12, 199, 717, 538, 639, 7, 0, 3, 766, 
 
 
 @pytest.mark.parametrize("g", [None, 8])  # one domain, also when stated: the plan as before
-def test_training_loads_balance_with_two_slots(g):
+def test_training_loads_balance_with_two_slots(g, planner):
     load_e = np.asarray(TRAIN_STEP_LOAD_E, np.int64)
     loads = np.tile(load_e // 8, (8, 1))
     loads[0] += load_e % 8  # spread over the 8 source ranks; only the column sums matter
@@ -223,7 +264,7 @@ def test_training_loads_balance_with_two_slots(g):
     )
     before = rank_loads_before(loads)
     assert before.tolist() == [0, 624, 584, 916, 1177, 7, 769, 19] and before.sum() == 4096
-    got = {n: np.asarray(getattr(uep.plan(loads, cfg), n)) for n in FIELDS}
+    got = {n: np.asarray(getattr(uep.plan(loads, cfg, planner=planner), n)) for n in FIELDS}
     _assert_same(got, reference_plan(loads, 2, 8, 0.01, 1), "training layer-step")
     check_plan_invariants(loads, got, 2)
     # Independently of the planner: every slot holds a replica of a foreign expert, every rank
@@ -233,19 +274,21 @@ def test_training_loads_balance_with_two_slots(g):
         assert all(e // 2 != r for e in held)
     assert got["rank_load"].max() == 517 and got["rank_load"].sum() == 4096
     # And in exact mode every rank lands on the mean.
-    exact = uep.plan(loads, dataclasses.replace(cfg, balance_eps=0.0))
+    exact = uep.plan(loads, dataclasses.replace(cfg, balance_eps=0.0), planner=planner)
     assert np.asarray(exact.rank_load).tolist() == [512] * 8
 
 
 @pytest.mark.parametrize("R, E, S, F, K, eps", [c for c in CONFIGS if c[0] > 1])
-def test_one_domain_is_the_plan_without_domains(R, E, S, F, K, eps):
+def test_one_domain_is_the_plan_without_domains(R, E, S, F, K, eps, planner):
     # ranks_per_domain = R (one domain, every rank near) plans as None, bit for bit, and as the
     # reference without domains; domains of one rank do change some plans (near: the master only,
     # or a rank that already holds the expert), which stay valid.
     rng = np.random.default_rng(R * 7 + E)
     batch = np.stack([_random_loads(rng, R, E, k, 1000) for k in ("hot", "zipf", "uniform")] * 2)
     plans = {
-        g: jax.jit(jax.vmap(lambda l, g=g: uep.plan(l, _config(S, F, K, eps, g))))(batch)
+        g: jax.jit(jax.vmap(lambda l, g=g: uep.plan(l, _config(S, F, K, eps, g), planner=planner)))(
+            batch
+        )
         for g in (None, R, 1)
     }
     for name in FIELDS:
@@ -259,10 +302,10 @@ def test_one_domain_is_the_plan_without_domains(R, E, S, F, K, eps):
                 _assert_same(got, want, f"item {i}")
 
 
-def test_loads_in_the_millions_and_boundaries():
+def test_loads_in_the_millions_and_boundaries(planner):
     cfg = uep.BalancerConfig(num_experts=8, ep_size=4, slots_per_rank=2, min_tokens_per_replica=1)
     loads = np.zeros((4, 8), np.int32)
     loads[:, 0] = (2**31 - 1) // 4  # expert 0's total is just below 2^31
-    got = uep.plan(loads, cfg)
+    got = uep.plan(loads, cfg, planner=planner)
     _assert_same({n: getattr(got, n) for n in FIELDS}, reference_plan(loads, 2, 1, 0.01, 1), "max")
     assert float(uep.imbalance(got.rank_load)) <= 1.01

@@ -13,15 +13,20 @@ from ultraep_jax.experts.activations import ACTIVATIONS
 #: devices it is resolved when the configuration is built (only that branch is traced); on any
 #: other mesh when the computation is lowered (`comm.by_backend`, `experts.registry`). XLA:CPU
 #: cannot compile `ragged_all_to_all`. The kernel "cuda" is JAX's Mosaic GPU kernels on Hopper
-#: where the shapes suit them, else the Pallas (Triton) kernel.
+#: where the shapes suit them, else the Pallas (Triton) kernel; TPU and ROCm run JAX's own
+#: `ragged_all_to_all` and `ragged_dot`. The planner: the native FFI handler on CPU and on CUDA
+#: (there only where the CUDA handler was built, `planning.planner.plan`), else the portable one.
 AUTO = {
     "comm_backend": {"cpu": "portable", "default": "ragged"},
-    "expert_kernel": {"cuda": "cuda", "default": "tiled"},
+    "expert_kernel": {"cuda": "cuda", "cpu": "tiled", "default": "ragged_dot"},
+    "planner": {"cpu": "native", "cuda": "native", "default": "portable"},
 }
 #: The communication backends of the token exchange and the replica transfer (`comm`).
 BACKENDS = ("auto", "portable", "ragged")
 #: The expert kernels (`experts.registry`).
 KERNELS = ("auto", "tiled", "ragged_dot", "pallas", "mgpu")
+#: The planners (`planning.planner.plan`): the FFI handler or the same plans in JAX.
+PLANNERS = ("auto", "native", "portable")
 
 
 def check_platform(comm_backend: str, platform: str | None) -> None:
@@ -53,17 +58,23 @@ class Execution:
         overlap transfer and compute (`replicas.streaming`; ffi/TRANSFER.md). 1: one transfer.
       activation: the experts' gated activation, a name of `ACTIVATIONS`: "silu" (SwiGLU,
         default), "gelu" (GeGLU, exact GELU), "gelu_tanh", "relu" (ReGLU).
+      planner: one of `PLANNERS`: "auto" (the native FFI handler on CPU, and on CUDA where the
+        CUDA handler was built; the portable planner on TPU, ROCm and CUDA without the handler;
+        chosen for the platform the step is lowered for), "native" or "portable" (the same plans,
+        bit for bit).
     """
 
     comm_backend: str = "auto"
     expert_kernel: str = "auto"
     transfer_chunks: int = 1
     activation: str = "silu"
+    planner: str = "auto"
 
     def __post_init__(self):
         _check_name("comm_backend", self.comm_backend, BACKENDS)
         _check_name("expert_kernel", self.expert_kernel, KERNELS)
         _check_name("activation", self.activation, ACTIVATIONS)
+        _check_name("planner", self.planner, PLANNERS)
         chunks = check_positive_int("Execution", "transfer_chunks", self.transfer_chunks)
         object.__setattr__(self, "transfer_chunks", chunks)
 

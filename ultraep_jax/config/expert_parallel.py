@@ -48,8 +48,8 @@ class ExpertParallel:
       execution: how the experts run (`Execution`), resolved for the mesh's platform when the
         configuration is built: on CPU devices "auto" is the portable exchange and the tiled
         kernel; "ragged" raises there (with more than one EP rank).
-      comm_backend, expert_kernel, transfer_chunks, activation: keywords that set the fields of
-        the same names of ``execution`` (and read them back as attributes).
+      comm_backend, expert_kernel, transfer_chunks, activation, planner: keywords that set the
+        fields of the same names of ``execution`` (and read them back as attributes).
     """
 
     mesh: Mesh | AbstractMesh
@@ -64,6 +64,7 @@ class ExpertParallel:
     expert_kernel: dataclasses.InitVar[str | None] = None
     transfer_chunks: dataclasses.InitVar[int | None] = None
     activation: dataclasses.InitVar[str | None] = None
+    planner: dataclasses.InitVar[str | None] = None
 
     def __post_init__(self, *how):
         if not isinstance(self.mesh, Mesh | AbstractMesh):

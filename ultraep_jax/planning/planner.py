@@ -5,6 +5,8 @@ so it runs inside `jax.jit`, `vmap`, `lax.map` and `shard_map` with no host roun
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,9 @@ import numpy as np
 
 from ultraep_jax._ops import INT64_MAX, check_int
 from ultraep_jax.config.balancer import BalancerConfig
+from ultraep_jax.config.execution import AUTO, PLANNERS
 from ultraep_jax.planning import native as _native
+from ultraep_jax.planning import portable as _portable
 from ultraep_jax.planning.layout import check_divisible
 
 
@@ -40,6 +44,9 @@ class Plan:
     def num_replicas(self) -> jax.Array:
         """int32 []: replica instances in the plan (filled slots)."""
         return jnp.sum(self.slot_expert >= 0, axis=(-2, -1), dtype=jnp.int32)
+
+
+_log = logging.getLogger("ultraep_jax")
 
 
 def _check_loads(loads, config: BalancerConfig):
@@ -79,7 +86,12 @@ def _check_capacity(capacity) -> int:
 
 
 def plan(
-    loads, config: BalancerConfig, capacity: int | None = None, *, parallel: bool = False
+    loads,
+    config: BalancerConfig,
+    capacity: int | None = None,
+    *,
+    parallel: bool = False,
+    planner: str = "auto",
 ) -> Plan:
     """Plans replicas and quotas for one expert-load matrix.
 
@@ -100,7 +112,12 @@ def plan(
             the same plan bit for bit: on CUDA one block of warps per plan (threshold probes on
             separate warps, the argmaxes as warp reductions); on the CPU the same code with the
             lanes emulated in loops (slower than the default; it is there to test that code).
-            Opt-in until it has been timed and checked on a GPU.
+            Opt-in until it has been timed and checked on a GPU. Native planner only.
+        planner: one of `PLANNERS`. "auto" (default) follows the platform the computation is
+            lowered for (`jax.lax.platform_dependent`, so an export for TPU from a CPU process
+            plans portably): the native handler on CPU, and on CUDA where the CUDA handler was
+            built (`native.has_cuda_handler`); the portable planner elsewhere (TPU, ROCm, CUDA
+            without the handler). Both give the same plan bit for bit.
 
     Returns:
         The `Plan`. The planner is a pure, deterministic function of ``loads``. Every plan is valid
@@ -123,7 +140,29 @@ def plan(
     cap = _check_capacity(capacity)
     if not isinstance(parallel, bool):
         raise TypeError(f"plan: parallel must be a bool, got {type(parallel).__name__}")
-    return _ffi_plan(loads, config, cap, parallel)
+    if not isinstance(planner, str) or planner not in PLANNERS:
+        raise ValueError(f"plan: planner must be one of {PLANNERS}, got {planner!r}")
+    native = functools.partial(_ffi_plan, config=config, cap=cap, parallel=parallel)
+    portable = functools.partial(_portable_plan, config=config, cap=cap)
+    impls = {"native": native, "portable": portable}
+    if planner != "auto":
+        return impls[planner](loads)
+    rule = dict(AUTO["planner"])
+    if not _native.has_cuda_handler():  # never XLA's error for an unregistered custom call
+        rule["cuda"] = "portable"
+    _log.info("ultraep_jax plan: planner by lowering platform: %s", rule)
+    return jax.lax.platform_dependent(loads, **{p: impls[name] for p, name in rule.items()})
+
+
+def _portable_plan(loads, config: BalancerConfig, cap: int) -> Plan:
+    """The portable planner (`planning.portable`) on checked ``loads`` and a sized ``config``."""
+    args = (config.ep_size, config.num_experts, config.slots_per_rank, config.domain_size)
+    floors = (config.min_tokens_per_replica, config.master_keep_tokens, config.balance_eps)
+    return Plan(*_portable_jit(jnp.asarray(loads), *args, *floors, cap))
+
+
+# jit caches the trace, so "auto" traces the portable branch once per configuration and shape.
+_portable_jit = jax.jit(_portable.portable_plan, static_argnums=tuple(range(1, 9)))
 
 
 def _ffi_plan(loads, config: BalancerConfig, cap: int, parallel: bool) -> Plan:

@@ -1,0 +1,184 @@
+"""The portable planner (`planning.portable`: the C++ core's plans in JAX) against the native
+handler bit for bit, its selection by lowering platform, the layer running it on 8 CPU devices,
+and the balanced training step's export for TPU and ROCm with jax.export's default checks. (The
+NumPy reference suite runs it too: tests/library/test_plan_vs_reference.py; the traces:
+tests/experiments/test_portable_workloads.py.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ultraep_jax as uep
+from tests import helpers
+from tests.library import test_moe
+from tests.library.test_plan_vs_reference import FIELDS, _config, _random_loads
+from tests.references.planner import reference_plan
+from ultraep_jax.planning import native as _native
+
+CFG = uep.BalancerConfig(16, 8, slots_per_rank=2, min_tokens_per_replica=4)
+
+
+def _batched(cfg, batch, planner, capacity=None) -> dict:
+    plans = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg, capacity, planner=planner)))(batch)
+    return {n: np.asarray(getattr(plans, n)) for n in FIELDS}
+
+
+@pytest.mark.parametrize(
+    "R, E, S, F, K, eps, g, capacity",
+    [
+        (8, 32, 2, 100, 1, 0.01, 2, None),
+        (8, 16, 1, 10, 0, 0.0, 4, None),
+        (4, 16, 3, 50, 7, 0.05, None, 1.0),
+        (16, 64, 2, 1024, 1, 0.0, 4, 1.02),
+    ],
+)
+def test_portable_equals_native_on_random_batches(R, E, S, F, K, eps, g, capacity):
+    rng = np.random.default_rng(R + E + S)
+    kinds = ("uniform", "hot", "zipf", "one", "equal")
+    batch = np.stack([_random_loads(rng, R, E, k, s) for k in kinds for s in (7, 1000, 200_000)])
+    mean = -(-int(batch[1].sum(dtype=np.int64)) // R)
+    cap = None if capacity is None else int(capacity * mean)
+    cfg = _config(S, F, K, eps, g)
+    native, portable = _batched(cfg, batch, "native", cap), _batched(cfg, batch, "portable", cap)
+    for name in FIELDS:
+        np.testing.assert_array_equal(portable[name], native[name], err_msg=name)
+    assert (portable["slot_expert"] >= 0).sum() > 0
+    want = reference_plan(batch[1], S, F, eps, K, capacity=cap or 0, ranks_per_domain=g)
+    np.testing.assert_array_equal(portable["rank_load"][1], want["rank_load"])
+
+
+def test_bad_loads_give_minus_one_everywhere():
+    # What the CUDA handler writes where it cannot raise: the portable planner never reaches
+    # the host, so a negative load (or a total above int32) yields no valid plan.
+    loads = np.ones((8, 16), np.int32)
+    loads[3, 5] = -1
+    plan = uep.plan(loads, CFG, planner="portable")
+    for name in FIELDS:
+        assert (np.asarray(getattr(plan, name)) == -1).all(), name
+    big = np.zeros((8, 16), np.int32)
+    big[:, 0] = 2**31 - 1
+    assert (np.asarray(uep.plan(big, CFG, planner="portable").rank_load) == -1).all()
+
+
+@pytest.mark.parametrize("planner", ["fast", None, 1])
+def test_bad_planner_name_raises_one_line(planner):
+    helpers.assert_raises_one_line(
+        ValueError,
+        "planner must be one of",
+        uep.plan,
+        np.ones((8, 16), np.int32),
+        CFG,
+        planner=planner,
+    )
+    helpers.assert_raises_one_line(
+        ValueError, "planner must be one of", uep.Execution, planner=planner
+    )
+
+
+def test_portable_validates_as_the_core():
+    # The same checks, before anything runs, whichever planner.
+    for planner in ("native", "portable"):
+        helpers.assert_raises_one_line(
+            ValueError,
+            "not divisible",
+            uep.plan,
+            np.ones((3, 16), np.int32),
+            uep.BalancerConfig(),
+            planner=planner,
+        )
+        helpers.assert_raises_one_line(
+            ValueError, "capacity", uep.plan, np.ones((8, 16), np.int32), CFG, 0, planner=planner
+        )
+
+
+def _export_plan(platform: str, **kw):
+    fn = jax.jit(lambda l: uep.plan(l, CFG, **kw))
+    return jax.export.export(fn, platforms=[platform])(jax.ShapeDtypeStruct((8, 16), jnp.int32))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "rocm"])
+def test_auto_plans_portably_for_tpu_and_rocm_with_default_checks(platform):
+    text = _export_plan(platform).mlir_module()
+    assert "ultraep_plan" not in text and "callback" not in text
+
+
+def test_auto_follows_the_lowering_platform_and_the_cuda_handler(monkeypatch):
+    assert (
+        "ultraep_plan"
+        in jax.jit(lambda l: uep.plan(l, CFG))
+        .lower(jax.ShapeDtypeStruct((8, 16), jnp.int32))
+        .as_text()
+    )
+    monkeypatch.setattr(_native, "has_cuda_handler", lambda: False)
+    text = _export_plan("cuda").mlir_module()  # default checks: no custom call left
+    assert "ultraep_plan" not in text
+    with pytest.raises(ValueError, match="ultraep_plan"):  # asked for, the handler is named
+        _export_plan("cuda", planner="native")
+
+
+# -- the layer ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", test_moe.SKEWED[:1], ids=lambda c: c.id)
+def test_layer_with_portable_planner_equals_dense_reference_and_native(case):
+    res = test_moe.run_case(case)
+    mesh = helpers.make_mesh(case.mesh)
+    layer = test_moe.build_layer(
+        mesh,
+        case.num_experts,
+        case.top_k,
+        res["balancer"],
+        None,
+        res["params"],
+        planner="portable",
+    )
+    x = helpers.place_batch(mesh, res["x"])
+    y, stats, gx, gp = test_moe.layer_value_and_grads(layer, x, jnp.asarray(res["cotangent"]))
+    ref_y, ref_gx, ref_gp = res["ref"]
+    test_moe.assert_close(y, ref_y, "portable y")
+    test_moe.assert_close(gx, ref_gx, "portable d/dx")
+    for name in test_moe.PARAM_NAMES:
+        test_moe.assert_close(gp[name], ref_gp[name], f"portable d/d{name}")
+    n_y, n_stats, n_gx, n_gp = res["balanced"]  # the layer with the native planner
+    assert stats["replicas"] > 0
+    np.testing.assert_array_equal(y, n_y)
+    np.testing.assert_array_equal(gx, n_gx)
+    for name in test_moe.PARAM_NAMES:
+        np.testing.assert_array_equal(gp[name], n_gp[name], err_msg=name)
+    for name, value in n_stats.items():
+        np.testing.assert_array_equal(stats[name], value, err_msg=name)
+
+
+def _training_step_export(platform: str):
+    """The balanced layer's training step (loss and gradients, EP8, 2 slots) exported for
+    ``platform`` with jax.export's default safety checks, less one: JAX's own
+    ``ragged_all_to_all`` has no export compatibility guarantee in this JAX (as in the CUDA export
+    of tests/library/test_moe.py); every other custom call, the planner's among them, is refused."""
+    mesh = helpers.gpu_mesh((8,), ("expert",))
+    balancer = test_moe.balancer_config(mesh, 8, slots=2)
+    layer = nnx.eval_shape(lambda: test_moe.build_layer(mesh, 8, 2, balancer, 1.25))
+    x = helpers.abstract_batch(mesh, (8, 8, test_moe.D), jnp.float32)
+    fn, params, rest = test_moe._pure_forward(layer)
+
+    def loss(params, rest, x):
+        y, _ = fn(params, rest, x)
+        return jnp.sum(y * y)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 2)))
+    ragged = jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")
+    return jax.export.export(step, platforms=[platform], disabled_checks=[ragged])(params, rest, x)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "rocm"])
+def test_balanced_training_step_exports_for_tpu_and_rocm(platform):
+    exported = _training_step_export(platform)
+    assert exported.platforms == (platform,)
+    text = exported.mlir_module()
+    assert "ultraep_plan" not in text and "callback" not in text
+    assert "triton" not in text and "mosaic" not in text.lower()  # no CUDA-only kernel
+    assert test_moe.RAGGED_OP.search(text)  # JAX's own ragged_all_to_all
+    assert "ragged_dot" in text

@@ -1,0 +1,280 @@
+"""The portable planner's probe: ``try(tau)`` of ffi/PLANNER.md in JAX (lax loops, static shapes).
+
+An attempt is one `lax.while_loop` that makes one replica per iteration, its choices vectorised
+over the source's masters and over the ranks; `try_threshold` unrolls the fixed schedule of
+attempts (plain, then repairs), each loop running only where an earlier one has not decided the
+probe, so a probe that succeeds at once costs one loop. Everything is int64 (the caller traces
+under `jax.enable_x64`), as the spec's arithmetic is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LOOSE, STRICT, MOST = 0, 1, 2
+#: An attempt's state code: still placing replicas, succeeded, failed at a source, or a floor-1
+#: attempt found a source whose masters have nothing left (no plan reaches the threshold);
+#: SKIPPED: not run (an earlier attempt decided the probe).
+RUNNING, SUCCESS, FAILED, INFEASIBLE, SKIPPED = range(5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The static inputs of one plan: R, E, S, E_m = E / R, the domain size g, the floor F and
+    the master's keep K (Python ints)."""
+
+    R: int
+    E: int
+    S: int
+    g: int
+    F: int
+    K: int
+
+    @property
+    def Em(self) -> int:
+        """E_m: masters per rank."""
+        return self.E // self.R
+
+    @property
+    def domains(self) -> int:
+        """Fast domains: R / g."""
+        return self.R // self.g
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Totals:
+    """A plan's runtime inputs (int64): ``load_e`` [E], ``L`` [R] (master loads), ``rank_order``
+    [R] (ranks by L descending, ties by index) and ``lmax`` []."""
+
+    load_e: jax.Array
+    L: jax.Array
+    rank_order: jax.Array
+    lmax: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """An attempt's replicas in creation order (``expert``, ``target``, ``quota`` [R * S], valid
+    below ``count`` []) and what each master exported (``exported`` [E]); all int64."""
+
+    expert: jax.Array
+    target: jax.Array
+    quota: jax.Array
+    count: jax.Array
+    exported: jax.Array
+
+
+def first_max(v):
+    """int64 []: the index of the first largest entry of ``v`` [N] (`jnp.argmax`, written with
+    plain reductions: argmax's lowering breaks for int64 traced under `jax.enable_x64` inside an
+    x32 `jit`)."""
+    i = jnp.arange(v.shape[0], dtype=jnp.int64)
+    return jnp.min(jnp.where(v == jnp.max(v), i, v.shape[0]))
+
+
+def _least(mask, slack):
+    """int []: the rank with the least slack among ``mask`` [R] (ties: the smallest rank)."""
+    return first_max(jnp.where(mask, -slack, jnp.iinfo(jnp.int64).min))
+
+
+def _most(mask, slack):
+    """int []: the rank with the most slack among ``mask`` [R] (ties: the smallest rank)."""
+    return first_max(jnp.where(mask, slack, -1))
+
+
+def pick_target(rule, slack, free, need, avail, near):
+    """(found [], t []): pick_target of PLANNER.md under ``rule`` [] over the ranks' ``slack``,
+    ``free`` [R], for a replica that should carry ``need`` of an expert that can give ``avail``;
+    ``near`` [R] bool."""
+    cand = (slack > 0) & (free > 0)
+    kept = cand & ~((free == 1) & (slack > avail))
+    pool = jnp.where((rule == STRICT) & jnp.any(kept), kept, cand)
+    fits = pool & (slack >= need)
+    near_fits = fits & near
+    t = jnp.where(
+        jnp.any(near_fits),
+        _least(near_fits, slack),
+        jnp.where(jnp.any(fits), _least(fits, slack), _most(pool, slack)),
+    )
+    return jnp.any(cand), jnp.where(rule == MOST, _most(cand, slack), t)
+
+
+def _richest_master(sz: Sizes, tot: Totals, exported, src):
+    """(j, avail): the index among ``src``'s masters with the most avail (ties: the smallest)."""
+    first = src * sz.Em
+    load = jax.lax.dynamic_slice(tot.load_e, (first,), (sz.Em,))
+    sent = jax.lax.dynamic_slice(exported, (first,), (sz.Em,))
+    avail = load - sz.K - sent
+    j = first_max(avail)
+    return j, avail[j]
+
+
+def _near(sz: Sizes, held, j, src):
+    """bool [R]: the ranks near for a replica of ``src``'s master ``j``: in src's domain or in one
+    that ``held`` [E_m, domains] marks as holding a replica of it."""
+    if sz.domains == 1:
+        return jnp.ones((sz.R,), bool)
+    dom = jnp.arange(sz.R) // sz.g
+    return (dom == src // sz.g) | held[j][dom]
+
+
+def _start_source(tot: Totals, order, ri, tau):
+    """(src, x): the source at ``ri`` of ``order`` and its excess over ``tau``."""
+    src = order[jnp.minimum(ri, order.shape[0] - 1)]
+    return src, tot.L[src] - tau
+
+
+def _step(sz: Sizes, tot: Totals, f, rule, tau, order, n_order, s):
+    """One iteration of an attempt: the current source's next replica, or the attempt's end."""
+    src, x = s["src"], s["x"]
+    j, avail = _richest_master(sz, tot, s["exported"], src)
+    fl = jnp.minimum(f, x)
+    found, t = pick_target(
+        rule, s["slack"], s["free"], jnp.minimum(x, avail), avail, _near(sz, s["held"], j, src)
+    )
+    q = jnp.minimum(jnp.minimum(s["slack"][t], avail), x + s["later"])
+    no_master = avail < fl
+    failed = no_master | ~found | (q < fl)
+    code = jnp.where(no_master & (f == 1), INFEASIBLE, FAILED)
+    q = jnp.where(failed, 0, q)
+    n = s["nrep"]
+    e = src * sz.Em + j
+    slack = s["slack"].at[t].add(-q)
+    x = x - q
+    done_src = ~failed & (x <= 0)
+    slack = jnp.where(done_src, slack.at[src].set(-x), slack)  # over-export: src becomes a target
+    ri = s["ri"] + done_src
+    nsrc, nx = _start_source(tot, order, ri, tau)
+    finished = done_src & (ri >= n_order)
+    new = {
+        "code": jnp.where(failed, code, jnp.where(finished, SUCCESS, RUNNING)),
+        "failed": src,
+        "slack": slack,
+        "free": s["free"].at[t].add(-(~failed).astype(jnp.int64)),
+        "exported": s["exported"].at[e].add(q),
+        "rep_e": s["rep_e"].at[n].set(jnp.where(failed, s["rep_e"][n], e)),
+        "rep_t": s["rep_t"].at[n].set(jnp.where(failed, s["rep_t"][n], t)),
+        "rep_q": s["rep_q"].at[n].set(jnp.where(failed, s["rep_q"][n], q)),
+        "nrep": n + (~failed),
+        "held": jnp.where(
+            done_src, False, s["held"].at[j, t // sz.g].set(~failed | s["held"][j, t // sz.g])
+        ),
+        "ri": ri,
+        "src": jnp.where(done_src, nsrc, src),
+        "x": jnp.where(done_src, nx, x),
+        "later": jnp.where(done_src, s["later"] - nx, s["later"]),
+    }
+    return new
+
+
+def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, n_order, run):
+    """attempt(tau, f, rule, order) of PLANNER.md over the first ``n_order`` ranks of ``order``
+    [R], run only where ``run``: (code [], failed source [], `Replicas`)."""
+    R, RS = sz.R, sz.R * sz.S
+    i64 = jnp.int64
+    src, x = _start_source(tot, order, 0, tau)
+    later = jnp.sum(jnp.maximum(tot.L - tau, 0))
+    s = {
+        "code": jnp.where(run, jnp.where(n_order > 0, RUNNING, SUCCESS), SKIPPED),
+        "failed": src,
+        "slack": jnp.maximum(tau - tot.L, 0),
+        "free": jnp.full((R,), sz.S, i64),
+        "exported": jnp.zeros((sz.E,), i64),
+        "rep_e": jnp.zeros((RS,), i64),
+        "rep_t": jnp.zeros((RS,), i64),
+        "rep_q": jnp.zeros((RS,), i64),
+        "nrep": jnp.zeros((), i64),
+        "held": jnp.zeros((sz.Em, sz.domains), bool),
+        "ri": jnp.zeros((), i64),
+        "src": src,
+        "x": x,
+        "later": later - x,
+    }
+    s = jax.lax.while_loop(
+        lambda s: s["code"] == RUNNING,
+        lambda s: _step(sz, tot, f, rule, tau, order, n_order, s),
+        s,
+    )
+    reps = Replicas(s["rep_e"], s["rep_t"], s["rep_q"], s["nrep"], s["exported"])
+    return s["code"], s["failed"], reps
+
+
+def _move_to_front(order, d):
+    """int [R]: ``order`` with rank ``d`` (one of its entries) moved to the front, the others
+    keeping their relative order."""
+    p = first_max(order == d)
+    i = jnp.arange(order.shape[0])
+    shifted = jnp.concatenate([d[None], order[:-1]])
+    return jnp.where(i <= p, shifted, order)
+
+
+# The schedule of try(tau) (PLANNER.md): segments of up to 4 attempts each, a plain attempt for
+# each floor and rule (loose, strict), then a repair for each floor and rule (loose, strict, most).
+# A segment's attempt b >= 1 moves the source that failed to the front of the order.
+_SEGMENTS = [(floor1, rule, True) for floor1 in (False, True) for rule in (LOOSE, STRICT)] + [
+    (floor1, rule, False) for floor1 in (False, True) for rule in (LOOSE, STRICT, MOST)
+]
+_SEG_FLOOR1, _SEG_RULE, _SEG_PLAIN = (np.array(col) for col in zip(*_SEGMENTS, strict=True))
+_POSITIONS = 4 * len(_SEGMENTS)
+
+
+def _next(sz: Sizes, tot: Totals, any_floor, s):
+    """The attempt at position ``s["pos"]`` of the schedule, or none where that position has
+    nothing to run: (run [], f [], rule [], order [R], the source that failed last, the position
+    after it)."""
+    pos, order, failed = s["pos"], s["order"], s["failed"]
+    seg, b = jnp.minimum(pos // 4, len(_SEGMENTS) - 1), pos % 4
+    floor1, rule, plain = (jnp.asarray(col)[seg] for col in (_SEG_FLOOR1, _SEG_RULE, _SEG_PLAIN))
+    allowed = ~floor1 | (any_floor & (sz.F > 1))
+    inherit = ~plain & (b == 0) & (rule != MOST)  # a repair's first attempt failed in pass 1
+    failed = jnp.where(inherit, s["failed_plain"][floor1.astype(jnp.int64), rule % 2], failed)
+    stuck = (b > 0) & (failed == order[0])  # the source that failed already gives first
+    order = jnp.where(b > 0, _move_to_front(order, failed), tot.rank_order)
+    run = allowed & ~inherit & ~stuck
+    seg_end = plain | ~allowed | stuck | (b == 3)
+    nxt = jnp.where(seg_end, (seg + 1) * 4, pos + 1)
+    return run, jnp.where(floor1, 1, sz.F), rule, order, failed, nxt
+
+
+def try_threshold(sz: Sizes, tot: Totals, tau, any_floor, run):
+    """try(tau) of PLANNER.md, run only where ``run``: (succeeded [], `Replicas`). ``any_floor``
+    [] bool: the probe may give up the floor F (then floors F and 1)."""
+    n_over = jnp.sum(tot.L > tau)
+    _, _, empty = attempt(sz, tot, tau, sz.F, LOOSE, tot.rank_order, n_over, jnp.zeros((), bool))
+
+    def body(s):
+        go, f, rule, order, last_failed, pos = _next(sz, tot, any_floor, s)
+        code, failed, reps = attempt(sz, tot, tau, f, rule, order, n_over, go)
+        won = go & (code == SUCCESS)
+        seg = s["pos"] // 4
+        record = go & jnp.asarray(_SEG_PLAIN)[seg]
+        fp = s["failed_plain"].at[
+            jnp.asarray(_SEG_FLOOR1)[seg].astype(jnp.int64), jnp.asarray(_SEG_RULE)[seg] % 2
+        ]
+        return {
+            "pos": pos,
+            "order": order,
+            "failed": jnp.where(go, failed, last_failed),
+            "failed_plain": jnp.where(record, fp.set(failed), s["failed_plain"]),
+            "decided": won | (go & (code == INFEASIBLE)),
+            "ok": won,
+            "reps": jax.tree.map(lambda a, b: jnp.where(won, a, b), reps, s["reps"]),
+        }
+
+    s = {
+        "pos": jnp.zeros((), jnp.int64),
+        "order": tot.rank_order,
+        "failed": tot.rank_order[0],
+        "failed_plain": jnp.zeros((2, 2), jnp.int64),
+        "decided": ~run,
+        "ok": jnp.zeros((), bool),
+        "reps": empty,
+    }
+    s = jax.lax.while_loop(lambda s: ~s["decided"] & (s["pos"] < _POSITIONS), body, s)
+    return s["ok"], s["reps"]
