@@ -336,9 +336,11 @@ def main(argv):
         print_case(case, data)
     if report["calibration"]:
         print(report["calibration"]["line"])
-    write_json(out / "bench_step.json", report)
-    plot(report, out / "bench_step.png")
-    print(f"wrote {out / 'bench_step.json'} and {out / 'bench_step.png'}\n{IDEAL_NOTE}")
+    json_path, png_path = out / "bench_step.json", out / "bench_step.png"
+    write_json(json_path, report)
+    plot(report, png_path)
+    print(f"wrote {json_path} and {png_path} (its bars not split into terms)")
+    print(IDEAL_NOTE)
 
 
 if __name__ == "__main__":
