@@ -92,6 +92,7 @@ def test_ratios_are_medians_of_per_round_ratios():
         (["--cases=relu"], "unknown case relu; expected some of softmax, sigmoid"),
         (["--train_flags=--balance=none"], "sets --balance=none, which the benchmark sets"),
         (["--rounds=0"], "must be >= 1"),
+        ([f"--pinned_ranks={len(os.sched_getaffinity(0)) + 1}"], "cores this process may use"),
     ],
 )
 def test_bad_input_is_one_line(args, message, tmp_path):
