@@ -352,7 +352,7 @@ def main(argv):
         sys.exit(1)
     model = ModelConfig(**{k: config[k] for k in MODEL_FIELDS})
     report = {
-        "command": shlex.join(["python", "-m", "experiments.bench.step", *argv[1:]]),
+        "command": shlex.join(["python", "-m", "experiments.bench.step", *sys.argv[1:]]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "settings": {f.name: f.value for f in _SETTINGS},
         "flop_shares": flop_shares(model, config["seq_len"]),

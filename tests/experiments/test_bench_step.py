@@ -131,3 +131,4 @@ def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
     tiny = dataclasses.replace(preset("moe_heavy").model, **TINY_MODEL)
     assert report["flop_shares"] == pytest.approx(step.flop_shares(tiny, 32))
     assert (report["calibration"] is not None) == bool(pinned)
+    assert report["command"].endswith(f"--out={tmp_path}") and "--rounds=1" in report["command"]
