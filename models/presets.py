@@ -28,6 +28,9 @@ class Preset:
 _MODELS: dict[str, ModelConfig] = {
     # The default: 16 experts, top-2, softmax router.
     "tiny": ModelConfig(),
+    # MoE-heavy (the routed experts ~77 % of the step's FLOPs): the default of
+    # `python -m experiments.bench.step`, which times it as EP2 on two pinned ranks.
+    "moe_heavy": ModelConfig(d_model=128, d_ff=512, num_experts=8, top_k=2),
     # Mixtral 8x7B: 8 experts, top-2, softmax then renormalised over the two, no shared expert.
     "mixtral": ModelConfig(d_model=64, d_ff=128, num_experts=8, top_k=2),
     # Qwen3-MoE (30B-A3B / 235B-A22B): 128 experts, top-8, renormalised, no shared expert.

@@ -45,6 +45,12 @@ _POSITIVE = (
 
 #: --balance: plain EP, balanced, or the force-balanced ideal (a timing reference).
 BALANCE_MODES = ("none", "ultraep", "ideal")
+#: Printed at the start of a --balance=ideal run: what it is, so that nobody keeps its model.
+IDEAL_NOTE = (
+    "note: --balance=ideal is the force-balanced ideal, a timing reference: every MoE layer's "
+    "router choices are replaced by an even assignment (its weights kept), so the loss is not a "
+    "model's; compare its step time, not its loss"
+)
 
 
 def auto_capacity_factor(balance: str) -> float | None:

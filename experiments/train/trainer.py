@@ -22,7 +22,7 @@ from experiments import common, records
 from experiments.common import calibration_line, concurrency_calibration, write_json
 from experiments.train import data, plot, summary
 from experiments.train.checkpoints import Checkpoints
-from experiments.train.config import TrainConfig
+from experiments.train.config import IDEAL_NOTE, TrainConfig
 from experiments.train.stop import StopRequest, in_worker_thread
 from experiments.train.workdir import (
     CONFIG_FILE,
@@ -66,14 +66,6 @@ def build_model(cfg: TrainConfig, mesh) -> MoELM:
     )
     place_on_mesh(model, mesh)
     return model
-
-
-#: Printed at the start of a --balance=ideal run: what it is, so that nobody keeps its model.
-IDEAL_NOTE = (
-    "note: --balance=ideal is the force-balanced ideal, a timing reference: every MoE layer's "
-    "router choices are replaced by an even assignment (its weights kept), so the loss is not a "
-    "model's; compare its step time, not its loss"
-)
 
 
 def fallback_note(cfg: TrainConfig, num_devices: int) -> str:

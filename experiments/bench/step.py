@@ -1,0 +1,378 @@
+"""The whole training step against the force-balanced ideal: balanced, plain dropless and plain at
+a capped buffer, one model trained from the same seed and data in each mode.
+
+        python -m experiments.bench.step --pinned_ranks=2            # about 10 minutes
+        python -m experiments.bench.step --pinned_ranks=2 --cases=softmax,sigmoid --rounds=7
+        python -m experiments.bench.step --pinned_ranks=2 --data='corpus/*.txt' --out=runs/mine
+
+Every run is ``python -m experiments.train --pinned_ranks=N --workdir=<out>/<case>/round<r>/<mode>``
+with the model of ``--preset`` (default ``moe_heavy``), ``--steps`` steps and one of four modes:
+
+  ideal       --balance=ideal: the force-balanced ideal (every expert the same pairs from every
+              rank, 1.05x buffers); a timing reference whose loss is not a model's
+  balanced    --balance=ultraep (1.05x buffers)
+  plain       --balance=none (dropless: worst-case buffers)
+  plain@1.25  --balance=none --capacity_factor=1.25 (fixed-buffer EP: drops the pairs beyond it)
+
+in ``--rounds`` alternated rounds (the order rotates each round, so that a machine slowing down
+slows every mode alike). For each ``--cases`` (the router: softmax, or DeepSeek-V3's sigmoid with
+the aux-loss-free bias) it reports each mode's busiest-rank median step time (the median over
+rounds of each run's median step, with the rounds' min-max), tokens/s, pairs dropped, per-layer
+max/mean rank load before -> after (mean over steps), the loss at the same steps; then balanced's
+% of the ideal, x over plain and over plain@1.25, and plain's % of the ideal (the headroom), each
+the median of per-round ratios; the largest |loss| difference between balanced and plain (the
+same math: 0 up to rounding); the experts' share of the step's FLOPs; the calibration line.
+Writes ``<out>/bench_step.json`` and ``<out>/bench_step.png`` (each mode's median step time with
+its spread over rounds, split only into the ideal's step and the time above it: not into the
+step's own terms, which the trainer does not time). ``--pinned_ranks=0`` runs each mode on 8
+simulated devices in one process (their clock is the total work of all ranks, not the busiest
+one's).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+from absl import flags
+
+from experiments.common import calibration_line, run_main, write_json
+from experiments.records import read_metrics
+from experiments.stepmodel.layer import expert_fwd_flops
+from experiments.train.config import IDEAL_NOTE, MODEL_FIELDS
+from models.moe_lm import ModelConfig
+from models.presets import PRESETS
+
+#: The four modes: the trainer's flags of each.
+MODES = {
+    "ideal": ("--balance=ideal",),
+    "balanced": ("--balance=ultraep",),
+    "plain": ("--balance=none", "--capacity_factor=none"),
+    "plain@1.25": ("--balance=none", "--capacity_factor=1.25"),
+}
+#: The cases: the router's flags of each.
+CASES = {"softmax": ("--router=softmax",), "sigmoid": ("--router=sigmoid",)}
+#: The ratios reported: name -> (mode A, mode B, scale): per round, A's step time / B's x scale.
+RATIOS = {
+    "balanced_pct_of_ideal": ("ideal", "balanced", 100.0),
+    "balanced_x_over_plain": ("plain", "balanced", 1.0),
+    "balanced_x_over_plain@1.25": ("plain@1.25", "balanced", 1.0),
+    "plain_pct_of_ideal": ("ideal", "plain", 100.0),
+}
+#: Flags the benchmark sets itself: --train_flags may not give them.
+_OWN_FLAGS = ("balance", "capacity_factor", "workdir", "pinned_ranks", "steps", "preset", "router")
+
+_PINNED = flags.DEFINE_integer(
+    "pinned_ranks",
+    2,
+    "EP ranks as this many pinned processes per run (experiments.train --pinned_ranks; the clock "
+    "is the busiest rank's); 0: 8 simulated devices in one process (the clock is the total work).",
+)
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "Alternated rounds (medians over them).")
+_STEPS = flags.DEFINE_integer("steps", 40, "Steps per run (the first compiles: untimed).")
+_PRESET = flags.DEFINE_enum("preset", "moe_heavy", sorted(PRESETS), "Model preset.")
+_BATCH = flags.DEFINE_integer("batch_size", 32, "Global batch (sequences).")
+_SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed (the same in every run).")
+_DATA = flags.DEFINE_string("data", None, "Training text (experiments.train --data; a skewed mix).")
+_MODES = flags.DEFINE_list("modes", list(MODES), f"Modes to run, of {', '.join(MODES)}.")
+_CASES = flags.DEFINE_list("cases", ["softmax"], f"Router cases, of {', '.join(CASES)}.")
+_TRAIN_FLAGS = flags.DEFINE_string(
+    "train_flags", "", "More experiments.train flags for every run, e.g. '--d_model=64 --top_k=4'."
+)
+_OUT = flags.DEFINE_string("out", "runs/bench_step", "Run folder (the runs, the JSON, the PNG).")
+#: The flags the JSON records as the run's settings.
+_SETTINGS = (_PINNED, _ROUNDS, _STEPS, _PRESET, _BATCH, _SEED, _DATA, _MODES, _CASES, _TRAIN_FLAGS)
+
+
+def _check_names(kind: str, known):
+    def check(names):
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise flags.ValidationError(
+                f"unknown {kind} {', '.join(unknown) or '(none given)'}; expected some of "
+                f"{', '.join(known)}"
+            )
+        return True
+
+    return check
+
+
+def _check_train_flags(text: str) -> bool:
+    taken = [a for a in shlex.split(text) if a.lstrip("-").split("=")[0] in _OWN_FLAGS]
+    if taken:
+        raise flags.ValidationError(f"sets {', '.join(taken)}, which the benchmark sets itself")
+    return True
+
+
+flags.register_validator("modes", _check_names("mode", MODES))
+flags.register_validator("cases", _check_names("case", CASES))
+flags.register_validator("train_flags", _check_train_flags)
+flags.register_validator("rounds", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("steps", lambda v: v >= 2, "must be >= 2 (the first step compiles)")
+flags.register_validator(
+    "pinned_ranks",
+    lambda v: 0 <= v <= len(os.sched_getaffinity(0)),
+    f"must be 0 (simulated devices) or at most the {len(os.sched_getaffinity(0))} cores this "
+    "process may use (a pinned rank takes a core of its own)",
+)
+
+
+def clock_text() -> str:
+    """Whose clock the step times are: the busiest pinned rank's, or simulated devices' total."""
+    return "busiest rank's" if _PINNED.value else "8 simulated devices' (total work)"
+
+
+def rotated(names: list[str], offset: int) -> list[str]:
+    """``names`` rotated left by ``offset`` (round r runs the modes in this order)."""
+    k = offset % len(names)
+    return names[k:] + names[:k]
+
+
+def train_command(case: str, mode: str, workdir: pathlib.Path) -> list[str]:
+    """The trainer's command line for one run of ``mode`` in ``case``."""
+    steps = _STEPS.value
+    cmd = [sys.executable, "-m", "experiments.train", f"--pinned_ranks={_PINNED.value}"]
+    cmd += [f"--workdir={workdir}", f"--preset={_PRESET.value}", f"--steps={steps}"]
+    cmd += [f"--batch_size={_BATCH.value}", f"--seed={_SEED.value}", "--eval_batches=1"]
+    # Evaluate and checkpoint only after the last step; 2 MiB of text is more than 40 steps read.
+    cmd += [f"--eval_every={steps}", f"--checkpoint_every={steps}", f"--print_every={steps}"]
+    cmd += ["--max_corpus_bytes=2097152"] + ([f"--data={_DATA.value}"] if _DATA.value else [])
+    return cmd + [*CASES[case], *MODES[mode], *shlex.split(_TRAIN_FLAGS.value)]
+
+
+def read_run(workdir: pathlib.Path) -> tuple[dict, dict]:
+    """One finished run's figures (``step_time_s``, the busiest rank's median step;
+    ``tokens_per_s``; ``dropped_pairs``; per-layer mean max/mean ``imbalance_before`` /
+    ``_after`` [L]; ``losses`` by step; ``calibration``) and its flat configuration."""
+    summary = json.loads((workdir / "summary.json").read_text())
+    records = read_metrics(workdir / "metrics.jsonl")
+    run = {
+        "step_time_s": summary["median_step_time_s"],
+        "tokens_per_s": summary["median_tokens_per_s"],
+        "dropped_pairs": summary["dropped_pairs"],
+        "imbalance_before": summary["imbalance_before"]["mean"],
+        "imbalance_after": summary["imbalance_after"]["mean"],
+        "losses": {str(r["step"]): r["loss"] for r in records},
+        "calibration": summary.get("calibration"),
+    }
+    return run, summary["config"]
+
+
+def run_one(case: str, mode: str, workdir: pathlib.Path) -> tuple[dict, dict]:
+    """Trains ``mode`` in ``case`` afresh in ``workdir`` (its earlier run removed); `read_run`.
+    RuntimeError with the run's last error line when it fails."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    proc = subprocess.run(train_command(case, mode, workdir), capture_output=True, text=True)
+    if proc.returncode:
+        last = (proc.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        raise RuntimeError(f"{case} {mode} in {workdir} failed (exit {proc.returncode}): {last}")
+    return read_run(workdir)
+
+
+def run_rounds(out: pathlib.Path) -> tuple[dict[str, list[dict]], dict]:
+    """Every case's rounds (each ``{mode: read_run figures}``), the modes rotated each round,
+    and the first run's configuration."""
+    modes, cases, rounds = list(_MODES.value), list(_CASES.value), _ROUNDS.value
+    results, config = {case: [] for case in cases}, None
+    for r in range(rounds):
+        for case in cases:
+            runs = {}
+            for mode in rotated(modes, r):
+                runs[mode], config = run_one(case, mode, out / case / f"round{r}" / mode)
+                print(
+                    f"round {r + 1}/{rounds} {case} {mode}: "
+                    f"{runs[mode]['step_time_s'] * 1e3:.1f} ms/step, "
+                    f"{runs[mode]['tokens_per_s']:.0f} tok/s",
+                    flush=True,
+                )
+            results[case].append({mode: runs[mode] for mode in modes})
+    return results, config
+
+
+def flop_shares(model: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Each part's share of the step's FLOPs (forward per token; the backward is 2x every part's
+    forward, so the shares are the step's): attention (projections + the T x T core the model
+    computes in full), router, routed experts (top_k SwiGLU rows), shared expert, LM head."""
+    d, layers = model.d_model, model.num_layers
+    flops = {
+        "attention": layers * (8.0 * d * d + 4.0 * seq_len * d),
+        "router": layers * 2.0 * d * model.num_experts,
+        "experts": layers * expert_fwd_flops(model.top_k, d, model.d_ff),
+        "shared_expert": layers * expert_fwd_flops(1, d, model.shared_d_ff),
+        "head": 2.0 * d * model.vocab_size,
+    }
+    total = sum(flops.values())
+    return {name: value / total for name, value in flops.items()}
+
+
+def logged_steps(steps: int) -> list[str]:
+    """The steps whose loss is reported: the first, each quarter, the last."""
+    return [str(s) for s in sorted({1, *(steps * q // 4 for q in (1, 2, 3, 4))} - {0})]
+
+
+def mode_summary(runs: list[dict]) -> dict:
+    """One mode's figures over its rounds' runs: median step time with the rounds' min / max
+    and spread ((max - min) / median), tokens/s (median), pairs dropped (the largest run's),
+    per-layer imbalance (medians over rounds), the first round's losses at `logged_steps`."""
+    times = [r["step_time_s"] for r in runs]
+    median = statistics.median(times)
+    steps = logged_steps(max(int(s) for s in runs[0]["losses"]))
+    return {
+        "step_time_s": {"median": median, "min": min(times), "max": max(times), "rounds": times},
+        "spread": (max(times) - min(times)) / median,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "dropped_pairs": max(r["dropped_pairs"] for r in runs),
+        "imbalance_before": np.median([r["imbalance_before"] for r in runs], axis=0).tolist(),
+        "imbalance_after": np.median([r["imbalance_after"] for r in runs], axis=0).tolist(),
+        "losses": {s: runs[0]["losses"][s] for s in steps},
+    }
+
+
+def round_ratios(rounds: list[dict]) -> dict[str, dict]:
+    """`RATIOS` of each round's step times, and their median, for those whose modes ran."""
+    out = {}
+    for name, (a, b, scale) in RATIOS.items():
+        if a in rounds[0] and b in rounds[0]:
+            values = [r[a]["step_time_s"] / r[b]["step_time_s"] * scale for r in rounds]
+            out[name] = {"rounds": values, "median": statistics.median(values)}
+    return out
+
+
+def loss_difference(rounds: list[dict]) -> float | None:
+    """The largest |balanced - plain| loss over every round and step (None without both)."""
+    if "balanced" not in rounds[0] or "plain" not in rounds[0]:
+        return None
+    return max(
+        abs(r["balanced"]["losses"][s] - loss)
+        for r in rounds
+        for s, loss in r["plain"]["losses"].items()
+    )
+
+
+def case_report(rounds: list[dict]) -> dict:
+    """A case's JSON: per-mode `mode_summary`, `round_ratios`, `loss_difference`, the rounds."""
+    return {
+        "modes": {m: mode_summary([r[m] for r in rounds]) for m in rounds[0]},
+        "ratios": round_ratios(rounds),
+        "loss_max_abs_diff_balanced_plain": loss_difference(rounds),
+        "rounds": rounds,
+    }
+
+
+def _layers(values) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
+def print_case(case: str, report: dict) -> None:
+    """The case's table of modes, its ratios and its loss check."""
+    print(f"\ncase {case}: {clock_text()} median step over {_ROUNDS.value} rounds [min-max]")
+    for mode, s in report["modes"].items():
+        t = s["step_time_s"]
+        losses = " ".join(f"{loss:.4f}" for loss in s["losses"].values())
+        print(
+            f"  {mode:10s} {t['median'] * 1e3:7.1f} ms [{t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f},"
+            f" spread {s['spread']:.0%}]  {s['tokens_per_s']:8.0f} tok/s  dropped "
+            f"{s['dropped_pairs']}  max/mean per layer {_layers(s['imbalance_before'])} -> "
+            f"{_layers(s['imbalance_after'])}  loss at steps {'/'.join(s['losses'])}: {losses}"
+        )
+    for name, ratio in report["ratios"].items():
+        rounds = " ".join(f"{v:.3f}" for v in ratio["rounds"])
+        print(f"  {name}: {ratio['median']:.3f} (median of rounds {rounds})")
+    if report["loss_max_abs_diff_balanced_plain"] is not None:
+        diff = report["loss_max_abs_diff_balanced_plain"]
+        print(f"  balanced vs plain loss, largest difference over rounds and steps: {diff:.2e}")
+
+
+def calibration_summary(results: dict) -> dict | None:
+    """The runs' calibration ratios and the line of the run at their median (None unpinned)."""
+    cals = [r["calibration"] for rs in results.values() for rd in rs for r in rd.values()]
+    cals = sorted((c for c in cals if c), key=lambda c: c["ratio"])
+    if not cals:
+        return None
+    return {"ratios": [c["ratio"] for c in cals], "line": calibration_line(cals[len(cals) // 2])}
+
+
+def _plot_case(ax, case: str, modes: dict) -> None:
+    """One case's bars: each mode's median step, the part above the ideal's median stacked on
+    the part within it (when the ideal ran), whiskers at the rounds' min and max."""
+    times = [m["step_time_s"] for m in modes.values()]
+    median = np.array([t["median"] for t in times]) * 1e3
+    whiskers = np.array([[t["median"] - t["min"], t["max"] - t["median"]] for t in times]).T * 1e3
+    ideal = modes["ideal"]["step_time_s"]["median"] * 1e3 if "ideal" in modes else np.inf
+    base = np.minimum(median, ideal)
+    ax.bar(list(modes), base, color="C0", label="within the ideal's step")
+    ax.bar(list(modes), median - base, bottom=base, color="C3", label="above the ideal's step")
+    ax.errorbar(list(modes), median, yerr=whiskers, fmt="none", ecolor="k", capsize=5)
+    ax.set_title(f"{case} ({len(times[0]['rounds'])} rounds)")
+    ax.set_ylabel(f"{clock_text()} median step (ms)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    """Bar chart per case (`_plot_case`): the modes' median steps split only into the ideal's
+    step and the time above it, not into the step's own terms."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    cases = report["cases"]
+    fig = Figure(figsize=(4 + 3 * len(cases), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(cases), squeeze=False)[0]
+    for ax, (case, data) in zip(axes, cases.items(), strict=True):
+        _plot_case(ax, case, data["modes"])
+    fig.suptitle(
+        "training step by mode, min-max over rounds: the part above the force-balanced ideal\n"
+        "(imbalance; for balanced, its own cost and what imbalance remains); not split further"
+    )
+    fig.savefig(path, dpi=110)
+
+
+def main(argv):
+    """Runs the rounds, prints the report, writes the JSON and the PNG."""
+    if len(argv) > 1:
+        print(f"error: unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
+        sys.exit(2)
+    out = pathlib.Path(_OUT.value)
+    ideal = "ideal" in _MODES.value
+    if ideal:
+        print(IDEAL_NOTE, flush=True)
+    try:
+        results, config = run_rounds(out)
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    model = ModelConfig(**{k: config[k] for k in MODEL_FIELDS})
+    report = {
+        "command": shlex.join(["python", "-m", "experiments.bench.step", *sys.argv[1:]]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "settings": {f.name: f.value for f in _SETTINGS},
+        "flop_shares": flop_shares(model, config["seq_len"]),
+        "cases": {case: case_report(rounds) for case, rounds in results.items()},
+        "calibration": calibration_summary(results),
+        "note": IDEAL_NOTE if ideal else None,
+    }
+    shares = ", ".join(f"{k} {v:.1%}" for k, v in report["flop_shares"].items() if v)
+    print(f"\nthe step's FLOPs by part (from the shapes): {shares}", flush=True)
+    for case, data in report["cases"].items():
+        print_case(case, data)
+    if report["calibration"]:
+        print(report["calibration"]["line"])
+    json_path, png_path = out / "bench_step.json", out / "bench_step.png"
+    write_json(json_path, report)
+    plot(report, png_path)
+    print(f"wrote {json_path} and {png_path} (bars split only at the ideal's step, not into terms)")
+    if ideal:
+        print(IDEAL_NOTE)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,134 @@
+"""The whole-step benchmark (`experiments.bench.step`): its arithmetic against hand-computed values,
+one tiny run of the program (four modes, ratios from the rounds' own numbers, balanced and plain
+at the same loss), and bad input in one line."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments.bench import step
+from models.presets import preset
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY_MODEL = {"d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 32, "num_experts": 8}
+TINY = " ".join(f"--{k}={v}" for k, v in TINY_MODEL.items())
+TINY += " --seq_len=32 --min_tokens_per_replica=2 --min_tokens_per_rank=0"
+
+
+def _bench(args, timeout=900):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.bench.step", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_rotated_orders_and_logged_steps():
+    modes = list(step.MODES)
+    assert [step.rotated(modes, r)[0] for r in range(5)] == [*modes, modes[0]]
+    assert step.logged_steps(40) == ["1", "10", "20", "30", "40"]
+    assert step.logged_steps(3) == ["1", "2", "3"]
+
+
+def test_flop_shares_of_the_default_preset():
+    """D=128, F=512, E=8, top-2, 2 layers, T=128, V=256, per token forward: attention
+    2 x (8 D^2 + 4 T D) = 393216, router 2 x 2 D E = 4096, experts 2 x 2 x 6 D F = 1572864,
+    head 2 D V = 65536."""
+    shares = step.flop_shares(preset("moe_heavy").model, 128)
+    total = 393216 + 4096 + 1572864 + 65536
+    assert shares["experts"] == pytest.approx(1572864 / total)
+    assert shares["attention"] == pytest.approx(393216 / total)
+    assert shares["head"] == pytest.approx(65536 / total) and shares["shared_expert"] == 0
+    assert sum(shares.values()) == pytest.approx(1.0)
+
+
+def _run(ms, loss_shift=0.0):
+    return {
+        "step_time_s": ms / 1e3,
+        "tokens_per_s": 4096 / (ms / 1e3),
+        "dropped_pairs": 0,
+        "imbalance_before": [1.2, 1.4],
+        "imbalance_after": [1.01, 1.01],
+        "losses": {"1": 5.0 + loss_shift, "2": 4.0},
+        "calibration": None,
+    }
+
+
+def test_ratios_are_medians_of_per_round_ratios():
+    times = {"ideal": (300, 280, 320), "balanced": (310, 290, 300), "plain": (380, 300, 330)}
+    times["plain@1.25"] = (330, 320, 310)
+    rounds = [{m: _run(t[r]) for m, t in times.items()} for r in range(3)]
+    ratios = step.round_ratios(rounds)
+    assert ratios["balanced_pct_of_ideal"]["rounds"] == pytest.approx(
+        [300 / 310 * 100, 280 / 290 * 100, 320 / 300 * 100]
+    )
+    assert ratios["balanced_pct_of_ideal"]["median"] == pytest.approx(300 / 310 * 100)
+    assert ratios["balanced_x_over_plain"]["median"] == pytest.approx(330 / 300)
+    assert ratios["balanced_x_over_plain@1.25"]["median"] == pytest.approx(330 / 310)
+    assert ratios["plain_pct_of_ideal"]["median"] == pytest.approx(280 / 300 * 100)
+    summary = step.mode_summary([r["plain"] for r in rounds])
+    assert summary["step_time_s"]["median"] == pytest.approx(0.330)
+    assert summary["spread"] == pytest.approx((0.380 - 0.300) / 0.330)
+    assert step.loss_difference(rounds) == 0.0
+    rounds[1]["balanced"] = _run(290, loss_shift=1e-3)
+    assert step.loss_difference(rounds) == pytest.approx(1e-3)
+    assert "balanced_pct_of_ideal" not in step.round_ratios([{"plain": _run(1)}])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--modes=ideal,fast"], "unknown mode fast; expected some of ideal, balanced"),
+        (["--cases=relu"], "unknown case relu; expected some of softmax, sigmoid"),
+        (["--train_flags=--balance=none"], "sets --balance=none, which the benchmark sets"),
+        (["--rounds=0"], "must be >= 1"),
+        ([f"--pinned_ranks={len(os.sched_getaffinity(0)) + 1}"], "cores this process may use"),
+    ],
+)
+def test_bad_input_is_one_line(args, message, tmp_path):
+    proc = _bench([*args, f"--out={tmp_path}"], timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
+    pinned = 2 if len(os.sched_getaffinity(0)) >= 2 else 0
+    args = ["--rounds=1", "--steps=3", "--batch_size=8", f"--pinned_ranks={pinned}"]
+    proc = _bench([*args, f"--train_flags={TINY}", f"--out={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "a timing reference" in proc.stdout and "not into terms" in proc.stdout
+    report = json.loads((tmp_path / "bench_step.json").read_text())
+    assert (tmp_path / "bench_step.png").stat().st_size > 0
+    case = report["cases"]["softmax"]
+    assert list(case["modes"]) == list(step.MODES)
+    (raw,) = case["rounds"]
+    for name, (a, b, scale) in step.RATIOS.items():
+        want = raw[a]["step_time_s"] / raw[b]["step_time_s"] * scale
+        assert case["ratios"][name]["median"] == pytest.approx(want)
+    for mode, summary in case["modes"].items():
+        assert summary["step_time_s"]["median"] == raw[mode]["step_time_s"]
+        assert summary["losses"] == raw[mode]["losses"]  # 3 steps: all logged
+    balanced, plain = raw["balanced"]["losses"], raw["plain"]["losses"]
+    np.testing.assert_allclose(list(balanced.values()), list(plain.values()), rtol=1e-5)
+    assert case["loss_max_abs_diff_balanced_plain"] == max(
+        abs(balanced[s] - plain[s]) for s in plain
+    )
+    assert all(v == 1.0 for v in case["modes"]["ideal"]["imbalance_before"])
+    assert case["modes"]["plain"]["dropped_pairs"] == 0
+    tiny = dataclasses.replace(preset("moe_heavy").model, **TINY_MODEL)
+    assert report["flop_shares"] == pytest.approx(step.flop_shares(tiny, 32))
+    assert (report["calibration"] is not None) == bool(pinned)
+    assert report["command"].endswith(f"--out={tmp_path}") and "--rounds=1" in report["command"]
