@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 #: Where each public name lives. They are imported when first used, so that importing part of the
 #: package (such as `ultraep_jax.config`) loads neither Flax nor any kernel module.
 _HOMES = {
-    "ACTIVATIONS": "ultraep_jax.experts.activations",
+    "ACTIVATIONS": "ultraep_jax.base.activations",
     "TENSOR_AXIS_NAMES": "ultraep_jax.config",
     "BalancerConfig": "ultraep_jax.config",
     "Execution": "ultraep_jax.config",
@@ -42,11 +42,11 @@ _HOMES = {
 
 if TYPE_CHECKING:
     from ultraep_jax import remat
+    from ultraep_jax.base.activations import ACTIVATIONS
     from ultraep_jax.config import TENSOR_AXIS_NAMES, BalancerConfig, Execution, ExpertParallel
     from ultraep_jax.core import routed_experts_local
     from ultraep_jax.dispatch import reroute
     from ultraep_jax.expert_parallel import routed_experts
-    from ultraep_jax.experts.activations import ACTIVATIONS
     from ultraep_jax.layer import MoE, RouterBias
     from ultraep_jax.planning.planner import Plan, plan
     from ultraep_jax.routers import Routing, SigmoidTopK, SoftmaxTopK, update_bias

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax.planning.layout import Layout
+from ultraep_jax.base.layout import Layout
 
 
 def imbalance(rank_load) -> jax.Array:

@@ -3,7 +3,7 @@ in, and every size and offset of the token all-to-all (`Dispatch`).
 
 Shapes follow the package's axis legend (`ultraep_jax`): R ranks, E experts, E_m = E / R masters
 per rank, S slots per rank, G = E_m + S local groups per rank, I = E + R*S instances
-(`planning.layout`), N = T * k pairs on this rank, C receive-buffer rows.
+(`base.layout`), N = T * k pairs on this rank, C receive-buffer rows.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from ultraep_jax._ops import exclusive_cumsum
+from ultraep_jax.base.layout import Layout
 from ultraep_jax.comm.exchange import Exchange
 from ultraep_jax.dispatch.counts import group_counts
-from ultraep_jax.planning.layout import Layout
 from ultraep_jax.planning.loads import pair_experts
 from ultraep_jax.planning.planner import Plan
 

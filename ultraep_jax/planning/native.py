@@ -26,9 +26,7 @@ def _library_dir() -> pathlib.Path | None:
     run from the repository root) or an editable install keeps them apart, where pip put them. Both
     libraries come from this one folder, so the CPU and CUDA handlers are always of the same build.
     """
-    import ultraep_jax
-
-    folders = [pathlib.Path(folder) for folder in ultraep_jax.__path__]
+    folders = [pathlib.Path(__file__).parent.parent]  # the package's folder
     try:
         dist = importlib.metadata.distribution("ultraep_jax")
         folders.append(pathlib.Path(dist.locate_file("ultraep_jax")))

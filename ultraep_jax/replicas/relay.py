@@ -30,7 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax.planning.layout import Layout
+from ultraep_jax.base.layout import Layout
 
 
 def static_hops(ep_size: int, max_fanout: int) -> int:

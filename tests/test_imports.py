@@ -1,0 +1,122 @@
+"""The house's import rules, read from the source (ast; nothing is imported): inside
+`ultraep_jax/` the imports run one way (the graph of its modules, and of its parts: subpackages
+and top-level modules, has no cycle)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = "ultraep_jax"
+
+
+def module_name(path: pathlib.Path) -> str:
+    """The dotted name of the module at ``path`` (relative to the repository root)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path: pathlib.Path) -> list[str]:
+    """Every dotted name the file at ``path`` imports (anywhere in it, functions included):
+    ``import a.b`` gives "a.b"; ``from a.b import c`` gives "a.b.c" (a module or a name in a.b);
+    relative imports are resolved against the file's package."""
+    package = module_name(path)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                above = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(above + ([node.module] if node.module else []))
+            names += [f"{base}.{alias.name}" for alias in node.names]
+    return names
+
+
+def library_modules() -> dict[str, pathlib.Path]:
+    """Every module of the package, by dotted name."""
+    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def lazy_homes(path: pathlib.Path) -> list[str]:
+    """The modules named by a module-level ``_HOMES = {name: module}`` table (the root package's
+    public names, imported on first use): the module depends on them as if it imported them."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_HOMES" for t in node.targets
+        ):
+            table = ast.literal_eval(node.value)
+            return [f"{PACKAGE}.{k}" if v is None else v for k, v in table.items()]
+    return []
+
+
+def library_graph() -> dict[str, set[str]]:
+    """The import graph of the package's modules: module -> the package modules it imports
+    (``from a import b`` counts as importing module a.b when there is one, else a)."""
+    modules = library_modules()
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for imported in imported_names(path) + lazy_homes(path):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                edges.add(imported)
+        graph[name] = edges
+    return graph
+
+
+def part(module: str) -> str:
+    """The part of the package a module belongs to: its subpackage or top-level module."""
+    return ".".join(module.split(".")[:2])
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path [a, b, ..., a], or None when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_cycle_finds_a_cycle_and_accepts_a_dag():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_library_graph_sees_the_known_edges():
+    graph = library_graph()
+    assert "ultraep_jax.base.layout" in graph["ultraep_jax.config.balancer"]
+    assert "ultraep_jax.dispatch.reroute" in graph["ultraep_jax.dispatch.counts"]
+    assert "ultraep_jax.layer" in graph["ultraep_jax"]  # the lazy public names
+
+
+def test_library_modules_import_one_way():
+    assert cycle(library_graph()) is None
+
+
+def test_library_parts_import_one_way():
+    parts: dict[str, set[str]] = {}
+    for module, imported in library_graph().items():
+        edges = parts.setdefault(part(module), set())
+        edges |= {part(m) for m in imported} - {part(module)}
+    assert cycle(parts) is None
