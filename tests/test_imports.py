@@ -1,6 +1,6 @@
-"""The house's import rules, read from the source (ast; nothing is imported): inside
-`ultraep_jax/` the imports run one way (the graph of its modules, and of its parts: subpackages
-and top-level modules, has no cycle)."""
+"""The house's import rules, read from the source (ast): inside `ultraep_jax/` the imports run
+one way (the graph of its modules, and of its parts: subpackages and top-level modules, has no
+cycle), and each public name is found where it is listed."""
 
 from __future__ import annotations
 
@@ -120,3 +120,17 @@ def test_library_parts_import_one_way():
         edges = parts.setdefault(part(module), set())
         edges |= {part(m) for m in imported} - {part(module)}
     assert cycle(parts) is None
+
+
+def test_public_names_resolve_to_their_homes():
+    import importlib
+
+    import ultraep_jax
+
+    assert len(ultraep_jax.__all__) == len(set(ultraep_jax.__all__)) == 19
+    homes = lazy_homes(ROOT / PACKAGE / "__init__.py")
+    for name, home in zip(ultraep_jax.__all__, homes, strict=True):
+        module = importlib.import_module(home)
+        expected = module if home == f"{PACKAGE}.{name}" else getattr(module, name)
+        assert getattr(ultraep_jax, name) is expected, name
+        assert name in dir(ultraep_jax)

@@ -14,10 +14,10 @@ exchanges), `replicas` (the replica weights), `experts` (the kernels); `config` 
 """
 
 import importlib
-from typing import TYPE_CHECKING
 
-#: Where each public name lives. They are imported when first used, so that importing part of the
-#: package (such as `ultraep_jax.config`) loads neither Flax nor any kernel module.
+#: The public names, listed here once (`__all__` is this table's keys), each with the module it
+#: lives in (None: a submodule of that name). They are imported when first used, so that importing
+#: part of the package (such as `ultraep_jax.config`) loads neither Flax nor any kernel module.
 _HOMES = {
     "ACTIVATIONS": "ultraep_jax.base.activations",
     "TENSOR_AXIS_NAMES": "ultraep_jax.config",
@@ -40,18 +40,6 @@ _HOMES = {
     "update_bias": "ultraep_jax.routers",
 }
 
-if TYPE_CHECKING:
-    from ultraep_jax import remat
-    from ultraep_jax.base.activations import ACTIVATIONS
-    from ultraep_jax.config import TENSOR_AXIS_NAMES, BalancerConfig, Execution, ExpertParallel
-    from ultraep_jax.core import routed_experts_local
-    from ultraep_jax.dispatch import reroute
-    from ultraep_jax.expert_parallel import routed_experts
-    from ultraep_jax.layer import MoE, RouterBias
-    from ultraep_jax.planning.planner import Plan, plan
-    from ultraep_jax.routers import Routing, SigmoidTopK, SoftmaxTopK, update_bias
-    from ultraep_jax.stats import MoEStats, imbalance
-
 
 def __getattr__(name: str):
     """The public name ``name``, imported from its home (`_HOMES`) on first use; any other name
@@ -73,25 +61,5 @@ def __dir__():
     return sorted(set(globals()) | set(_HOMES))
 
 
-__all__ = [
-    "ACTIVATIONS",
-    "TENSOR_AXIS_NAMES",
-    "BalancerConfig",
-    "Execution",
-    "ExpertParallel",
-    "MoE",
-    "MoEStats",
-    "Plan",
-    "imbalance",
-    "plan",
-    "remat",
-    "reroute",
-    "routed_experts",
-    "routed_experts_local",
-    "Routing",
-    "RouterBias",
-    "SigmoidTopK",
-    "SoftmaxTopK",
-    "update_bias",
-]
+__all__ = list(_HOMES)
 __version__ = "0.1.0"
