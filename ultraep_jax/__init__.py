@@ -31,7 +31,7 @@ _HOMES = {
     "plan": "ultraep_jax.planning.planner",
     "remat": None,
     "reroute": "ultraep_jax.dispatch",
-    "routed_experts": "ultraep_jax.expert_parallel",
+    "routed_experts": "ultraep_jax.over_mesh",
     "routed_experts_local": "ultraep_jax.core",
     "Routing": "ultraep_jax.routers",
     "RouterBias": "ultraep_jax.layer",

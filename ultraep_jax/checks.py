@@ -108,7 +108,7 @@ def check_int32_sizes(pairs: int, capacity: int) -> None:
 
 
 def check_call_inputs(x, experts, weights, params, ep, token_mask) -> None:
-    """Raises (one line naming the value) unless `expert_parallel.routed_experts` can run on
+    """Raises (one line naming the value) unless `over_mesh.routed_experts` can run on
     these global arrays; concrete expert ids of real tokens are range-checked."""
     _check_arrays(x, experts, weights, params, ep, token_mask)
     _check_weights(params, ep.num_experts, x.shape[-1], "E")

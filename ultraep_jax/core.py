@@ -10,7 +10,7 @@ the expert weights in, its tokens' output and the call's stats out. It runs the 
             masters and slots (`experts.registry`)
   combine:  results back (the reversed all-to-all) -> weighted sum per token (`dispatch`)
 
-`expert_parallel.routed_experts` wraps it in its own `shard_map`; a codebase that already runs
+`over_mesh.routed_experts` wraps it in its own `shard_map`; a codebase that already runs
 one calls it directly. The stage results carry `remat` names, so that a
 ``save_only_these_names`` policy keeps them for the backward pass.
 """
