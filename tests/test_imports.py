@@ -1,11 +1,14 @@
 """The house's import rules, read from the source (ast): inside `ultraep_jax/` the imports run
 one way (the graph of its modules, and of its parts: subpackages and top-level modules, has no
-cycle), and each public name is found where it is listed."""
+cycle); each public name is found where it is listed; experiments/ and models/ import only what
+the library exports (`ultraep_jax`, `ultraep_jax.config`, `ultraep_jax.tools`), nothing private
+and nothing from tests/."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "ultraep_jax"
@@ -96,6 +99,79 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (found := visit(node)):
             return found
     return None
+
+
+#: The library modules that experiments/ and models/ may import names from.
+EXPORTS = (PACKAGE, f"{PACKAGE}.config", f"{PACKAGE}.tools")
+
+#: A Python import in any text (the shell scripts' inline Python): "from a.b import c, d" or
+#: "import a.b".
+_TEXT_IMPORT = re.compile(r"\bfrom\s+([\w.]+)\s+import\s+([\w, ]+)|\bimport\s+([\w.]+)")
+
+
+def text_imported_names(text: str) -> list[str]:
+    """The dotted names a text's Python import lines import (as `imported_names` gives them)."""
+    names = []
+    for module, items, plain in _TEXT_IMPORT.findall(text):
+        if plain:
+            names.append(plain)
+        else:
+            names += [f"{module}.{item.strip()}" for item in items.split(",") if item.strip()]
+    return names
+
+
+def unexported(name: str) -> bool:
+    """Whether importing the dotted ``name`` reaches past what the library exports: a library
+    module other than `EXPORTS`, or a private name (leading underscore) of one; or tests/."""
+    if name == "tests" or name.startswith("tests."):
+        return True
+    if name != PACKAGE and not name.startswith(PACKAGE + "."):
+        return False
+    if name in EXPORTS:
+        return False
+    module, _, attr = name.rpartition(".")
+    return module not in EXPORTS or attr.startswith("_")
+
+
+def program_imports() -> list[tuple[str, str]]:
+    """(file, dotted name) of every import in experiments/ and models/: Python files by ast,
+    shell scripts by their inline Python's import lines."""
+    found = []
+    for folder in ("experiments", "models"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix == ".py":
+                names = imported_names(path)
+            elif path.suffix == ".sh":
+                names = text_imported_names(path.read_text())
+            else:
+                continue
+            found += [(str(path.relative_to(ROOT)), name) for name in names]
+    return found
+
+
+def test_unexported_knows_the_exports():
+    assert not unexported("ultraep_jax.MoE")
+    assert not unexported("ultraep_jax.config.BalancerConfig")
+    assert not unexported("ultraep_jax.tools.check_int")
+    assert not unexported("numpy.asarray")
+    assert unexported("ultraep_jax._ops.check_int")
+    assert unexported("ultraep_jax._native")
+    assert unexported("ultraep_jax.planning.native")
+    assert unexported("ultraep_jax.replicas.relay")
+    assert unexported("ultraep_jax.tools._HOMES")
+    assert unexported("tests.references.oracle.random_cases")
+    assert text_imported_names("x = 1; from ultraep_jax import _native, tools\nimport a.b") == [
+        "ultraep_jax._native",
+        "ultraep_jax.tools",
+        "a.b",
+    ]
+
+
+def test_programs_import_only_what_the_library_exports():
+    found = program_imports()
+    assert any(name == "ultraep_jax.tools.check_int" for _, name in found)  # the scan sees them
+    bad = [f"{path}: {name}" for path, name in found if unexported(name)]
+    assert not bad, "import the library's exports (ultraep_jax.tools): " + "; ".join(bad)
 
 
 def test_cycle_finds_a_cycle_and_accepts_a_dag():

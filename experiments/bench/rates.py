@@ -45,8 +45,7 @@ from experiments.bench import (
     moe,
 )
 from experiments.stepmodel import calibration
-from ultraep_jax.experts.registry import grouped_glu
-from ultraep_jax.replicas import streaming
+from ultraep_jax import tools
 
 flags.FLAGS.set_default("json_out", "experiments/results/rates_cpu.json")
 flags.FLAGS.set_default("tokens", ["256", "1024", "2048", "4096", "8192"])
@@ -70,7 +69,7 @@ def _expert_fn(capacity: int, groups: int, mode: str):
     weights, forward (prefill) or forward + backward (train): fn(rows, weights, sizes)."""
 
     def forward(rows, weights, sizes):
-        return grouped_glu(rows, [weights], sizes, kernel="tiled")
+        return tools.grouped_glu(rows, [weights], sizes, kernel="tiled")
 
     if mode == "prefill":
         return jax.jit(forward)
@@ -113,7 +112,7 @@ def _stage_fn(mesh, slot_expert: np.ndarray, mode: str):
     spec = jax.sharding.PartitionSpec("x")
 
     def stage(rows, w_gate, w_up, w_down, sizes):
-        return streaming.experts_with_replicas(
+        return tools.experts_with_replicas(
             rows,
             (w_gate, w_up, w_down),
             jnp.asarray(slot_expert),

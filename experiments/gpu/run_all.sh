@@ -104,8 +104,8 @@ for pkg in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "
 print(f"jax.__version__: {jax.__version__}")
 print(f"devices: {jax.devices()}")
 try:
-    from ultraep_jax import _native
-    print(f"cuda_planner_handler: {'built' if _native.has_cuda_handler() else 'MISSING'}")
+    from ultraep_jax import tools
+    print(f"cuda_planner_handler: {'built' if tools.has_cuda_handler() else 'MISSING'}")
 except ImportError as e:
     print(f"cuda_planner_handler: unknown ({e})")
 EOF
@@ -117,7 +117,7 @@ EOF
 }
 
 part_setup() {
-  if [ $DRY = 1 ] && $PY -c "from ultraep_jax import _native; _native.cpu_library()" 2>/dev/null; then
+  if [ $DRY = 1 ] && $PY -c "from ultraep_jax import tools; tools.cpu_library()" 2>/dev/null; then
     echo "== setup: installed already (dry run: no reinstall)"
   else
     # No network on the device machine: its image has the build requirements.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ultraep_jax.base.layout import Layout
+from ultraep_jax.tools import Layout
 
 
 def home_ranks(num_experts: int, num_ranks: int) -> np.ndarray:

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ultraep_jax as uep
-from tests.references.oracle import random_cases
 from tests.references.planner import (
     check_plan_invariants,
     rank_loads_before,
     reference_plan,
     reference_plan_info,
 )
+from ultraep_jax.oracle import random_cases
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
 
