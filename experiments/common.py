@@ -57,15 +57,15 @@ def batched_transfer(ep_size: int, experts_per_rank: int, max_fanout: int):
     import jax
     import jax.numpy as jnp
 
-    from ultraep_jax.replicas import relay
+    from ultraep_jax import tools
 
-    hops = relay.static_hops(ep_size, max_fanout)
+    hops = tools.static_hops(ep_size, max_fanout)
 
     def one(held_RC):
-        schedule = relay.relay_schedule(held_RC, experts_per_rank, max_fanout)
-        sent_HR, received_HR = relay.hop_copies(schedule, hops)
+        schedule = tools.relay_schedule(held_RC, experts_per_rank, max_fanout)
+        sent_HR, received_HR = tools.hop_copies(schedule, hops)
         length = jnp.sum(jnp.maximum(sent_HR.max(axis=1), received_HR.max(axis=1)))
-        return jnp.max(relay.send_copies(schedule)), length, jnp.max(schedule.hop_RS)
+        return jnp.max(tools.send_copies(schedule)), length, jnp.max(schedule.hop_RS)
 
     return jax.jit(jax.vmap(one))
 
@@ -78,10 +78,10 @@ def batched_schedule(ep_size: int, experts_per_rank: int, max_fanout: int, domai
     ``hop_RS`` and ``sender_RS``, int32 [N, R, C] each."""
     import jax
 
-    from ultraep_jax.replicas import relay
+    from ultraep_jax import tools
 
     def one(held_RC):
-        schedule = relay.relay_schedule(held_RC, experts_per_rank, max_fanout, domain_size)
+        schedule = tools.relay_schedule(held_RC, experts_per_rank, max_fanout, domain_size)
         return schedule.hop_RS, schedule.sender_RS
 
     return jax.jit(jax.vmap(one))

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import ultraep_jax as uep
-from ultraep_jax._ops import check_int
+from ultraep_jax.tools import check_int
 
 
 def check_positive_ints(config, names, prefix: str) -> None:

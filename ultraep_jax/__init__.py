@@ -14,12 +14,12 @@ exchanges), `replicas` (the replica weights), `experts` (the kernels); `config` 
 """
 
 import importlib
-from typing import TYPE_CHECKING
 
-#: Where each public name lives. They are imported when first used, so that importing part of the
-#: package (such as `ultraep_jax.config`) loads neither Flax nor any kernel module.
+#: The public names, listed here once (`__all__` is this table's keys), each with the module it
+#: lives in (None: a submodule of that name). They are imported when first used, so that importing
+#: part of the package (such as `ultraep_jax.config`) loads neither Flax nor any kernel module.
 _HOMES = {
-    "ACTIVATIONS": "ultraep_jax.experts.activations",
+    "ACTIVATIONS": "ultraep_jax.base.activations",
     "TENSOR_AXIS_NAMES": "ultraep_jax.config",
     "BalancerConfig": "ultraep_jax.config",
     "Execution": "ultraep_jax.config",
@@ -32,7 +32,7 @@ _HOMES = {
     "plan": "ultraep_jax.planning.planner",
     "remat": None,
     "reroute": "ultraep_jax.dispatch",
-    "routed_experts": "ultraep_jax.expert_parallel",
+    "routed_experts": "ultraep_jax.over_mesh",
     "routed_experts_local": "ultraep_jax.core",
     "Routing": "ultraep_jax.routers",
     "RouterBias": "ultraep_jax.layer",
@@ -40,19 +40,6 @@ _HOMES = {
     "SoftmaxTopK": "ultraep_jax.routers",
     "update_bias": "ultraep_jax.routers",
 }
-
-if TYPE_CHECKING:
-    from ultraep_jax import remat
-    from ultraep_jax.config import TENSOR_AXIS_NAMES, BalancerConfig, Execution, ExpertParallel
-    from ultraep_jax.core import routed_experts_local
-    from ultraep_jax.dispatch import reroute
-    from ultraep_jax.expert_parallel import routed_experts
-    from ultraep_jax.experts.activations import ACTIVATIONS
-    from ultraep_jax.ideal import force_balanced
-    from ultraep_jax.layer import MoE, RouterBias
-    from ultraep_jax.planning.planner import Plan, plan
-    from ultraep_jax.routers import Routing, SigmoidTopK, SoftmaxTopK, update_bias
-    from ultraep_jax.stats import MoEStats, imbalance
 
 
 def __getattr__(name: str):
@@ -75,26 +62,5 @@ def __dir__():
     return sorted(set(globals()) | set(_HOMES))
 
 
-__all__ = [
-    "ACTIVATIONS",
-    "TENSOR_AXIS_NAMES",
-    "BalancerConfig",
-    "Execution",
-    "ExpertParallel",
-    "force_balanced",
-    "MoE",
-    "MoEStats",
-    "Plan",
-    "imbalance",
-    "plan",
-    "remat",
-    "reroute",
-    "routed_experts",
-    "routed_experts_local",
-    "Routing",
-    "RouterBias",
-    "SigmoidTopK",
-    "SoftmaxTopK",
-    "update_bias",
-]
+__all__ = list(_HOMES)
 __version__ = "0.1.0"

@@ -113,7 +113,7 @@ def check_int32_sizes(caller: str, pairs: int, capacity: int) -> None:
 
 
 def check_call_inputs(x, experts, weights, params, ep, token_mask) -> None:
-    """Raises (one line naming the value) unless `expert_parallel.routed_experts` can run on
+    """Raises (one line naming the value) unless `over_mesh.routed_experts` can run on
     these global arrays; concrete expert ids of real tokens are range-checked."""
     caller = "routed_experts"
     _check_arrays(caller, x, experts, weights, params, ep, token_mask)

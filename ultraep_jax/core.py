@@ -10,7 +10,7 @@ the expert weights in, its tokens' output and the call's stats out. It runs the 
             masters and slots (`experts.registry`)
   combine:  results back (the reversed all-to-all) -> weighted sum per token (`dispatch`)
 
-`expert_parallel.routed_experts` wraps it in its own `shard_map`; a codebase that already runs
+`over_mesh.routed_experts` wraps it in its own `shard_map`; a codebase that already runs
 one calls it directly. The stage results carry `remat` names, so that a
 ``save_only_these_names`` policy keeps them for the backward pass.
 """
@@ -100,23 +100,26 @@ def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, 
         dispatch = checkpoint_name(dispatch, remat.DISPATCH)
         sent_CD = _exchange(x_TD[dispatch.send_order_N // K], dispatch.exchange, ep)
         rows_CD = checkpoint_name(to_groups(sent_CD, dispatch), remat.RECEIVED)
+    # The relay schedule, once per call: the transfer follows it and the stats count its sends.
+    schedule = None if balancer is None else _relay_schedule(plan, params, balancer)
     with jax.named_scope("experts"):
-        done_CD = _experts(rows_CD, params, plan, dispatch.group_sizes_G, ep, balancer)
+        done_CD = _experts(rows_CD, params, plan, dispatch.group_sizes_G, ep, balancer, schedule)
     with jax.named_scope("combine"):
         back_ND = _exchange(from_groups(done_CD, dispatch), dispatch.exchange.reversed(), ep)
         back_ND = checkpoint_name(back_ND, remat.RETURNED)
         y_TD = combine(back_ND, dispatch, weights_TK)
         if mask_T is not None:
             y_TD = jnp.where(mask_T[:, None], y_TD, 0)
-    send_max = 0.0 if balancer is None else _transfer_send_max(plan, params, balancer)
+    send_max = 0.0 if schedule is None else _transfer_send_max(schedule, params)
     stats = _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, dispatch, send_max)
     return y_TD.astype(x_TD.dtype), stats
 
 
-def _experts(rows_CD, params, plan, group_sizes_G, ep: ExpertParallel, balancer):
-    """[C, D]: the received rows through the masters and, with a balancer, the plan's slots."""
+def _experts(rows_CD, params, plan, group_sizes_G, ep: ExpertParallel, balancer, schedule):
+    """[C, D]: the received rows through the masters and, with replicas (a relay ``schedule``;
+    None without), the plan's slots."""
     how = ep.execution
-    if balancer is None:
+    if schedule is None:
         return local_experts(
             rows_CD, params, None, group_sizes_G, how.expert_kernel, how.activation
         )
@@ -132,6 +135,7 @@ def _experts(rows_CD, params, plan, group_sizes_G, ep: ExpertParallel, balancer)
         axis_name=ep.expert_axis,
         backend=how.comm_backend,
         activation=how.activation,
+        schedule=schedule,
     )
 
 
@@ -165,13 +169,16 @@ def _plan(experts_N, masked, ep: ExpertParallel, balancer: BalancerConfig | None
     return loads_RE, masked_R, jax.tree.map(lambda a: vary(a, axes), plan)
 
 
-def _transfer_send_max(plan, masters, balancer: BalancerConfig) -> jax.Array:
-    """float32 []: the most bytes one EP rank sends in the replica transfer of ``plan``."""
-    copy_bytes = sum(w[0].size * w.dtype.itemsize for w in masters)
+def _relay_schedule(plan, masters, balancer: BalancerConfig) -> relay.RelaySchedule:
+    """The relay schedule of ``plan``'s slots under the balancer's fan-out bound and domains."""
     em = masters[0].shape[0]
-    return relay.largest_send_bytes(
-        plan.slot_expert, em, balancer.max_fanout, copy_bytes, balancer.domain_size
-    )
+    return relay.relay_schedule(plan.slot_expert, em, balancer.max_fanout, balancer.domain_size)
+
+
+def _transfer_send_max(schedule: relay.RelaySchedule, masters) -> jax.Array:
+    """float32 []: the most bytes one EP rank sends in the replica transfer under ``schedule``."""
+    copy_bytes = sum(w[0].size * w.dtype.itemsize for w in masters)
+    return relay.largest_send_bytes(schedule, copy_bytes)
 
 
 def _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, dispatch, send_max) -> MoEStats:

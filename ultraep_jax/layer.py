@@ -1,4 +1,4 @@
-"""`MoE`: the Flax NNX layer: a router, `expert_parallel.routed_experts`, shared experts."""
+"""`MoE`: the Flax NNX layer: a router, `over_mesh.routed_experts`, shared experts."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec as P
 from ultraep_jax._ops import check_positive_int
 from ultraep_jax.checks import check_chunks, check_dtype
 from ultraep_jax.config import BalancerConfig, ExpertParallel
-from ultraep_jax.expert_parallel import routed_experts
 from ultraep_jax.experts.dense import dense_glu
 from ultraep_jax.ideal import force_balanced
+from ultraep_jax.over_mesh import routed_experts
 from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
 from ultraep_jax.sharding import place, with_auto_axes
 from ultraep_jax.stats import MoEStats

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax.planning.layout import Layout
+from ultraep_jax.base.layout import Layout
 
 
 def imbalance(rank_load) -> jax.Array:
@@ -44,10 +44,11 @@ class MoEStats:
         masters, then S replica slots; G = E_m without a balancer): the group sizes its experts
         ran on, all-gathered over the EP axis.
       transfer_send_max: float32 [], the most bytes one EP rank sends in the replica weight transfer
-        under the relay schedule (`replicas.relay`, ``BalancerConfig.max_fanout``): copies times the
-        bytes of one expert's w_gate, w_up and w_down (float32, so exact below 2**24 bytes); the
-        gradients return the same bytes in backward. 0 without replicas. Computed from the plan, not
-        measured.
+        under the relay schedule (`replicas.relay`, ``BalancerConfig.max_fanout`` and
+        ``ranks_per_domain``; the portable exchange moves every copy in one hop instead, so on it
+        this is what the relay schedule would send): copies times the bytes of one expert's
+        w_gate, w_up and w_down (float32, so exact below 2**24 bytes); the gradients return the
+        same bytes in backward. 0 without replicas. Computed from the plan, not measured.
 
     With other mesh axes beside the EP axis, each of their indices is an independent EP group:
     loads, ``dropped``, ``replicas``, ``over_capacity`` and ``group_rows`` are summed over the

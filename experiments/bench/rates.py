@@ -46,8 +46,7 @@ from experiments.bench import (
     moe,
 )
 from experiments.stepmodel import calibration
-from ultraep_jax.experts.registry import grouped_glu
-from ultraep_jax.replicas import streaming
+from ultraep_jax import tools
 
 # experiments/results/rates_cpu.json, which the step model's tests read, only when named.
 flags.FLAGS.set_default("json_out", f"{cli.run_folder('rates')}/rates_cpu.json")
@@ -72,7 +71,7 @@ def _expert_fn(capacity: int, groups: int, mode: str):
     weights, forward (prefill) or forward + backward (train): fn(rows, weights, sizes)."""
 
     def forward(rows, weights, sizes):
-        return grouped_glu(rows, [weights], sizes, kernel="tiled")
+        return tools.grouped_glu(rows, [weights], sizes, kernel="tiled")
 
     if mode == "prefill":
         return jax.jit(forward)
@@ -115,7 +114,7 @@ def _stage_fn(mesh, slot_expert: np.ndarray, mode: str):
     spec = jax.sharding.PartitionSpec("x")
 
     def stage(rows, w_gate, w_up, w_down, sizes):
-        return streaming.experts_with_replicas(
+        return tools.experts_with_replicas(
             rows,
             (w_gate, w_up, w_down),
             jnp.asarray(slot_expert),

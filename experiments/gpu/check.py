@@ -69,7 +69,7 @@ from experiments.gpu import exchange_run
 from experiments.gpu import gmm as gpu_gmm
 from experiments.gpu import moe as gpu_moe
 from experiments.gpu import planner as gpu_planner
-from ultraep_jax.planning import native as _native
+from ultraep_jax import tools
 
 _OUT = flags.DEFINE_string("out", None, "Folder for gpu_results.json and the HLO dump (created).")
 _DRY = flags.DEFINE_bool("dry_run", False, "Run every section on CPU with tiny shapes.")
@@ -128,7 +128,7 @@ def section_env(device) -> dict:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = None
-    out["cuda_planner_handler"] = _native.has_cuda_handler()
+    out["cuda_planner_handler"] = tools.has_cuda_handler()
     return out
 
 

@@ -26,9 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from experiments import common
 from experiments.stepmodel.shapes import ANCHOR
-from ultraep_jax import comm
-from ultraep_jax.comm.exchange import Exchange
-from ultraep_jax.replicas import transfer
+from ultraep_jax.tools import Exchange, fetch_replica_experts, ragged_exchange
 
 AXIS = "expert"
 _SKIP_RAGGED = (
@@ -130,7 +128,7 @@ def token_exchange(mesh, send_rows: int, recv_rows: int, backend: str):
         rank = jax.lax.axis_index(AXIS)
         chunk = min(send_rows, recv_rows)
         ex = Exchange(sizes, src, dst, rank, send_rows, recv_rows, chunk)
-        return comm.ragged_exchange(operand, ex, axis_name=AXIS, backend=backend)
+        return ragged_exchange(operand, ex, axis_name=AXIS, backend=backend)
 
     specs = (P(AXIS), P(), P(), P())
     return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=P(AXIS)))
@@ -149,7 +147,7 @@ def weight_exchange(mesh, backend: str):
     weights [R * S, ...]: `transfer.fetch_replica_experts` on every rank, in one hop."""
 
     def per_rank(slots_RS, *masters):
-        return transfer.fetch_replica_experts(masters, slots_RS, axis_name=AXIS, backend=backend)
+        return fetch_replica_experts(masters, slots_RS, axis_name=AXIS, backend=backend)
 
     specs = (P(AXIS),) * 3
     return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), *specs), out_specs=specs))

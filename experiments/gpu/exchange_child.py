@@ -32,7 +32,7 @@ from experiments.gpu.exchange import (
     time_tokens,
     time_weights,
 )
-from ultraep_jax.replicas import streaming
+from ultraep_jax import tools
 
 
 def replica_step(mesh, s: ExchangeSetup, backend: str):
@@ -44,7 +44,7 @@ def replica_step(mesh, s: ExchangeSetup, backend: str):
     R, groups = mesh.size, s.masters + s.slots
 
     def per_rank(rows, sizes, slots_RS, *masters):
-        return streaming.experts_with_replicas(
+        return tools.experts_with_replicas(
             rows,
             masters,
             slots_RS,

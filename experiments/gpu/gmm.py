@@ -14,7 +14,7 @@ import numpy as np
 
 from experiments import common
 from experiments.stepmodel.shapes import ANCHOR
-from ultraep_jax.experts import gmm_mgpu, gmm_pallas
+from ultraep_jax import tools
 
 
 def _adaptive_median_seconds(fn, repeats: int, inner: int) -> float:
@@ -40,11 +40,11 @@ def _parse_config(text: str) -> dict:
     }
 
 
-def _parse_mgpu(text: str) -> gmm_mgpu.MgpuTiles:
+def _parse_mgpu(text: str) -> tools.MgpuTiles:
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+)c(\d+)g(\d+)", text)
     if not m:
         raise ValueError(f"bad mgpu config {text!r}")
-    return gmm_mgpu.MgpuTiles(*(int(v) for v in m.groups()))
+    return tools.MgpuTiles(*(int(v) for v in m.groups()))
 
 
 def group_sizes(M: int, G: int, skewed: bool) -> np.ndarray:
@@ -102,13 +102,13 @@ def _impls(dry: bool, configs, mgpu_configs) -> dict:
     impls = {"ragged_dot": jax.lax.ragged_dot}
     for text in configs:
         kw = _parse_config(text)
-        impls[f"pallas {text}"] = lambda x, r, g, kw=kw: gmm_pallas.grouped_matmul(
+        impls[f"pallas {text}"] = lambda x, r, g, kw=kw: tools.grouped_matmul(
             x, r, g, interpret=dry, **kw
         )
     if not dry:
         for text in mgpu_configs:
             tiles = _parse_mgpu(text)
-            impls[f"mgpu {text}"] = lambda x, r, g, tiles=tiles: gmm_mgpu.grouped_matmul_mgpu(
+            impls[f"mgpu {text}"] = lambda x, r, g, tiles=tiles: tools.grouped_matmul_mgpu(
                 x, r, g, tiles=tiles
             )
     return impls

@@ -14,7 +14,7 @@ import ultraep_jax as uep
 from experiments import common
 from experiments.loads import workloads
 from experiments.stepmodel.shapes import ANCHOR
-from ultraep_jax.planning import native as _native
+from ultraep_jax import tools
 
 
 def random_loads(rng, n: int, R: int, E: int, tokens=4096, exponent=(0.0, 2.0)) -> np.ndarray:
@@ -105,7 +105,7 @@ BENCH_LIB = "libultraep_plan_cuda_bench.so"
 
 
 def _bench_lib():
-    path = _native._find(BENCH_LIB)
+    path = tools.library_path(BENCH_LIB)
     if path is None:
         raise RuntimeError(f"{BENCH_LIB} was not built into this install (no nvcc?)")
     lib = ctypes.cdll.LoadLibrary(str(path))
@@ -181,7 +181,7 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
     """(a) the CUDA planner's plans, with either kernel, equal the CPU handler's; (b) time per plan
     at the anchor's setup with either kernel (``repeats`` samples; batches of ``plan_batch`` plans).
     ``dry``: the checks on CPU only (the parallel form's host emulation against the core)."""
-    if not _native.has_cuda_handler() and not dry:
+    if not tools.has_cuda_handler() and not dry:
         return {"status": "skipped: the CUDA planner handler is not built into this install"}
     out = {"check": {}, "time": {}}
     ok = True

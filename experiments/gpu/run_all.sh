@@ -4,6 +4,7 @@
 #   bash experiments/gpu/run_all.sh                          # every part, on a GPU machine
 #   bash experiments/gpu/run_all.sh --parts=setup,tests      # some parts (each <= 10 minutes)
 #   bash experiments/gpu/run_all.sh --dry_run                # every part at tiny shapes on CPU
+#   bash experiments/gpu/run_all.sh --check [--dry_run]      # every command checked, none run
 #
 # Parts, in order, with their expected time on one H100 (estimates: tests measured 137 s before):
 #   setup           pip install of this checkout (builds ffi/, the CUDA planner where nvcc is),
@@ -25,7 +26,11 @@
 # and unpack $OUT/gpu_all.tar.gz into experiments/results/ after each.
 #
 # Options: --parts=LIST, --out=DIR (default experiments/results/gpu_<UTC date>; dry run:
-# runs/gpu_all_dry), --dry_run. Environment: PYTHON (default python3), GPU_ALL_COMMIT (the commit to
+# runs/gpu_all_dry; check: runs/gpu_all_check), --dry_run, --check (no GPU needed: each part's
+# command is checked by experiments.gpu.command_check instead of run: its program imports and its
+# flags parse, pytest collects, pip is not run; the setup's queries run as they are; with
+# --dry_run the dry run's commands). Exits 1 when any part failed (after running the later
+# parts), 2 for a bad argument. Environment: PYTHON (default python3), GPU_ALL_COMMIT (the commit to
 # record where the tree has no .git), REPLAY_MATRICES (1), REPLAY_EP (64), PART_TIMEOUT (seconds a
 # part may take, default 570), OUT (a folder copied back from a remote machine: DIR is packed into
 # $OUT/gpu_all.tar.gz after each part, so that finished parts come back even if a later one is
@@ -35,18 +40,26 @@ cd "$(dirname "$0")/../.."
 
 PY=${PYTHON:-python3}
 DRY=0
+CHECK=0
 PARTS=setup,tests,gpu_check,exchange,replay_train,replay_prefill,gmm
 DIR=""
 for arg in "$@"; do
   case $arg in
     --dry_run) DRY=1 ;;
+    --check) CHECK=1 ;;
     --parts=*) PARTS=${arg#--parts=} ;;
     --out=*) DIR=${arg#--out=} ;;
     *) echo "run_all.sh: unknown argument $arg (see the header of $0)" >&2; exit 2 ;;
   esac
 done
 if [ -z "$DIR" ]; then
-  if [ $DRY = 1 ]; then DIR=runs/gpu_all_dry; else DIR=experiments/results/gpu_$(date -u +%Y%m%d); fi
+  if [ $CHECK = 1 ]; then
+    DIR=runs/gpu_all_check
+  elif [ $DRY = 1 ]; then
+    DIR=runs/gpu_all_dry
+  else
+    DIR=experiments/results/gpu_$(date -u +%Y%m%d)
+  fi
 fi
 mkdir -p "$DIR"
 TIMEOUT=${PART_TIMEOUT:-570}
@@ -63,6 +76,9 @@ else
   fi
 fi
 export PYTHONUNBUFFERED=1
+[ $CHECK = 1 ] && export JAX_PLATFORMS=cpu  # a check needs no GPU
+
+FAILED=()  # the parts that failed; the script exits 1 when there is any
 
 pack() {  # finished parts come back even if a later part is cut off
   if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
@@ -73,6 +89,7 @@ pack() {  # finished parts come back even if a later part is cut off
 run_part() {  # run_part NAME LOG COMMAND...: runs it under the part timeout, records it
   local name=$1 log=$2
   shift 2
+  [ $CHECK = 1 ] && set -- "$PY" -m experiments.gpu.command_check "$@"
   echo "== $name: $*"
   local start=$SECONDS
   timeout "$TIMEOUT" "$@" >"$log" 2>&1
@@ -81,6 +98,7 @@ run_part() {  # run_part NAME LOG COMMAND...: runs it under the part timeout, re
   tail -n 25 "$log"
   [ $rc = 124 ] && echo "== $name: TIMED OUT after $TIMEOUT s (partial output in $log)"
   echo "== $name: exit $rc, $took s"
+  [ $rc = 0 ] || FAILED+=("$name")
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$took" "$*" >>"$DIR/commands.tsv"
   pack
 }
@@ -104,8 +122,8 @@ for pkg in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "
 print(f"jax.__version__: {jax.__version__}")
 print(f"devices: {jax.devices()}")
 try:
-    from ultraep_jax import _native
-    print(f"cuda_planner_handler: {'built' if _native.has_cuda_handler() else 'MISSING'}")
+    from ultraep_jax import tools
+    print(f"cuda_planner_handler: {'built' if tools.has_cuda_handler() else 'MISSING'}")
 except ImportError as e:
     print(f"cuda_planner_handler: unknown ({e})")
 EOF
@@ -117,7 +135,7 @@ EOF
 }
 
 part_setup() {
-  if [ $DRY = 1 ] && $PY -c "from ultraep_jax import _native; _native.cpu_library()" 2>/dev/null; then
+  if [ $DRY = 1 ] && $PY -c "from ultraep_jax import tools; tools.cpu_library()" 2>/dev/null; then
     echo "== setup: installed already (dry run: no reinstall)"
   else
     # No network on the device machine: its image has the build requirements.
@@ -180,6 +198,16 @@ for part in "${WANT[@]}"; do
   esac
 done
 
-$PY -m experiments.gpu.summary --dir="$DIR" >/dev/null && echo "== summary: $DIR/summary.md"
-cat "$DIR/summary.md"
+if [ $CHECK = 1 ]; then
+  run_part summary "$DIR/summary.log" $PY -m experiments.gpu.summary --dir="$DIR"
+elif $PY -m experiments.gpu.summary --dir="$DIR" >/dev/null; then
+  echo "== summary: $DIR/summary.md"
+  cat "$DIR/summary.md"
+else
+  FAILED+=(summary)
+fi
 pack
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "== failed: ${FAILED[*]}"
+  exit 1
+fi

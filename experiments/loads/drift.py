@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.loads.workloads import _check_layout, _pairs_per_rank, _zipf_weights
-from ultraep_jax._ops import check_int
+from ultraep_jax.tools import check_int
 
 
 def expert_zipf_loads(

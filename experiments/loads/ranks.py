@@ -1,5 +1,5 @@
 """The two rules every experiment applies to rank loads, stated once: where an expert's master
-lives (its home rank, `planning.layout.Layout.master_rank`) and the imbalance of per-rank
+lives (its home rank, `base.layout.Layout.master_rank`) and the imbalance of per-rank
 loads (max / mean); and what follows from the first: the instances a layout holds off their
 home rank (the weight copies a layer moves). NumPy, host only."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ultraep_jax.planning.layout import Layout
+from ultraep_jax.tools import Layout
 
 
 def home_ranks(num_experts: int, num_ranks: int) -> np.ndarray:

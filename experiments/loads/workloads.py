@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from experiments.loads import ranks, traces
-from ultraep_jax._ops import check_int
+from ultraep_jax.tools import check_int
 
 __all__ = [
     "initial_imbalance",

@@ -5,5 +5,6 @@
 
 Modules: main (the entry: flags, tables), setup (its flags and load matrices), baselines (the
 baseline table), exact (entry: the miss rate; its exact solver, a mixed-integer program, and
-random cases are the tests' reference tests/references/oracle.py).
+random cases are the library's `ultraep_jax.oracle`, the tests' reference too, through
+`ultraep_jax.tools`).
 """

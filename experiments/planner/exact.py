@@ -6,9 +6,9 @@
 Exact mode (``balance_eps=0``, ``min_tokens_per_replica=1``) aims at ``M = ceil(T / R)``. A miss is
 a case whose plan puts some rank above ``M`` although a plan at ``M`` exists, with the planner's
 constraints: ``S`` slots per rank, a master keeps ``master_keep_tokens``, no rank holds an expert
-twice (`tests.references.oracle.exact_plan_exists`, a mixed-integer program; scipy comes with
+twice (`tools.exact_plan_exists`, a mixed-integer program; scipy comes with
 the ``test`` extra). The solver runs only where the plan misses ``M`` (a plan at ``M`` proves that
-one exists). The cases (`tests.references.oracle.random_cases`): ``R`` in 2..4, ``E / R`` in
+one exists). The cases (`tools.random_cases`): ``R`` in 2..4, ``E / R`` in
 1..3, small loads.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 from absl import flags
 
 # A test reference: tests/references imports nothing from experiments/ or models/ (no cycle).
-from tests.references.oracle import exact_plan_exists, random_cases
+from ultraep_jax.tools import exact_plan_exists, random_cases
 
 CASES = flags.DEFINE_integer("cases", 200_000, "Random cases per slot count.")
 SLOTS = flags.DEFINE_list("slots", ["1", "2"], "Spare slots per rank (S), one table row each.")

@@ -32,8 +32,7 @@ import numpy as np
 
 from experiments.replay.work import RankWork
 from experiments.stepmodel import shapes
-from ultraep_jax import dispatch
-from ultraep_jax.experts.registry import local_experts
+from ultraep_jax import tools
 
 MODES = ("train", "prefill")
 
@@ -86,7 +85,7 @@ def _experts_fn(mode: str, kernel: str):
     rows, master and slot weights for a cotangent)."""
 
     def forward(rows, masters, replicas, sizes):
-        return local_experts(rows, masters, replicas, sizes, kernel)
+        return tools.local_experts(rows, masters, replicas, sizes, kernel)
 
     if mode == "prefill":
         return jax.jit(forward)
@@ -131,11 +130,11 @@ def _bookkeeping_fn(mode: str, capacity: int, top_k: int):
     rows the exchanges would bring stand in as inputs."""
 
     def forward(tokens_TD, weights_TK, received_CD, done_CD, experts_N, loads_RE, plan, rank):
-        moves = dispatch.plan_dispatch(experts_N, loads_RE, plan, rank, capacity)
+        moves = tools.plan_dispatch(experts_N, loads_RE, plan, rank, capacity)
         send_ND = tokens_TD[moves.send_order_N // top_k]
-        rows_CD = dispatch.to_groups(received_CD, moves)
-        back_CD = dispatch.from_groups(done_CD, moves)
-        return send_ND, rows_CD, back_CD, dispatch.combine(send_ND, moves, weights_TK)
+        rows_CD = tools.to_groups(received_CD, moves)
+        back_CD = tools.from_groups(done_CD, moves)
+        return send_ND, rows_CD, back_CD, tools.combine(send_ND, moves, weights_TK)
 
     if mode == "prefill":
         return jax.jit(forward)

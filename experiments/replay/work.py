@@ -24,8 +24,7 @@ import numpy as np
 
 import ultraep_jax as uep
 from experiments.loads import baselines, policies, ranks, traces, workloads
-from ultraep_jax import dispatch
-from ultraep_jax.planning.loads import masters_only_plan
+from ultraep_jax.tools import group_counts, masters_only_plan
 
 #: The policies compared, in table order (the force-balanced ideal is reported beside them).
 POLICIES = policies.names(without=("eplb_plus",))
@@ -203,7 +202,7 @@ def dropless_capacity(max_rows: int, pairs_per_rank: int) -> int:
 
 _jit_plan = jax.jit(uep.plan, static_argnums=(1, 2))
 _jit_masters_only = jax.jit(masters_only_plan)
-_jit_counts = jax.jit(dispatch.group_counts, static_argnums=2)
+_jit_counts = jax.jit(group_counts, static_argnums=2)
 
 
 def library_work(

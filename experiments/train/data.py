@@ -30,7 +30,7 @@ import sysconfig
 
 import numpy as np
 
-from ultraep_jax._ops import check_int
+from ultraep_jax.tools import check_int
 
 __all__ = [
     "EXCLUDED_DIRS",

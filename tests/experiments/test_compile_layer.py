@@ -1,9 +1,16 @@
 """The compile-time benchmark's minimal EP (`experiments.bench.minimal_ep`) computes the layer it
-stands for: where no expert overflows its buffer it equals the dense reference."""
+stands for: where no expert overflows its buffer it equals the dense reference; the relay
+schedule's compile-time benchmark runs."""
+
+import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -35,3 +42,16 @@ def test_minimal_ep_equals_dense_reference_without_overflow():
     keep = np.ones((1, T, K), bool)
     want = reference_moe(x[None], ids[None], w[None], params, keep)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_compile_relay_times_each_variant(tmp_path):
+    """`experiments.bench.compile_relay` runs and times the schedule alone, under vmap and under
+    lax.map (one row each)."""
+    out = tmp_path / "relay.json"
+    cmd = [sys.executable, "-m", "experiments.bench.compile_relay", "--ep_sizes=4",
+           "--fanouts=1", "--repeats=1", "--batch=2", f"--json_out={out}"]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=pathlib.Path(__file__).resolve().parents[2], timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["plain", "vmap", "lax.map"]
+    assert all(r["ep_size"] == 4 and r["compile_s"] > 0 for r in rows)

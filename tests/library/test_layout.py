@@ -1,4 +1,4 @@
-"""`planning.layout`: the instance layout against hand-computed ids, and the sizes read from
+"""`base.layout`: the instance layout against hand-computed ids, and the sizes read from
 shapes (`BalancerConfig` without E and R, `plan`, `ExpertParallel`)."""
 
 import jax
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from ultraep_jax.planning.layout import Layout
+from ultraep_jax.base.layout import Layout
 
 # E = 6 experts on R = 3 ranks (E_m = 2), S = 1 slot each: instances 0..5 are the masters
 # (expert e on rank e // 2, group e % 2), 6, 7, 8 the slots of ranks 0, 1, 2 (group 2).

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 import ultraep_jax as uep
 from tests.library.test_plan_vs_reference import CONFIGS, DOMAINS, _random_loads, domain_or_skip
-from tests.references.oracle import random_cases
 from tests.references.planner import check_plan_invariants, reference_plan, reference_plan_info
+from ultraep_jax.oracle import random_cases
 from ultraep_jax.planning import native as _native
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ultraep_jax as uep
-from tests.references.oracle import random_cases
 from tests.references.planner import (
     check_plan_invariants,
     rank_loads_before,
     reference_plan,
     reference_plan_info,
 )
+from ultraep_jax.oracle import random_cases
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
 
@@ -309,3 +309,34 @@ def test_loads_in_the_millions_and_boundaries(planner):
     got = uep.plan(loads, cfg, planner=planner)
     _assert_same({n: getattr(got, n) for n in FIELDS}, reference_plan(loads, 2, 1, 0.01, 1), "max")
     assert float(uep.imbalance(got.rank_load)) <= 1.01
+
+
+def test_hand_near_is_a_domain_not_a_rank():
+    # ffi/PLANNER.md's "near": a rank in the master's domain or in a domain that already holds a
+    # replica of e (a rank holding e is never a candidate). R=4, E=4 (E_m=1), S=1, F=1, K=0,
+    # eps=0; domains of 2: {0, 1}, {2, 3}. load_e = L = [0, 1, 8, 0] (all on source rank 0);
+    # T = 9, M = 3. try(3): slack = [3, 2, 0, 3]; rank 2 sheds x = 5 of e2 (avail 8).
+    #   need 5: nobody takes all of it -> the most slack, ranks 0 and 3 (3) tie -> rank 0, q = 3.
+    #   need 2: ranks 1 (2) and 3 (3) take it, both near: rank 3 in the master's domain, rank 1
+    #   in domain 0, which now holds a replica of e2. The least slack: rank 1, q = 2.
+    # Read as "a rank already holding a replica", only rank 3 would be near: [[2], [-1], [-1], [2]].
+    loads = np.zeros((4, 4), np.int32)
+    loads[0] = [0, 1, 8, 0]
+    want = {
+        "slot_expert": [[2], [2], [-1], [-1]],
+        "slot_quota": [[3], [2], [0], [0]],
+        "master_quota": [0, 1, 3, 0],
+        "rank_load": [3, 3, 3, 0],
+    }
+    cfg = uep.BalancerConfig(
+        slots_per_rank=1,
+        min_tokens_per_replica=1,
+        balance_eps=0.0,
+        master_keep_tokens=0,
+        ranks_per_domain=2,
+    )
+    got = uep.plan(loads, cfg)
+    ref = reference_plan(loads, 1, 1, 0.0, 0, ranks_per_domain=2)
+    for field in FIELDS:
+        assert np.asarray(getattr(got, field)).tolist() == want[field], field
+        assert np.asarray(ref[field]).tolist() == want[field], field

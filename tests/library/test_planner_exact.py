@@ -1,4 +1,4 @@
-"""The planner against an exact solver: `exact_plan_exists` (tests/references/oracle.py), a
+"""The planner against an exact solver: `exact_plan_exists` (ultraep_jax/oracle.py), a
 mixed-integer program over the planner's constraints (S slots per rank, masters keep K, no rank
 holds an expert twice), independent of the planner.
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from tests.references.oracle import exact_plan_exists, random_cases
 from tests.references.planner import check_plan_invariants, reference_plan, reference_plan_info
+from ultraep_jax.oracle import exact_plan_exists, random_cases
 
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
 

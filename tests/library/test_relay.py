@@ -374,3 +374,27 @@ def test_transfer_send_max_is_zero_without_replicas(ep8_mesh):
         assert int(stats["replicas"]) == 0
         assert stats["transfer_send_max"].dtype == np.float32
         assert float(stats["transfer_send_max"]) == 0.0
+
+
+def test_layer_computes_the_relay_schedule_once_per_call(monkeypatch, ep8_mesh):
+    """One relay schedule per layer call, shared by every chunk's transfer (the relayed, ragged
+    exchange's layout) and the `transfer_send_max` stat, which counts that schedule's sends."""
+    _portable_exchange(monkeypatch)
+    calls = []
+    real = relay.relay_schedule
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])  # max_fanout
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(relay, "relay_schedule", counted)
+    jax.clear_caches()  # the layer's jitted functions keep traces of earlier tests' calls
+    rng = np.random.default_rng(0)
+    x, params = tm.make_inputs(rng, 8, 8, LAYER_EXPERTS, 2, skew=True, hot=[0, 1])
+    balancer = tm.balancer_config(ep8_mesh, LAYER_EXPERTS, slots=2, max_fanout=2)
+    layer = tm.build_layer(
+        ep8_mesh, LAYER_EXPERTS, 2, balancer, None, params, comm_backend="ragged", transfer_chunks=2
+    )
+    _, stats = tm.layer_forward(layer, tm.place_batch(ep8_mesh, x))
+    assert int(stats["replicas"]) > 0, "no replica"
+    assert calls == [2]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax.experts.activations import ACTIVATIONS
+from ultraep_jax.base.activations import ACTIVATIONS
 
 #: The matmul precision of every reference (exact float32 products on every backend).
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -21,7 +21,7 @@ def reference_moe(
     ``x`` [..., D] and ``experts``, ``weights`` [..., k] (the same leading shape); ``params``
     (w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]); ``glu_e(x) = (act(x @ w_gate[e]) *
     (x @ w_up[e])) @ w_down[e]`` with ``act`` the library's activation named ``activation``
-    (`ultraep_jax.experts.activations.ACTIVATIONS`). Each pair runs on its own expert's weights
+    (`ultraep_jax.base.activations.ACTIVATIONS`). Each pair runs on its own expert's weights
     (gathered, so an expert no pair chooses is never read); pairs with ``keep`` [..., k] False
     are selected out (ids outside [0, E) are clipped first, then unused). ``mask`` [...]: the
     real tokens; a masked token's pairs are selected out too. ``shared``: (gate [D, F_s], up

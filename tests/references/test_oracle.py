@@ -1,4 +1,4 @@
-"""Tests of the exact solver (tests/references/oracle.py) on cases small enough to decide by hand,
+"""Tests of the exact solver (ultraep_jax/oracle.py) on cases small enough to decide by hand,
 and of the random cases it is asked about."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.references.oracle import exact_plan_exists, random_cases
+from ultraep_jax.oracle import exact_plan_exists, random_cases
 
 
 @pytest.mark.parametrize(

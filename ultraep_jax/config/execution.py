@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from ultraep_jax._ops import check_positive_int
-from ultraep_jax.experts.activations import ACTIVATIONS
+from ultraep_jax.base.activations import ACTIVATIONS
 
 #: What "auto" is on each platform (`jax.lax.platform_dependent` keywords): on a mesh of CPU
 #: devices it is resolved when the configuration is built (only that branch is traced); on any

@@ -11,9 +11,9 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ultraep_jax._ops import check_finite, check_positive_int
+from ultraep_jax.base.layout import check_divisible
 from ultraep_jax.config.balancer import BalancerConfig
 from ultraep_jax.config.execution import Execution
-from ultraep_jax.planning.layout import check_divisible
 
 #: Mesh axis names that the default ``ExpertParallel.token_axes`` leaves out: tensor-parallel axes,
 #: over which a layer's tokens are replicated.

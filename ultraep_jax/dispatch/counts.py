@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from ultraep_jax._ops import exclusive_cumsum
+from ultraep_jax.base.layout import Layout
 from ultraep_jax.dispatch import reroute
-from ultraep_jax.planning.layout import Layout
 from ultraep_jax.planning.planner import Plan
 
 

@@ -3,7 +3,7 @@ in, and every size and offset of the token all-to-all (`Dispatch`).
 
 Shapes follow the package's axis legend (`ultraep_jax`): R ranks, E experts, E_m = E / R masters
 per rank, S slots per rank, G = E_m + S local groups per rank, I = E + R*S instances
-(`planning.layout`), N = T * k pairs on this rank, C receive-buffer rows.
+(`base.layout`), N = T * k pairs on this rank, C receive-buffer rows.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from ultraep_jax._ops import exclusive_cumsum
+from ultraep_jax.base.layout import Layout
 from ultraep_jax.comm.exchange import Exchange
 from ultraep_jax.dispatch.counts import group_counts
-from ultraep_jax.planning.layout import Layout
-from ultraep_jax.planning.loads import pair_experts
 from ultraep_jax.planning.planner import Plan
 
 
@@ -106,15 +105,16 @@ def plan_dispatch(
     """The `Dispatch` of this rank's pairs under ``plan``.
 
     Args:
-      experts_N: int32 [N], the expert of each of this rank's pairs; a pair whose id is outside
-        [0, E) (not in ``loads_RE``) is sent nowhere, sorted after every sent block.
+      experts_N: int32 [N], the expert of each of this rank's pairs as `planning.loads.pair_experts`
+        gives it (the id rule applied once, by the caller): E for a pair of no expert, which is
+        sent nowhere, sorted after every sent block.
       loads_RE: int32 [R, E], the all-gathered loads the plan was made from.
       plan: the plan (``slot_expert`` [R, S]; S may be 0).
       rank: int32 [], this rank's index on the EP axis.
       capacity: C, receive-buffer rows per rank.
     """
     layout = Layout.of(loads_RE, plan.slot_expert)
-    R, E = loads_RE.shape
+    R = loads_RE.shape[0]
     N = experts_N.shape[0]
     counts = group_counts(loads_RE, plan, capacity)
     sizes_RR = jnp.sum(counts.kept_RRG, axis=-1)
@@ -131,7 +131,6 @@ def plan_dispatch(
         recv_rows=capacity,
         max_chunk=min(N, capacity),
     )
-    experts_N = pair_experts(experts_N, E)
     inst_N = pair_instances(
         experts_N, counts.assign_RI[rank], layout.instance_experts(plan.slot_expert)
     )

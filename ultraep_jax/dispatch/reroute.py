@@ -1,6 +1,6 @@
 """Reroute: how many of each source rank's tokens go to each instance of each expert.
 
-Instances are the E masters, then the R*S spare slots (`planning.layout`). Every rank computes
+Instances are the E masters, then the R*S spare slots (`base.layout`). Every rank computes
 the same counts from the same all-gathered loads and plan, so no rank needs to tell another what it
 will send.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax.planning.layout import Layout
+from ultraep_jax.base.layout import Layout
 from ultraep_jax.planning.planner import Plan
 
 

@@ -2,8 +2,9 @@
 
 registry.py    `grouped_glu` / `local_experts`: the kernel table, one entry per kernel name
 dense.py       `dense_glu`: one expert on every token (the shared expert)
-activations.py the gated activations by name
 tiled.py       the tiled loop (CPU); gmm_pallas.py (Pallas, Triton) and gmm_mgpu.py (JAX's
                Mosaic GPU kernels): the GPU grouped matmuls, imported when a layer using them
                is traced
+
+The gated activations by name are `ultraep_jax.base.activations`.
 """

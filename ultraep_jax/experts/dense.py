@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from ultraep_jax.experts.activations import activation_fn
+from ultraep_jax.base.activations import activation_fn
 
 
 def dense_glu(

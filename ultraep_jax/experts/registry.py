@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from ultraep_jax._ops import exclusive_cumsum
+from ultraep_jax.base.activations import activation_fn
 from ultraep_jax.config.execution import AUTO, KERNELS
-from ultraep_jax.experts.activations import activation_fn
 from ultraep_jax.experts.tiled import tiled_glu_parts
 
 

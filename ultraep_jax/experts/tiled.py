@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax._vma import vary, varying_axes
-from ultraep_jax.experts.activations import ACTIVATIONS, activation_fn, value_and_slope
+from ultraep_jax.base.activations import ACTIVATIONS, activation_fn, value_and_slope
 
 
 def default_tile(num_rows: int) -> int:

@@ -4,5 +4,6 @@ loads.py    each pair's expert (the rule for an id outside [0, E)), the loads [R
             over the EP axis, the plan without balancing
 planner.py  `plan`, `Plan`: the native planner's XLA FFI custom call
 native.py   loading the native libraries built from ffi/
-layout.py   the instance layout: expert e's master on rank e // E_m, masters then slots
+
+The instance layout (expert e's master on rank e // E_m) is `ultraep_jax.base.layout`.
 """

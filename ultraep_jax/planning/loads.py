@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax.planning.layout import Layout
+from ultraep_jax.base.layout import Layout
 from ultraep_jax.planning.planner import Plan
 
 

@@ -26,9 +26,7 @@ def _library_dir() -> pathlib.Path | None:
     run from the repository root) or an editable install keeps them apart, where pip put them. Both
     libraries come from this one folder, so the CPU and CUDA handlers are always of the same build.
     """
-    import ultraep_jax
-
-    folders = [pathlib.Path(folder) for folder in ultraep_jax.__path__]
+    folders = [pathlib.Path(__file__).parent.parent]  # the package's folder
     try:
         dist = importlib.metadata.distribution("ultraep_jax")
         folders.append(pathlib.Path(dist.locate_file("ultraep_jax")))
@@ -37,7 +35,7 @@ def _library_dir() -> pathlib.Path | None:
     return next((folder for folder in folders if (folder / _CPU_LIB).exists()), None)
 
 
-def _find(name: str) -> pathlib.Path | None:
+def library_path(name: str) -> pathlib.Path | None:
     """The native library `name` of that build, or None where it was not built."""
     folder = _library_dir()
     if folder is None or not (folder / name).exists():
@@ -48,7 +46,7 @@ def _find(name: str) -> pathlib.Path | None:
 @functools.cache
 def cpu_library() -> ctypes.CDLL:
     """The host library; registers the CPU handler (and the CUDA one, when it was built)."""
-    path = _find(_CPU_LIB)
+    path = library_path(_CPU_LIB)
     if path is None:
         raise ImportError(
             f"ultraep_jax: native library {_CPU_LIB} not found in the package; "
@@ -64,7 +62,7 @@ def cpu_library() -> ctypes.CDLL:
     for target, handler in handlers.items():
         fn = getattr(lib, handler + "Cpu")
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
-    cuda_path = _find(_CUDA_LIB)
+    cuda_path = library_path(_CUDA_LIB)
     if cuda_path is not None:
         # Loading needs no GPU (the CUDA runtime is linked statically and finds the driver lazily).
         cuda = ctypes.cdll.LoadLibrary(str(cuda_path))
@@ -76,7 +74,7 @@ def cpu_library() -> ctypes.CDLL:
 
 def has_cuda_handler() -> bool:
     """Whether the CUDA planner handler was built into this install."""
-    return _find(_CUDA_LIB) is not None
+    return library_path(_CUDA_LIB) is not None
 
 
 def workspace_elems(

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax._ops import INT64_MAX, check_int
+from ultraep_jax.base.layout import check_divisible
 from ultraep_jax.config.balancer import BalancerConfig
 from ultraep_jax.config.execution import AUTO, PLANNERS
 from ultraep_jax.planning import native as _native
 from ultraep_jax.planning import portable as _portable
-from ultraep_jax.planning.layout import check_divisible
 
 
 @jax.tree_util.register_dataclass

@@ -30,7 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax.planning.layout import Layout
+from ultraep_jax.base.layout import Layout
 
 
 def static_hops(ep_size: int, max_fanout: int) -> int:
@@ -328,15 +328,7 @@ def hop_copies(schedule: RelaySchedule, num_hops: int) -> tuple[jax.Array, jax.A
     return count(schedule.sender_RS.reshape(-1)), count(receiver_N)
 
 
-def largest_send_bytes(
-    slot_expert_RS: jax.Array,
-    experts_per_rank: int,
-    max_fanout: int,
-    copy_bytes: int,
-    domain_size: int | None = None,
-) -> jax.Array:
-    """float32 []: the most bytes one rank sends in the replica transfer of a plan under the
-    relay bound ``max_fanout`` and fast domains of ``domain_size`` (``copy_bytes`` per expert
-    copy, both link classes)."""
-    schedule = relay_schedule(slot_expert_RS, experts_per_rank, max_fanout, domain_size)
+def largest_send_bytes(schedule: RelaySchedule, copy_bytes: int) -> jax.Array:
+    """float32 []: the most bytes one rank sends under ``schedule`` (``copy_bytes`` per expert
+    copy, all hops, both link classes)."""
     return jnp.max(send_copies(schedule)).astype(jnp.float32) * jnp.float32(copy_bytes)

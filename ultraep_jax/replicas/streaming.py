@@ -21,7 +21,7 @@ from ultraep_jax import remat
 from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.checks import check_chunk_count
 from ultraep_jax.experts.registry import fuses_stacks, grouped_glu
-from ultraep_jax.replicas import transfer
+from ultraep_jax.replicas import relay, transfer
 
 
 def hidden_chunks(d_ff: int, chunks: int) -> list[slice]:
@@ -51,6 +51,7 @@ def experts_with_replicas(
     axis_name: str,
     backend: str,
     activation: str = "silu",
+    schedule: relay.RelaySchedule | None = None,
 ) -> jax.Array:
     """[C, D]: every received row through its local instance, the slot experts' weights fetched
     from their masters (`transfer.fetch_replica_experts`).
@@ -62,7 +63,8 @@ def experts_with_replicas(
       group_sizes: int32 [E_m + S].
       kernel, activation: see `experts.registry.grouped_glu`.
       chunks: n >= 1 transfers of F / n columns each; 1: one transfer.
-      max_fanout, domain_size, axis_name, backend: see `transfer.fetch_replica_experts`.
+      max_fanout, domain_size, axis_name, backend, schedule: see
+        `transfer.fetch_replica_experts` (one schedule serves every chunk).
 
     A plan with no replica (no slot filled on any rank) runs the masters alone: no transfer and
     no slot work, what plain expert parallelism runs. The plan is identical on every rank of the
@@ -80,6 +82,7 @@ def experts_with_replicas(
             backend=backend,
             max_fanout=max_fanout,
             domain_size=domain_size,
+            schedule=schedule,
         )
         return checkpoint_name(fetched, remat.REPLICAS)
 

@@ -126,19 +126,18 @@ def _hop_exchange_if_any(table_NP, sender_RS, source_RS, axis_name, backend):
     return jax.lax.cond(jnp.any(sender_RS < R), hop, skip)
 
 
-def _relayed(masters, slot_expert_RS, experts_per_rank, relay_args, hop, hop_if_any) -> jax.Array:
-    """[S, P]: every slot's weights by the relay schedule: hop 1 from the masters, each later hop
-    from the slots that already hold them (`relay.relay_schedule`). A relayed slot receives into
-    zeros, so adding each hop's rows is exact, and the transpose sums a slot's gradient into the
-    slot (or master) that sent it: gradients return along the tree."""
-    R = slot_expert_RS.shape[0]
-    schedule = relay.relay_schedule(slot_expert_RS, experts_per_rank, *relay_args)
+def _relayed(masters, schedule: relay.RelaySchedule, num_hops: int, hop, hop_if_any) -> jax.Array:
+    """[S, P]: every slot's weights by ``schedule`` (`relay.relay_schedule`, at most ``num_hops``
+    hops): hop 1 from the masters, each later hop from the slots that already hold them. A relayed
+    slot receives into zeros, so adding each hop's rows is exact, and the transpose sums a slot's
+    gradient into the slot (or master) that sent it: gradients return along the tree."""
+    R = schedule.sender_RS.shape[0]
 
     def senders(h):
         return jnp.where(schedule.hop_RS == h, schedule.sender_RS, R)
 
     slots_SP = hop(masters, senders(1), schedule.source_RS)
-    for h in range(2, relay.schedule_hops(R, *relay_args) + 1):
+    for h in range(2, num_hops + 1):
         slots_SP = slots_SP + hop_if_any(slots_SP, senders(h), schedule.source_RS)
     return slots_SP
 
@@ -151,6 +150,7 @@ def fetch_replica_experts(
     backend: str = "auto",
     max_fanout: int = 0,
     domain_size: int | None = None,
+    schedule: relay.RelaySchedule | None = None,
 ) -> tuple[jax.Array, ...]:
     """The weights of the experts in this rank's spare slots, one exchange per relay hop for all
     tensors.
@@ -167,6 +167,9 @@ def fetch_replica_experts(
         every copy in one hop.
       domain_size: ranks per fast domain (`BalancerConfig.ranks_per_domain`; None: one); the
         "portable" exchange ignores it as it does ``max_fanout``.
+      schedule: ``relay.relay_schedule(slot_expert_RS, E_m, max_fanout, domain_size)`` when the
+        caller has it already (the layer computes it once per call, for the transfer and its
+        `MoEStats.transfer_send_max`); None: computed here.
 
     Returns:
       One [S, ...] array per input, in the same order (zeros for empty slots).
@@ -181,7 +184,8 @@ def fetch_replica_experts(
 
         # The dense hop's reduce-scatter has every rank send R * S rows whatever the fan-out, so
         # a relay would only add hops (bytes, collectives and compile time): one hop here.
-        return _relayed(flat, slot_expert_RS, em, (0,), hop, hop)
+        direct = relay.direct_schedule(slot_expert_RS, em)
+        return _relayed(flat, direct, 1, hop, hop)
 
     def exchanged(name):
         def hop(table, sender_RS, source_RS):
@@ -191,8 +195,14 @@ def fetch_replica_experts(
             return _hop_exchange_if_any(table, sender_RS, source_RS, axis_name, name)
 
         table = jnp.concatenate(flat, axis=1)
-        relay_args = (max_fanout, domain_size)
-        return lambda: _relayed(table, slot_expert_RS, em, relay_args, hop, hop_if_any)
+        return lambda: _relayed(table, relayed(), num_hops, hop, hop_if_any)
+
+    def relayed():
+        if schedule is not None:
+            return schedule
+        return relay.relay_schedule(slot_expert_RS, em, max_fanout, domain_size)
+
+    num_hops = relay.schedule_hops(slot_expert_RS.shape[0], max_fanout, domain_size)
 
     # Every backend's hop is its exchange of the receiving slots, but for "portable": its
     # fixed-size all-to-all moves R times the rows of the dense hop's reduce-scatter.

@@ -1,13 +1,13 @@
 """The exact side of the planner's comparisons: whether any plan reaches a threshold (a
-mixed-integer program, `scipy.optimize.milp`; scipy comes with the ``test`` extra), and the small
-random cases it is asked about (tests/experiments/test_planner_exact.py, the planner's tests
-where the repairs run, and the experiment `experiments.planner.exact`)."""
+mixed-integer program, `scipy.optimize.milp`; scipy comes with the ``test`` extra and is imported
+only when it is asked), and the small random cases it is asked about (the planner's tests, where
+the repairs run, and the experiment `experiments.planner.exact`, which reaches it through
+`ultraep_jax.tools`). It is written from ffi/PLANNER.md's definition of a plan, not from the
+planner: the independent reference that both the tests and the experiments import."""
 
 from __future__ import annotations
 
 import numpy as np
-
-from tests.references.planner import rank_loads_before
 
 
 def exact_plan_exists(load_e, ep_size: int, slots: int, keep: int, tau: int) -> bool:
@@ -26,9 +26,7 @@ def exact_plan_exists(load_e, ep_size: int, slots: int, keep: int, tau: int) -> 
     load_e = [int(v) for v in load_e]
     E, R = len(load_e), ep_size
     home = [e // (E // R) for e in range(E)]
-    totals = np.zeros((R, E), np.int64)
-    totals[0] = load_e  # only the expert totals matter
-    L = rank_loads_before(totals).tolist()
+    L = np.asarray(load_e, np.int64).reshape(R, E // R).sum(axis=1).tolist()  # masters' loads
     if max(L) <= tau:
         return True
     give = [max(v - keep, 0) for v in load_e]  # what each master may give away

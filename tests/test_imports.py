@@ -1,0 +1,212 @@
+"""The house's import rules, read from the source (ast): inside `ultraep_jax/` the imports run
+one way (the graph of its modules, and of its parts: subpackages and top-level modules, has no
+cycle); each public name is found where it is listed; experiments/ and models/ import only what
+the library exports (`ultraep_jax`, `ultraep_jax.config`, `ultraep_jax.tools`), nothing private
+and nothing from tests/."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = "ultraep_jax"
+
+
+def module_name(path: pathlib.Path) -> str:
+    """The dotted name of the module at ``path`` (relative to the repository root)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path: pathlib.Path) -> list[str]:
+    """Every dotted name the file at ``path`` imports (anywhere in it, functions included):
+    ``import a.b`` gives "a.b"; ``from a.b import c`` gives "a.b.c" (a module or a name in a.b);
+    relative imports are resolved against the file's package."""
+    package = module_name(path)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                above = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(above + ([node.module] if node.module else []))
+            names += [f"{base}.{alias.name}" for alias in node.names]
+    return names
+
+
+def library_modules() -> dict[str, pathlib.Path]:
+    """Every module of the package, by dotted name."""
+    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def lazy_homes(path: pathlib.Path) -> list[str]:
+    """The modules named by a module-level ``_HOMES = {name: module}`` table (the root package's
+    public names, imported on first use): the module depends on them as if it imported them."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_HOMES" for t in node.targets
+        ):
+            table = ast.literal_eval(node.value)
+            return [f"{PACKAGE}.{k}" if v is None else v for k, v in table.items()]
+    return []
+
+
+def library_graph() -> dict[str, set[str]]:
+    """The import graph of the package's modules: module -> the package modules it imports
+    (``from a import b`` counts as importing module a.b when there is one, else a)."""
+    modules = library_modules()
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for imported in imported_names(path) + lazy_homes(path):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                edges.add(imported)
+        graph[name] = edges
+    return graph
+
+
+def part(module: str) -> str:
+    """The part of the package a module belongs to: its subpackage or top-level module."""
+    return ".".join(module.split(".")[:2])
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path [a, b, ..., a], or None when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+#: The library modules that experiments/ and models/ may import names from.
+EXPORTS = (PACKAGE, f"{PACKAGE}.config", f"{PACKAGE}.tools")
+
+#: A Python import in any text (the shell scripts' inline Python): "from a.b import c, d" or
+#: "import a.b".
+_TEXT_IMPORT = re.compile(r"\bfrom\s+([\w.]+)\s+import\s+([\w, ]+)|\bimport\s+([\w.]+)")
+
+
+def text_imported_names(text: str) -> list[str]:
+    """The dotted names a text's Python import lines import (as `imported_names` gives them)."""
+    names = []
+    for module, items, plain in _TEXT_IMPORT.findall(text):
+        if plain:
+            names.append(plain)
+        else:
+            names += [f"{module}.{item.strip()}" for item in items.split(",") if item.strip()]
+    return names
+
+
+def unexported(name: str) -> bool:
+    """Whether importing the dotted ``name`` reaches past what the library exports: a library
+    module other than `EXPORTS`, or a private name (leading underscore) of one; or tests/."""
+    if name == "tests" or name.startswith("tests."):
+        return True
+    if name != PACKAGE and not name.startswith(PACKAGE + "."):
+        return False
+    if name in EXPORTS:
+        return False
+    module, _, attr = name.rpartition(".")
+    return module not in EXPORTS or attr.startswith("_")
+
+
+def program_imports() -> list[tuple[str, str]]:
+    """(file, dotted name) of every import in experiments/ and models/: Python files by ast,
+    shell scripts by their inline Python's import lines."""
+    found = []
+    for folder in ("experiments", "models"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix == ".py":
+                names = imported_names(path)
+            elif path.suffix == ".sh":
+                names = text_imported_names(path.read_text())
+            else:
+                continue
+            found += [(str(path.relative_to(ROOT)), name) for name in names]
+    return found
+
+
+def test_unexported_knows_the_exports():
+    assert not unexported("ultraep_jax.MoE")
+    assert not unexported("ultraep_jax.config.BalancerConfig")
+    assert not unexported("ultraep_jax.tools.check_int")
+    assert not unexported("numpy.asarray")
+    assert unexported("ultraep_jax._ops.check_int")
+    assert unexported("ultraep_jax._native")
+    assert unexported("ultraep_jax.planning.native")
+    assert unexported("ultraep_jax.replicas.relay")
+    assert unexported("ultraep_jax.tools._HOMES")
+    assert unexported("tests.references.oracle.random_cases")
+    assert text_imported_names("x = 1; from ultraep_jax import _native, tools\nimport a.b") == [
+        "ultraep_jax._native",
+        "ultraep_jax.tools",
+        "a.b",
+    ]
+
+
+def test_programs_import_only_what_the_library_exports():
+    found = program_imports()
+    assert any(name == "ultraep_jax.tools.check_int" for _, name in found)  # the scan sees them
+    bad = [f"{path}: {name}" for path, name in found if unexported(name)]
+    assert not bad, "import the library's exports (ultraep_jax.tools): " + "; ".join(bad)
+
+
+def test_cycle_finds_a_cycle_and_accepts_a_dag():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_library_graph_sees_the_known_edges():
+    graph = library_graph()
+    assert "ultraep_jax.base.layout" in graph["ultraep_jax.config.balancer"]
+    assert "ultraep_jax.dispatch.reroute" in graph["ultraep_jax.dispatch.counts"]
+    assert "ultraep_jax.layer" in graph["ultraep_jax"]  # the lazy public names
+
+
+def test_library_modules_import_one_way():
+    assert cycle(library_graph()) is None
+
+
+def test_library_parts_import_one_way():
+    parts: dict[str, set[str]] = {}
+    for module, imported in library_graph().items():
+        edges = parts.setdefault(part(module), set())
+        edges |= {part(m) for m in imported} - {part(module)}
+    assert cycle(parts) is None
+
+
+def test_public_names_resolve_to_their_homes():
+    import importlib
+
+    import ultraep_jax
+
+    assert len(ultraep_jax.__all__) == len(set(ultraep_jax.__all__)) == 19
+    homes = lazy_homes(ROOT / PACKAGE / "__init__.py")
+    for name, home in zip(ultraep_jax.__all__, homes, strict=True):
+        module = importlib.import_module(home)
+        expected = module if home == f"{PACKAGE}.{name}" else getattr(module, name)
+        assert getattr(ultraep_jax, name) is expected, name
+        assert name in dir(ultraep_jax)

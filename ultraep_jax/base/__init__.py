@@ -1,0 +1,7 @@
+"""What the configuration and the stages both need, importing neither (so the package's imports
+run one way: `config` and every stage import `base`, never each other in a circle).
+
+layout.py       `Layout`: the instance layout of an EP group (expert e's master on rank
+                e // E_m, masters then slots); `check_divisible`
+activations.py  `ACTIVATIONS`: the gated experts' activations, by name
+"""
