@@ -37,6 +37,7 @@ __all__ = [
     "AUTO",
     "attribute_help",
     "check_capacity_factor",
+    "define_capped_capacity_factor",
     "define_balancer_flags",
     "define_flags",
     "define_json_out",
@@ -107,6 +108,44 @@ def check_capacity_factor(value, auto: float | None) -> float | None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"--capacity_factor must be a finite number > 0, got {value}")
     return float(value)
+
+
+#: Why the layer benchmarks refuse ``--capacity_factor=none``.
+ALWAYS_DROPLESS = "none (dropless) is what this program always runs beside its capped layers"
+
+
+class _CappedFactorParser(flags.ArgumentParser):
+    """``--capacity_factor`` of a program that needs a finite buffer: the values every program
+    takes (`parse_capacity_factor`), ``auto`` standing for ``auto``; ``none`` (dropless) is a
+    one-line error giving ``none_reason``."""
+
+    def __init__(self, auto: float, none_reason: str):
+        self.auto, self.none_reason = auto, none_reason
+
+    def parse(self, argument) -> float:
+        value = argument if isinstance(argument, float) else parse_capacity_factor(str(argument))
+        value = check_capacity_factor(value, self.auto)
+        if value is None:
+            raise ValueError(f"{self.none_reason}; give a number, or auto ({self.auto:g})")
+        return value
+
+    def flag_type(self) -> str:
+        return "capacity factor"
+
+
+def define_capped_capacity_factor(
+    auto: float, help_text: str, none_reason: str = ALWAYS_DROPLESS
+) -> flags.FlagHolder:
+    """``--capacity_factor`` (default ``auto``, standing for ``auto``) of a program that needs a
+    finite buffer: the same values as in train and serve (a number or ``auto``; ``none`` is
+    refused with ``none_reason``, `_CappedFactorParser`), read back as a float."""
+    return flags.DEFINE(
+        _CappedFactorParser(auto, none_reason),
+        "capacity_factor",
+        AUTO,
+        f"{help_text} A number > 0 or auto ({auto:g}); not none: {none_reason}.",
+        serializer=flags.ArgumentSerializer(),
+    )
 
 
 def attribute_help(cls) -> dict[str, str]:

@@ -54,8 +54,8 @@ _TOKENS = flags.DEFINE_integer("tokens_per_device", 256, "Tokens on each device.
 _SEQ = flags.DEFINE_integer("seq_len", 64, "Sequence length (must divide tokens_per_device).")
 _HOT = flags.DEFINE_integer("hot_experts", 2, "Experts the skewed router favours.")
 _SKEW = flags.DEFINE_float("skew", 2.0, "Router bias strength toward the hot experts.")
-_CF = flags.DEFINE_float(
-    "capacity_factor", 1.05, "Receive buffer of the capped layers, as a multiple of top_k * tokens."
+_CF = cli.define_capped_capacity_factor(
+    1.05, "Receive buffer of the capped layers, as a multiple of top_k * tokens."
 )
 _MODE = flags.DEFINE_enum(
     "mode", "train", ["train", "prefill"], "train: forward+backward; prefill: forward only."

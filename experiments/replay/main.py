@@ -124,8 +124,11 @@ _BALANCER = cli.define_balancer_flags(
         "UltraEP's 1024 of 65536)."
     },
 )
-_CF = flags.DEFINE_float(
-    "capacity_factor", 1.05, "The layer's receive buffer, x the pairs per rank."
+_CF = cli.define_capped_capacity_factor(
+    1.05,
+    "The layer's receive buffer, x the pairs per rank.",
+    "none (dropless) would give every replayed rank the worst-case buffer, which no balanced "
+    "layer uses",
 )
 _LINK = flags.DEFINE_float(
     "link_gbps",

@@ -351,3 +351,28 @@ def test_documented_command_runs_from_another_folder(tmp_path_factory):
 def test_config_modes():
     assert ServeConfig("w", "p").modes == ("ultraep", "none")
     assert ServeConfig("w", "p", balance="none").modes == ("none",)
+
+
+@pytest.mark.parametrize("module", ["experiments.bench.moe", "experiments.replay.main"])
+def test_benchmarks_capacity_factor_takes_the_same_values(module):
+    """The layer benchmarks (bench.moe, and breakeven and rates, which share its flags) and the
+    replay took only a float: they read a number or auto as train and serve do, and refuse none
+    (their buffers must be finite) with the reason in one line. Each in its own process: both
+    define the flag."""
+    code = f"""
+import {module}
+from absl import flags
+flag = flags.FLAGS["capacity_factor"]
+print(flag.default, [flag.parser.parse(t) for t in ("auto", "1.25", " 2 ")])
+for bad in ("none", "0"):
+    try:
+        flag.parser.parse(bad)
+    except ValueError as e:
+        print(e)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == "1.05 [1.05, 1.25, 2.0]"
+    assert re.fullmatch(r"none \(dropless\) .*; give a number, or auto \(1.05\)", out[1])
+    assert out[2] == "--capacity_factor must be a finite number > 0, got 0.0"
