@@ -6,6 +6,8 @@ tests/experiments/test_portable_workloads.py.)"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +184,35 @@ def test_balanced_training_step_exports_for_tpu_and_rocm(platform):
     assert "triton" not in text and "mosaic" not in text.lower()  # no CUDA-only kernel
     assert test_moe.RAGGED_OP.search(text)  # JAX's own ragged_all_to_all
     assert "ragged_dot" in text
+
+
+@pytest.mark.parametrize(
+    "platform_mesh, match",
+    [
+        ("cuda", r"^planner='native': this install has no CUDA planner handler"),
+        ("tpu", r"^planner='native': no native planner handler exists for 'tpu' devices"),
+    ],
+)
+def test_native_planner_where_no_handler_is_one_line_before_xla(monkeypatch, platform_mesh, match):
+    """A layer asked for the native planner on devices with no handler for it (CUDA without the
+    CUDA handler; TPU) says so while tracing, instead of XLA's unregistered-custom-call error when
+    the step compiles; "auto" plans portably there."""
+    monkeypatch.setattr(_native, "has_cuda_handler", lambda: False)
+    if platform_mesh == "cuda":
+        mesh = helpers.gpu_expert_mesh(8)
+    else:
+        tpu = jax.sharding.AbstractDevice(device_kind="TPU v5", num_cores=None, platform="tpu")
+        mesh = jax.sharding.AbstractMesh((8,), ("expert",), abstract_device=tpu)
+    balancer = uep.BalancerConfig(min_tokens_per_replica=1, min_tokens_per_rank=0)
+    S = jax.ShapeDtypeStruct
+    x, ids, w = S((64, 8), jnp.float32), S((64, 2), jnp.int32), S((64, 2), jnp.float32)
+    params = (S((8, 8, 16), jnp.float32), S((8, 8, 16), jnp.float32), S((8, 16, 8), jnp.float32))
+    for planner, raises in (("native", True), ("auto", False)):
+        ep = uep.ExpertParallel(
+            mesh, 8, balancer, comm_backend="ragged", expert_kernel="ragged_dot", planner=planner
+        )
+        fn = functools.partial(uep.routed_experts, ep=ep)
+        if raises:
+            helpers.assert_raises_one_line(ValueError, match, jax.eval_shape, fn, x, ids, w, params)
+        else:
+            jax.eval_shape(fn, x, ids, w, params)

@@ -154,6 +154,28 @@ def plan(
     return jax.lax.platform_dependent(loads, **{p: impls[name] for p, name in rule.items()})
 
 
+def check_native_planner(planner: str, platform: str | None) -> None:
+    """Raises one line when ``planner`` is "native" for devices of ``platform`` that have no
+    native handler in this install: CUDA GPUs without the CUDA handler (built only when nvcc was
+    on the PATH at install time), or a platform with none (TPU, ROCm), so that such a step never
+    reaches XLA's error for an unregistered custom call."""
+    if planner != "native" or platform in (None, "cpu"):
+        return
+    if platform in ("gpu", "cuda"):
+        if _native.has_cuda_handler():
+            return
+        why = (
+            "this install has no CUDA planner handler (built only when nvcc is on the PATH at "
+            "install time)"
+        )
+    else:
+        why = f"no native planner handler exists for {platform!r} devices"
+    raise ValueError(
+        f"planner='native': {why}; use planner='auto' (the portable planner there) or "
+        "'portable' (docs/gpu.md)"
+    )
+
+
 def _portable_plan(loads, config: BalancerConfig, cap: int) -> Plan:
     """The portable planner (`planning.portable`) on checked ``loads`` and a sized ``config``."""
     args = (config.ep_size, config.num_experts, config.slots_per_rank, config.domain_size)
