@@ -35,8 +35,8 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import common
 from experiments.loads import policies, workloads
+from experiments.program import run_main
 from experiments.stepmodel import calibration as cal
 from experiments.stepmodel import layer, links
 from experiments.stepmodel.shapes import ANCHOR, CLUSTERS, SCENARIOS, ModelShape
@@ -254,4 +254,4 @@ if __name__ == "__main__":
     flags.DEFINE_integer("seeds", 5, "Generated load matrices per initial max/mean (ours).")
     layouts = [n for n, s in SCENARIOS.items() if s.ep == ANCHOR.ep]
     flags.DEFINE_enum("scenario", "dp40xep64", layouts, "The layout and its cluster.")
-    common.run_main(main)
+    run_main(main)

@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from experiments import common
+from experiments.batched import batched_transfer
 from experiments.loads.ranks import held_off_home
 
 
@@ -123,7 +123,7 @@ def relay_copies(held_NRC, num_experts: int, fanout: int | None) -> dict[str, np
         zeros = np.zeros(held.shape[0])
         return {"send": zeros, "length": zeros, "hops": zeros}
     ranks = held.shape[1]
-    fn = common.batched_transfer(ranks, num_experts // ranks, fanout or 0)
+    fn = batched_transfer(ranks, num_experts // ranks, fanout or 0)
     send, length, hops = (np.asarray(a, np.float64) for a in fn(held))
     return {"send": send, "length": length, "hops": hops}
 

@@ -38,7 +38,7 @@ import re
 import numpy as np
 from absl import flags
 
-from experiments import common
+from experiments.program import run_main
 from experiments.stepmodel.calibration import nonnegative_least_squares
 from experiments.stepmodel.layer import EXCHANGES, layer_terms
 
@@ -333,4 +333,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("rates", "experiments/results/rates_cpu.json", "The rates file.")
     flags.DEFINE_string("breakeven", "docs/breakeven.json", "The break-even's points.")
     flags.DEFINE_string("results", "experiments/results", f"Where {MOE_GLOB} are.")
-    common.run_main(main)
+    run_main(main)

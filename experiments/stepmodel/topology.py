@@ -55,13 +55,17 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import cli, common
+from experiments import cli
+from experiments.batched import batched_schedule
 from experiments.loads import policies, ranks, workloads
+from experiments.output_files import write_json
+from experiments.program import run_main
 from experiments.sim import streams
 from experiments.stepmodel import layer, links
 from experiments.stepmodel.calibration import Calibration, provenance
 from experiments.stepmodel.layer import CostParams
 from experiments.stepmodel.shapes import CLUSTERS, MODELS, TRACE_MODELS, Cluster, ModelShape
+from experiments.summaries import summary
 
 #: The traces, in table order.
 TRACES = ("deepseek-r1", "qwen1.5-moe", "switch-base-128")
@@ -172,7 +176,7 @@ def schedule(held_NRC, experts_per_rank: int, fanout: int, domain: int | None):
     domains of ``domain`` ranks (None, or the EP size: one domain)."""
     ep = held_NRC.shape[1]
     d = None if domain is None or domain >= ep else domain
-    hop, sender = common.batched_schedule(ep, experts_per_rank, fanout, d)(held_NRC)
+    hop, sender = batched_schedule(ep, experts_per_rank, fanout, d)(held_NRC)
     return np.asarray(hop), np.asarray(sender)
 
 
@@ -250,7 +254,7 @@ def cell_rows(
         figures[policy] = layer_figures(rows, hop, sender, model, ep, topo, params)
     out = []
     for policy, f in figures.items():
-        row = {**base, "policy": policy, **{k: common.summary(v) for k, v in f.items()}}
+        row = {**base, "policy": policy, **{k: summary(v) for k, v in f.items()}}
         if policy == "aware":
             blind = figures["blind"]
             row["vs_blind"] = {
@@ -485,7 +489,7 @@ def main(argv):
         "params": dataclasses.asdict(params),
         "rows": rows,
     }
-    common.write_json(_out(f.json_out), payload)
+    write_json(_out(f.json_out), payload)
     print(f"({time.perf_counter() - start:.0f} s)")
 
 
@@ -517,4 +521,4 @@ def _define_flags():
 
 if __name__ == "__main__":
     _define_flags()
-    common.run_main(main)
+    run_main(main)

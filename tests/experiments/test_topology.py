@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import skip_without_traces
 
-from experiments import common
+from experiments.batched import batched_schedule
 from experiments.loads import traces
 from experiments.stepmodel import layer, links, topology
 from experiments.stepmodel.layer import CostParams
@@ -55,8 +55,8 @@ def test_library_schedules_blind_and_aware_by_hand():
     # the master sends both over the slow link in hop 1 (4 s). Aware: one slow copy to the
     # gateway (rank 2) in hop 1 (2 s), which forwards to rank 3 over NVLink in hop 2 (0.5 s).
     held = np.array([[[-1], [-1], [0], [0]]], np.int32)
-    blind = common.batched_schedule(4, 1, 2, None)(held)
-    aware = common.batched_schedule(4, 1, 2, 2)(held)
+    blind = batched_schedule(4, 1, 2, None)(held)
+    aware = batched_schedule(4, 1, 2, 2)(held)
     b = links.relay_seconds(*map(np.asarray, blind), COPY, LINKS)
     a = links.relay_seconds(*map(np.asarray, aware), COPY, LINKS)
     assert (b["slow_copies"][0], b["seconds"][0]) == (2.0, 4.0)
