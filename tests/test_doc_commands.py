@@ -131,8 +131,8 @@ def test_parsed_as_written(module):
 @pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(COMMANDS))
 def test_defaults_write_no_committed_file(module):
-    """bench.breakeven, bench.rates and stepmodel.topology overwrote docs/breakeven.json and .png,
-    experiments/results/rates_cpu.json and topology.json by default."""
+    """bench.breakeven, bench.rates and stepmodel_programs.topology overwrote docs/breakeven.json
+    and .png, experiments/results/rates_cpu.json and topology.json by default."""
     proc = _run(module, [max(COMMANDS[module], key=len)], "--defaults")
     assert proc.returncode == 0, proc.stderr[-2000:]
     defaults = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -173,7 +173,7 @@ def test_no_backend_probe_line_on_cpu():
     CPU machine (absl's handler shows INFO); `program.run_main` leaves that logger at WARNING."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.stepmodel.anchor"],
+        [sys.executable, "-m", "experiments.stepmodel_programs.anchor"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -6,7 +6,8 @@
 
 The break-even's layers (`experiments.bench.breakeven`: D=128, F=512, E=8, top-2, EP=2 as two
 pinned processes) take their time from a few rates, each measured here on its own, so that the
-step model (`experiments.stepmodel.pinned`) predicts their ratios without being fitted to them:
+step model (`experiments.stepmodel_programs.pinned`) predicts their ratios without being fitted
+to them:
 
   experts      the tiled expert kernel (`experts.registry.grouped_glu`, what the layer runs on
                CPU) on one rank's buffer of C rows with ``rows`` of them in ``groups`` groups,

@@ -11,7 +11,7 @@ The relayed replica transfer has two charges: `relay_copies` counts it in copies
 long as the most copies one rank sends or receives in it, whatever their links), which the
 simulator multiplies by one copy's expected time to a random rank (`copy_seconds`);
 `relay_seconds` times each hop per link class (`busiest_seconds`, the all-to-all's rule), for
-schedules whose copies' links matter (`experiments.stepmodel.topology`).
+schedules whose copies' links matter (`experiments.stepmodel_programs.topology`).
 
 Shapes: R ranks, N plans (or layouts), C slots per rank.
 """

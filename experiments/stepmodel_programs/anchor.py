@@ -1,8 +1,8 @@
 """The anchor: UltraEP's published EP64 setup through the step model, with the overheads a GPU
 run adds, for UltraEP's plans and ours.
 
-    python -m experiments.stepmodel.anchor               # the table of docs/results.md
-    python -m experiments.stepmodel.anchor --seeds=2 --scenario=ep64-nvl72
+    python -m experiments.stepmodel_programs.anchor               # the table of docs/results.md
+    python -m experiments.stepmodel_programs.anchor --seeds=2 --scenario=ep64-nvl72
 
 The setup is the step model's ``ANCHOR`` (DeepSeek-V3, EP64, 2 spare slots per rank, top-8,
 8192 tokens per rank; `shapes.toml`), on ``--scenario``'s cluster. For each of its published

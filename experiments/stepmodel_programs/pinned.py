@@ -22,7 +22,7 @@ A layer is `layer_terms`'s rule with the rates of this machine:
 The busiest rank's rows are max/mean x T x k (before balancing for the dropless programs, after
 it for the balanced one); its groups are E/R masters, plus one per replica in the balanced one.
 
-    python -m experiments.stepmodel.pinned     # each measured ratio beside the model's
+    python -m experiments.stepmodel_programs.pinned     # each measured ratio beside the model's
 
 Shapes: T tokens per rank, k top-k, C buffer rows, R ranks.
 """
