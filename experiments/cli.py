@@ -298,7 +298,7 @@ def define_balancer_flags(helps: Mapping[str, str] | None = None, **defaults) ->
 
 def define_verbose_ranks() -> flags.FlagHolder:
     """``--verbose_ranks``: with ``--pinned_ranks``, also show the ranks' libraries' joining lines
-    (`common.is_rank_library_line`)."""
+    (`pinned_ranks.is_rank_library_line`)."""
     return flags.DEFINE_bool(
         "verbose_ranks",
         False,
@@ -308,7 +308,8 @@ def define_verbose_ranks() -> flags.FlagHolder:
 
 
 def define_json_out() -> flags.FlagHolder:
-    """``--json_out``: a file to write the program's results to as JSON (`common.write_json`)."""
+    """``--json_out``: a file to write the program's results to as JSON
+    (`output_files.write_json`)."""
     return flags.DEFINE_string("json_out", None, "Also write the results to this JSON file.")
 
 

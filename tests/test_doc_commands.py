@@ -2,7 +2,7 @@
 parses as written: the program's flags and their validators accept it (`parsed_as_written`).
 
 What runs how (a full run of most of them takes minutes to hours, so this file only parses):
-  - every command: its flags parsed by the program's own parser (`common.parse_flags`, with the
+  - every command: its flags parsed by the program's own parser (`program.parse_flags`, with the
     program's validators), one process per program, without running its ``main``; marked slow
     (a JAX import per program, about a minute in all);
   - every program's defaults: no figure is written under docs/ or experiments/results/ unless a
@@ -39,19 +39,19 @@ COMMITTED = ("docs/", "experiments/results/")
 _RUNNER = """
 import json, runpy, sys
 from absl import app, flags
-from experiments import common
+from experiments import program
 module, argvs = sys.argv[1], json.loads(sys.argv[2])
 
 def parse_only(main, **kwargs):
     for argv in argvs:
         flags.FLAGS.unparse_flags()
-        common.parse_flags([module, *argv])
+        program.parse_flags([module, *argv])
     if "--defaults" in sys.argv:  # every string flag's default
         values = {name: flags.FLAGS[name].default for name in flags.FLAGS}
         print(json.dumps({k: v for k, v in values.items() if isinstance(v, str)}))
     sys.exit(0)
 
-common.run_main = app.run = parse_only
+program.run_main = app.run = parse_only
 runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
 
@@ -131,8 +131,8 @@ def test_parsed_as_written(module):
 @pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(COMMANDS))
 def test_defaults_write_no_committed_file(module):
-    """bench.breakeven, bench.rates and stepmodel.topology overwrote docs/breakeven.json and .png,
-    experiments/results/rates_cpu.json and topology.json by default."""
+    """bench.breakeven, bench.rates and stepmodel_programs.topology overwrote docs/breakeven.json
+    and .png, experiments/results/rates_cpu.json and topology.json by default."""
     proc = _run(module, [max(COMMANDS[module], key=len)], "--defaults")
     assert proc.returncode == 0, proc.stderr[-2000:]
     defaults = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -170,10 +170,10 @@ def test_gpu_summary_docstring_example_runs(tmp_path):
 @pytest.mark.slow
 def test_no_backend_probe_line_on_cpu():
     """JAX's INFO line "Unable to initialize backend 'tpu'" opened the output of the programs on a
-    CPU machine (absl's handler shows INFO); `common.run_main` leaves that logger at WARNING."""
+    CPU machine (absl's handler shows INFO); `program.run_main` leaves that logger at WARNING."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.stepmodel.anchor"],
+        [sys.executable, "-m", "experiments.stepmodel_programs.anchor"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -210,3 +210,39 @@ def test_public_names_resolve_to_their_homes():
         expected = module if home == f"{PACKAGE}.{name}" else getattr(module, name)
         assert getattr(ultraep_jax, name) is expected, name
         assert name in dir(ultraep_jax)
+
+
+def experiments_parts_graph() -> dict[str, set[str]]:
+    """The import graph of experiments/'s parts (``experiments.sim``, ``experiments.stepmodel``,
+    a top-level module ``experiments.cli``, ...): part -> the other parts it imports."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        edges = graph.setdefault(part(module_name(path)), set())
+        for name in imported_names(path):
+            if name.startswith("experiments."):
+                edges.add(part(name))
+        edges.discard(part(module_name(path)))
+    return graph
+
+
+def test_step_model_is_the_model_alone():
+    """experiments/stepmodel/ has no flags and no ``main`` and imports no program: not its
+    programs (experiments.stepmodel_programs), nor sim, replay, bench or planner."""
+    programs = {"stepmodel_programs", "sim", "replay", "bench", "planner", "train", "serve", "gpu"}
+    for path in sorted((ROOT / "experiments" / "stepmodel").glob("*.py")):
+        names = imported_names(path)
+        assert "absl.flags" not in names and "absl.app" not in names, path
+        assert not any(
+            n.split(".")[:2][-1] in programs for n in names if n.startswith("experiments.")
+        ), (
+            path,
+            names,
+        )
+        tree = ast.parse(path.read_text())
+        assert not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), path
+
+
+def test_experiments_parts_import_one_way():
+    graph = experiments_parts_graph()
+    assert "experiments.stepmodel" in graph["experiments.sim"]  # the scan sees the edges
+    assert cycle(graph) is None, cycle(graph)

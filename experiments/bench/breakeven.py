@@ -28,11 +28,15 @@ from absl import flags
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments import cli, common
+from experiments import cli
 from experiments.bench import (
     breakeven_report,
     moe,  # its flags: the layer's shape, the balancer, the skew
 )
+from experiments.concurrency import concurrency_check, concurrency_line
+from experiments.output_files import write_json
+from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.program import run_main
 
 _TOKENS = flags.DEFINE_list(
     "tokens",
@@ -128,9 +132,9 @@ def run() -> dict:
     mesh = jax.make_mesh((jax.device_count(),), ("expert",), axis_types=(AxisType.Auto,))
     moe._check_shape(mesh.size)
     rows = FLAGS.top_k * max(tokens)
-    calibration = common.concurrency_calibration(rows, FLAGS.d_model, FLAGS.d_ff)
+    calibration = concurrency_check(rows, FLAGS.d_model, FLAGS.d_ff)
     if jax.process_index() == 0:
-        print(common.calibration_line(calibration), flush=True)
+        print(concurrency_line(calibration), flush=True)
     points = []
     for mode in modes:
         for skew in skews:
@@ -182,21 +186,21 @@ def main(argv):
         _fail(err)
     if FLAGS.num_processes == 1:
         try:
-            code = common.launch_pinned_ranks(
+            code = launch_pinned_ranks(
                 FLAGS.pinned_ranks, "experiments.bench.breakeven", sys.argv[1:]
             )
         except ValueError as err:
             _fail(err)
         sys.exit(code)
-    common.keep_freed_memory()  # a pinned rank: time the kernels, not the page faults
+    keep_freed_memory()  # a pinned rank: time the kernels, not the page faults
     try:
-        common.start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+        start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
         res = run()
     except ValueError as err:
         _fail(err)
     if jax.process_index() == 0:
         print(breakeven_report.table(res["points"]), flush=True)
-        common.write_json(FLAGS.json_out, res)
+        write_json(FLAGS.json_out, res)
         if _PLOT.value:
             cfg = res["config"]
             title = (
@@ -208,4 +212,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -11,9 +11,12 @@ and prints the median seconds and each depth's ratio to the shallowest.
 
 from __future__ import annotations
 
-from experiments import cli, common
+from experiments import cli
+from experiments.devices import force_cpu_devices
+from experiments.output_files import write_json
+from experiments.program import run_main
 
-common.force_cpu_devices(8, cpu_only=True)
+force_cpu_devices(8, cpu_only=True)
 
 import dataclasses
 import statistics
@@ -80,8 +83,8 @@ def main(argv):
         print(f"{depth:>6} {scan_s:>8.2f} {unrolled_s:>9.2f} {ratio:>16.2f}")
         rows.append(dict(layers=depth, scan_s=scan_s, unrolled_s=unrolled_s, scan_ratio=ratio))
     if _JSON.value:
-        common.write_json(_JSON.value, dict(preset=_PRESET.value, rows=rows))
+        write_json(_JSON.value, dict(preset=_PRESET.value, rows=rows))
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -17,9 +17,12 @@ Prints the median seconds per stage and each variant's total against "off".
 
 from __future__ import annotations
 
-from experiments import cli, common
+from experiments import cli
+from experiments.devices import force_cpu_devices
+from experiments.output_files import write_json
+from experiments.program import run_main
 
-common.force_cpu_devices(8, cpu_only=True)
+force_cpu_devices(8, cpu_only=True)
 
 import statistics
 import time
@@ -113,8 +116,8 @@ def main(argv):
             f"{total:7.2f} {ratio}"
         )
     if _JSON.value:
-        common.write_json(_JSON.value, dict(tokens=_TOKENS.value, results=results))
+        write_json(_JSON.value, dict(tokens=_TOKENS.value, results=results))
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -5,7 +5,7 @@
 
 For each EP size R and fan-out f, lowers and compiles, fresh each repeat (jax's compilation cache
 off), the schedule of one plan's slots [R, S] (``plain``), of a batch [N, R, S] under `jax.vmap`
-(``vmap``, what `experiments.common.batched_schedule` compiles) and under `jax.lax.map`
+(``vmap``, what `experiments.batched.batched_schedule` compiles) and under `jax.lax.map`
 (``lax.map``), the three alternating within each round. Prints the median seconds of lowering and
 of compiling each.
 """
@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from experiments import cli, common
+from experiments import cli
+from experiments.output_files import write_json
+from experiments.program import run_main
 from ultraep_jax import tools
 
 _EP_SIZES = flags.DEFINE_list("ep_sizes", ["8", "64"], "EP sizes R.")
@@ -77,8 +79,8 @@ def main(argv) -> None:
                                  compile_s=compile_))  # fmt: skip
                 print(f"R={ep_size:4d} f={fanout} {name:8s} lower {lower:6.2f} s  "
                       f"compile {compile_:6.2f} s", flush=True)  # fmt: skip
-    common.write_json(_JSON.value, {"devices": str(jax.devices()), "rows": rows})
+    write_json(_JSON.value, {"devices": str(jax.devices()), "rows": rows})
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -29,9 +29,13 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import cli, common
+from experiments import cli
+from experiments.batched import batched_planner
 from experiments.loads import ranks, traces, workloads
+from experiments.output_files import write_json
+from experiments.program import run_main
 from experiments.stepmodel import calibration, layer, links, shapes
+from experiments.summaries import summary
 
 _TRACES = flags.DEFINE_list("traces", list(traces.TRACE_NAMES), "Traces to measure.")
 _EP = flags.DEFINE_list("ep", ["32", "64", "128"], "EP sizes (DeepSeek-R1 and Switch).")
@@ -105,7 +109,7 @@ def masters_replicated(slot_expert_RS: np.ndarray, num_experts: int, ep: int) ->
 
 def distribution(values) -> dict:
     """median, p90 and max of per-layer values."""
-    return common.summary(values, ("median", "p90", "max"))
+    return summary(values, ("median", "p90", "max"))
 
 
 def copy_ms(copies: float, link_gbps: float) -> float:
@@ -124,7 +128,7 @@ def measure(name: str, ep: int, eps: float) -> dict:
     batch = trace_batch(name, ep, _TOKENS.value, _STRIDE.value, _TRACES_DIR.value)
     num_experts = batch.shape[-1]
     cfg = uep.BalancerConfig(num_experts, ep, **{**_BALANCER(), "balance_eps": eps})
-    plans = common.batched_planner(cfg)(batch)
+    plans = batched_planner(cfg)(batch)
     slot_expert = np.asarray(plans.slot_expert)
     schedules = {
         f: links.relay_copies(slot_expert, num_experts, f)
@@ -223,7 +227,7 @@ def main(argv):
         "(backward 2x that)."
     )
     print(f"({time.perf_counter() - start:.0f} s)")
-    common.write_json(
+    write_json(
         _JSON.value,
         {
             "copy_bytes": COPY_BYTES,
@@ -238,4 +242,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -24,9 +24,13 @@ pinned ranks (two ranks with one hot expert each would be balanced already).
 
 from __future__ import annotations
 
-from experiments import common
+from experiments.concurrency import concurrency_check, concurrency_line
+from experiments.devices import force_cpu_devices
+from experiments.output_files import write_json
+from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.program import run_main
 
-common.force_cpu_devices(8, cpu_only=True)  # before JAX starts a backend (pinned ranks: 1 each)
+force_cpu_devices(8, cpu_only=True)  # before JAX starts a backend (pinned ranks: 1 each)
 
 import math
 import resource
@@ -75,7 +79,7 @@ _MALLOC = flags.DEFINE_enum(
     "malloc",
     "auto",
     ["auto", "keep", "system"],
-    "keep: glibc keeps freed memory (common.keep_freed_memory) so that XLA:CPU's per-call "
+    "keep: glibc keeps freed memory (keep_freed_memory) so that XLA:CPU's per-call "
     "buffers do not page-fault in again on every call; system: glibc's defaults; auto: keep in "
     "pinned rank processes, system otherwise.",
 )
@@ -228,7 +232,7 @@ def _print_report(res: dict) -> None:
         f"{cfg['skew']}), {cfg['repeats']} interleaved rounds"
     )
     if "calibration" in res:
-        print(common.calibration_line(res["calibration"]))
+        print(concurrency_line(res["calibration"]))
     print(
         f"\n{'':>20} {'buffer rows':>11} {'dropped':>8} {'compile s':>10} {'step ms':>9} "
         f"{'(min)':>8} {'temp MiB':>9} {'faults/step':>12}"
@@ -297,7 +301,7 @@ def run(pinned: bool) -> dict:
     calibration = None
     if pinned:
         rows = _K.value * _TOKENS.value
-        calibration = common.concurrency_calibration(rows, _D.value, _F.value)
+        calibration = concurrency_check(rows, _D.value, _F.value)
     x, router = _skewed_inputs(mesh, np.random.default_rng(_SEED.value), one_rank=pinned)
     # Always balance (no fallback below the default threshold): this measures balancing.
     balancer = uep.BalancerConfig(
@@ -355,16 +359,16 @@ def main(argv):
     process (one of them) and, on the first, prints the tables and writes ``--json_out``."""
     if _PINNED.value and _NUM_PROCESSES.value == 1:
         try:
-            code = common.launch_pinned_ranks(
+            code = launch_pinned_ranks(
                 _PINNED.value, "experiments.bench.moe", sys.argv[1:], _VERBOSE_RANKS.value
             )
         except ValueError as err:
             _fail(err)
         sys.exit(code)
     if _MALLOC.value == "keep" or (_MALLOC.value == "auto" and _NUM_PROCESSES.value > 1):
-        common.keep_freed_memory()  # time the kernels, not the page faults
+        keep_freed_memory()  # time the kernels, not the page faults
     try:
-        common.start_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+        start_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         if _PINNED.value and jax.device_count() != _PINNED.value:
             raise ValueError(f"--pinned_ranks={_PINNED.value} found {jax.device_count()} devices")
         res = run(pinned=bool(_PINNED.value))
@@ -372,8 +376,8 @@ def main(argv):
         _fail(err)
     if jax.process_index() == 0:
         _print_report(res)
-        common.write_json(_JSON.value, res)
+        write_json(_JSON.value, res)
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -6,7 +6,8 @@
 
 The break-even's layers (`experiments.bench.breakeven`: D=128, F=512, E=8, top-2, EP=2 as two
 pinned processes) take their time from a few rates, each measured here on its own, so that the
-step model (`experiments.stepmodel.pinned`) predicts their ratios without being fitted to them:
+step model (`experiments.stepmodel_programs.pinned`) predicts their ratios without being fitted
+to them:
 
   experts      the tiled expert kernel (`experts.registry.grouped_glu`, what the layer runs on
                CPU) on one rank's buffer of C rows with ``rows`` of them in ``groups`` groups,
@@ -40,12 +41,17 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments import cli, common
+from experiments import cli
 from experiments.bench import (
     breakeven,  # the layer's shape and sweep flags (--tokens, --modes)
     moe,
 )
+from experiments.concurrency import concurrency_check, concurrency_line
+from experiments.output_files import write_json
+from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.program import run_main
 from experiments.stepmodel import calibration
+from experiments.walltime import median_seconds, seconds_per_plan
 from ultraep_jax import tools
 
 # experiments/results/rates_cpu.json, which the step model's tests read, only when named.
@@ -63,7 +69,7 @@ GROUPS = (4, 6)
 
 def _timed(fn, repeats: int) -> float:
     """Median seconds of ``fn()``."""
-    return common.median_seconds(fn, repeats)
+    return median_seconds(fn, repeats)
 
 
 def _expert_fn(capacity: int, groups: int, mode: str):
@@ -187,13 +193,13 @@ def a2a_points(tokens: list[int], repeats: int) -> list[list[float]]:
 
 def planner_seconds(repeats: int) -> float:
     """Seconds per `uep.plan` call on a skewed [R, E] load with the layer's capacity
-    (`common.seconds_per_plan`): what each rank runs per layer in the balanced programs."""
+    (`walltime.seconds_per_plan`): what each rank runs per layer in the balanced programs."""
     R, E = jax.device_count(), FLAGS.num_experts
     cfg = uep.BalancerConfig(num_experts=E, ep_size=R, min_tokens_per_rank=0, **moe._BALANCER())
     loads = np.full((R, E), 256, np.int32)
     loads[:, : FLAGS.hot_experts] *= 4
     capacity = math.ceil(FLAGS.capacity_factor * int(loads.sum()) // R)
-    return common.seconds_per_plan(loads, cfg, repeats, capacity=capacity)
+    return seconds_per_plan(loads, cfg, repeats, capacity=capacity)
 
 
 def layer_points(mode: str, tokens: list[int], repeats: int) -> list[dict]:
@@ -249,16 +255,14 @@ def main(argv):
     if len(argv) > 1:
         breakeven._fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.num_processes == 1:
-        code = common.launch_pinned_ranks(
-            FLAGS.pinned_ranks, "experiments.bench.rates", sys.argv[1:]
-        )
+        code = launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.bench.rates", sys.argv[1:])
         sys.exit(code)
-    common.keep_freed_memory()  # as the break-even's ranks: time the kernels, not page faults
-    common.start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-    cal = common.concurrency_calibration(FLAGS.top_k * 8192, FLAGS.d_model, FLAGS.d_ff)
+    keep_freed_memory()  # as the break-even's ranks: time the kernels, not page faults
+    start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    cal = concurrency_check(FLAGS.top_k * 8192, FLAGS.d_model, FLAGS.d_ff)
     rates = measure()
     if jax.process_index() == 0:
-        print(common.calibration_line(cal))
+        print(concurrency_line(cal))
         shape = {k: getattr(FLAGS, k) for k in ("d_model", "d_ff", "num_experts", "top_k")}
         res = {
             "provenance": calibration.provenance("experiments.bench.rates"),
@@ -272,9 +276,9 @@ def main(argv):
             "calibration": cal,
             **rates,
         }
-        common.write_json(FLAGS.json_out, res)
+        write_json(FLAGS.json_out, res)
         print(f"wrote {FLAGS.json_out}")
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

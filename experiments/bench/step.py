@@ -44,7 +44,9 @@ import sys
 import numpy as np
 from absl import flags
 
-from experiments.common import calibration_line, run_main, write_json
+from experiments.concurrency import concurrency_line
+from experiments.output_files import write_json
+from experiments.program import run_main
 from experiments.records import read_metrics
 from experiments.stepmodel.layer import expert_fwd_flops
 from experiments.train.config import IDEAL_NOTE, MODEL_FIELDS
@@ -297,7 +299,7 @@ def calibration_summary(results: dict) -> dict | None:
     cals = sorted((c for c in cals if c), key=lambda c: c["ratio"])
     if not cals:
         return None
-    return {"ratios": [c["ratio"] for c in cals], "line": calibration_line(cals[len(cals) // 2])}
+    return {"ratios": [c["ratio"] for c in cals], "line": concurrency_line(cals[len(cals) // 2])}
 
 
 def _plot_case(ax, case: str, modes: dict) -> None:

@@ -63,12 +63,13 @@ import traceback
 import jax
 from absl import flags
 
-from experiments import common
 from experiments.gpu import exchange as gpu_exchange
 from experiments.gpu import exchange_run
 from experiments.gpu import gmm as gpu_gmm
 from experiments.gpu import moe as gpu_moe
 from experiments.gpu import planner as gpu_planner
+from experiments.output_files import write_json
+from experiments.program import run_main
 from ultraep_jax import tools
 
 _OUT = flags.DEFINE_string("out", None, "Folder for gpu_results.json and the HLO dump (created).")
@@ -224,7 +225,7 @@ def main(argv):
             results[name] = {"error": repr(e)[:1000]}
             failed.append(name)
         if _OUT.value:
-            common.write_json(os.path.join(_OUT.value, "gpu_results.json"), results)
+            write_json(os.path.join(_OUT.value, "gpu_results.json"), results)
     lines = []
     for name, to_lines in _LINES.items():
         if isinstance(results.get(name), dict) and "error" not in results[name]:
@@ -236,4 +237,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments import common
 from experiments.stepmodel.shapes import ANCHOR
+from experiments.walltime import median_seconds
 from ultraep_jax.tools import Exchange, fetch_replica_experts, ragged_exchange
 
 AXIS = "expert"
@@ -192,7 +192,7 @@ def time_tokens(mesh, s: ExchangeSetup, backends) -> dict:
     payload = s.rows * s.d_model * jnp.dtype(s.dtype).itemsize
     zero = jnp.zeros((), s.dtype)
     copy = device_copy()
-    t_copy = common.median_seconds(lambda: copy(operand, zero), s.repeats, s.inner)
+    t_copy = median_seconds(lambda: copy(operand, zero), s.repeats, s.inner)
     out = {
         "payload_bytes_per_rank": payload,
         "copy": _rate(payload, t_copy, t_copy),
@@ -200,9 +200,7 @@ def time_tokens(mesh, s: ExchangeSetup, backends) -> dict:
     }
     for backend in backends:
         fn = token_exchange(mesh, s.rows, s.capacity, backend)
-        seconds = common.median_seconds(
-            lambda fn=fn: fn(operand, sizes, src, dst), s.repeats, s.inner
-        )
+        seconds = median_seconds(lambda fn=fn: fn(operand, sizes, src, dst), s.repeats, s.inner)
         out[backend] = _rate(payload, seconds, t_copy)
     return out
 
@@ -226,11 +224,11 @@ def time_weights(mesh, s: ExchangeSetup, backends) -> dict:
     same_bytes = _random(mesh, (R * s.slots, expert), s.dtype, 20)
     zero = jnp.zeros((), s.dtype)
     copy = device_copy()
-    t_copy = common.median_seconds(lambda: copy(same_bytes, zero), s.repeats, s.inner)
+    t_copy = median_seconds(lambda: copy(same_bytes, zero), s.repeats, s.inner)
     out = {"payload_bytes_per_rank": payload, "copy": _rate(payload, t_copy, t_copy)}
     for backend in backends:
         fn = weight_exchange(mesh, backend)
-        seconds = common.median_seconds(lambda fn=fn: fn(slots, *masters), s.repeats, s.inner)
+        seconds = median_seconds(lambda fn=fn: fn(slots, *masters), s.repeats, s.inner)
         out[backend] = _rate(payload, seconds, t_copy)
     return out
 

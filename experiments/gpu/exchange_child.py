@@ -18,7 +18,6 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from experiments import common
 from experiments.gpu import hlo_schedule
 from experiments.gpu.exchange import (
     _SKIP_RAGGED,
@@ -32,6 +31,8 @@ from experiments.gpu.exchange import (
     time_tokens,
     time_weights,
 )
+from experiments.output_files import write_json
+from experiments.walltime import median_seconds
 from ultraep_jax import tools
 
 
@@ -85,9 +86,7 @@ def check_replica_step(mesh, s: ExchangeSetup, backends, hlo_path: str | None) -
         first[backend] = [np.asarray(value)] + [np.asarray(g) for g in jax.tree.leaves(grads)]
         text = step.lower(*args).compile().as_text()
         report = hlo_schedule.overlap_report(text)
-        row = {
-            "ms": 1e3 * common.median_seconds(lambda step=step, args=args: step(*args), s.repeats)
-        }
+        row = {"ms": 1e3 * median_seconds(lambda step=step, args=args: step(*args), s.repeats)}
         row["schedule"] = report
         row["verdicts"] = [hlo_schedule.verdict(c) for c in report["collectives"]]
         if hlo_path:
@@ -140,7 +139,7 @@ def run_variant(spec: dict) -> dict:
             traceback.print_exc()
             out[name] = {"error": repr(e)[:800]}
         print(f"  exchange[{spec['variant']}] {name}: done", flush=True)
-        common.write_json(spec["out_json"], out)  # what is done so far, should a later part hang
+        write_json(spec["out_json"], out)  # what is done so far, should a later part hang
     return out
 
 

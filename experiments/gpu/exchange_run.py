@@ -12,8 +12,8 @@ import subprocess
 import sys
 import tempfile
 
-from experiments import common
 from experiments.gpu.exchange import DRY, ExchangeSetup
+from experiments.output_files import write_json
 
 #: XLA flag variants the section compares by default: name -> flags (space-separated).
 VARIANTS = {
@@ -82,7 +82,7 @@ def run_child(name: str, flags: str, spec: dict, folder: str, dry: bool, timeout
     """One variant in a child process: its JSON, or a status saying why there is none."""
     spec_path = os.path.join(folder, f"exchange_{file_stem(name)}_spec.json")
     log_path = os.path.join(folder, f"exchange_{file_stem(name)}.log")
-    common.write_json(spec_path, spec)
+    write_json(spec_path, spec)
     cmd = [sys.executable, "-m", "experiments.gpu.exchange_child", spec_path]
     try:
         done = subprocess.run(

@@ -12,19 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import common
 from experiments.stepmodel.shapes import ANCHOR
+from experiments.walltime import median_seconds
 from ultraep_jax import tools
 
 
 def _adaptive_median_seconds(fn, repeats: int, inner: int) -> float:
-    """`experiments.common.median_seconds`, with fewer samples for calls slower than 20 ms."""
+    """`experiments.walltime.median_seconds`, with fewer samples for calls slower than 20 ms."""
     start = time.perf_counter()
     jax.block_until_ready(fn())
     once = time.perf_counter() - start
     if once > 0.02:
-        return common.median_seconds(fn, max(3, repeats // 4), 1)
-    return common.median_seconds(fn, repeats, inner)
+        return median_seconds(fn, max(3, repeats // 4), 1)
+    return median_seconds(fn, repeats, inner)
 
 
 def _parse_config(text: str) -> dict:
@@ -132,9 +132,9 @@ def _gmm_case(device, M, K, N, G, skewed, impls, check_grads, timing, seed=0) ->
     rows = []
     dense = jax.jit(lambda a, b: a @ b)
     rhs0, rhs1 = rhs[0], rhs[:1]  # sliced once, outside the timed calls
-    t = common.median_seconds(lambda: dense(lhs, rhs0), repeats, inner)
+    t = median_seconds(lambda: dense(lhs, rhs0), repeats, inner)
     dense_b = _fwd_bwd(lambda a, b, g: a @ b[0])
-    tb = common.median_seconds(lambda: dense_b(lhs, rhs1, gs, cot), repeats, inner)
+    tb = median_seconds(lambda: dense_b(lhs, rhs1, gs, cot), repeats, inner)
     rows.append(
         {
             "case": label,

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ultraep_jax as uep
-from experiments import common
 from experiments.gpu import hlo_schedule
+from experiments.output_files import write_json
+from experiments.walltime import median_seconds
 
 _INTERESTING = re.compile(
     r"^(custom-call|all-to-all|ragged-all-to-all|all-gather|all-reduce|collective-permute"
@@ -139,7 +140,7 @@ def _kernel_row(spec: str, first: bool, make_layer, x, rows: MoeRows, out: dict)
             step, params = _layer_step(make_layer(name == "on", kernel, comm), x)
             value, _ = step(params, x)
             row[f"balancer_{name}_loss_finite"] = bool(np.isfinite(float(value)))
-            row[f"balancer_{name}_step_ms"] = 1e3 * common.median_seconds(
+            row[f"balancer_{name}_step_ms"] = 1e3 * median_seconds(
                 lambda step=step, params=params: step(params, x), rows.repeats
             )
             if first and rows.profile:
@@ -201,7 +202,7 @@ def section_moe(device, dry: bool, rows: MoeRows) -> dict:
         out["rows"].append(row)
         print(f"  moe {row}", flush=True)
         if rows.out_dir:  # rows so far, in case a later row runs past a time limit
-            common.write_json(os.path.join(rows.out_dir, "moe_partial.json"), out)
+            write_json(os.path.join(rows.out_dir, "moe_partial.json"), out)
     return out
 
 

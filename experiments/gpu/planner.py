@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ultraep_jax as uep
-from experiments import common
+from experiments.batched import batched_planner
 from experiments.loads import workloads
 from experiments.stepmodel.shapes import ANCHOR
+from experiments.walltime import median_seconds, time_batched_plan
 from ultraep_jax import tools
 
 
@@ -89,7 +90,7 @@ def _plan_arrays(plan) -> list[np.ndarray]:
 
 
 def _cpu_plans(cfg, loads) -> list[np.ndarray]:
-    planner = common.batched_planner(cfg)
+    planner = batched_planner(cfg)
     return _plan_arrays(planner(jax.device_put(loads, jax.devices("cpu")[0])))
 
 
@@ -187,7 +188,7 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
     ok = True
     for name, (cfg, loads) in planner_cases(dry).items():
         want = _cpu_plans(cfg, loads)
-        got = _plan_arrays(common.batched_planner(cfg)(jax.device_put(loads, device)))
+        got = _plan_arrays(batched_planner(cfg)(jax.device_put(loads, device)))
         row = {"matrices": int(loads.shape[0]), "jax_equal": all(map(np.array_equal, want, got))}
         got = _parallel_plans(cfg, loads, device)
         row["jax_parallel_equal"] = all(map(np.array_equal, want, got))
@@ -255,13 +256,13 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
         return jax.jit(f)
 
     c64, c8 = chain(64), chain(8)
-    t64 = common.median_seconds(lambda: c64(one), repeats)
-    t8 = common.median_seconds(lambda: c8(one), repeats)
+    t64 = median_seconds(lambda: c64(one), repeats)
+    t8 = median_seconds(lambda: c8(one), repeats)
     t["jax_chain_us_per_plan"] = 1e6 * (t64 - t8) / 56
     single = jax.jit(lambda x: uep.plan(x, cfg))
-    t["jax_single_plan_wall_us"] = 1e6 * common.median_seconds(lambda: single(one), repeats)
+    t["jax_single_plan_wall_us"] = 1e6 * median_seconds(lambda: single(one), repeats)
     loads = base[np.arange(plan_batch) % 6]
-    seconds = common.time_batched_plan(loads, cfg, repeats, device)
+    seconds = time_batched_plan(loads, cfg, repeats, device)
     t["jax_batched_us_per_plan"] = 1e6 * seconds / plan_batch
     return out
 

@@ -21,7 +21,7 @@ import sys
 
 from absl import flags
 
-from experiments import common
+from experiments.program import run_main
 from experiments.stepmodel import calibration, layer, shapes
 
 _DIR = flags.DEFINE_string("dir", None, "The run_all.sh output folder.", required=True)
@@ -320,4 +320,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments import common
+from experiments.batched import batched_planner
 from experiments.loads import ranks
 from experiments.loads.baselines import Balanced, master_layout
+from experiments.walltime import time_batched_plan
 
 #: Every policy, in table order: name -> what it does.
 POLICIES = {
@@ -56,7 +57,7 @@ def ultraep_balanced(batch, cfg) -> list[Balanced]:
     """ultraep's plans for a batch ``[N, R, E]`` (one ``jit(vmap(uep.plan))`` call) as ``N``
     :class:`Balanced`, layout ``[R, E/R + S]``: the masters, then the spare slots."""
     batch = np.asarray(batch, dtype=np.int32)
-    plans = common.batched_planner(cfg)(batch)
+    plans = batched_planner(cfg)(batch)
     num, num_ranks, num_experts = batch.shape
     masters = master_layout(num_ranks, num_experts)
     slot_expert = np.asarray(plans.slot_expert)
@@ -77,9 +78,9 @@ def ultraep_batch(batch, cfg, *, repeats: int = 1) -> tuple[list, float]:
     Returns:
       ``(results, seconds)``: ``N`` :class:`Balanced`, and the median wall time of one
       already-compiled batched call over ``max(1, repeats)`` calls
-      (`experiments.common.time_batched_plan`), so ``seconds / N`` per matrix.
+      (`experiments.walltime.time_batched_plan`), so ``seconds / N`` per matrix.
     """
-    return ultraep_balanced(batch, cfg), common.time_batched_plan(batch, cfg, max(1, repeats))
+    return ultraep_balanced(batch, cfg), time_batched_plan(batch, cfg, max(1, repeats))
 
 
 def ultraep(loads, cfg) -> Balanced:

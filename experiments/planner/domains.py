@@ -40,8 +40,11 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import cli, common
+from experiments import cli
+from experiments.batched import batched_planner
 from experiments.loads import traces, workloads
+from experiments.output_files import write_json
+from experiments.program import run_main
 from experiments.stepmodel import shapes
 
 _CASES = flags.DEFINE_list(
@@ -301,7 +304,7 @@ def measure(name: str, ep: int, dsz: int, variants: list[str]) -> dict:
     for v, d in (("planner", None), ("fit", dsz)):
         if v not in ["planner"] + variants:
             continue
-        plans = common.batched_planner(uep.BalancerConfig(E, ep, ranks_per_domain=d, **b))(batch)
+        plans = batched_planner(uep.BalancerConfig(E, ep, ranks_per_domain=d, **b))(batch)
         library[v] = {k: np.asarray(getattr(plans, k)) for k in PLAN_FIELDS}
     out = {}
     for v in ["planner"] + variants:
@@ -389,8 +392,8 @@ def main(argv):
             f"({ok} {BALANCE_LIMIT})"
         )
     print(f"({time.perf_counter() - start:.0f} s)")
-    common.write_json(_JSON.value, {"cases": cells, "balance_limit": BALANCE_LIMIT})
+    write_json(_JSON.value, {"cases": cells, "balance_limit": BALANCE_LIMIT})
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -78,6 +78,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from experiments import common
+    from experiments.program import run_main
 
-    common.run_main(main)
+    run_main(main)

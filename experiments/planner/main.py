@@ -26,11 +26,14 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import common, records
+from experiments import records
+from experiments.batched import batched_planner
 from experiments.loads import workloads
+from experiments.output_files import write_json
 from experiments.planner import baselines as planner_baselines
 from experiments.planner import setup
 from experiments.stepmodel.shapes import ANCHOR
+from experiments.walltime import time_batched_plan
 
 flags.adopt_module_key_flags(setup)  # --help lists the benchmark's flags
 
@@ -41,7 +44,7 @@ _R, _E = ANCHOR.ep, ANCHOR.shape.num_experts
 
 def _quality(batch: np.ndarray, cfg: uep.BalancerConfig) -> dict:
     """Before/after imbalance and replica counts of a batch [N, R, E]."""
-    plans = common.batched_planner(cfg)(batch)
+    plans = batched_planner(cfg)(batch)
     before = np.asarray(uep.imbalance(np.stack([workloads.master_rank_loads(x) for x in batch])))
     after = np.asarray(uep.imbalance(plans.rank_load))
     replicas = np.asarray(plans.num_replicas)
@@ -183,7 +186,7 @@ def _train_table(results: dict) -> None:
     table = results.setdefault("train_loads", {})
     for eps in (setup.BALANCER()["balance_eps"], 0.0):
         cfg = setup.config(E, R, min_tokens_per_replica=min_tokens, balance_eps=eps)
-        after = np.asarray(uep.imbalance(common.batched_planner(cfg)(loads).rank_load))
+        after = np.asarray(uep.imbalance(batched_planner(cfg)(loads).rank_load))
         q = table[f"eps={eps:g}"] = _quality(loads, cfg)
         q["over_1.05"] = int((after > 1.05).sum())
         q["over_1.01"] = int((after > 1.01).sum())
@@ -207,7 +210,7 @@ def _timing_table(results: dict) -> None:
         batch = np.resize(distinct, (setup.TIMING_BATCH.value,) + distinct.shape[1:])
         modes = {"": {}, " exact": {"balance_eps": 0.0}} if setup.EXACT.value else {"": {}}
         for mode, overrides in modes.items():
-            seconds = common.time_batched_plan(
+            seconds = time_batched_plan(
                 batch, setup.config(experts, ep, **overrides), setup.REPEATS.value
             )
             table[f"EP{ep}/E{experts}{mode}"] = seconds / len(batch) * 1e6
@@ -231,4 +234,4 @@ def main(argv):
     if setup.BASELINES.value:
         planner_baselines.baseline_table(results)
     _timing_table(results)
-    common.write_json(setup.JSON.value, results)
+    write_json(setup.JSON.value, results)

@@ -12,12 +12,12 @@ import time
 import jax
 
 import ultraep_jax as uep
-from experiments import common
 from experiments.loads import traces, workloads
 from experiments.replay import real_ratio
 from experiments.replay import timing as replay_timing
 from experiments.replay import work as replay_work
 from experiments.stepmodel import layer, links
+from experiments.walltime import seconds_per_plan
 
 #: A cell's per-layer figures, summed over its matrices (the last three then averaged).
 _SUMMED = (
@@ -125,7 +125,7 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
         planner = {p: works[p].host_plan_seconds if settings.timed else 0.0 for p in names}
         for p, eps in (("ultraep", cfg.balance_eps), ("exact", 0.0)):
             if settings.timed:
-                planner[p] = common.seconds_per_plan(
+                planner[p] = seconds_per_plan(
                     sample.loads_RE,
                     dataclasses.replace(cfg, balance_eps=eps),
                     settings.repeats,

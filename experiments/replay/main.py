@@ -35,8 +35,10 @@ import os
 import jax
 from absl import app, flags
 
-from experiments import cli, common
+from experiments import cli
 from experiments.loads import traces
+from experiments.output_files import write_json
+from experiments.pinned_ranks import keep_freed_memory
 from experiments.replay import cell as replay_cell
 from experiments.replay import real_ratio, report
 from experiments.replay import timing as replay_timing
@@ -214,7 +216,7 @@ def main(argv):
     del argv
     if _CORE.value >= 0:
         os.sched_setaffinity(0, {_CORE.value})  # before JAX starts its threads
-    common.keep_freed_memory()
+    keep_freed_memory()
     preset = _SHAPES[_SHAPE.value]
     shape = replay_timing.Shape(
         d_model=_D.value or preset["d_model"],
@@ -285,6 +287,6 @@ def main(argv):
     print("\n* modelled from exact bytes per rank (not timed)\n")
     print("\n".join(report.headline(cells)))
     if _CALIBRATION.value:
-        common.write_json(_CALIBRATION.value, report.calibration(cells, settings, clock_name))
+        write_json(_CALIBRATION.value, report.calibration(cells, settings, clock_name))
         print(f"calibration written to {_CALIBRATION.value}")
-    common.write_json(_JSON.value, cells)
+    write_json(_JSON.value, cells)

@@ -4,7 +4,7 @@ kernels, on one device, one rank at a time.
 Three parts of a rank's work are timed separately:
   planner      `uep.plan` on the all-gathered load matrix, with the layer's capacity (every rank
                computes the same plan): per plan, inside one jitted `vmap` over copies
-               (`experiments.common.seconds_per_plan`, called by `replay.cell`)
+               (`experiments.walltime.seconds_per_plan`, called by `replay.cell`)
   bookkeeping  the rank's dispatch arithmetic (`dispatch.plan_dispatch`) and its gathers: the send
                buffer, the received rows regrouped by local group and back, the weighted combine
                (forward; forward and backward in training)

@@ -37,10 +37,15 @@ import time
 
 from absl import flags, logging
 
-from experiments import cli, common
+from experiments import cli
+from experiments.concurrency import concurrency_check
+from experiments.devices import force_cpu_devices
+from experiments.output_files import check_output_path, write_json
+from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
 from experiments.serve.config import OUTPUT_FILE, ServeConfig
 from experiments.serve.prompts import Prompt, as_text, pad_batch, read_prompts
 from experiments.serve.report import report
+from experiments.walltime import median_seconds
 
 _VALUES = cli.define_flags(ServeConfig, {"capacity_factor": cli.parse_capacity_factor})
 flags.DEFINE_integer(
@@ -75,21 +80,19 @@ def main(argv):
         workdir, train_cfg = _engine().read_train_config(cfg.workdir)
         prompts = read_prompts(cfg.prompts, train_cfg.model.max_seq_len)
         output = cfg.output or str(workdir / OUTPUT_FILE)
-        common.check_output_path(output, "--output")
+        check_output_path(output, "--output")
     except ValueError as err:  # RunError included
         _fail(err)
     if FLAGS.pinned_ranks and FLAGS.num_processes == 1:  # this process only starts the ranks
         try:
-            sys.exit(
-                common.launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.serve", sys.argv[1:])
-            )
+            sys.exit(launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.serve", sys.argv[1:]))
         except ValueError as err:
             _fail(err)
     if FLAGS.num_processes > 1:
-        common.keep_freed_memory()  # a pinned rank: time the prefill, not the page faults
+        keep_freed_memory()  # a pinned rank: time the prefill, not the page faults
     try:
-        common.force_cpu_devices(FLAGS.cpu_devices)
-        common.start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+        force_cpu_devices(FLAGS.cpu_devices)
+        start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
         result = run(cfg, workdir, train_cfg, prompts, pinned=bool(FLAGS.pinned_ranks))
     except ValueError as err:
         _fail(err)
@@ -97,7 +100,7 @@ def main(argv):
 
     if jax.process_index() == 0:
         print(report(result), flush=True)
-        common.write_json(output, result)
+        write_json(output, result)
         print(f"wrote {output}", flush=True)
 
 
@@ -135,7 +138,7 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
     calibration = None
     if pinned:
         rows = model_cfg.top_k * sum(len(p.tokens) for p in prompts) // devices
-        calibration = common.concurrency_calibration(rows, model_cfg.d_model, model_cfg.d_ff)
+        calibration = concurrency_check(rows, model_cfg.d_model, model_cfg.d_ff)
     state, step = engine.restore(train_cfg, workdir, mesh)
     tokens, mask, lengths = pad_batch(prompts, devices)
     B, T = tokens.shape
@@ -166,7 +169,7 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
         start = time.perf_counter()
         ids, logp, stats = jax.device_get(jax.block_until_ready(prefill(*args)))
         compile_s = time.perf_counter() - start
-        seconds = common.median_seconds(lambda prefill=prefill: prefill(*args), cfg.repeats)
+        seconds = median_seconds(lambda prefill=prefill: prefill(*args), cfg.repeats)
         runs[mode] = {
             "capacity_factor": cfg.capacity_factor if balanced else None,
             "compile_s": compile_s,

@@ -3,7 +3,8 @@ its own, without flags, so that tests can import it."""
 
 from __future__ import annotations
 
-from experiments import common
+from experiments.concurrency import concurrency_line
+from experiments.program import fallback_note
 
 MODE_NAMES = {"ultraep": "balanced (ultraep)", "none": "plain EP (none)"}
 
@@ -22,12 +23,12 @@ def report(res: dict) -> str:
         + (" (pinned processes)" if res["pinned_ranks"] else "")
     ]
     if "calibration" in res:
-        lines.append(common.calibration_line(res["calibration"]))
+        lines.append(concurrency_line(res["calibration"]))
     clock = "busiest rank's " if res["pinned_ranks"] else ""
     if res["fallback"]:
         threshold = res["balancer"]["min_tokens_per_rank"]
         subject = "the balanced prefill runs"
-        lines.append(common.fallback_note(res["tokens_per_rank"], threshold, subject))
+        lines.append(fallback_note(res["tokens_per_rank"], threshold, subject))
     for mode, r in res["runs"].items():
         cf = r["capacity_factor"]
         lines.append(

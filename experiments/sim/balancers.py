@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import ultraep_jax as uep
-from experiments import common
 from experiments.loads import baselines, policies
 from experiments.loads.baselines import Balanced
+from experiments.walltime import time_batched_plan
 
 #: The balancers in table order.
 BASELINE_ORDER = policies.names(without=("exact",))
@@ -144,12 +144,12 @@ _PLAN_SECONDS: dict = {}
 
 
 def measure_plan_seconds(sample: np.ndarray, cfg: uep.BalancerConfig, batch: int = 256) -> float:
-    """CPU-measured planner time per plan: `experiments.common.time_batched_plan` over ``batch``
+    """CPU-measured planner time per plan: `experiments.walltime.time_batched_plan` over ``batch``
     matrices (``sample`` [N, R, E] tiled), median of 5, divided by ``batch``. Cached per config
     (the first sample seen is timed)."""
     if cfg not in _PLAN_SECONDS:
         tiled = np.resize(sample, (batch,) + sample.shape[1:])
-        _PLAN_SECONDS[cfg] = common.time_batched_plan(tiled, cfg, repeats=5) / batch
+        _PLAN_SECONDS[cfg] = time_batched_plan(tiled, cfg, repeats=5) / batch
     return _PLAN_SECONDS[cfg]
 
 

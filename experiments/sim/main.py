@@ -9,7 +9,8 @@ import time
 import jax
 from absl import flags
 
-from experiments import cli, common
+from experiments import cli
+from experiments.output_files import write_json
 from experiments.sim import balancers, cell, report
 from experiments.sim.streams import Sampling
 from experiments.stepmodel.calibration import Calibration, ExpertCost
@@ -148,4 +149,4 @@ def main(argv):
     )
     _print_tables(cells, params.expert_cost)
     print(f"\n(simulated in {time.perf_counter() - start:.0f} s)")
-    common.write_json(_JSON.value, cells)
+    write_json(_JSON.value, cells)

@@ -247,7 +247,7 @@ def calibration_file(fits: dict, shape: dict, clock: str, measured: list, progra
     }
 
 
-# -- GPU-side terms of the anchor's estimate (experiments.stepmodel.anchor), each a band --------
+# -- GPU-side terms of the anchor's estimate (experiments.stepmodel_programs.anchor), each a band
 
 #: The grouped matmul's forward + backward rate on one H100, TFLOP/s (low, high), for groups of
 #: 2048-8192 rows: `experiments/results/gpu_h100.txt` (c), run 3, JAX's Mosaic GPU kernel

@@ -11,7 +11,7 @@ The relayed replica transfer has two charges: `relay_copies` counts it in copies
 long as the most copies one rank sends or receives in it, whatever their links), which the
 simulator multiplies by one copy's expected time to a random rank (`copy_seconds`);
 `relay_seconds` times each hop per link class (`busiest_seconds`, the all-to-all's rule), for
-schedules whose copies' links matter (`experiments.stepmodel.topology`).
+schedules whose copies' links matter (`experiments.stepmodel_programs.topology`).
 
 Shapes: R ranks, N plans (or layouts), C slots per rank.
 """
@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from experiments import common
+from experiments.batched import batched_transfer
 from experiments.loads.ranks import held_off_home
 
 
@@ -123,7 +123,7 @@ def relay_copies(held_NRC, num_experts: int, fanout: int | None) -> dict[str, np
         zeros = np.zeros(held.shape[0])
         return {"send": zeros, "length": zeros, "hops": zeros}
     ranks = held.shape[1]
-    fn = common.batched_transfer(ranks, num_experts // ranks, fanout or 0)
+    fn = batched_transfer(ranks, num_experts // ranks, fanout or 0)
     send, length, hops = (np.asarray(a, np.float64) for a in fn(held))
     return {"send": send, "length": length, "hops": hops}
 

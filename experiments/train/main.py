@@ -50,13 +50,9 @@ import sys
 from absl import flags, logging
 
 from experiments import cli
-from experiments.common import (
-    force_cpu_devices,
-    keep_freed_memory,
-    launch_pinned_ranks,
-    run_main,
-    start_distributed,
-)
+from experiments.devices import force_cpu_devices
+from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.program import run_main
 from experiments.train.config import MODEL_FIELDS, TrainConfig, default_workdir
 from models.presets import PRESETS, preset
 

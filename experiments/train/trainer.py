@@ -18,8 +18,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from experiments import common, records
-from experiments.common import calibration_line, concurrency_calibration, write_json
+from experiments import program, records
+from experiments.concurrency import concurrency_check, concurrency_line
+from experiments.output_files import write_json
 from experiments.train import data, plot, summary
 from experiments.train.checkpoints import Checkpoints
 from experiments.train.config import IDEAL_NOTE, TrainConfig
@@ -69,12 +70,12 @@ def build_model(cfg: TrainConfig, mesh) -> MoELM:
 
 
 def fallback_note(cfg: TrainConfig, num_devices: int) -> str:
-    """`common.fallback_note` when ``cfg`` balances but its batch gives each rank fewer tokens
+    """`program.fallback_note` when ``cfg`` balances but its batch gives each rank fewer tokens
     than ``--min_tokens_per_rank``, else ""."""
     if cfg.balance != "ultraep":
         return ""
     per_rank = cfg.batch_size * cfg.seq_len // num_devices
-    return common.fallback_note(per_rank, cfg.min_tokens_per_rank, "the MoE layers run")
+    return program.fallback_note(per_rank, cfg.min_tokens_per_rank, "the MoE layers run")
 
 
 def place_on_mesh(obj, mesh):
@@ -122,7 +123,7 @@ def run(cfg: TrainConfig, calibrate: bool = False) -> dict:
     ``summary.json``. SIGINT / SIGTERM stop the run after the current step with all of these
     written (see `StopRequest`). A workdir already at ``cfg.steps`` is left as it is.
     ``calibrate`` (ranks as pinned processes) first times equal work on every process at once
-    against one alone (`common.concurrency_calibration`), prints it and keeps it in the summary.
+    against one alone (`concurrency.concurrency_check`), prints it and keeps it in the summary.
 
     Returns:
       The summary written to ``summary.json`` (see `summary.summarize_run`) plus ``step`` (the
@@ -145,9 +146,9 @@ def run(cfg: TrainConfig, calibrate: bool = False) -> dict:
         calibration = None
         if calibrate:
             rows = cfg.model.top_k * cfg.batch_size * cfg.seq_len // jax.device_count()
-            calibration = concurrency_calibration(rows, cfg.model.d_model, cfg.model.d_ff)
+            calibration = concurrency_check(rows, cfg.model.d_model, cfg.model.d_ff)
             if lead:
-                print(calibration_line(calibration), flush=True)
+                print(concurrency_line(calibration), flush=True)
         return in_worker_thread(
             lambda: _run(
                 cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, calibration
@@ -265,7 +266,7 @@ def _report(
         if calibration is not None and result.get("median_step_time_s") is not None:
             print(
                 f"median step {result['median_step_time_s'] * 1e3:.1f} ms on "
-                f"{calibration['processes']} pinned ranks; {calibration_line(calibration)}",
+                f"{calibration['processes']} pinned ranks; {concurrency_line(calibration)}",
                 flush=True,
             )
     step, stopped_by = result["step"], result["stopped_by"]

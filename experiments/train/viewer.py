@@ -43,7 +43,7 @@ import sys
 from absl import app, flags
 
 from experiments import records
-from experiments.common import run_main
+from experiments.program import run_main
 from experiments.train.workdir import METRICS_FILE, PROFILE_FILE
 
 __all__ = ["build_html", "main", "write_viewer"]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import common
+from experiments.pinned_ranks import _forward_lines, is_rank_library_line, launch_pinned_ranks
 from tests.helpers import expert_mesh, fetch_with_grads
 from ultraep_jax.replicas import transfer
 
@@ -80,7 +80,7 @@ def test_fetch_replica_experts_and_its_gradient_equal_numpy(slot_expert, backend
 def test_launch_pinned_ranks_refuses_more_ranks_than_cores():
     cores = len(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match="needs that many cores"):
-        common.launch_pinned_ranks(cores + 1, "experiments.bench.moe", [])
+        launch_pinned_ranks(cores + 1, "experiments.bench.moe", [])
 
 
 # As the ranks print them (two ranks at once interleave them on a shared terminal).
@@ -96,12 +96,12 @@ _JAX_LINE = (
 def test_rank_library_lines_are_left_out_unless_verbose():
     own = ["calibration: 2 pinned ranks with equal work take 1.6 ms\n", "step     1  loss 6.1\n"]
     own.append("I see [Gloo] in the middle of a line\n")
-    assert common.is_rank_library_line(_GLOO_LINE) and common.is_rank_library_line(_JAX_LINE)
-    assert not any(common.is_rank_library_line(line) for line in own)
+    assert is_rank_library_line(_GLOO_LINE) and is_rank_library_line(_JAX_LINE)
+    assert not any(is_rank_library_line(line) for line in own)
     text = "".join([_GLOO_LINE, own[0], _JAX_LINE, *own[1:]])
     for verbose, want in ((False, "".join(own)), (True, text)):
         sink = io.StringIO()
-        common._forward_lines(io.BytesIO(text.encode()), sink, verbose, threading.Lock())
+        _forward_lines(io.BytesIO(text.encode()), sink, verbose, threading.Lock())
         assert sink.getvalue() == want
 
 

@@ -18,7 +18,9 @@ import pytest
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments import cli, common
+from experiments import cli
+from experiments.output_files import check_output_path
+from experiments.program import fallback_note
 from experiments.serve import engine
 from experiments.serve.config import DEFAULT_PROMPTS, ServeConfig
 from experiments.serve.prompts import Prompt, pad_batch
@@ -162,8 +164,8 @@ def test_shipped_prompts_balance_with_the_default_model():
 def test_fallback_note():
     """Below --min_tokens_per_rank the report says the balanced prefill ran plain EP."""
     subject = "the balanced prefill runs"
-    assert common.fallback_note(256, 256, subject) == common.fallback_note(300, 0, subject) == ""
-    note = common.fallback_note(6, 256, subject)
+    assert fallback_note(256, 256, subject) == fallback_note(300, 0, subject) == ""
+    note = fallback_note(6, 256, subject)
     assert note.startswith("note: 6 tokens per rank is below --min_tokens_per_rank=256: the ")
     assert "runs plain expert parallelism" in note
 
@@ -312,13 +314,13 @@ def test_unwritable_output_fails_before_the_prefill(tmp_path, workdir, prompt_di
 
 
 def test_check_output_path(tmp_path):
-    common.check_output_path(tmp_path / "new" / "deeper" / "out.json", "--out")  # created later
+    check_output_path(tmp_path / "new" / "deeper" / "out.json", "--out")  # created later
     (tmp_path / "f").write_text("")
-    common.check_output_path(tmp_path / "f", "--out")  # replaced
+    check_output_path(tmp_path / "f", "--out")  # replaced
     with pytest.raises(ValueError, match=r"--out=.*f/x.json: .*f is a file, not a folder"):
-        common.check_output_path(tmp_path / "f" / "x.json", "--out")
+        check_output_path(tmp_path / "f" / "x.json", "--out")
     with pytest.raises(ValueError, match="is a folder; name a file"):
-        common.check_output_path(tmp_path, "--out")
+        check_output_path(tmp_path, "--out")
 
 
 def test_documented_command_runs_from_another_folder(tmp_path_factory):

@@ -1,10 +1,11 @@
-"""The step model checked against our measurements (`experiments.stepmodel.pinned`): fed with the
-rates `python -m experiments.bench.rates` measured (experiments/results/rates_cpu.json), it
+"""The step model checked against our measurements (`experiments.stepmodel_programs.pinned`): fed
+with the rates `python -m experiments.bench.rates` measured (experiments/results/rates_cpu.json), it
 predicts each busiest-rank ratio the break-even (docs/breakeven.json, 256-8192 tokens per rank)
 and the layer benchmark at 2048 tokens per rank (experiments/results/bench_pinned_*.txt)
 measured, within `TOLERANCE`, but at the points `MISSES` names with the reason; a rule that
 leaves balancing out misses most of them. And the anchor's estimate
-(`experiments.stepmodel.anchor`) on UltraEP's published plans, its parts checked by hand."""
+(`experiments.stepmodel_programs.anchor`) on UltraEP's published plans, its parts checked by
+hand."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from experiments.stepmodel import anchor, pinned
 from experiments.stepmodel.shapes import ANCHOR
+from experiments.stepmodel_programs import anchor, pinned
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"

@@ -1,16 +1,18 @@
-"""Tests for experiments/stepmodel/topology.py and the per-link-class transfer rule it charges
-(`links.relay_seconds`): schedules small enough to count each rank's copies per link class by
-hand, and a few real DeepSeek-R1 layers at EP32 where the topology-aware schedule must never
-send more copies across domains than the blind one, and exactly the least any schedule can."""
+"""Tests for experiments/stepmodel_programs/topology.py (its figures: topology_cells.py) and the
+per-link-class transfer rule it charges (`links.relay_seconds`): schedules small enough to count
+each rank's copies per link class by hand, and a few real DeepSeek-R1 layers at EP32 where the
+topology-aware schedule must never send more copies across domains than the blind one, and exactly
+the least any schedule can."""
 
 import numpy as np
 import pytest
 from conftest import skip_without_traces
 
-from experiments import common
+from experiments.batched import batched_schedule
 from experiments.loads import traces
-from experiments.stepmodel import layer, links, topology
+from experiments.stepmodel import layer, links
 from experiments.stepmodel.layer import CostParams
+from experiments.stepmodel_programs import topology_cells
 
 # Two domains of two ranks: a copy within a domain takes 0.5 s, across domains 2 s.
 LINKS = links.Links(domain=2, nvlink_bytes_s=4.0, ib_bytes_s=1.0)
@@ -55,8 +57,8 @@ def test_library_schedules_blind_and_aware_by_hand():
     # the master sends both over the slow link in hop 1 (4 s). Aware: one slow copy to the
     # gateway (rank 2) in hop 1 (2 s), which forwards to rank 3 over NVLink in hop 2 (0.5 s).
     held = np.array([[[-1], [-1], [0], [0]]], np.int32)
-    blind = common.batched_schedule(4, 1, 2, None)(held)
-    aware = common.batched_schedule(4, 1, 2, 2)(held)
+    blind = batched_schedule(4, 1, 2, None)(held)
+    aware = batched_schedule(4, 1, 2, 2)(held)
     b = links.relay_seconds(*map(np.asarray, blind), COPY, LINKS)
     a = links.relay_seconds(*map(np.asarray, aware), COPY, LINKS)
     assert (b["slow_copies"][0], b["seconds"][0]) == (2.0, 4.0)
@@ -64,29 +66,31 @@ def test_library_schedules_blind_and_aware_by_hand():
 
 
 def test_topologies_and_padding():
-    assert topology.topology("hgx-h100", 64).domain == 8
-    assert topology.topology("gb200-nvl72", 64).domain == 64
-    two_racks = topology.topology("gb200-nvl72", 128)
+    assert topology_cells.topology("hgx-h100", 64).domain == 8
+    assert topology_cells.topology("gb200-nvl72", 64).domain == 64
+    two_racks = topology_cells.topology("gb200-nvl72", 128)
     assert two_racks.domain == 64 and two_racks.cluster.nvlink_domain == 64
-    assert topology.padded_experts(256, 128) == 256
-    assert topology.padded_experts(60, 32) == topology.padded_experts(60, 64) == 64
-    assert topology.padded_experts(60, 128) is None
-    assert topology.trace_model("qwen1.5-moe").num_experts == 60
+    assert topology_cells.padded_experts(256, 128) == 256
+    assert topology_cells.padded_experts(60, 32) == topology_cells.padded_experts(60, 64) == 64
+    assert topology_cells.padded_experts(60, 128) is None
+    assert topology_cells.trace_model("qwen1.5-moe").num_experts == 60
 
 
 def test_aware_never_sends_more_across_domains_on_real_layers():
     if not (traces.default_traces_dir() / "deepseek-r1").is_dir():
         skip_without_traces("no deepseek-r1 trace")
-    model, ep, experts = topology.trace_model("deepseek-r1"), 32, 256
-    _, loads = topology.trace_loads("deepseek-r1", model, ep, experts, 8192, stride=116)
+    model, ep, experts = topology_cells.trace_model("deepseek-r1"), 32, 256
+    _, loads = topology_cells.trace_loads("deepseek-r1", model, ep, experts, 8192, stride=116)
     assert len(loads) == 6  # 12 runs x 58 layers, every 116th
-    plans = topology.plan(loads, topology.uep.BalancerConfig(num_experts=experts, ep_size=ep))
+    plans = topology_cells.plan(
+        loads, topology_cells.uep.BalancerConfig(num_experts=experts, ep_size=ep)
+    )
     params = CostParams()
     copy_bytes = layer.replica_bytes(model, params)
-    nodes = topology.topology("hgx-h100", ep)
+    nodes = topology_cells.topology("hgx-h100", ep)
     link = params.calibration.links(nodes.cluster)
-    blind = links.relay_seconds(*topology.schedule(plans.held, 8, 2, None), copy_bytes, link)
-    aware = links.relay_seconds(*topology.schedule(plans.held, 8, 2, 8), copy_bytes, link)
+    blind = links.relay_seconds(*topology_cells.schedule(plans.held, 8, 2, None), copy_bytes, link)
+    aware = links.relay_seconds(*topology_cells.schedule(plans.held, 8, 2, 8), copy_bytes, link)
     assert np.all(aware["slow_copies"] <= blind["slow_copies"])
     # The aware schedule's slow copies are the least possible: one per (expert, remote domain).
     home = np.arange(experts) // (experts // ep) // 8
@@ -96,12 +100,12 @@ def test_aware_never_sends_more_across_domains_on_real_layers():
         least = sum(1 for e, d in domains if home[e] != d)
         assert aware["slow_copies"][n] == least
     # The program's rows agree, and in one NVL72 domain the two schedules are one and the same.
-    rows = topology.cell_rows("deepseek-r1", ep, plans, model, experts, nodes, 2, params, {})
+    rows = topology_cells.cell_rows("deepseek-r1", ep, plans, model, experts, nodes, 2, params, {})
     by = {r["policy"]: r for r in rows}
     assert by["aware"]["vs_blind"]["slow_more"] == 0
     assert by["none"]["transfer_ms"]["max"] == 0 and by["blind"]["pct_ideal"]["median"] > 90
-    rack = topology.topology("gb200-nvl72", ep)
-    rows = topology.cell_rows("deepseek-r1", ep, plans, model, experts, rack, 2, params, {})
+    rack = topology_cells.topology("gb200-nvl72", ep)
+    rows = topology_cells.cell_rows("deepseek-r1", ep, plans, model, experts, rack, 2, params, {})
     by = {r["policy"]: r for r in rows}
     assert by["aware"]["slow_gb"]["max"] == by["blind"]["slow_gb"]["max"] == 0
     assert by["aware"]["transfer_ms"] == by["blind"]["transfer_ms"]
@@ -114,30 +118,38 @@ def test_aware_plans_with_the_domains_on_real_layers():
     # domain (d = EP) the plans and rows are blind's.
     if not (traces.default_traces_dir() / "deepseek-r1").is_dir():
         skip_without_traces("no deepseek-r1 trace")
-    model, ep, experts = topology.trace_model("deepseek-r1"), 32, 256
-    _, loads = topology.trace_loads("deepseek-r1", model, ep, experts, 8192, stride=116)
-    cfg = topology.uep.BalancerConfig(num_experts=experts, ep_size=ep)
-    one = topology.plan(loads, cfg)
-    aware = topology.plan(loads, topology.dataclasses.replace(cfg, ranks_per_domain=8))
+    model, ep, experts = topology_cells.trace_model("deepseek-r1"), 32, 256
+    _, loads = topology_cells.trace_loads("deepseek-r1", model, ep, experts, 8192, stride=116)
+    cfg = topology_cells.uep.BalancerConfig(num_experts=experts, ep_size=ep)
+    one = topology_cells.plan(loads, cfg)
+    aware = topology_cells.plan(loads, topology_cells.dataclasses.replace(cfg, ranks_per_domain=8))
     assert (aware.held != one.held).any()
     params = CostParams()
-    nodes = topology.topology("hgx-h100", ep)
-    rows = topology.cell_rows(
+    nodes = topology_cells.topology("hgx-h100", ep)
+    rows = topology_cells.cell_rows(
         "deepseek-r1", ep, one, model, experts, nodes, 2, params, {}, aware_plans=aware
     )
-    same = topology.cell_rows("deepseek-r1", ep, one, model, experts, nodes, 2, params, {})
+    same = topology_cells.cell_rows("deepseek-r1", ep, one, model, experts, nodes, 2, params, {})
     by, by_same = {r["policy"]: r for r in rows}, {r["policy"]: r for r in same}
     assert by["blind"] == by_same["blind"] and by["none"] == by_same["none"]
     assert by["aware"]["slow_gb"]["mean"] < by_same["aware"]["slow_gb"]["mean"]
-    run = topology.Run(traces=("deepseek-r1",), ep_sizes=(32,), stride=116)
-    got = topology.evaluate(run, {}, params, log=lambda line: None)
+    run = topology_cells.Run(traces=("deepseek-r1",), ep_sizes=(32,), stride=116)
+    got = topology_cells.evaluate(run, {}, params, log=lambda line: None)
     assert [r for r in got if r["topology"] == "hgx-h100"] == rows
     rack = [r for r in got if r["topology"] == "gb200-nvl72"]
-    assert rack == topology.cell_rows(
-        "deepseek-r1", ep, one, model, experts, topology.topology("gb200-nvl72", ep), 2, params, {}
+    assert rack == topology_cells.cell_rows(
+        "deepseek-r1",
+        ep,
+        one,
+        model,
+        experts,
+        topology_cells.topology("gb200-nvl72", ep),
+        2,
+        params,
+        {},
     )
 
 
-@pytest.mark.parametrize("trace", topology.TRACES)
+@pytest.mark.parametrize("trace", topology_cells.TRACES)
 def test_every_trace_has_a_model_shape(trace):
-    assert topology.trace_model(trace).trace == trace
+    assert topology_cells.trace_model(trace).trace == trace

@@ -251,14 +251,14 @@ def _layer_value_and_grads(layer, x):
 
 
 @pytest.fixture
-def gpu_mesh():
+def one_gpu_mesh():
     """The first GPU as the one rank of the "expert" axis."""
     return Mesh(np.array(jax.devices("gpu")[:1]), ("expert",))
 
 
 @needs_gpu
-def test_moe_layer_forward_backward_on_one_gpu_with_balancer(gpu_mesh):
-    layer = _layer(gpu_mesh, 8, 128, 256, jnp.float32, "auto")
+def test_moe_layer_forward_backward_on_one_gpu_with_balancer(one_gpu_mesh):
+    layer = _layer(one_gpu_mesh, 8, 128, 256, jnp.float32, "auto")
     x = jax.device_put(
         jax.random.normal(jax.random.key(0), (4, 128, 128), jnp.float32), jax.devices("gpu")[0]
     )
@@ -272,7 +272,7 @@ def test_moe_layer_forward_backward_on_one_gpu_with_balancer(gpu_mesh):
 
 @needs_gpu
 @pytest.mark.parametrize("kernel", ["auto", "pallas", "mgpu"])
-def test_moe_layer_bf16_kernels_equal_ragged_dot(kernel, gpu_mesh):
+def test_moe_layer_bf16_kernels_equal_ragged_dot(kernel, one_gpu_mesh):
     """The layer with each GPU expert kernel against the same layer with XLA's ragged_dot (the
     routing is the same code, so only the experts' matmuls differ), values and gradients."""
     if kernel == "mgpu" and not gmm_mgpu.is_hopper():
@@ -280,10 +280,10 @@ def test_moe_layer_bf16_kernels_equal_ragged_dot(kernel, gpu_mesh):
     x = jax.device_put(
         jax.random.normal(jax.random.key(0), (4, 128, 256), jnp.bfloat16), jax.devices("gpu")[0]
     )
-    layer = _layer(gpu_mesh, 8, 256, 384, jnp.bfloat16, kernel)
+    layer = _layer(one_gpu_mesh, 8, 256, 384, jnp.bfloat16, kernel)
     (v, (y, _)), g = _layer_value_and_grads(layer, x)
     (v_ref, (y_ref, _)), g_ref = _layer_value_and_grads(
-        _layer(gpu_mesh, 8, 256, 384, jnp.bfloat16, "ragged_dot"), x
+        _layer(one_gpu_mesh, 8, 256, 384, jnp.bfloat16, "ragged_dot"), x
     )
     np.testing.assert_allclose(float(v), float(v_ref), rtol=2e-2)
     y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)

@@ -27,9 +27,9 @@ import ultraep_jax as uep
 from tests import helpers
 from tests.helpers import make_mesh, place_batch
 from tests.references.dispatch import kept_pairs, prefix_transport
-from tests.references.moe import HIGHEST, reference_moe
+from tests.references.layer import reference_layer
 from tests.references.planner import reference_plan
-from tests.references.routing import Router, router_weights, select_experts
+from tests.references.routing import Router, select_experts
 
 # One test process computes the cases it caches (pytest-xdist).
 pytestmark = pytest.mark.xdist_group("test_moe")
@@ -52,17 +52,6 @@ def reference_experts(x, router_kernel, top_k):
     return select_experts(logits, Router("softmax", top_k))
 
 
-def reference_layer(x, params, experts, keep=None):
-    """[B, L, D]: the dense SwiGLU MoE (`reference_moe`) of the choice ``experts`` [T, k] with
-    the router's float32 softmax weights renormalised over the k choices. ``keep`` (optional,
-    [T, k] of 0/1) drops (token, choice) pairs."""
-    xt = x.reshape(-1, x.shape[-1])
-    logits = jnp.dot(xt, params["router_kernel"], precision=HIGHEST)
-    weights = router_weights(logits, experts, Router("softmax", experts.shape[-1]))
-    expert_params = tuple(params[n] for n in ("w_gate", "w_up", "w_down"))
-    return reference_moe(xt, experts, weights, expert_params, keep).reshape(x.shape)
-
-
 def reference_value_and_grads(x, params, cotangent, top_k):
     """y and the gradients of sum(y * cotangent) w.r.t. x and every parameter (a dict), the
     experts chosen by `reference_experts`."""
@@ -73,7 +62,7 @@ def reference_value_and_grads(x, params, cotangent, top_k):
 @jax.jit
 def _reference_value_and_grads(x, params, experts, cotangent):
     def loss(x, params):
-        y = reference_layer(x, params, experts)
+        y = reference_layer(x, params, experts, Router("softmax", experts.shape[-1]))
         return jnp.sum(y * cotangent), y
 
     (_, y), (gx, gp) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
@@ -425,7 +414,12 @@ def test_balanced_capacity_1_1_drops_nothing(mesh):
     assert int(stats["replicas"]) > 0
     assert int(stats["rank_load_after"].sum()) == x.shape[0] * x.shape[1] * k
     experts, _ = reference_experts(x, params["router_kernel"], k)
-    ref = reference_layer(jnp.asarray(x), {n: jnp.asarray(v) for n, v in params.items()}, experts)
+    ref = reference_layer(
+        jnp.asarray(x),
+        {n: jnp.asarray(v) for n, v in params.items()},
+        experts,
+        Router("softmax", experts.shape[-1]),
+    )
     assert_close(y, ref, "balanced y with capacity 1.1")
 
 
@@ -456,7 +450,8 @@ def test_capacity_drops_exactly_the_pairs_the_rule_names(mesh, slots, factor):
         assert int(stats["over_capacity"]) == over > 0
     experts, _ = reference_experts(x, params["router_kernel"], k)
     params_j = {n: jnp.asarray(v) for n, v in params.items()}
-    ref = reference_layer(jnp.asarray(x), params_j, experts, keep=jnp.asarray(keep))
+    router = Router("softmax", experts.shape[-1])
+    ref = reference_layer(jnp.asarray(x), params_j, experts, router, keep=jnp.asarray(keep))
     assert_close(y, ref, "output with the rule's pairs dropped")
 
 

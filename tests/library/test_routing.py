@@ -33,6 +33,7 @@ from tests.helpers import (
     place_batch,
     routed_value_and_grads,
 )
+from tests.references.layer import EXPERT_NAMES, SHARED_NAMES, reference_layer
 from tests.references.moe import HIGHEST, reference_moe
 from tests.references.routing import Router, router_losses, router_weights, select_experts
 from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, update_bias
@@ -41,8 +42,6 @@ D, F, FS = 8, 8, 8  # model width, expert hidden width, shared expert hidden wid
 E = 8
 
 RTOL, ATOL = 1e-4, 1e-5
-EXPERT_NAMES = ("w_gate", "w_up", "w_down")
-SHARED_NAMES = ("shared_gate", "shared_up", "shared_down")
 
 
 def assert_close(got, want, what, rtol=RTOL, atol=ATOL):
@@ -296,21 +295,13 @@ def draw_layer_inputs(rng, spec: Spec, batch, seq, skew=True, bias_scale=0.0):
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "shared"))
-def reference_layer(x, params, experts, cotangent, spec: Spec, shared: bool):
+def reference_value_and_grads(x, params, experts, cotangent, spec: Spec, shared: bool):
     """(y, aux, z) and the gradients of sum(y * cotangent) w.r.t. x and the parameters, for the
-    reference's fixed choice ``experts`` [T, k]."""
+    reference's fixed choice ``experts`` [T, k] (`reference_layer`)."""
 
     def loss(x, params):
-        xt = x.reshape(-1, D)
-        logits = jnp.dot(xt, params["router_kernel"], precision=HIGHEST)
-        weights = router_weights(logits, experts, spec)
-        y = reference_moe(
-            xt,
-            experts,
-            weights,
-            tuple(params[n] for n in EXPERT_NAMES),
-            shared=tuple(params[n] for n in SHARED_NAMES) if shared else None,
-        ).reshape(x.shape)
+        y = reference_layer(x, params, experts, spec, shared=shared)
+        logits = jnp.dot(x.reshape(-1, D), params["router_kernel"], precision=HIGHEST)
         return jnp.sum(y * cotangent), (y, *router_losses(logits, experts, spec))
 
     (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
@@ -374,7 +365,7 @@ def test_layer_equals_dense_reference(case):
     mesh = make_mesh(case.mesh)
     x, params, bias, experts = draw_layer_inputs(rng, case.spec, 8, 4, bias_scale=case.bias_scale)
     cotangent = rng.normal(size=x.shape).astype(np.float32)
-    (ref_y, ref_aux, ref_z), (ref_gx, ref_gp) = reference_layer(
+    (ref_y, ref_aux, ref_z), (ref_gx, ref_gp) = reference_value_and_grads(
         jnp.asarray(x),
         {k: jnp.asarray(v) for k, v in params.items()},
         jnp.asarray(experts),
@@ -736,7 +727,7 @@ def test_bf16_layer_close_to_float32_reference_with_float32_routing(ep8_mesh):
     assert y.dtype == bf16 and y.shape == x.shape
     assert int(stats.replicas) > 0 and int(stats.dropped) == 0
     np.testing.assert_array_equal(np.asarray(stats.expert_load), load)
-    (ref_y, _, _), _ = reference_layer(
+    (ref_y, _, _), _ = reference_value_and_grads(
         jnp.asarray(x),
         {k: jnp.asarray(v) for k, v in params.items()},
         jnp.asarray(experts),

@@ -3,6 +3,7 @@ import nothing from experiments/ or models/.
 
 moe.py       the dense one-device MoE (and `HIGHEST`, the matmul precision of every reference)
 routing.py   the routers: which experts a token picks, the weights and the router losses
+layer.py     the dense layer: the router's weights of a given choice, then the dense MoE
 planner.py   the NumPy planner of ffi/PLANNER.md
 dispatch.py  the dispatch rules: prefix-sum transport, kept pairs, instances
 relay.py     the relay schedule of ffi/TRANSFER.md

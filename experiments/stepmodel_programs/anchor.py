@@ -1,8 +1,8 @@
 """The anchor: UltraEP's published EP64 setup through the step model, with the overheads a GPU
 run adds, for UltraEP's plans and ours.
 
-    python -m experiments.stepmodel.anchor               # the table of docs/results.md
-    python -m experiments.stepmodel.anchor --seeds=2 --scenario=ep64-nvl72
+    python -m experiments.stepmodel_programs.anchor               # the table of docs/results.md
+    python -m experiments.stepmodel_programs.anchor --seeds=2 --scenario=ep64-nvl72
 
 The setup is the step model's ``ANCHOR`` (DeepSeek-V3, EP64, 2 spare slots per rank, top-8,
 8192 tokens per rank; `shapes.toml`), on ``--scenario``'s cluster. For each of its published
@@ -35,8 +35,8 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import common
 from experiments.loads import policies, workloads
+from experiments.program import run_main
 from experiments.stepmodel import calibration as cal
 from experiments.stepmodel import layer, links
 from experiments.stepmodel.shapes import ANCHOR, CLUSTERS, SCENARIOS, ModelShape
@@ -254,4 +254,4 @@ if __name__ == "__main__":
     flags.DEFINE_integer("seeds", 5, "Generated load matrices per initial max/mean (ours).")
     layouts = [n for n, s in SCENARIOS.items() if s.ep == ANCHOR.ep]
     flags.DEFINE_enum("scenario", "dp40xep64", layouts, "The layout and its cluster.")
-    common.run_main(main)
+    run_main(main)

@@ -22,7 +22,7 @@ A layer is `layer_terms`'s rule with the rates of this machine:
 The busiest rank's rows are max/mean x T x k (before balancing for the dropless programs, after
 it for the balanced one); its groups are E/R masters, plus one per replica in the balanced one.
 
-    python -m experiments.stepmodel.pinned     # each measured ratio beside the model's
+    python -m experiments.stepmodel_programs.pinned     # each measured ratio beside the model's
 
 Shapes: T tokens per rank, k top-k, C buffer rows, R ranks.
 """
@@ -38,7 +38,7 @@ import re
 import numpy as np
 from absl import flags
 
-from experiments import common
+from experiments.program import run_main
 from experiments.stepmodel.calibration import nonnegative_least_squares
 from experiments.stepmodel.layer import EXCHANGES, layer_terms
 
@@ -333,4 +333,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("rates", "experiments/results/rates_cpu.json", "The rates file.")
     flags.DEFINE_string("breakeven", "docs/breakeven.json", "The break-even's points.")
     flags.DEFINE_string("results", "experiments/results", f"Where {MOE_GLOB} are.")
-    common.run_main(main)
+    run_main(main)

@@ -1,0 +1,33 @@
+"""The dense one-device MoE layer the layer's tests compare against: the router's weights
+(`routing.router_weights`) of a given choice of experts, then the dense MoE
+(`moe.reference_moe`)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from tests.references.moe import HIGHEST, reference_moe
+from tests.references.routing import Router, router_weights
+
+#: The parameters of the routed experts and of the shared expert, in `reference_moe`'s order.
+EXPERT_NAMES = ("w_gate", "w_up", "w_down")
+SHARED_NAMES = ("shared_gate", "shared_up", "shared_down")
+
+
+def reference_layer(x, params, experts, router: Router, *, keep=None, shared: bool = False):
+    """float32 [B, L, D]: the dense MoE of ``x`` [B, L, D] for the choice ``experts`` [T, k]
+    (T = B x L) with ``router``'s weights from the logits ``x @ params["router_kernel"]``
+    (`HIGHEST`); ``keep`` (optional, [T, k] of 0/1) drops (token, choice) pairs; ``shared``
+    adds the shared expert (``params`` then holds `SHARED_NAMES`)."""
+    xt = x.reshape(-1, x.shape[-1])
+    logits = jnp.dot(xt, params["router_kernel"], precision=HIGHEST)
+    weights = router_weights(logits, experts, router)
+    y = reference_moe(
+        xt,
+        experts,
+        weights,
+        tuple(params[n] for n in EXPERT_NAMES),
+        keep,
+        shared=tuple(params[n] for n in SHARED_NAMES) if shared else None,
+    )
+    return y.reshape(x.shape)
