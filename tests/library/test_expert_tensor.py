@@ -24,7 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 import tests.library.test_moe as tm
 import ultraep_jax as uep
+from tests import helpers
 from tests.library.test_relay import _portable_exchange
+from tests.references.moe import reference_moe
 from tests.references.relay import reference_schedule, reference_send_copies
 
 # One test process computes the cases it caches (pytest-xdist).
@@ -238,3 +240,70 @@ def test_routed_experts_rejects_hidden_width_not_divisible():
     params = (jnp.zeros((E, 8, 5)), jnp.zeros((E, 8, 5)), jnp.zeros((E, 5, 8)))
     with pytest.raises(ValueError, match=r"routed_experts: d_ff=5 is not divisible by the size 2"):
         uep.routed_experts(x, ids, w, params, ep)
+
+
+# -- a user's own shard_map around the per-device core -----------------------------------------
+
+
+def _users_layer(mesh, ep):
+    """``routed_experts_local`` in the user's `shard_map`: tokens over ``ep.token_axes``, the
+    weights by ``ep.weight_specs``."""
+    tok = P(ep.token_axes)
+
+    def per_shard(x, ids, weights, *params):
+        return uep.routed_experts_local(x, ids, weights, params, ep)
+
+    def run(x, weights, params, ids):
+        return jax.shard_map(
+            per_shard,
+            mesh=mesh,
+            in_specs=(tok, tok, tok, *ep.weight_specs),
+            out_specs=(tok, P()),
+        )(x, ids, weights, *params)
+
+    return run
+
+
+def test_users_shard_map_with_tensor_axis_equals_dense_reference():
+    """Balanced, on (data 2, expert 2, tensor 2), ids skewed to expert 0: y and the gradients
+    w.r.t. x, the routing weights and every expert weight equal `reference_moe`'s."""
+    mesh = make_mesh("dp2ep2tp2", "auto")
+    balancer = uep.BalancerConfig(slots_per_rank=1, min_tokens_per_replica=1, min_tokens_per_rank=0)
+    ep = uep.ExpertParallel(mesh, E, balancer, None, tensor_axis="tensor")
+    rng = np.random.default_rng(5)
+    T, D, F = 32, tm.D, tm.F
+    x = rng.normal(size=(T, D)).astype(np.float32)
+    ids = np.stack([np.zeros(T, int), rng.integers(1, E, T)], axis=1).astype(np.int32)
+    weights = rng.random((T, TOP_K)).astype(np.float32)
+    params = tuple(
+        (rng.normal(size=s) / np.sqrt(s[1])).astype(np.float32)
+        for s in ((E, D, F), (E, D, F), (E, F, D))
+    )
+    cot = rng.normal(size=(T, D)).astype(np.float32)
+    y, stats, gx, gw, gp = helpers.routed_value_and_grads(
+        _users_layer(mesh, ep), x, weights, params, ids, cot
+    )
+
+    def ref(x, weights, params, ids):
+        return reference_moe(x, ids, weights, params), None
+
+    ry, _, rgx, rgw, rgp = helpers.routed_value_and_grads(ref, x, weights, params, ids, cot)
+    assert int(stats.replicas) > 0, "no replica"
+    tm.assert_close(y, ry, "y")
+    tm.assert_close(gx, rgx, "d/dx")
+    tm.assert_close(gw, rgw, "d/dweights")
+    for name, g, r in zip(("w_gate", "w_up", "w_down"), gp, rgp, strict=True):
+        tm.assert_close(np.asarray(g), np.asarray(r), f"d/d{name}")
+
+
+def test_shard_map_over_another_tensor_size_raises_one_line():
+    """A configuration for 2 tensor ranks, called in a shard_map whose tensor axis has 1."""
+    ep = uep.ExpertParallel(make_mesh("ep4tp2", "auto"), E, tensor_axis="tensor")
+    small = jax.make_mesh(
+        (4, 1), ("expert", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4]
+    )
+    x = jnp.zeros((16, tm.D), jnp.float32)
+    ids = jnp.zeros((16, TOP_K), jnp.int32)
+    params = (jnp.zeros((E, tm.D, 8)), jnp.zeros((E, tm.D, 8)), jnp.zeros((E, 8, tm.D)))
+    with pytest.raises(ValueError, match=r"axis 'tensor' has 1 devices, the ExpertParallel's"):
+        jax.jit(_users_layer(small, ep))(x, jnp.ones((16, TOP_K)), params, ids)
