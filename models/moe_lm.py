@@ -164,6 +164,7 @@ class Block(nnx.Module):
         capacity_factor,
         *,
         force_balanced: bool = False,
+        tensor_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
         dtype = cfg.dtype
@@ -182,6 +183,7 @@ class Block(nnx.Module):
             shared_d_ff=cfg.shared_d_ff,
             force_balanced=force_balanced,
             param_dtype=dtype,
+            tensor_axis=tensor_axis,
             rngs=rngs,
         )
 
@@ -203,11 +205,13 @@ class MoELM(nnx.Module):
     Args:
       cfg: the model's shape.
       mesh: the device mesh; its "expert" axis carries expert parallelism, and the batch is
-        split over all of its axes.
+        split over all of its axes but the ``tensor_axis``.
       balancer: a `uep.BalancerConfig` for every MoE layer, or None for plain expert parallelism.
       capacity_factor: receive-buffer size of each MoE layer (see `uep.MoE`); None is dropless.
       force_balanced: every MoE layer runs the force-balanced ideal (`uep.MoE`'s
         ``force_balanced``: a timing reference that changes the model's math).
+      tensor_axis: the mesh axis splitting every expert's hidden width (`uep.MoE`'s
+        ``tensor_axis``: expert tensor parallelism), or None.
       rngs: initialisation randomness.
     """
 
@@ -219,6 +223,7 @@ class MoELM(nnx.Module):
         capacity_factor=None,
         *,
         force_balanced: bool = False,
+        tensor_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
         self.cfg = cfg
@@ -232,7 +237,13 @@ class MoELM(nnx.Module):
 
         def block(rngs):
             return Block(
-                cfg, mesh, balancer, capacity_factor, force_balanced=force_balanced, rngs=rngs
+                cfg,
+                mesh,
+                balancer,
+                capacity_factor,
+                force_balanced=force_balanced,
+                tensor_axis=tensor_axis,
+                rngs=rngs,
             )
 
         if cfg.scan_layers:

@@ -82,7 +82,8 @@ def _check_weights(caller: str, params, num_experts: int, d_model: int, where: s
 
 
 def check_chunks(caller: str, ep: ExpertParallel, d_ff: int) -> None:
-    """Raises one line unless ``ep.execution.transfer_chunks`` fits in ``d_ff`` hidden columns."""
+    """Raises one line unless ``ep.execution.transfer_chunks`` fits in ``d_ff`` hidden columns
+    (those of one device: `ExpertParallel.local_d_ff` of the whole width)."""
     check_chunk_count(ep.execution.transfer_chunks, d_ff, caller)
 
 
@@ -118,7 +119,7 @@ def check_call_inputs(x, experts, weights, params, ep, token_mask) -> None:
     caller = "routed_experts"
     _check_arrays(caller, x, experts, weights, params, ep, token_mask)
     _check_weights(caller, params, ep.num_experts, x.shape[-1], "E")
-    check_chunks(caller, ep, params[0].shape[-1])
+    check_chunks(caller, ep, ep.local_d_ff(params[0].shape[-1], caller))
     per_device = -(-math.prod(x.shape[:-1]) // ep.token_devices)  # padded to the devices
     top_k = experts.shape[-1]
     check_int32_sizes(caller, per_device * top_k, ep.capacity(per_device, top_k))
@@ -170,7 +171,8 @@ def _readable_ids(experts, token_mask) -> list[np.ndarray]:
 
 def check_local_inputs(x, experts, weights, params, ep, token_mask) -> None:
     """Raises (one line naming the value) unless `core.routed_experts_local` can run on this
-    device's arrays: the weights are this device's E / R experts."""
+    device's arrays: the weights are this device's E / R experts (and its F / tensor_size hidden
+    columns)."""
     caller = "routed_experts_local"
     _check_arrays(caller, x, experts, weights, params, ep, token_mask)
     _check_weights(caller, params, ep.num_experts // ep.ep_size, x.shape[-1], "E/R")

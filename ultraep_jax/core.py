@@ -47,8 +47,9 @@ def routed_experts_local(
     """One device's routed experts, balanced by the plan of this call's exact loads.
 
     Call it inside a `jax.shard_map` over ``ep.mesh`` (or a mesh of the same axis names and
-    sizes) whose in_specs split the tokens over ``ep.token_axes`` and the expert weights over the
-    EP axis (``ep.expert_spec``). Every device of an EP group must call it at the same point.
+    sizes) whose in_specs split the tokens over ``ep.token_axes`` and the expert weights by
+    ``ep.weight_specs`` (over the EP axis; F over the ``tensor_axis`` if any, whose ranks get the
+    same tokens). Every device of an EP group must call it at the same point.
 
     Args:
       x: [..., D], this device's tokens (any leading shape; T tokens in all).
@@ -56,8 +57,9 @@ def routed_experts_local(
         cannot be checked: such a pair is skipped (nothing in y or the gradients, in no load) and
         counted in ``MoEStats.invalid``.
       weights: [..., K], each choice's weight.
-      params: this device's expert weights: (w_gate [E_m, D, F], w_up [E_m, D, F], w_down
-        [E_m, F, D]) with E_m = E / R (R = ``ep.ep_size``; all E without an EP axis).
+      params: this device's expert weights: (w_gate [E_m, D, F_t], w_up [E_m, D, F_t], w_down
+        [E_m, F_t, D]) with E_m = E / R (R = ``ep.ep_size``; all E without an EP axis) and F_t =
+        F / ``ep.tensor_size`` hidden columns.
       ep: the configuration (`ExpertParallel`).
       token_mask: bool [...] (x's leading shape), True for a real token, or None (all real). A
         masked token is routed nowhere: it is in no load, plan or capacity, its output is 0 and
@@ -69,11 +71,12 @@ def routed_experts_local(
       device holds the same (typed invariant over the token axes).
     """
     check_local_inputs(x, experts, weights, params, ep, token_mask)
-    if ep.has_ep_axis and jax.lax.axis_size(ep.expert_axis) != ep.ep_size:
-        raise ValueError(
-            f"routed_experts_local: the shard_map's axis {ep.expert_axis!r} has "
-            f"{jax.lax.axis_size(ep.expert_axis)} devices, the ExpertParallel's mesh {ep.ep_size}"
-        )
+    for axis, size in ((ep.expert_axis, ep.ep_size), (ep.tensor_axis, ep.tensor_size)):
+        if axis is not None and jax.lax.axis_size(axis) != size:
+            raise ValueError(
+                f"routed_experts_local: the shard_map's axis {axis!r} has "
+                f"{jax.lax.axis_size(axis)} devices, the ExpertParallel's mesh {size}"
+            )
     D, K = x.shape[-1], experts.shape[-1]
     T = math.prod(x.shape[:-1])
     mask_T = None if token_mask is None else token_mask.reshape(T)
@@ -92,6 +95,7 @@ def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, 
     balancer = ep.active_balancer if ep.balances(T) else None
     experts_N = pair_experts(experts_TK, ep.num_experts, mask_T)
     masked = jnp.int32(0) if mask_T is None else T - jnp.sum(mask_T, dtype=jnp.int32)
+    x_TD, weights_TK = _split_over_tensor((x_TD, weights_TK), ep)
 
     with jax.named_scope("plan"):
         loads_RE, masked_R, plan = _plan(experts_N, masked, ep, balancer, capacity)
@@ -111,6 +115,7 @@ def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, 
         y_TD = combine(back_ND, dispatch, weights_TK)
         if mask_T is not None:
             y_TD = jnp.where(mask_T[:, None], y_TD, 0)
+        y_TD = _summed_over_tensor(y_TD, ep)
     send_max = 0.0 if schedule is None else _transfer_send_max(schedule, params)
     stats = _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, dispatch, send_max)
     return y_TD.astype(x_TD.dtype), stats
@@ -138,6 +143,22 @@ def _experts(rows_CD, params, plan, group_sizes_G, ep: ExpertParallel, balancer,
         activation=how.activation,
         schedule=schedule,
     )
+
+
+def _split_over_tensor(arrays: tuple, ep: ExpertParallel) -> tuple:
+    """``arrays`` (x [T, D], weights [T, K]: the same on every tensor rank) typed varying over
+    the tensor axis (as they are without one): each tensor rank computes its F slice from them,
+    and the transpose sums their gradients' partial slices over the tensor axis."""
+    if ep.tensor_axis is None:
+        return arrays
+    return tuple(vary(a, (ep.tensor_axis,)) for a in arrays)
+
+
+def _summed_over_tensor(y_TD, ep: ExpertParallel) -> jax.Array:
+    """[T, D]: the tensor ranks' partial outputs (each its F slice) summed over the tensor axis
+    (as it is without one). After the combine, which is linear, the sum moves T rows instead of
+    the C >= K * T received rows a sum before the return exchange would."""
+    return y_TD if ep.tensor_axis is None else jax.lax.psum(y_TD, ep.tensor_axis)
 
 
 def _ep_rank(ep: ExpertParallel) -> jax.Array:

@@ -46,7 +46,8 @@ class MoE(nnx.Module):
 
     Args:
       d_model: D, the token width.
-      d_ff: F, each expert's hidden width.
+      d_ff: F, each expert's hidden width (divisible by the tensor axis's size with a
+        ``tensor_axis``).
       num_experts: E; must be divisible by the size of the EP axis.
       top_k: experts per token, 1 <= top_k <= E.
       mesh, balancer, capacity_factor: see `ExpertParallel` (the layer keeps one as
@@ -63,12 +64,14 @@ class MoE(nnx.Module):
       param_dtype: dtype of the parameters (router math is float32 whatever it is).
       rngs: initialisation randomness.
       **ep_options: more `ExpertParallel` keywords, with its defaults: ``expert_axis``,
-        ``token_axes``, ``execution`` (an `Execution`) or its fields as keywords:
+        ``token_axes``, ``tensor_axis`` (the axis splitting the experts' hidden width),
+        ``execution`` (an `Execution`) or its fields as keywords:
         ``activation`` ("silu", "gelu", "gelu_tanh", "relu"; the shared expert uses it too),
         ``comm_backend``, ``expert_kernel`` and ``transfer_chunks`` (at most ``d_ff``).
 
     Parameters: ``router_kernel`` [D, E] (replicated); ``w_gate``, ``w_up`` [E, D, F] and
-    ``w_down`` [E, F, D], split over the EP axis; with shared experts ``shared_gate``,
+    ``w_down`` [E, F, D], split over the EP axis (and F over the ``tensor_axis``, if any:
+    `ExpertParallel.weight_specs`); with shared experts ``shared_gate``,
     ``shared_up`` [D, F_s] and ``shared_down`` [F_s, D] (replicated).
 
     Calling it on x [batch, seq, D] (optionally with ``token_mask`` bool [batch, seq], True for
@@ -99,7 +102,7 @@ class MoE(nnx.Module):
             for name, value in (("d_model", d_model), ("d_ff", d_ff), ("top_k", top_k))
         )
         self.ep = ExpertParallel(mesh, num_experts, balancer, capacity_factor, **ep_options)
-        check_chunks("MoE", self.ep, d_ff)
+        check_chunks("MoE", self.ep, self.ep.local_d_ff(d_ff, "MoE"))
         num_experts = self.ep.num_experts
         router = _checked_router(router, top_k, num_experts)
         shared_d_ff = check_positive_int("MoE", "shared_d_ff", shared_d_ff, minimum=0)
@@ -116,8 +119,9 @@ class MoE(nnx.Module):
         self._init_params(rngs, param_dtype)
 
     def _init_params(self, rngs: nnx.Rngs, param_dtype) -> None:
-        """The router kernel, the experts (split over the EP axis), the router bias and the
-        shared expert's weights when the configuration has them (see the class docstring)."""
+        """The router kernel, the experts (split over the EP and tensor axes), the router bias
+        and the shared expert's weights when the configuration has them (see the class
+        docstring)."""
 
         def param(scale, shape, sharding):
             init = jax.nn.initializers.normal(scale)
@@ -128,9 +132,10 @@ class MoE(nnx.Module):
         E, D, F = self.num_experts, self.d_model, self.d_ff
         replicated = NamedSharding(self.ep.mesh, P())
         self.router_kernel = param(D**-0.5, (D, E), replicated)
-        self.w_gate = param(D**-0.5, (E, D, F), self.ep.expert_sharding)
-        self.w_up = param(D**-0.5, (E, D, F), self.ep.expert_sharding)
-        self.w_down = param(F**-0.5, (E, F, D), self.ep.expert_sharding)
+        gate, up, down = self.ep.weight_shardings
+        self.w_gate = param(D**-0.5, (E, D, F), gate)
+        self.w_up = param(D**-0.5, (E, D, F), up)
+        self.w_down = param(F**-0.5, (E, F, D), down)
         if self.router.uses_bias:
             self.router_bias = RouterBias(place(jnp.zeros((E,), jnp.float32), replicated))
         if self.shared_d_ff:

@@ -1,8 +1,9 @@
 """`routed_experts`: the balanced expert-parallel MoE over a whole mesh, from global arrays.
 
 It runs one `jax.shard_map` over the mesh (tokens split over the token axes, experts over the EP
-axis) around the per-device core, `core.routed_experts_local`, which a codebase that already runs
-its own `shard_map` calls directly.
+axis, their hidden width over the tensor axis if any) around the per-device core,
+`core.routed_experts_local`, which a codebase that already runs its own `shard_map` calls
+directly.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def routed_experts(
       weights: [..., K], each choice's weight (float32 recommended; any router's output). The
         weight of a pair that reaches no expert is selected out, never multiplied by zero: NaN
         or inf there reaches neither y nor a gradient.
-      params: (w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]), of one dtype.
+      params: (w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]), of one dtype (placed by
+        ``ep.weight_specs``; F divisible by the tensor axis's size with a ``tensor_axis``).
       ep: where and how the experts run.
       token_mask: bool [...] (x's leading shape), True for a real token; None: all real. Masked
         tokens (padding) are routed nowhere: in no load, plan or capacity, 0 in y and in every
@@ -82,9 +84,9 @@ def _moe_call(ep: ExpertParallel, pad: int, x, experts, weights, token_mask, *pa
         _padded(weights.reshape(T, K), pad, 0),
     )
     mask = None if mask is None else _padded(mask.reshape(T), pad, False)
-    token, expert = ep.token_spec, ep.expert_spec
+    token, weight_specs = ep.token_spec, ep.weight_specs
     args = [place(a, NamedSharding(ep.mesh, token)) for a in tokens]
-    args += [place(w, NamedSharding(ep.mesh, expert)) for w in params]
+    args += [place(w, s) for w, s in zip(params, ep.weight_shardings, strict=True)]
     if mask is not None:
         args.append(place(mask, NamedSharding(ep.mesh, token)))
 
@@ -92,7 +94,7 @@ def _moe_call(ep: ExpertParallel, pad: int, x, experts, weights, token_mask, *pa
         params, mask = tuple(rest[:3]), (rest[3] if len(rest) > 3 else None)
         return routed_experts_local(x, experts, weights, params, ep, mask)
 
-    in_specs = (token,) * 3 + (expert,) * 3 + ((token,) if mask is not None else ())
+    in_specs = (token,) * 3 + weight_specs + ((token,) if mask is not None else ())
     # The stats are typed invariant over the token axes (`core`), so they leave as they are.
     y, stats = jax.shard_map(shard, mesh=ep.mesh, in_specs=in_specs, out_specs=(token, P()))(*args)
     if pad:

@@ -136,7 +136,10 @@ def a2a_seconds(rows: float, ep: int, hidden: int, cluster: Cluster, params: Cos
 
 
 def replica_bytes(model: ModelShape, params: CostParams) -> float:
-    """Bytes of one replica's weights (w_gate, w_up, w_down)."""
+    """Bytes of one replica's weights (w_gate, w_up, w_down). Under expert tensor parallelism
+    (`uep.ExpertParallel(tensor_axis=...)`, F split over t devices) each tensor rank sends only
+    its F / t slice, over its own links: the bytes per link fall by t (model such a run with
+    ``expert_ffn`` / t)."""
     return float(model.expert_bytes(params.weight_bytes))
 
 

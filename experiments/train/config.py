@@ -36,6 +36,7 @@ _POSITIVE = (
     "eval_batches",
     "batch_size",
     "seq_len",
+    "tensor_size",
     "min_tokens_per_replica",
     "checkpoint_every",
     "eval_every",
@@ -112,7 +113,10 @@ class TrainConfig:
         with none; none: dropless (worst-case buffers); or a number.
       learning_rate: AdamW learning rate.
       seed: initialisation seed.
-      ep_size: devices on the expert axis (0: all); the rest is data.
+      ep_size: devices on the expert axis (0: all but the tensor axis's); the rest is data.
+      tensor_size: devices on a "tensor" axis that splits each expert's hidden width d_ff (expert
+        tensor parallelism: `uep.ExpertParallel`'s tensor_axis); the mesh is then (data, expert,
+        tensor), the tokens the same on each tensor rank. 1: no tensor axis.
       checkpoint_every: checkpoint interval (steps).
       eval_every: eval interval (steps).
       print_every: progress line interval (steps).
@@ -138,6 +142,7 @@ class TrainConfig:
     learning_rate: float = 3e-3
     seed: int = 0
     ep_size: int = 0
+    tensor_size: int = 1
     checkpoint_every: int = 50
     eval_every: int = 50
     print_every: int = 10
@@ -198,19 +203,28 @@ class TrainConfig:
         model = dataclasses.replace(model or ModelConfig(), **model_values)
         return cls(model=model, **{k: v for k, v in values.items() if k in own})
 
-    def check_devices(self, num_devices: int) -> tuple[int, int]:
-        """(data, ep) mesh shape for ``num_devices``; raises ValueError when they do not fit."""
-        ep = self.ep_size or num_devices
+    def check_devices(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, ep, tensor) mesh shape for ``num_devices``; raises ValueError when they do not
+        fit."""
+        tensor = self.tensor_size
+        if num_devices % tensor:
+            raise ValueError(f"--tensor_size={tensor} does not divide the {num_devices} devices")
+        if self.model.d_ff % tensor:
+            raise ValueError(f"--d_ff={self.model.d_ff} is not divisible by --tensor_size={tensor}")
+        token_devices = num_devices // tensor
+        ep = self.ep_size or token_devices
         num_experts = self.model.num_experts
-        if num_devices % ep:
-            raise ValueError(f"--ep_size={ep} does not divide the {num_devices} devices")
+        if token_devices % ep:
+            raise ValueError(
+                f"--ep_size={ep} does not divide the {token_devices} devices of a tensor rank"
+            )
         if num_experts % ep:
             raise ValueError(f"--num_experts={num_experts} is not divisible by the EP size {ep}")
         if self.batch_size % num_devices:
             raise ValueError(
                 f"--batch_size={self.batch_size} is not divisible by the {num_devices} devices"
             )
-        return num_devices // ep, ep
+        return token_devices // ep, ep, tensor
 
     def to_json(self) -> dict:
         """The configuration by flat name, model fields in place of ``model`` (what

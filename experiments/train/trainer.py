@@ -42,11 +42,24 @@ from experiments.train.workdir import (
 )
 from models.moe_lm import MoELM, next_token_loss
 
-__all__ = ["RunError", "build_model", "place_on_mesh", "run"]
+__all__ = ["RunError", "build_model", "make_mesh", "place_on_mesh", "run"]
+
+#: The mesh axis that splits the experts' hidden width with ``--tensor_size`` > 1.
+TENSOR_AXIS = "tensor"
+
+
+def make_mesh(data_size: int, ep_size: int, tensor_size: int) -> jax.sharding.Mesh:
+    """The run's mesh, every axis Auto: (data, expert), and a trailing "tensor" axis when
+    ``tensor_size`` > 1 (neighbouring devices share the tokens of one EP rank)."""
+    shape, names = (data_size, ep_size), ("data", "expert")
+    if tensor_size > 1:
+        shape, names = (*shape, tensor_size), (*names, TENSOR_AXIS)
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def build_model(cfg: TrainConfig, mesh) -> MoELM:
-    """The model of ``cfg`` with every parameter on ``mesh`` (experts split over "expert")."""
+    """The model of ``cfg`` with every parameter on ``mesh`` (experts split over "expert", their
+    hidden width over "tensor" when the mesh has that axis)."""
     balancer = None
     if cfg.balance == "ultraep":
         balancer = uep.BalancerConfig(
@@ -63,6 +76,7 @@ def build_model(cfg: TrainConfig, mesh) -> MoELM:
         balancer,
         cfg.capacity_factor,
         force_balanced=cfg.balance == "ideal",
+        tensor_axis=TENSOR_AXIS if TENSOR_AXIS in mesh.axis_names else None,
         rngs=nnx.Rngs(cfg.seed),
     )
     place_on_mesh(model, mesh)
@@ -71,7 +85,8 @@ def build_model(cfg: TrainConfig, mesh) -> MoELM:
 
 def fallback_note(cfg: TrainConfig, num_devices: int) -> str:
     """`program.fallback_note` when ``cfg`` balances but its batch gives each rank fewer tokens
-    than ``--min_tokens_per_rank``, else ""."""
+    than ``--min_tokens_per_rank``, else "". ``num_devices``: the devices tokens are split over
+    (the tensor ranks of an EP rank share its tokens)."""
     if cfg.balance != "ultraep":
         return ""
     per_rank = cfg.batch_size * cfg.seq_len // num_devices
@@ -89,6 +104,11 @@ def place_on_mesh(obj, mesh):
         return jax.device_put(a, replicated)
 
     nnx.update(obj, jax.tree.map(on_mesh, nnx.state(obj)))
+
+
+def _mesh_text(mesh) -> str:
+    """``data=2 x expert=4`` for a mesh's axes."""
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
 
 
 def _train_step(model, optimizer, batch):
@@ -135,7 +155,7 @@ def run(cfg: TrainConfig, calibrate: bool = False) -> dict:
       RunError: the data, the workdir or its checkpoints cannot be used (a one-line message).
     """
     lead = jax.process_index() == 0
-    data_size, ep_size = cfg.check_devices(jax.device_count())
+    data_size, ep_size, tensor_size = cfg.check_devices(jax.device_count())
     check_workdir(cfg)
     corpus = _load_data(cfg)
     workdir = open_workdir(cfg)
@@ -145,13 +165,22 @@ def run(cfg: TrainConfig, calibrate: bool = False) -> dict:
     try:
         calibration = None
         if calibrate:
-            rows = cfg.model.top_k * cfg.batch_size * cfg.seq_len // jax.device_count()
-            calibration = concurrency_check(rows, cfg.model.d_model, cfg.model.d_ff)
+            token_devices = jax.device_count() // tensor_size
+            rows = cfg.model.top_k * cfg.batch_size * cfg.seq_len // token_devices
+            d_ff = cfg.model.d_ff // tensor_size
+            calibration = concurrency_check(rows, cfg.model.d_model, d_ff)
             if lead:
                 print(concurrency_line(calibration), flush=True)
         return in_worker_thread(
             lambda: _run(
-                cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, calibration
+                cfg,
+                corpus,
+                workdir,
+                checkpoints,
+                stop,
+                lead,
+                (data_size, ep_size, tensor_size),
+                calibration,
             )
         )
     finally:
@@ -159,7 +188,7 @@ def run(cfg: TrainConfig, calibrate: bool = False) -> dict:
         stop.restore()
 
 
-def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, calibration) -> dict:
+def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration) -> dict:
     latest = checkpoints.latest_step() or 0
     changed = check_saved_config(workdir, cfg) if latest else []
     if latest >= cfg.steps:
@@ -172,9 +201,7 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, cali
         return {"step": latest, "steps": cfg.steps, "finished": True, "stopped_by": None}
     files, train_bytes, eval_bytes = corpus
 
-    mesh = jax.make_mesh(
-        (data_size, ep_size), ("data", "expert"), axis_types=(AxisType.Auto, AxisType.Auto)
-    )
+    mesh = make_mesh(*mesh_shape)
     model = build_model(cfg, mesh)
     optimizer = nnx.Optimizer(model, optax.adamw(cfg.learning_rate), wrt=nnx.Param)
     place_on_mesh(optimizer, mesh)
@@ -190,12 +217,13 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, data_size, ep_size, cali
             print(f"note: resuming with changed flags: {', '.join(changed)}", flush=True)
         print(
             f"{cfg.balance}: {len(files)} files, {train_bytes.size} train bytes, "
-            f"{jax.device_count()} devices as data={data_size} x expert={ep_size}, "
+            f"{jax.device_count()} devices as {_mesh_text(mesh)}, "
             f"capacity factor {summary.capacity_text(cfg.capacity_factor)}, "
             f"{'resuming after' if start else 'starting at'} step {start}",
             flush=True,
         )
-        for note in (fallback_note(cfg, jax.device_count()), cfg.balance == "ideal" and IDEAL_NOTE):
+        token_devices = mesh.shape["data"] * mesh.shape["expert"]
+        for note in (fallback_note(cfg, token_devices), cfg.balance == "ideal" and IDEAL_NOTE):
             if note:
                 print(note, flush=True)
 

@@ -26,6 +26,7 @@ from experiments.train.config import (
     parse_capacity_factor,
 )
 from models.moe_lm import ModelConfig
+from models.presets import PRESETS
 
 # End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
 pytestmark = pytest.mark.slow
@@ -126,6 +127,43 @@ def test_balancing_does_not_change_the_loss(tmp_path):
     assert sum(sum(r["replicas"]) for r in balanced) > 0  # replicas really were used
     assert all(sum(r["dropped"]) == 0 for r in plain + balanced)
     np.testing.assert_allclose([r["loss"] for r in balanced], [r["loss"] for r in plain], rtol=1e-5)
+
+
+def test_tensor_size_2_trains_the_mixtral_preset_with_the_same_loss(tmp_path):
+    """--tensor_size=2 with the mixtral preset: a (data 1, expert 4, tensor 2) mesh whose expert
+    weights are split over F; dropless, the losses equal those of (data 2, expert 4) with whole
+    experts, and the balancer replicates."""
+    small = {k: SMALL[k] for k in ("batch_size", "seq_len", "max_corpus_bytes", "eval_batches")}
+    small.update(min_tokens_per_rank=0, capacity_factor=None, ep_size=4, steps=3)
+    model = dataclasses.replace(PRESETS["mixtral"].model, num_layers=1)
+    records = {}
+    for tensor in (1, 2):
+        workdir = tmp_path / f"tp{tensor}"
+        values = {"workdir": str(workdir), "tensor_size": tensor, **small}
+        cfg = TrainConfig.from_flat(values, model)
+        assert cfg.check_devices(8) == (2 // tensor, 4, tensor)
+        trainer.run(cfg)
+        records[tensor] = _records(workdir)
+    assert sum(sum(r["replicas"]) for r in records[2]) > 0
+    assert all(sum(r["dropped"]) == 0 for r in records[1] + records[2])
+    np.testing.assert_allclose(
+        [r["loss"] for r in records[2]], [r["loss"] for r in records[1]], rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"tensor_size": 3}, "--tensor_size=3 does not divide the 8 devices"),
+        ({"tensor_size": 2, "d_ff": 33}, "--d_ff=33 is not divisible by --tensor_size=2"),
+        ({"tensor_size": 2, "ep_size": 8}, "--ep_size=8 does not divide the 4 devices of a"),
+        ({"tensor_size": 0}, "tensor_size must be a positive int"),
+    ],
+)
+def test_bad_tensor_size_is_one_line(values, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        TrainConfig.from_flat({"workdir": "w", **values}).check_devices(8)
+    assert "\n" not in str(err.value)
 
 
 def test_resume_continues_the_same_trajectory(tmp_path, capsys):
@@ -424,6 +462,7 @@ def _python(args, env_extra=None, timeout=600, merge_stderr=False):
         ("--capacity_factor=lots", "--capacity_factor"),
         ("--seq_len=512", "--max_seq_len=128"),
         ("--d_model=0", "d_model must be a positive int"),
+        ("--tensor_size=3", "--tensor_size=3 does not divide the 8 devices"),
     ],
 )
 def test_bad_flags_end_with_one_line(tmp_path, flag, message):

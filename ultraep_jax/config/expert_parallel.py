@@ -44,7 +44,17 @@ class ExpertParallel:
         it); on the other axes every device sees the same tokens. Each index of the token axes
         other than the EP axis is an independent EP group with its own plan. None (default):
         every mesh axis except those named in `TENSOR_AXIS_NAMES` ("model", "tensor", "tp",
-        "mp").
+        "mp") and the ``tensor_axis``.
+      tensor_axis: the mesh axis that splits each expert's hidden width F (expert tensor
+        parallelism, as Megatron's and MaxText's EP x TP), or None (default): the expert weights
+        are whole on each EP rank. With it, w_gate and w_up [E, D, F] are split
+        ``P(expert_axis, None, tensor_axis)`` and w_down [E, F, D] ``P(expert_axis,
+        tensor_axis, None)`` (`weight_specs`); the tensor ranks of an EP rank see the same
+        tokens and run the same plan, each computes its F slice of every expert it holds (a
+        replica slot receiving only the master's slice of the same tensor index, its gradient
+        returning the same way), and the partial outputs are summed over the tensor axis. It
+        must be an axis of the mesh other than the EP axis and not a token axis; F must be
+        divisible by its size.
       execution: how the experts run (`Execution`), resolved for the mesh's platform when the
         configuration is built: on CPU devices "auto" is the portable exchange and the tiled
         kernel; "ragged" raises there (with more than one EP rank).
@@ -59,6 +69,7 @@ class ExpertParallel:
     expert_axis: str | None = "expert"
     _: dataclasses.KW_ONLY
     token_axes: tuple[str, ...] | None = None
+    tensor_axis: str | None = None
     execution: Execution = Execution()
     comm_backend: dataclasses.InitVar[str | None] = None
     expert_kernel: dataclasses.InitVar[str | None] = None
@@ -73,6 +84,7 @@ class ExpertParallel:
                 f"{type(self.mesh).__name__}"
             )
         self._check_expert_axis()
+        self._check_tensor_axis()
         object.__setattr__(self, "token_axes", self._checked_token_axes())
         object.__setattr__(
             self,
@@ -106,6 +118,27 @@ class ExpertParallel:
                 f"ExpertParallel: the mesh has no axis {self.expert_axis!r} (its axes: {names}); "
                 "name the EP axis with expert_axis=..., or pass expert_axis=None to run every "
                 "expert on every device"
+            )
+
+    def _check_tensor_axis(self) -> None:
+        """Raises one line unless ``tensor_axis`` is None or an axis of the mesh other than the
+        EP axis (the token axes are checked against it in `_checked_token_axes`)."""
+        names = tuple(self.mesh.axis_names)
+        if self.tensor_axis is None:
+            return
+        if not isinstance(self.tensor_axis, str):
+            raise TypeError(
+                f"ExpertParallel: tensor_axis must be a str or None, got {self.tensor_axis!r}"
+            )
+        if self.tensor_axis not in names:
+            raise ValueError(
+                f"ExpertParallel: the mesh has no axis {self.tensor_axis!r} (its axes: {names}) "
+                "for tensor_axis"
+            )
+        if self.tensor_axis == self.expert_axis:
+            raise ValueError(
+                f"ExpertParallel: tensor_axis {self.tensor_axis!r} is also the EP axis; the "
+                "experts' hidden width needs an axis of its own"
             )
 
     def _sized_balancer(self) -> BalancerConfig | None:
@@ -146,7 +179,8 @@ class ExpertParallel:
         one line for an unknown or repeated axis, or one that leaves out the EP axis."""
         names = tuple(self.mesh.axis_names)
         if self.token_axes is None:
-            return tuple(a for a in names if a not in TENSOR_AXIS_NAMES)
+            left_out = (*TENSOR_AXIS_NAMES, self.tensor_axis)
+            return tuple(a for a in names if a not in left_out)
         axes = (self.token_axes,) if isinstance(self.token_axes, str) else self.token_axes
         axes = tuple(axes)
         unknown = [a for a in axes if a not in names]
@@ -158,6 +192,11 @@ class ExpertParallel:
             raise ValueError(
                 f"ExpertParallel: token_axes {axes} must include the EP axis "
                 f"{self.expert_axis!r} (tokens are split over the EP ranks that exchange them)"
+            )
+        if self.tensor_axis in axes:
+            raise ValueError(
+                f"ExpertParallel: token_axes {axes} include the tensor_axis "
+                f"{self.tensor_axis!r} (its ranks must see the same tokens)"
             )
         return tuple(a for a in names if a in axes)
 
@@ -171,6 +210,22 @@ class ExpertParallel:
     def ep_size(self) -> int:
         """R, devices on the EP axis (1 without one)."""
         return self.mesh.shape[self.expert_axis] if self.has_ep_axis else 1
+
+    @property
+    def tensor_size(self) -> int:
+        """Devices on the tensor axis, each holding F / tensor_size hidden columns (1 without
+        one)."""
+        return self.mesh.shape[self.tensor_axis] if self.tensor_axis is not None else 1
+
+    def local_d_ff(self, d_ff: int, caller: str = "ExpertParallel") -> int:
+        """The hidden columns of each expert on one device, ``d_ff / tensor_size``; raises one
+        line (prefixed by ``caller``) unless the tensor size divides ``d_ff``."""
+        if d_ff % self.tensor_size:
+            raise ValueError(
+                f"{caller}: d_ff={d_ff} is not divisible by the size {self.tensor_size} of the "
+                f"tensor axis {self.tensor_axis!r}"
+            )
+        return d_ff // self.tensor_size
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -230,6 +285,21 @@ class ExpertParallel:
     def expert_sharding(self) -> NamedSharding:
         """Where expert weights [E, ...] live: split over the EP axis."""
         return NamedSharding(self.mesh, self.expert_spec)
+
+    @property
+    def weight_specs(self) -> tuple[P, P, P]:
+        """The partitions of (w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]): E over the EP
+        axis and, with a ``tensor_axis``, F over it (all three `expert_spec` without one)."""
+        if self.tensor_axis is None:
+            return (self.expert_spec,) * 3
+        e = self.expert_axis if self.has_ep_axis else None
+        over_f = P(e, None, self.tensor_axis)
+        return over_f, over_f, P(e, self.tensor_axis, None)
+
+    @property
+    def weight_shardings(self) -> tuple[NamedSharding, NamedSharding, NamedSharding]:
+        """Where (w_gate, w_up, w_down) live (`weight_specs`)."""
+        return tuple(NamedSharding(self.mesh, spec) for spec in self.weight_specs)
 
 
 def _auto_axes_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
