@@ -95,7 +95,13 @@ def documented_commands() -> dict[str, list[list[str]]]:
     return dict(found)
 
 
-COMMANDS = documented_commands()
+# Documented programs that take no absl flags, and where their documented use is run instead.
+NOT_FLAG_PROGRAMS = {
+    # A command line to check ([env K=V ...] PYTHON -m MODULE ...), not flags:
+    # tests/experiments/test_gpu_runbook.py runs it through run_all.sh --check.
+    "experiments.gpu.command_check",
+}
+COMMANDS = {m: a for m, a in documented_commands().items() if m not in NOT_FLAG_PROGRAMS}
 
 
 def _run(module: str, argvs: list[list[str]], *extra: str) -> subprocess.CompletedProcess:

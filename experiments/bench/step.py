@@ -2,11 +2,12 @@
 a capped buffer, one model trained from the same seed and data in each mode.
 
         python -m experiments.bench.step --pinned_ranks=2            # about 10 minutes
-        python -m experiments.bench.step --pinned_ranks=2 --cases=softmax,sigmoid --rounds=7
-        python -m experiments.bench.step --pinned_ranks=2 --data='corpus/*.txt' --out=runs/mine
+        python -m experiments.bench.step --pinned_ranks=2 --routers=softmax,sigmoid --rounds=7
+        python -m experiments.bench.step --pinned_ranks=2 --data='corpus/*.txt' --run_dir=runs/a
 
-Every run is ``python -m experiments.train --pinned_ranks=N --workdir=<out>/<case>/round<r>/<mode>``
-with the model of ``--preset`` (default ``moe_heavy``), ``--steps`` steps and one of four modes:
+Every run is ``python -m experiments.train --pinned_ranks=N`` with its workdir
+``<run_dir>/<router>/round<r>/<mode>``, the model of ``--preset`` (default ``moe_heavy``),
+``--steps`` steps and one of four modes:
 
   ideal       --balance=ideal: the force-balanced ideal (every expert the same pairs from every
               rank, 1.05x buffers); a timing reference whose loss is not a model's
@@ -15,18 +16,18 @@ with the model of ``--preset`` (default ``moe_heavy``), ``--steps`` steps and on
   plain@1.25  --balance=none --capacity_factor=1.25 (fixed-buffer EP: drops the pairs beyond it)
 
 in ``--rounds`` alternated rounds (the order rotates each round, so that a machine slowing down
-slows every mode alike). For each ``--cases`` (the router: softmax, or DeepSeek-V3's sigmoid with
+slows every mode alike). For each ``--routers`` (the router: softmax, or DeepSeek-V3's sigmoid with
 the aux-loss-free bias) it reports each mode's busiest-rank median step time (the median over
 rounds of each run's median step, with the rounds' min-max), tokens/s, pairs dropped, per-layer
 max/mean rank load before -> after (mean over steps), the loss at the same steps; then balanced's
 % of the ideal, x over plain and over plain@1.25, and plain's % of the ideal (the headroom), each
 the median of per-round ratios; the largest |loss| difference between balanced and plain (the
 same math: 0 up to rounding); the experts' share of the step's FLOPs; the calibration line.
-Writes ``<out>/bench_step.json`` and ``<out>/bench_step.png`` (each mode's median step time with
-its spread over rounds, split only into the ideal's step and the time above it: not into the
-step's own terms, which the trainer does not time). ``--pinned_ranks=0`` runs each mode on 8
-simulated devices in one process (their clock is the total work of all ranks, not the busiest
-one's).
+Writes ``<run_dir>/bench_step.json`` and ``<run_dir>/bench_step.png`` (each mode's median step
+time with its spread over rounds, split only into the ideal's step and the time above it: not
+into the step's own terms, which the trainer does not time). ``--pinned_ranks=0`` runs each
+mode on 8 simulated devices in one process (their clock is the total work of all ranks, not the
+busiest one's).
 """
 
 from __future__ import annotations
@@ -85,11 +86,13 @@ _BATCH = flags.DEFINE_integer("batch_size", 32, "Global batch (sequences).")
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed (the same in every run).")
 _DATA = flags.DEFINE_string("data", None, "Training text (experiments.train --data; a skewed mix).")
 _MODES = flags.DEFINE_list("modes", list(MODES), f"Modes to run, of {', '.join(MODES)}.")
-_CASES = flags.DEFINE_list("cases", ["softmax"], f"Router cases, of {', '.join(CASES)}.")
+_CASES = flags.DEFINE_list("routers", ["softmax"], f"Router cases, of {', '.join(CASES)}.")
 _TRAIN_FLAGS = flags.DEFINE_string(
     "train_flags", "", "More experiments.train flags for every run, e.g. '--d_model=64 --top_k=4'."
 )
-_OUT = flags.DEFINE_string("out", "runs/bench_step", "Run folder (the runs, the JSON, the PNG).")
+_OUT = flags.DEFINE_string(
+    "run_dir", "runs/bench_step", "Run folder (the runs, the JSON, the PNG)."
+)
 #: The flags the JSON records as the run's settings.
 _SETTINGS = (_PINNED, _ROUNDS, _STEPS, _PRESET, _BATCH, _SEED, _DATA, _MODES, _CASES, _TRAIN_FLAGS)
 
@@ -115,7 +118,7 @@ def _check_train_flags(text: str) -> bool:
 
 
 flags.register_validator("modes", _check_names("mode", MODES))
-flags.register_validator("cases", _check_names("case", CASES))
+flags.register_validator("routers", _check_names("router", CASES))
 flags.register_validator("train_flags", _check_train_flags)
 flags.register_validator("rounds", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("steps", lambda v: v >= 2, "must be >= 2 (the first step compiles)")

@@ -89,14 +89,14 @@ def test_ratios_are_medians_of_per_round_ratios():
     "args, message",
     [
         (["--modes=ideal,fast"], "unknown mode fast; expected some of ideal, balanced"),
-        (["--cases=relu"], "unknown case relu; expected some of softmax, sigmoid"),
+        (["--routers=relu"], "unknown router relu; expected some of softmax, sigmoid"),
         (["--train_flags=--balance=none"], "sets --balance=none, which the benchmark sets"),
         (["--rounds=0"], "must be >= 1"),
         ([f"--pinned_ranks={len(os.sched_getaffinity(0)) + 1}"], "cores this process may use"),
     ],
 )
 def test_bad_input_is_one_line(args, message, tmp_path):
-    proc = _bench([*args, f"--out={tmp_path}"], timeout=120)
+    proc = _bench([*args, f"--run_dir={tmp_path}"], timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
@@ -107,7 +107,7 @@ def test_bad_input_is_one_line(args, message, tmp_path):
 def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
     pinned = 2 if len(os.sched_getaffinity(0)) >= 2 else 0
     args = ["--rounds=1", "--steps=3", "--batch_size=8", f"--pinned_ranks={pinned}"]
-    proc = _bench([*args, f"--train_flags={TINY}", f"--out={tmp_path}"])
+    proc = _bench([*args, f"--train_flags={TINY}", f"--run_dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "a timing reference" in proc.stdout and "not into terms" in proc.stdout
     report = json.loads((tmp_path / "bench_step.json").read_text())
@@ -131,4 +131,4 @@ def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
     tiny = dataclasses.replace(preset("moe_heavy").model, **TINY_MODEL)
     assert report["flop_shares"] == pytest.approx(step.flop_shares(tiny, 32))
     assert (report["calibration"] is not None) == bool(pinned)
-    assert report["command"].endswith(f"--out={tmp_path}") and "--rounds=1" in report["command"]
+    assert report["command"].endswith(f"--run_dir={tmp_path}") and "--rounds=1" in report["command"]
