@@ -132,36 +132,35 @@ def _skip_repeats(taus, valid, lmax):
 
 def _first_success(sz: Sizes, tot: Totals, taus, run, any_floor):
     """(found [], index [], `Replicas`): the first probe in list order of ``taus`` [N] (those
-    ``run`` [N] marks) whose try succeeds, probed `LANES` at a time until one does."""
-    n = -(-taus.shape[0] // LANES) * LANES
-    pad = n - taus.shape[0]
-    taus, any_floor = jnp.pad(taus, (0, pad)), jnp.pad(any_floor, (0, pad))
-    run = jnp.pad(run, (0, pad))
+    ``run`` [N] marks) whose try succeeds: the first that runs alone (most searches end there),
+    then those after it `LANES` at a time until one succeeds."""
+    n = taus.shape[0]
+    first = first_max(run)
+    ok, reps = try_threshold(sz, tot, taus[first], any_floor[first], run[first])
+    taus, any_floor = jnp.pad(taus, (0, LANES)), jnp.pad(any_floor, (0, LANES))
+    run = jnp.pad(run, (0, LANES))
     pending = jnp.flip(jnp.cumsum(jnp.flip(run))) > 0  # some probe at or after i runs
     probe = jax.vmap(lambda t, a, r: try_threshold(sz, tot, t, a, r))
 
     def body(s):
-        c, _, _, _ = s
-        sl = lambda v: jax.lax.dynamic_slice(v, (c * LANES,), (LANES,))  # noqa: E731
+        i, _, _, _ = s
+        sl = lambda v: jax.lax.dynamic_slice(v, (i,), (LANES,))  # noqa: E731
         ok, reps = probe(sl(taus), sl(any_floor), sl(run))
-        first = first_max(ok)
-        return c + 1, jnp.any(ok), c * LANES + first, jax.tree.map(lambda v: v[first], reps)
+        k = first_max(ok)
+        return i + LANES, jnp.any(ok), i + k, jax.tree.map(lambda v: v[k], reps)
 
     def cond(s):
-        c, found, _, _ = s
-        return ~found & (c * LANES < n) & pending[jnp.minimum(c * LANES, n - 1)]
+        i, found, _, _ = s
+        return ~found & (i < n) & pending[jnp.minimum(i, n)]
 
-    empty = _no_replicas(sz)
-    _, found, k, reps = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int64), jnp.zeros((), bool), jnp.zeros((), jnp.int64), empty)
-    )
+    _, found, k, reps = jax.lax.while_loop(cond, body, (first + 1, ok, first, reps))
     return found, k, reps
 
 
 def _no_replicas(sz: Sizes) -> Replicas:
     """The replicas of a plan without any."""
     z = jnp.zeros((sz.R * sz.S,), jnp.int64)
-    return Replicas(z, z, z, jnp.zeros((), jnp.int64), jnp.zeros((sz.E,), jnp.int64))
+    return Replicas(z, z, z, jnp.zeros((), jnp.int64))
 
 
 def search(sz: Sizes, tot: Totals, T, capacity: int, eps: float) -> Replicas:
@@ -191,8 +190,9 @@ def _write_plan(sz: Sizes, tot: Totals, reps: Replicas, bad):
     slot = jnp.where(live, reps.target * S + jnp.sum(same, axis=1), RS)
     slot_expert = jnp.full((RS,), -1, jnp.int64).at[slot].set(reps.expert, mode="drop")
     slot_quota = jnp.zeros((RS,), jnp.int64).at[slot].set(reps.quota, mode="drop")
-    master_quota = tot.load_e - reps.exported
-    received = jnp.zeros((R,), jnp.int64).at[reps.target].add(jnp.where(live, reps.quota, 0))
+    quota = jnp.where(live, reps.quota, 0)
+    master_quota = tot.load_e - jnp.zeros((sz.E,), jnp.int64).at[reps.expert].add(quota)
+    received = jnp.zeros((R,), jnp.int64).at[reps.target].add(quota)
     rank_load = jnp.sum(master_quota.reshape(R, sz.Em), axis=1) + received
     out = (slot_expert.reshape(R, S), slot_quota.reshape(R, S), master_quota, rank_load)
     return tuple(jnp.where(bad, -1, v).astype(jnp.int32) for v in out)
