@@ -12,6 +12,8 @@ then the refine probes below a winning coarse probe in one round. `try(tau)` is
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,16 +33,18 @@ _COARSE = 32  # a window's coarse probes (the ladder's: 31)
 _REFINE = 15
 
 
-def _totals(sz: Sizes, loads):
-    """(`Totals`, T [], bad []): the derived quantities of ``loads`` [R, E] int32, and whether
-    the core rejects them (a negative load, or an expert's or a rank's total above int32)."""
+def _totals(sz: Sizes, loads, F, K):
+    """(`Totals`, T [], bad []): the derived quantities of ``loads`` [R, E] int32 (with the
+    floor ``F`` and keep ``K``), and whether the core rejects them (a negative load, or an
+    expert's or a rank's total above int32)."""
     loads = loads.astype(jnp.int64)
     load_e = jnp.sum(loads, axis=0)
     L = jnp.sum(load_e.reshape(sz.R, sz.Em), axis=1)
     bad = jnp.any(loads < 0) | jnp.any(load_e > _INT32_MAX) | jnp.any(L > _INT32_MAX)
     # Descending L, ties by rank: a stable sort of -L.
     rank_order = jnp.argsort(-L, stable=True).astype(jnp.int64)
-    return Totals(load_e, L, rank_order, jnp.max(L)), jnp.sum(L), bad
+    tot = Totals(load_e, L, rank_order, jnp.max(L), F.astype(jnp.int64), K.astype(jnp.int64))
+    return tot, jnp.sum(L), bad
 
 
 def _clamped(v, lmax, rounding):
@@ -50,15 +54,16 @@ def _clamped(v, lmax, rounding):
     return jnp.where(below, rounding(jnp.where(below, v, 0.0)).astype(jnp.int64), lmax)
 
 
-def _start(sz: Sizes, eps: float, T, lmax):
-    """(M, tau0, delta) of PLANNER.md, "Derived quantities"; exact mode (``eps`` == 0) is M and
-    1 with no floating point."""
+def _start(sz: Sizes, exact: bool, eps, T, lmax):
+    """(M, tau0, delta) of PLANNER.md, "Derived quantities", for the tolerance ``eps`` [] float64;
+    ``exact`` (eps == 0, decided on the host: the CPU flushes a subnormal eps to zero) is M and 1
+    with no floating point."""
     M = (T + sz.R - 1) // sz.R
-    if eps == 0:
+    if exact:
         return M, M, jnp.ones((), jnp.int64)
     Td, Rd = T.astype(jnp.float64), np.float64(sz.R)
-    tau0 = jnp.maximum(M, _clamped(Td * np.float64(1.0 + eps) / Rd, lmax, jnp.floor))
-    delta = jnp.maximum(1, _clamped(Td * np.float64(eps) / Rd / np.float64(2.0), lmax, jnp.ceil))
+    tau0 = jnp.maximum(M, _clamped(Td * (1.0 + eps) / Rd, lmax, jnp.floor))
+    delta = jnp.maximum(1, _clamped(Td * eps / Rd / np.float64(2.0), lmax, jnp.ceil))
     return M, tau0, delta
 
 
@@ -84,15 +89,15 @@ def _window(a, b, delta, run):
     return jnp.concatenate([ft, ct]), jnp.concatenate([fv, cv]), p
 
 
-def probe_list(sz: Sizes, capacity: int, eps: float, T, lmax):
+def probe_list(sz: Sizes, sc: Scalars, T, lmax):
     """The search's probes in order, before any runs (PLANNER.md, "The threshold search"):
     (taus [N], valid [N] bool, any_floor [N] bool, base [N]: the refine probes' lower end for a
-    coarse probe, -1 for a fast one). N = 2 * 36 + 35."""
-    M, tau0, delta = _start(sz, eps, T, lmax)
+    coarse probe, -1 for a fast one). N = 2 * 36 + 35 with a capacity, else 35."""
+    M, tau0, delta = _start(sz, sc.exact, sc.eps, T, lmax)
     run = T > 0
     lists = []
-    if capacity > 0:
-        cap = jnp.asarray(capacity, jnp.int64)
+    if sc.capped:
+        cap = sc.capacity
         applies = run & (cap < lmax) & (cap >= M)
         a = jnp.minimum(tau0, cap)
         for lo, hi, ok in ((a, cap, applies), (M, a - 1, applies & (a > M))):
@@ -106,7 +111,7 @@ def probe_list(sz: Sizes, capacity: int, eps: float, T, lmax):
         (
             jnp.concatenate([ft, ct]),
             jnp.concatenate([jnp.broadcast_to(ladder, (4,)), cv]),
-            eps == 0,
+            sc.exact,
             lo,
         )
     )
@@ -163,10 +168,10 @@ def _no_replicas(sz: Sizes) -> Replicas:
     return Replicas(z, z, z, jnp.zeros((), jnp.int64))
 
 
-def search(sz: Sizes, tot: Totals, T, capacity: int, eps: float) -> Replicas:
+def search(sz: Sizes, sc: Scalars, tot: Totals, T) -> Replicas:
     """The threshold search of PLANNER.md: the winning probe's replicas (none when no probe
     succeeds: the threshold is Lmax)."""
-    taus, valid, any_floor, base = probe_list(sz, capacity, eps, T, tot.lmax)
+    taus, valid, any_floor, base = probe_list(sz, sc, T, tot.lmax)
     found, k, reps = _first_success(sz, tot, taus, _skip_repeats(taus, valid, tot.lmax), any_floor)
     lo, hi = base[k], taus[k]
     r = lo + (hi - lo) * jnp.arange(1, _REFINE + 1) // (_REFINE + 1)
@@ -198,15 +203,59 @@ def _write_plan(sz: Sizes, tot: Totals, reps: Replicas, bad):
     return tuple(jnp.where(bad, -1, v).astype(jnp.int32) for v in out)
 
 
-def portable_plan(loads, R: int, E: int, S: int, g: int, F: int, K: int, eps: float, capacity: int):
+@dataclasses.dataclass(frozen=True)
+class Scalars:
+    """The plan's scalar settings: ``exact`` and ``capped`` (static: they shape the search) and
+    the int32 vector ``values`` [5] (traced, so that one compiled planner serves them all; built
+    by `scalar_args`): F, K, the capacity, each clamped at 2^31 - 1 (no load reaches it, so the
+    plans are the same), and the 64 bits of eps as two words."""
+
+    exact: bool
+    capped: bool
+    values: jax.Array
+
+    @property
+    def F(self):
+        """The floor F [] int64."""
+        return self.values[0].astype(jnp.int64)
+
+    @property
+    def K(self):
+        """The master's keep K [] int64."""
+        return self.values[1].astype(jnp.int64)
+
+    @property
+    def capacity(self):
+        """The capacity C [] int64."""
+        return self.values[2].astype(jnp.int64)
+
+    @property
+    def eps(self):
+        """The tolerance eps [] float64, bit for bit."""
+        lo, hi = (self.values[i].astype(jnp.uint32).astype(jnp.uint64) for i in (3, 4))
+        return jax.lax.bitcast_convert_type((hi << 32) | lo, jnp.float64)
+
+
+def scalar_args(F: int, K: int, eps: float, capacity: int) -> tuple[bool, bool, np.ndarray]:
+    """(exact, capped, values [5] int32) of `Scalars` for floor ``F``, keep ``K``, tolerance
+    ``eps`` and ``capacity`` (0: none), on the host."""
+    bits = int(np.array(eps, np.float64).view(np.uint64))
+    words = np.array([bits & 0xFFFFFFFF, bits >> 32], np.uint32).view(np.int32)
+    clamped = [min(int(v), _INT32_MAX) for v in (F, K, capacity)]
+    return eps == 0, capacity > 0, np.concatenate([np.asarray(clamped, np.int32), words])
+
+
+def portable_plan(loads, values, R: int, E: int, S: int, g: int, exact: bool, capped: bool):
     """(slot_expert [R, S], slot_quota [R, S], master_quota [E], rank_load [R]) int32: the plan
-    of checked int32 ``loads`` [R, E] for S slots, domains of g ranks, floor F, master keep K,
-    tolerance ``eps`` and ``capacity`` (0: none), as `planning.planner.plan` passes the core."""
-    sz = Sizes(R=R, E=E, S=S, g=g, F=F, K=min(K, 2**62))
+    of checked int32 ``loads`` [R, E] for S slots and domains of g ranks, with the scalar
+    settings ``exact``, ``capped`` and ``values`` of `scalar_args` (floor F, master keep K,
+    tolerance eps, capacity: 0 none), as `planning.planner.plan` passes the core."""
+    sz = Sizes(R=R, E=E, S=S, g=g)
     with jax.enable_x64(True):
-        tot, T, bad = _totals(sz, loads)
+        sc = Scalars(exact, capped, jnp.asarray(values))
+        tot, T, bad = _totals(sz, loads, sc.F, sc.K)
         if S == 0 or R == 1:
             reps = _no_replicas(sz)
         else:
-            reps = search(sz, tot, T, capacity, eps)
+            reps = search(sz, sc, tot, T)
         return _write_plan(sz, tot, reps, bad)

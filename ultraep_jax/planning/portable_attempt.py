@@ -24,15 +24,12 @@ RUNNING, SUCCESS, FAILED, INFEASIBLE, SKIPPED = range(5)
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """The static inputs of one plan: R, E, S, E_m = E / R, the domain size g, the floor F and
-    the master's keep K (Python ints)."""
+    """The static inputs of one plan: R, E, S, E_m = E / R and the domain size g (Python ints)."""
 
     R: int
     E: int
     S: int
     g: int
-    F: int
-    K: int
 
     @property
     def Em(self) -> int:
@@ -49,12 +46,15 @@ class Sizes:
 @dataclasses.dataclass(frozen=True)
 class Totals:
     """A plan's runtime inputs (int64): ``load_e`` [E], ``L`` [R] (master loads), ``rank_order``
-    [R] (ranks by L descending, ties by index) and ``lmax`` []."""
+    [R] (ranks by L descending, ties by index), ``lmax`` [], the floor ``F`` [] and the master's
+    keep ``K`` [] (traced, so that one compiled planner serves every F and K)."""
 
     load_e: jax.Array
     L: jax.Array
     rank_order: jax.Array
     lmax: jax.Array
+    F: jax.Array
+    K: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -104,11 +104,11 @@ def pick_target(rule, slack, free, need, avail, near):
     return best >= 0, _RANK_BITS - (best & _RANK_BITS)
 
 
-def _richest_master(sz: Sizes, load_src, sent):
+def _richest_master(sz: Sizes, K, load_src, sent):
     """(j, avail): the master of the source (its loads ``load_src``, what each sent ``sent``
-    [E_m]) with the most avail, ties to the smallest index; avail clamped at 0 (below 1 every
-    attempt fails whichever master it names)."""
-    avail = jnp.maximum(load_src - sz.K - sent, 0)
+    [E_m]; each keeps ``K``) with the most avail, ties to the smallest index; avail clamped at 0
+    (below 1 every attempt fails whichever master it names)."""
+    avail = jnp.maximum(load_src - K - sent, 0)
     key = jnp.max((avail << 32) | (sz.Em - 1 - jnp.arange(sz.Em, dtype=jnp.int64)))
     return sz.Em - 1 - (key & 0xFFFFFFFF), key >> 32
 
@@ -135,7 +135,7 @@ def _step(sz: Sizes, tot: Totals, f, rule, tau, order, n_order, s):
     """One iteration of an attempt: the current source's next replica, or the attempt's end. A
     failed attempt's replicas are never read, so nothing here guards them against a failure."""
     src, x = s["src"], s["x"]
-    j, avail = _richest_master(sz, s["load_src"], s["sent"])
+    j, avail = _richest_master(sz, tot.K, s["load_src"], s["sent"])
     fl = jnp.minimum(f, x)
     near = _near(sz, s["held"], j, src)
     found, t = pick_target(rule, s["slack"], s["free"], jnp.minimum(x, avail), avail, near)
@@ -235,7 +235,7 @@ def _next(sz: Sizes, tot: Totals, any_floor, s):
     pos, order, failed = s["pos"], s["order"], s["failed"]
     seg, b = jnp.minimum(pos // 4, len(_SEGMENTS) - 1), pos % 4
     floor1, rule, plain = (jnp.asarray(col)[seg] for col in (_SEG_FLOOR1, _SEG_RULE, _SEG_PLAIN))
-    allowed = ~floor1 | (any_floor & (sz.F > 1))
+    allowed = ~floor1 | (any_floor & (tot.F > 1))
     inherit = ~plain & (b == 0) & (rule != MOST)  # a repair's first attempt failed in pass 1
     failed = jnp.where(inherit, s["failed_plain"][floor1.astype(jnp.int64), rule % 2], failed)
     stuck = (b > 0) & (failed == order[0])  # the source that failed already gives first
@@ -243,14 +243,14 @@ def _next(sz: Sizes, tot: Totals, any_floor, s):
     run = allowed & ~inherit & ~stuck
     seg_end = plain | ~allowed | stuck | (b == 3)
     nxt = jnp.where(seg_end, (seg + 1) * 4, pos + 1)
-    return run, jnp.where(floor1, 1, sz.F), rule, order, failed, nxt
+    return run, jnp.where(floor1, 1, tot.F), rule, order, failed, nxt
 
 
 def try_threshold(sz: Sizes, tot: Totals, tau, any_floor, run):
     """try(tau) of PLANNER.md, run only where ``run``: (succeeded [], `Replicas`). ``any_floor``
     [] bool: the probe may give up the floor F (then floors F and 1)."""
     n_over = jnp.sum(tot.L > tau)
-    _, _, empty = attempt(sz, tot, tau, sz.F, LOOSE, tot.rank_order, n_over, jnp.zeros((), bool))
+    _, _, empty = attempt(sz, tot, tau, tot.F, LOOSE, tot.rank_order, n_over, jnp.zeros((), bool))
 
     def body(s):
         go, f, rule, order, last_failed, pos = _next(sz, tot, any_floor, s)
