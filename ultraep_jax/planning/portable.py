@@ -23,6 +23,7 @@ from ultraep_jax.planning.portable_attempt import (
     Sizes,
     Totals,
     first_max,
+    no_replicas,
     try_threshold,
 )
 
@@ -162,12 +163,6 @@ def _first_success(sz: Sizes, tot: Totals, taus, run, any_floor):
     return found, k, reps
 
 
-def _no_replicas(sz: Sizes) -> Replicas:
-    """The replicas of a plan without any."""
-    z = jnp.zeros((sz.R * sz.S,), jnp.int64)
-    return Replicas(z, z, z, jnp.zeros((), jnp.int64))
-
-
 def search(sz: Sizes, sc: Scalars, tot: Totals, T) -> Replicas:
     """The threshold search of PLANNER.md: the winning probe's replicas (none when no probe
     succeeds: the threshold is Lmax)."""
@@ -180,7 +175,7 @@ def search(sz: Sizes, sc: Scalars, tot: Totals, T) -> Replicas:
         sz, tot, r, _skip_repeats(r, r_valid, tot.lmax), jnp.full((_REFINE,), any_floor[k])
     )
     pick = lambda a, b, c: jnp.where(r_found, a, jnp.where(found, b, c))  # noqa: E731
-    return jax.tree.map(pick, r_reps, reps, _no_replicas(sz))
+    return jax.tree.map(pick, r_reps, reps, no_replicas(sz))
 
 
 def _write_plan(sz: Sizes, tot: Totals, reps: Replicas, bad):
@@ -255,7 +250,7 @@ def portable_plan(loads, values, R: int, E: int, S: int, g: int, exact: bool, ca
         sc = Scalars(exact, capped, jnp.asarray(values))
         tot, T, bad = _totals(sz, loads, sc.F, sc.K)
         if S == 0 or R == 1:
-            reps = _no_replicas(sz)
+            reps = no_replicas(sz)
         else:
             reps = search(sz, sc, tot, T)
         return _write_plan(sz, tot, reps, bad)

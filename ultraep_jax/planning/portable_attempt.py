@@ -69,6 +69,12 @@ class Replicas:
     count: jax.Array
 
 
+def no_replicas(sz: Sizes) -> Replicas:
+    """The replicas of a plan without any."""
+    z = jnp.zeros((sz.R * sz.S,), jnp.int64)
+    return Replicas(z, z, z, jnp.zeros((), jnp.int64))
+
+
 def first_max(v):
     """int64 []: the index of the first largest entry of ``v`` [N] (`jnp.argmax`, written with
     plain reductions: argmax's lowering breaks for int64 traced under `jax.enable_x64` inside an
@@ -250,7 +256,6 @@ def try_threshold(sz: Sizes, tot: Totals, tau, any_floor, run):
     """try(tau) of PLANNER.md, run only where ``run``: (succeeded [], `Replicas`). ``any_floor``
     [] bool: the probe may give up the floor F (then floors F and 1)."""
     n_over = jnp.sum(tot.L > tau)
-    _, _, empty = attempt(sz, tot, tau, tot.F, LOOSE, tot.rank_order, n_over, jnp.zeros((), bool))
 
     def body(s):
         go, f, rule, order, last_failed, pos = _next(sz, tot, any_floor, s)
@@ -278,7 +283,7 @@ def try_threshold(sz: Sizes, tot: Totals, tau, any_floor, run):
         "failed_plain": jnp.zeros((2, 2), jnp.int64),
         "decided": ~run,
         "ok": jnp.zeros((), bool),
-        "reps": empty,
+        "reps": no_replicas(sz),
     }
     s = jax.lax.while_loop(lambda s: ~s["decided"] & (s["pos"] < _POSITIONS), body, s)
     return s["ok"], s["reps"]
