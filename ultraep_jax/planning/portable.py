@@ -3,11 +3,14 @@
 Runs on any JAX platform (TPU, ROCm, CUDA without the native handler) under `jit`, `vmap` and
 `shard_map`, nothing going back to the host. The threshold search's probes are one fixed list
 (the capacity windows' fast and coarse probes, then the ladder's), known from the derived
-quantities before any probe runs; it is probed `LANES` probes at a time (`vmap` over the
-thresholds, as the parallel form puts them on warps), the first success in list order winning,
-then the refine probes below a winning coarse probe in one round. `try(tau)` is
+quantities before any probe runs. Its first probe that runs is probed alone (most searches end
+there: one lane's work, not `LANES`'), then the rest `LANES` probes at a time (`vmap` over the
+thresholds, as the parallel form puts them on warps), the first success in list order winning;
+the refine probes below a winning coarse probe likewise. `try(tau)` is
 `portable_attempt.try_threshold`. Arithmetic is int64 and the two tolerance formulas IEEE double
-(traced under `jax.enable_x64`).
+(traced under `jax.enable_x64`). Only the sizes, exact mode and whether a capacity bounds the
+plan are static; F, K, eps and the capacity are traced (`scalar_args`), so one compiled planner
+serves every floor and tolerance of a size.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The portable planner's probe: ``try(tau)`` of ffi/PLANNER.md in JAX (lax loops, static shapes).
 
 An attempt is one `lax.while_loop` that makes one replica per iteration, its choices vectorised
-over the source's masters and over the ranks; `try_threshold` unrolls the fixed schedule of
-attempts (plain, then repairs), each loop running only where an earlier one has not decided the
-probe, so a probe that succeeds at once costs one loop. Everything is int64 (the caller traces
-under `jax.enable_x64`), as the spec's arithmetic is.
+over the source's masters and over the ranks (each argmax one max-reduction of a packed key, as
+in the parallel form; each update a one-hot select, not a scatter); `try_threshold` unrolls the
+fixed schedule of attempts (plain, then repairs), each loop running only where an earlier one has
+not decided the probe, so a probe that succeeds at once costs one loop. Everything is int64 (the
+caller traces under `jax.enable_x64`), as the spec's arithmetic is.
 """
 
 from __future__ import annotations
