@@ -168,7 +168,8 @@ def test_ffi_equals_reference_property(
     )
 
 
-# Fewer examples: the portable planner compiles once per configuration (about 3 s each).
+# Fewer examples: the portable planner compiles once per size, slot count, domain size, exact
+# mode and capacity or not (about 3 s each; F, K, eps and the capacity are traced).
 @settings(max_examples=12, deadline=None)
 @given(
     R=st.sampled_from([2, 4, 8]),
