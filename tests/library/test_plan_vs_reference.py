@@ -91,6 +91,13 @@ def _config(S, F, K, eps, g=None) -> uep.BalancerConfig:
     )
 
 
+def _plan_batch(batch, cfg: uep.BalancerConfig, planner: str) -> uep.Plan:
+    """The plans of ``batch`` [N, R, E] (fields [N, ...]): `jax.vmap` outside any `jit` of its
+    own, so that the planner's jit cache (the portable planner's: per shape, slots, domain size,
+    exact mode and capacity or not) serves every case of the same sizes."""
+    return jax.vmap(lambda loads: uep.plan(loads, cfg, planner=planner))(batch)
+
+
 def domain_or_skip(R: int, g):
     """``g`` if it splits R ranks evenly (None too), else skips the test."""
     if g is not None and R % g:
@@ -106,11 +113,9 @@ def test_ffi_equals_reference_on_random_batches(R, E, S, F, K, eps, g, planner):
     kinds = ["uniform", "hot", "zipf", "one", "equal"]
     scales = [1, 7, 1000, 200_000]
     batch = np.stack([_random_loads(rng, R, E, k, s) for k, s in itertools.product(kinds, scales)])
-    got = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg, planner=planner)))(batch)
+    got = _plan_batch(batch, cfg, planner)
     got = {name: np.asarray(getattr(got, name)) for name in FIELDS}
-    one = jax.jit(jax.vmap(lambda l: uep.plan(l, _config(S, F, K, eps), planner=planner)))(
-        batch
-    ).slot_expert
+    one = _plan_batch(batch, _config(S, F, K, eps), planner).slot_expert
     replicas = 0
     for i, loads in enumerate(batch):
         want = reference_plan(loads, S, F, eps, K, ranks_per_domain=g)
@@ -163,7 +168,8 @@ def test_ffi_equals_reference_property(
     )
 
 
-# Fewer examples: the portable planner compiles once per configuration (about 3 s each).
+# Fewer examples: the portable planner compiles once per size, slot count, domain size, exact
+# mode and capacity or not (about 3 s each; F, K, eps and the capacity are traced).
 @settings(max_examples=12, deadline=None)
 @given(
     R=st.sampled_from([2, 4, 8]),
@@ -285,12 +291,7 @@ def test_one_domain_is_the_plan_without_domains(R, E, S, F, K, eps, planner):
     # or a rank that already holds the expert), which stay valid.
     rng = np.random.default_rng(R * 7 + E)
     batch = np.stack([_random_loads(rng, R, E, k, 1000) for k in ("hot", "zipf", "uniform")] * 2)
-    plans = {
-        g: jax.jit(jax.vmap(lambda l, g=g: uep.plan(l, _config(S, F, K, eps, g), planner=planner)))(
-            batch
-        )
-        for g in (None, R, 1)
-    }
+    plans = {g: _plan_batch(batch, _config(S, F, K, eps, g), planner) for g in (None, R, 1)}
     for name in FIELDS:
         np.testing.assert_array_equal(getattr(plans[R], name), getattr(plans[None], name))
     for i, loads in enumerate(batch):

@@ -20,6 +20,8 @@ from tests.library import test_moe
 from tests.library.test_plan_vs_reference import FIELDS, _config, _random_loads
 from tests.references.planner import reference_plan
 from ultraep_jax.planning import native as _native
+from ultraep_jax.planning import planner as _planner
+from ultraep_jax.planning import portable
 
 CFG = uep.BalancerConfig(16, 8, slots_per_rank=2, min_tokens_per_replica=4)
 
@@ -64,6 +66,37 @@ def test_bad_loads_give_minus_one_everywhere():
     big = np.zeros((8, 16), np.int32)
     big[:, 0] = 2**31 - 1
     assert (np.asarray(uep.plan(big, CFG, planner="portable").rank_load) == -1).all()
+
+
+@pytest.mark.parametrize("eps", [0.01, 0.003, 1e17, 1e300, 5e-324, 2.0**-1030, float("inf")])
+def test_scalar_args_carry_eps_bit_for_bit(eps):
+    # eps travels traced as its 64 bits (two int32 words); F, K and the capacity clamp at
+    # 2^31 - 1, where no int32 total reaches them.
+    exact, capped, values = portable.scalar_args(2**40, 7, eps, 3)
+    with jax.enable_x64(True):
+        sc = portable.Scalars(exact, capped, jnp.asarray(values))
+        got = np.asarray(jax.jit(lambda: sc.eps)())
+        assert (int(sc.F), int(sc.K), int(sc.capacity)) == (2**31 - 1, 7, 3)
+    assert got.dtype == np.float64
+    assert got.tobytes() == np.float64(eps).tobytes()
+    assert (exact, capped) == (False, True)
+    assert portable.scalar_args(1, 1, -0.0, 0)[:2] == (True, False)
+
+
+def test_floors_tolerance_and_capacity_share_one_compiled_planner():
+    # F, K, eps (not exact mode) and the capacity are traced: the test suites' many floors and
+    # tolerances at one size compile the portable planner once without a capacity, once with.
+    loads = _random_loads(np.random.default_rng(3), 4, 8, "hot", 1000)
+    mean = -(-int(loads.sum(dtype=np.int64)) // 4)
+    _planner._portable_jit.clear_cache()  # (other tests may have planned these sizes)
+    cases = [(1, 0, 0.01, None), (5, 7, 0.25, None), (64, 1, 1e17, None)]
+    cases += [(1, 0, 0.01, mean), (50, 3, 0.05, mean + 40)]
+    for F, K, eps, cap in cases:
+        want = reference_plan(loads, 2, F, eps, K, capacity=cap or 0)
+        got = uep.plan(loads, _config(2, F, K, eps), cap, planner="portable")
+        for name in FIELDS:
+            np.testing.assert_array_equal(getattr(got, name), want[name], err_msg=name)
+    assert _planner._portable_jit._cache_size() == 2
 
 
 @pytest.mark.parametrize("planner", ["fast", None, 1])

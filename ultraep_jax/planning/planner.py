@@ -178,13 +178,15 @@ def check_native_planner(planner: str, platform: str | None) -> None:
 
 def _portable_plan(loads, config: BalancerConfig, cap: int) -> Plan:
     """The portable planner (`planning.portable`) on checked ``loads`` and a sized ``config``."""
-    args = (config.ep_size, config.num_experts, config.slots_per_rank, config.domain_size)
-    floors = (config.min_tokens_per_replica, config.master_keep_tokens, config.balance_eps)
-    return Plan(*_portable_jit(jnp.asarray(loads), *args, *floors, cap))
+    sizes = (config.ep_size, config.num_experts, config.slots_per_rank, config.domain_size)
+    floors = (config.min_tokens_per_replica, config.master_keep_tokens, config.balance_eps, cap)
+    exact, capped, values = _portable.scalar_args(*floors)
+    return Plan(*_portable_jit(jnp.asarray(loads), values, *sizes, exact, capped))
 
 
-# jit caches the trace, so "auto" traces the portable branch once per configuration and shape.
-_portable_jit = jax.jit(_portable.portable_plan, static_argnums=tuple(range(1, 9)))
+# jit caches the trace, so "auto" traces the portable branch once per shape, slots, domain size,
+# exact mode and whether a capacity bounds it (F, K, eps and the capacity are traced).
+_portable_jit = jax.jit(_portable.portable_plan, static_argnums=tuple(range(2, 8)))
 
 
 def _ffi_plan(loads, config: BalancerConfig, cap: int, parallel: bool) -> Plan:

@@ -3,14 +3,19 @@
 Runs on any JAX platform (TPU, ROCm, CUDA without the native handler) under `jit`, `vmap` and
 `shard_map`, nothing going back to the host. The threshold search's probes are one fixed list
 (the capacity windows' fast and coarse probes, then the ladder's), known from the derived
-quantities before any probe runs; it is probed `LANES` probes at a time (`vmap` over the
-thresholds, as the parallel form puts them on warps), the first success in list order winning,
-then the refine probes below a winning coarse probe in one round. `try(tau)` is
+quantities before any probe runs. Its first probe that runs is probed alone (most searches end
+there: one lane's work, not `LANES`'), then the rest `LANES` probes at a time (`vmap` over the
+thresholds, as the parallel form puts them on warps), the first success in list order winning;
+the refine probes below a winning coarse probe likewise. `try(tau)` is
 `portable_attempt.try_threshold`. Arithmetic is int64 and the two tolerance formulas IEEE double
-(traced under `jax.enable_x64`).
+(traced under `jax.enable_x64`). Only the sizes, exact mode and whether a capacity bounds the
+plan are static; F, K, eps and the capacity are traced (`scalar_args`), so one compiled planner
+serves every floor and tolerance of a size.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +26,7 @@ from ultraep_jax.planning.portable_attempt import (
     Sizes,
     Totals,
     first_max,
+    no_replicas,
     try_threshold,
 )
 
@@ -31,16 +37,18 @@ _COARSE = 32  # a window's coarse probes (the ladder's: 31)
 _REFINE = 15
 
 
-def _totals(sz: Sizes, loads):
-    """(`Totals`, T [], bad []): the derived quantities of ``loads`` [R, E] int32, and whether
-    the core rejects them (a negative load, or an expert's or a rank's total above int32)."""
+def _totals(sz: Sizes, loads, F, K):
+    """(`Totals`, T [], bad []): the derived quantities of ``loads`` [R, E] int32 (with the
+    floor ``F`` and keep ``K``), and whether the core rejects them (a negative load, or an
+    expert's or a rank's total above int32)."""
     loads = loads.astype(jnp.int64)
     load_e = jnp.sum(loads, axis=0)
     L = jnp.sum(load_e.reshape(sz.R, sz.Em), axis=1)
     bad = jnp.any(loads < 0) | jnp.any(load_e > _INT32_MAX) | jnp.any(L > _INT32_MAX)
     # Descending L, ties by rank: a stable sort of -L.
     rank_order = jnp.argsort(-L, stable=True).astype(jnp.int64)
-    return Totals(load_e, L, rank_order, jnp.max(L)), jnp.sum(L), bad
+    tot = Totals(load_e, L, rank_order, jnp.max(L), F.astype(jnp.int64), K.astype(jnp.int64))
+    return tot, jnp.sum(L), bad
 
 
 def _clamped(v, lmax, rounding):
@@ -50,15 +58,16 @@ def _clamped(v, lmax, rounding):
     return jnp.where(below, rounding(jnp.where(below, v, 0.0)).astype(jnp.int64), lmax)
 
 
-def _start(sz: Sizes, eps: float, T, lmax):
-    """(M, tau0, delta) of PLANNER.md, "Derived quantities"; exact mode (``eps`` == 0) is M and
-    1 with no floating point."""
+def _start(sz: Sizes, exact: bool, eps, T, lmax):
+    """(M, tau0, delta) of PLANNER.md, "Derived quantities", for the tolerance ``eps`` [] float64;
+    ``exact`` (eps == 0, decided on the host: the CPU flushes a subnormal eps to zero) is M and 1
+    with no floating point."""
     M = (T + sz.R - 1) // sz.R
-    if eps == 0:
+    if exact:
         return M, M, jnp.ones((), jnp.int64)
     Td, Rd = T.astype(jnp.float64), np.float64(sz.R)
-    tau0 = jnp.maximum(M, _clamped(Td * np.float64(1.0 + eps) / Rd, lmax, jnp.floor))
-    delta = jnp.maximum(1, _clamped(Td * np.float64(eps) / Rd / np.float64(2.0), lmax, jnp.ceil))
+    tau0 = jnp.maximum(M, _clamped(Td * (1.0 + eps) / Rd, lmax, jnp.floor))
+    delta = jnp.maximum(1, _clamped(Td * eps / Rd / np.float64(2.0), lmax, jnp.ceil))
     return M, tau0, delta
 
 
@@ -84,15 +93,15 @@ def _window(a, b, delta, run):
     return jnp.concatenate([ft, ct]), jnp.concatenate([fv, cv]), p
 
 
-def probe_list(sz: Sizes, capacity: int, eps: float, T, lmax):
+def probe_list(sz: Sizes, sc: Scalars, T, lmax):
     """The search's probes in order, before any runs (PLANNER.md, "The threshold search"):
     (taus [N], valid [N] bool, any_floor [N] bool, base [N]: the refine probes' lower end for a
-    coarse probe, -1 for a fast one). N = 2 * 36 + 35."""
-    M, tau0, delta = _start(sz, eps, T, lmax)
+    coarse probe, -1 for a fast one). N = 2 * 36 + 35 with a capacity, else 35."""
+    M, tau0, delta = _start(sz, sc.exact, sc.eps, T, lmax)
     run = T > 0
     lists = []
-    if capacity > 0:
-        cap = jnp.asarray(capacity, jnp.int64)
+    if sc.capped:
+        cap = sc.capacity
         applies = run & (cap < lmax) & (cap >= M)
         a = jnp.minimum(tau0, cap)
         for lo, hi, ok in ((a, cap, applies), (M, a - 1, applies & (a > M))):
@@ -106,7 +115,7 @@ def probe_list(sz: Sizes, capacity: int, eps: float, T, lmax):
         (
             jnp.concatenate([ft, ct]),
             jnp.concatenate([jnp.broadcast_to(ladder, (4,)), cv]),
-            eps == 0,
+            sc.exact,
             lo,
         )
     )
@@ -132,42 +141,35 @@ def _skip_repeats(taus, valid, lmax):
 
 def _first_success(sz: Sizes, tot: Totals, taus, run, any_floor):
     """(found [], index [], `Replicas`): the first probe in list order of ``taus`` [N] (those
-    ``run`` [N] marks) whose try succeeds, probed `LANES` at a time until one does."""
-    n = -(-taus.shape[0] // LANES) * LANES
-    pad = n - taus.shape[0]
-    taus, any_floor = jnp.pad(taus, (0, pad)), jnp.pad(any_floor, (0, pad))
-    run = jnp.pad(run, (0, pad))
+    ``run`` [N] marks) whose try succeeds: the first that runs alone (most searches end there),
+    then those after it `LANES` at a time until one succeeds."""
+    n = taus.shape[0]
+    first = first_max(run)
+    ok, reps = try_threshold(sz, tot, taus[first], any_floor[first], run[first])
+    taus, any_floor = jnp.pad(taus, (0, LANES)), jnp.pad(any_floor, (0, LANES))
+    run = jnp.pad(run, (0, LANES))
     pending = jnp.flip(jnp.cumsum(jnp.flip(run))) > 0  # some probe at or after i runs
     probe = jax.vmap(lambda t, a, r: try_threshold(sz, tot, t, a, r))
 
     def body(s):
-        c, _, _, _ = s
-        sl = lambda v: jax.lax.dynamic_slice(v, (c * LANES,), (LANES,))  # noqa: E731
+        i, _, _, _ = s
+        sl = lambda v: jax.lax.dynamic_slice(v, (i,), (LANES,))  # noqa: E731
         ok, reps = probe(sl(taus), sl(any_floor), sl(run))
-        first = first_max(ok)
-        return c + 1, jnp.any(ok), c * LANES + first, jax.tree.map(lambda v: v[first], reps)
+        k = first_max(ok)
+        return i + LANES, jnp.any(ok), i + k, jax.tree.map(lambda v: v[k], reps)
 
     def cond(s):
-        c, found, _, _ = s
-        return ~found & (c * LANES < n) & pending[jnp.minimum(c * LANES, n - 1)]
+        i, found, _, _ = s
+        return ~found & (i < n) & pending[jnp.minimum(i, n)]
 
-    empty = _no_replicas(sz)
-    _, found, k, reps = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int64), jnp.zeros((), bool), jnp.zeros((), jnp.int64), empty)
-    )
+    _, found, k, reps = jax.lax.while_loop(cond, body, (first + 1, ok, first, reps))
     return found, k, reps
 
 
-def _no_replicas(sz: Sizes) -> Replicas:
-    """The replicas of a plan without any."""
-    z = jnp.zeros((sz.R * sz.S,), jnp.int64)
-    return Replicas(z, z, z, jnp.zeros((), jnp.int64), jnp.zeros((sz.E,), jnp.int64))
-
-
-def search(sz: Sizes, tot: Totals, T, capacity: int, eps: float) -> Replicas:
+def search(sz: Sizes, sc: Scalars, tot: Totals, T) -> Replicas:
     """The threshold search of PLANNER.md: the winning probe's replicas (none when no probe
     succeeds: the threshold is Lmax)."""
-    taus, valid, any_floor, base = probe_list(sz, capacity, eps, T, tot.lmax)
+    taus, valid, any_floor, base = probe_list(sz, sc, T, tot.lmax)
     found, k, reps = _first_success(sz, tot, taus, _skip_repeats(taus, valid, tot.lmax), any_floor)
     lo, hi = base[k], taus[k]
     r = lo + (hi - lo) * jnp.arange(1, _REFINE + 1) // (_REFINE + 1)
@@ -176,7 +178,7 @@ def search(sz: Sizes, tot: Totals, T, capacity: int, eps: float) -> Replicas:
         sz, tot, r, _skip_repeats(r, r_valid, tot.lmax), jnp.full((_REFINE,), any_floor[k])
     )
     pick = lambda a, b, c: jnp.where(r_found, a, jnp.where(found, b, c))  # noqa: E731
-    return jax.tree.map(pick, r_reps, reps, _no_replicas(sz))
+    return jax.tree.map(pick, r_reps, reps, no_replicas(sz))
 
 
 def _write_plan(sz: Sizes, tot: Totals, reps: Replicas, bad):
@@ -191,22 +193,67 @@ def _write_plan(sz: Sizes, tot: Totals, reps: Replicas, bad):
     slot = jnp.where(live, reps.target * S + jnp.sum(same, axis=1), RS)
     slot_expert = jnp.full((RS,), -1, jnp.int64).at[slot].set(reps.expert, mode="drop")
     slot_quota = jnp.zeros((RS,), jnp.int64).at[slot].set(reps.quota, mode="drop")
-    master_quota = tot.load_e - reps.exported
-    received = jnp.zeros((R,), jnp.int64).at[reps.target].add(jnp.where(live, reps.quota, 0))
+    quota = jnp.where(live, reps.quota, 0)
+    master_quota = tot.load_e - jnp.zeros((sz.E,), jnp.int64).at[reps.expert].add(quota)
+    received = jnp.zeros((R,), jnp.int64).at[reps.target].add(quota)
     rank_load = jnp.sum(master_quota.reshape(R, sz.Em), axis=1) + received
     out = (slot_expert.reshape(R, S), slot_quota.reshape(R, S), master_quota, rank_load)
     return tuple(jnp.where(bad, -1, v).astype(jnp.int32) for v in out)
 
 
-def portable_plan(loads, R: int, E: int, S: int, g: int, F: int, K: int, eps: float, capacity: int):
+@dataclasses.dataclass(frozen=True)
+class Scalars:
+    """The plan's scalar settings: ``exact`` and ``capped`` (static: they shape the search) and
+    the int32 vector ``values`` [5] (traced, so that one compiled planner serves them all; built
+    by `scalar_args`): F, K, the capacity, each clamped at 2^31 - 1 (no load reaches it, so the
+    plans are the same), and the 64 bits of eps as two words."""
+
+    exact: bool
+    capped: bool
+    values: jax.Array
+
+    @property
+    def F(self):
+        """The floor F [] int64."""
+        return self.values[0].astype(jnp.int64)
+
+    @property
+    def K(self):
+        """The master's keep K [] int64."""
+        return self.values[1].astype(jnp.int64)
+
+    @property
+    def capacity(self):
+        """The capacity C [] int64."""
+        return self.values[2].astype(jnp.int64)
+
+    @property
+    def eps(self):
+        """The tolerance eps [] float64, bit for bit."""
+        lo, hi = (self.values[i].astype(jnp.uint32).astype(jnp.uint64) for i in (3, 4))
+        return jax.lax.bitcast_convert_type((hi << 32) | lo, jnp.float64)
+
+
+def scalar_args(F: int, K: int, eps: float, capacity: int) -> tuple[bool, bool, np.ndarray]:
+    """(exact, capped, values [5] int32) of `Scalars` for floor ``F``, keep ``K``, tolerance
+    ``eps`` and ``capacity`` (0: none), on the host."""
+    bits = int(np.array(eps, np.float64).view(np.uint64))
+    words = np.array([bits & 0xFFFFFFFF, bits >> 32], np.uint32).view(np.int32)
+    clamped = [min(int(v), _INT32_MAX) for v in (F, K, capacity)]
+    return eps == 0, capacity > 0, np.concatenate([np.asarray(clamped, np.int32), words])
+
+
+def portable_plan(loads, values, R: int, E: int, S: int, g: int, exact: bool, capped: bool):
     """(slot_expert [R, S], slot_quota [R, S], master_quota [E], rank_load [R]) int32: the plan
-    of checked int32 ``loads`` [R, E] for S slots, domains of g ranks, floor F, master keep K,
-    tolerance ``eps`` and ``capacity`` (0: none), as `planning.planner.plan` passes the core."""
-    sz = Sizes(R=R, E=E, S=S, g=g, F=F, K=min(K, 2**62))
+    of checked int32 ``loads`` [R, E] for S slots and domains of g ranks, with the scalar
+    settings ``exact``, ``capped`` and ``values`` of `scalar_args` (floor F, master keep K,
+    tolerance eps, capacity: 0 none), as `planning.planner.plan` passes the core."""
+    sz = Sizes(R=R, E=E, S=S, g=g)
     with jax.enable_x64(True):
-        tot, T, bad = _totals(sz, loads)
+        sc = Scalars(exact, capped, jnp.asarray(values))
+        tot, T, bad = _totals(sz, loads, sc.F, sc.K)
         if S == 0 or R == 1:
-            reps = _no_replicas(sz)
+            reps = no_replicas(sz)
         else:
-            reps = search(sz, tot, T, capacity, eps)
+            reps = search(sz, sc, tot, T)
         return _write_plan(sz, tot, reps, bad)

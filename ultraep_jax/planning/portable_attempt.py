@@ -1,10 +1,11 @@
 """The portable planner's probe: ``try(tau)`` of ffi/PLANNER.md in JAX (lax loops, static shapes).
 
 An attempt is one `lax.while_loop` that makes one replica per iteration, its choices vectorised
-over the source's masters and over the ranks; `try_threshold` unrolls the fixed schedule of
-attempts (plain, then repairs), each loop running only where an earlier one has not decided the
-probe, so a probe that succeeds at once costs one loop. Everything is int64 (the caller traces
-under `jax.enable_x64`), as the spec's arithmetic is.
+over the source's masters and over the ranks (each argmax one max-reduction of a packed key, as
+in the parallel form; each update a one-hot select, not a scatter); `try_threshold` unrolls the
+fixed schedule of attempts (plain, then repairs), each loop running only where an earlier one has
+not decided the probe, so a probe that succeeds at once costs one loop. Everything is int64 (the
+caller traces under `jax.enable_x64`), as the spec's arithmetic is.
 """
 
 from __future__ import annotations
@@ -24,15 +25,12 @@ RUNNING, SUCCESS, FAILED, INFEASIBLE, SKIPPED = range(5)
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """The static inputs of one plan: R, E, S, E_m = E / R, the domain size g, the floor F and
-    the master's keep K (Python ints)."""
+    """The static inputs of one plan: R, E, S, E_m = E / R and the domain size g (Python ints)."""
 
     R: int
     E: int
     S: int
     g: int
-    F: int
-    K: int
 
     @property
     def Em(self) -> int:
@@ -49,25 +47,33 @@ class Sizes:
 @dataclasses.dataclass(frozen=True)
 class Totals:
     """A plan's runtime inputs (int64): ``load_e`` [E], ``L`` [R] (master loads), ``rank_order``
-    [R] (ranks by L descending, ties by index) and ``lmax`` []."""
+    [R] (ranks by L descending, ties by index), ``lmax`` [], the floor ``F`` [] and the master's
+    keep ``K`` [] (traced, so that one compiled planner serves every F and K)."""
 
     load_e: jax.Array
     L: jax.Array
     rank_order: jax.Array
     lmax: jax.Array
+    F: jax.Array
+    K: jax.Array
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Replicas:
-    """An attempt's replicas in creation order (``expert``, ``target``, ``quota`` [R * S], valid
-    below ``count`` []) and what each master exported (``exported`` [E]); all int64."""
+    """An attempt's replicas in creation order: ``expert``, ``target``, ``quota`` [R * S], valid
+    below ``count`` []; all int64. (What a master exported is the sum of its replicas' quotas.)"""
 
     expert: jax.Array
     target: jax.Array
     quota: jax.Array
     count: jax.Array
-    exported: jax.Array
+
+
+def no_replicas(sz: Sizes) -> Replicas:
+    """The replicas of a plan without any."""
+    z = jnp.zeros((sz.R * sz.S,), jnp.int64)
+    return Replicas(z, z, z, jnp.zeros((), jnp.int64))
 
 
 def first_max(v):
@@ -78,41 +84,40 @@ def first_max(v):
     return jnp.min(jnp.where(v == jnp.max(v), i, v.shape[0]))
 
 
-def _least(mask, slack):
-    """int []: the rank with the least slack among ``mask`` [R] (ties: the smallest rank)."""
-    return first_max(jnp.where(mask, -slack, jnp.iinfo(jnp.int64).min))
-
-
-def _most(mask, slack):
-    """int []: the rank with the most slack among ``mask`` [R] (ties: the smallest rank)."""
-    return first_max(jnp.where(mask, slack, -1))
+# pick_target's packed key (PLANNER.md, "The parallel form"): one max-reduction picks the target.
+_KEPT, _FITS, _NEAR = 1 << 62, 1 << 61, 1 << 60
+_SLACK_SHIFT, _RANK_BITS = 29, (1 << 29) - 1
+_INT31 = (1 << 31) - 1
 
 
 def pick_target(rule, slack, free, need, avail, near):
     """(found [], t []): pick_target of PLANNER.md under ``rule`` [] over the ranks' ``slack``,
     ``free`` [R], for a replica that should carry ``need`` of an expert that can give ``avail``;
-    ``near`` [R] bool."""
+    ``near`` [R] bool. The largest of one packed key per rank: a kept candidate (the strict
+    rule's filter; every candidate under the others) before any other, then one that takes all
+    of ``need`` (never under `MOST`), a near one first, with the least slack, else the most
+    slack; ties to the smallest rank (slack <= tau < 2^31 and R <= 2^29)."""
     cand = (slack > 0) & (free > 0)
-    kept = cand & ~((free == 1) & (slack > avail))
-    pool = jnp.where((rule == STRICT) & jnp.any(kept), kept, cand)
-    fits = pool & (slack >= need)
-    near_fits = fits & near
-    t = jnp.where(
-        jnp.any(near_fits),
-        _least(near_fits, slack),
-        jnp.where(jnp.any(fits), _least(fits, slack), _most(pool, slack)),
+    kept = (rule != STRICT) | ~((free == 1) & (slack > avail))
+    fits = (rule != MOST) & (slack >= need)
+    key = (
+        jnp.where(kept, _KEPT, 0)
+        | jnp.where(fits, _FITS, 0)
+        | jnp.where(fits & near, _NEAR, 0)
+        | (jnp.where(fits, _INT31 - slack, slack) << _SLACK_SHIFT)
+        | (_RANK_BITS - jnp.arange(slack.shape[0], dtype=jnp.int64))
     )
-    return jnp.any(cand), jnp.where(rule == MOST, _most(cand, slack), t)
+    best = jnp.max(jnp.where(cand, key, -1))
+    return best >= 0, _RANK_BITS - (best & _RANK_BITS)
 
 
-def _richest_master(sz: Sizes, tot: Totals, exported, src):
-    """(j, avail): the index among ``src``'s masters with the most avail (ties: the smallest)."""
-    first = src * sz.Em
-    load = jax.lax.dynamic_slice(tot.load_e, (first,), (sz.Em,))
-    sent = jax.lax.dynamic_slice(exported, (first,), (sz.Em,))
-    avail = load - sz.K - sent
-    j = first_max(avail)
-    return j, avail[j]
+def _richest_master(sz: Sizes, K, load_src, sent):
+    """(j, avail): the master of the source (its loads ``load_src``, what each sent ``sent``
+    [E_m]; each keeps ``K``) with the most avail, ties to the smallest index; avail clamped at 0
+    (below 1 every attempt fails whichever master it names)."""
+    avail = jnp.maximum(load_src - K - sent, 0)
+    key = jnp.max((avail << 32) | (sz.Em - 1 - jnp.arange(sz.Em, dtype=jnp.int64)))
+    return sz.Em - 1 - (key & 0xFFFFFFFF), key >> 32
 
 
 def _near(sz: Sizes, held, j, src):
@@ -121,56 +126,61 @@ def _near(sz: Sizes, held, j, src):
     if sz.domains == 1:
         return jnp.ones((sz.R,), bool)
     dom = jnp.arange(sz.R) // sz.g
-    return (dom == src // sz.g) | held[j][dom]
+    held_j = jnp.any(held & (jnp.arange(sz.Em) == j)[:, None], axis=0)
+    return (dom == src // sz.g) | held_j[dom]
 
 
-def _start_source(tot: Totals, order, ri, tau):
-    """(src, x): the source at ``ri`` of ``order`` and its excess over ``tau``."""
+def _source(sz: Sizes, tot: Totals, order, ri, tau):
+    """(src, x, load_src [E_m]): the source at ``ri`` of ``order``, its excess over ``tau`` and
+    its masters' loads."""
     src = order[jnp.minimum(ri, order.shape[0] - 1)]
-    return src, tot.L[src] - tau
+    load_src = jax.lax.dynamic_slice(tot.load_e, (src * sz.Em,), (sz.Em,))
+    return src, tot.L[src] - tau, load_src
 
 
 def _step(sz: Sizes, tot: Totals, f, rule, tau, order, n_order, s):
-    """One iteration of an attempt: the current source's next replica, or the attempt's end."""
+    """One iteration of an attempt: the current source's next replica, or the attempt's end. A
+    failed attempt's replicas are never read, so nothing here guards them against a failure."""
     src, x = s["src"], s["x"]
-    j, avail = _richest_master(sz, tot, s["exported"], src)
+    j, avail = _richest_master(sz, tot.K, s["load_src"], s["sent"])
     fl = jnp.minimum(f, x)
-    found, t = pick_target(
-        rule, s["slack"], s["free"], jnp.minimum(x, avail), avail, _near(sz, s["held"], j, src)
-    )
-    q = jnp.minimum(jnp.minimum(s["slack"][t], avail), x + s["later"])
+    near = _near(sz, s["held"], j, src)
+    found, t = pick_target(rule, s["slack"], s["free"], jnp.minimum(x, avail), avail, near)
+    at_t = jnp.arange(sz.R) == t
+    q = jnp.minimum(jnp.minimum(jnp.sum(jnp.where(at_t, s["slack"], 0)), avail), x + s["later"])
     no_master = avail < fl
     failed = no_master | ~found | (q < fl)
     code = jnp.where(no_master & (f == 1), INFEASIBLE, FAILED)
-    q = jnp.where(failed, 0, q)
-    n = s["nrep"]
-    e = src * sz.Em + j
-    slack = s["slack"].at[t].add(-q)
     x = x - q
-    done_src = ~failed & (x <= 0)
-    slack = jnp.where(done_src, slack.at[src].set(-x), slack)  # over-export: src becomes a target
+    done_src = x <= 0
+    slack = s["slack"] - jnp.where(at_t, q, 0)
+    # over-export: src becomes a target
+    slack = jnp.where(done_src & (jnp.arange(sz.R) == src), -x, slack)
     ri = s["ri"] + done_src
-    nsrc, nx = _start_source(tot, order, ri, tau)
+    nsrc, nx, nload = _source(sz, tot, order, ri, tau)
     finished = done_src & (ri >= n_order)
-    new = {
+    at_n = jnp.arange(sz.R * sz.S) == s["nrep"]
+    at_j = jnp.arange(sz.Em) == j
+    held = s["held"]
+    if sz.domains > 1:
+        held = held | (at_j[:, None] & (jnp.arange(sz.domains) == t // sz.g)[None, :])
+    return {
         "code": jnp.where(failed, code, jnp.where(finished, SUCCESS, RUNNING)),
         "failed": src,
         "slack": slack,
-        "free": s["free"].at[t].add(-(~failed).astype(jnp.int64)),
-        "exported": s["exported"].at[e].add(q),
-        "rep_e": s["rep_e"].at[n].set(jnp.where(failed, s["rep_e"][n], e)),
-        "rep_t": s["rep_t"].at[n].set(jnp.where(failed, s["rep_t"][n], t)),
-        "rep_q": s["rep_q"].at[n].set(jnp.where(failed, s["rep_q"][n], q)),
-        "nrep": n + (~failed),
-        "held": jnp.where(
-            done_src, False, s["held"].at[j, t // sz.g].set(~failed | s["held"][j, t // sz.g])
-        ),
+        "free": s["free"] - at_t,
+        "sent": jnp.where(done_src, 0, s["sent"] + jnp.where(at_j, q, 0)),
+        "rep_e": jnp.where(at_n, src * sz.Em + j, s["rep_e"]),
+        "rep_t": jnp.where(at_n, t, s["rep_t"]),
+        "rep_q": jnp.where(at_n, q, s["rep_q"]),
+        "nrep": s["nrep"] + 1,
+        "held": held & ~done_src,
         "ri": ri,
         "src": jnp.where(done_src, nsrc, src),
         "x": jnp.where(done_src, nx, x),
+        "load_src": jnp.where(done_src, nload, s["load_src"]),
         "later": jnp.where(done_src, s["later"] - nx, s["later"]),
     }
-    return new
 
 
 def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, n_order, run):
@@ -178,14 +188,14 @@ def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, n_order, run):
     [R], run only where ``run``: (code [], failed source [], `Replicas`)."""
     R, RS = sz.R, sz.R * sz.S
     i64 = jnp.int64
-    src, x = _start_source(tot, order, 0, tau)
+    src, x, load_src = _source(sz, tot, order, 0, tau)
     later = jnp.sum(jnp.maximum(tot.L - tau, 0))
     s = {
         "code": jnp.where(run, jnp.where(n_order > 0, RUNNING, SUCCESS), SKIPPED),
         "failed": src,
         "slack": jnp.maximum(tau - tot.L, 0),
         "free": jnp.full((R,), sz.S, i64),
-        "exported": jnp.zeros((sz.E,), i64),
+        "sent": jnp.zeros((sz.Em,), i64),
         "rep_e": jnp.zeros((RS,), i64),
         "rep_t": jnp.zeros((RS,), i64),
         "rep_q": jnp.zeros((RS,), i64),
@@ -194,6 +204,7 @@ def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, n_order, run):
         "ri": jnp.zeros((), i64),
         "src": src,
         "x": x,
+        "load_src": load_src,
         "later": later - x,
     }
     s = jax.lax.while_loop(
@@ -201,7 +212,7 @@ def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, n_order, run):
         lambda s: _step(sz, tot, f, rule, tau, order, n_order, s),
         s,
     )
-    reps = Replicas(s["rep_e"], s["rep_t"], s["rep_q"], s["nrep"], s["exported"])
+    reps = Replicas(s["rep_e"], s["rep_t"], s["rep_q"], s["nrep"])
     return s["code"], s["failed"], reps
 
 
@@ -231,7 +242,7 @@ def _next(sz: Sizes, tot: Totals, any_floor, s):
     pos, order, failed = s["pos"], s["order"], s["failed"]
     seg, b = jnp.minimum(pos // 4, len(_SEGMENTS) - 1), pos % 4
     floor1, rule, plain = (jnp.asarray(col)[seg] for col in (_SEG_FLOOR1, _SEG_RULE, _SEG_PLAIN))
-    allowed = ~floor1 | (any_floor & (sz.F > 1))
+    allowed = ~floor1 | (any_floor & (tot.F > 1))
     inherit = ~plain & (b == 0) & (rule != MOST)  # a repair's first attempt failed in pass 1
     failed = jnp.where(inherit, s["failed_plain"][floor1.astype(jnp.int64), rule % 2], failed)
     stuck = (b > 0) & (failed == order[0])  # the source that failed already gives first
@@ -239,14 +250,13 @@ def _next(sz: Sizes, tot: Totals, any_floor, s):
     run = allowed & ~inherit & ~stuck
     seg_end = plain | ~allowed | stuck | (b == 3)
     nxt = jnp.where(seg_end, (seg + 1) * 4, pos + 1)
-    return run, jnp.where(floor1, 1, sz.F), rule, order, failed, nxt
+    return run, jnp.where(floor1, 1, tot.F), rule, order, failed, nxt
 
 
 def try_threshold(sz: Sizes, tot: Totals, tau, any_floor, run):
     """try(tau) of PLANNER.md, run only where ``run``: (succeeded [], `Replicas`). ``any_floor``
     [] bool: the probe may give up the floor F (then floors F and 1)."""
     n_over = jnp.sum(tot.L > tau)
-    _, _, empty = attempt(sz, tot, tau, sz.F, LOOSE, tot.rank_order, n_over, jnp.zeros((), bool))
 
     def body(s):
         go, f, rule, order, last_failed, pos = _next(sz, tot, any_floor, s)
@@ -274,7 +284,7 @@ def try_threshold(sz: Sizes, tot: Totals, tau, any_floor, run):
         "failed_plain": jnp.zeros((2, 2), jnp.int64),
         "decided": ~run,
         "ok": jnp.zeros((), bool),
-        "reps": empty,
+        "reps": no_replicas(sz),
     }
     s = jax.lax.while_loop(lambda s: ~s["decided"] & (s["pos"] < _POSITIONS), body, s)
     return s["ok"], s["reps"]
