@@ -31,7 +31,7 @@ import dataclasses
 import numpy as np
 
 from experiments.stepmodel import links as links_
-from experiments.stepmodel.calibration import Calibration
+from experiments.stepmodel.calibration import GPU_GMM_TILE_ROWS, Calibration
 from experiments.stepmodel.shapes import ANCHOR, Cluster, ModelShape
 
 #: Passes over the experts' FLOPs: forward (1) and, in training, backward (2 more).
@@ -76,6 +76,18 @@ def expert_fwd_flops(rows: float, hidden: int, ffn: int) -> float:
 def compute_seconds(fwd_flops: float, tflops: float, mode: str) -> float:
     """Seconds of ``fwd_flops`` forward FLOPs in ``mode`` (`PASSES`) at ``tflops`` TFLOP/s."""
     return PASSES[mode] * fwd_flops / (tflops * 1e12)
+
+
+def tiled_expert_seconds(rows_G, model: ModelShape, tflops: float) -> float:
+    """Forward + backward seconds of one rank's groups of ``rows_G`` rows (float [G]; empty ones
+    cost nothing) at ``tflops``, each group's last tile padded to `GPU_GMM_TILE_ROWS` rows (a GPU
+    grouped matmul's)."""
+    tile = GPU_GMM_TILE_ROWS
+    rows = np.asarray(rows_G, np.float64)
+    padded = float(np.sum(np.ceil(rows / tile) * tile))
+    return compute_seconds(
+        expert_fwd_flops(padded, model.hidden, model.expert_ffn), tflops, "train"
+    )
 
 
 def train_seconds(fwd_flops: float, cluster: Cluster, params: CostParams) -> float:

@@ -15,6 +15,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from experiments.stepmodel import cpu_rates, layer
 from experiments.stepmodel.shapes import ANCHOR
 from experiments.stepmodel_programs import anchor, pinned
 
@@ -85,8 +86,8 @@ def _check(key: tuple, row: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def rates() -> pinned.Rates:
-    return pinned.Rates.read(RESULTS / "rates_cpu.json")
+def rates() -> cpu_rates.Rates:
+    return cpu_rates.Rates.read(RESULTS / "rates_cpu.json")
 
 
 def _breakeven_rows(rates, name: str) -> list[dict]:
@@ -129,11 +130,11 @@ def test_a_rule_without_balancing_misses(rates):
 
 def test_linear_fit_recovers_its_coefficients():
     x = np.array([[1, 2.0, 3.0], [1, 5.0, 1.0], [1, 7.0, 4.0], [1, 1.0, 9.0]])
-    fit = pinned.Linear.fit(("a", "b", "c"), x, x @ [0.5, 2.0, 0.25])
+    fit = cpu_rates.Linear.fit(("a", "b", "c"), x, x @ [0.5, 2.0, 0.25])
     np.testing.assert_allclose(fit.coef, [0.5, 2.0, 0.25], rtol=1e-9)
     assert fit(1, 3.0, 4.0) == pytest.approx(0.5 + 6.0 + 1.0)
     with pytest.raises(ValueError):
-        pinned.Linear(("a",), (-1.0,))
+        cpu_rates.Linear(("a",), (-1.0,))
 
 
 def test_moe_runs_parse_a_block():
@@ -159,16 +160,16 @@ Step-time ratios (medians of the same run):
 
 def test_layer_seconds_refuses_what_the_rates_do_not_time(rates):
     with pytest.raises(ValueError):
-        pinned.layer_seconds(rates, "train", 256, 1024, 512, 2, True)
+        cpu_rates.layer_seconds(rates, "train", 256, 1024, 512, 2, True)
     with pytest.raises(ValueError):
-        pinned.layer_seconds(rates, "train", 256, 1024, 512, 1, False)
+        cpu_rates.layer_seconds(rates, "train", 256, 1024, 512, 1, False)
 
 
 def test_expert_seconds_pads_each_group_to_a_tile():
     model = ANCHOR.shape
-    one = anchor.expert_seconds([128], model, 500.0)
-    assert anchor.expert_seconds([1], model, 500.0) == pytest.approx(one)
-    assert anchor.expert_seconds([129, 0], model, 500.0) == pytest.approx(2 * one)
+    one = layer.tiled_expert_seconds([128], model, 500.0)
+    assert layer.tiled_expert_seconds([1], model, 500.0) == pytest.approx(one)
+    assert layer.tiled_expert_seconds([129, 0], model, 500.0) == pytest.approx(2 * one)
 
 
 def test_anchor_published_plans_within_their_bands():
