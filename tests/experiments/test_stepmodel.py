@@ -9,13 +9,14 @@ hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
 import numpy as np
 import pytest
 
-from experiments.stepmodel import cpu_rates, layer
+from experiments.stepmodel import cpu_rates, layer, shapes
 from experiments.stepmodel.shapes import ANCHOR
 from experiments.stepmodel_programs import anchor, pinned
 
@@ -180,3 +181,14 @@ def test_anchor_published_plans_within_their_bands():
         assert f["speedup_band"][0] <= f["speedup"] <= f["speedup_band"][1]
         assert f["speedup"] > 1.0  # balancing the anchor's loads pays
         assert f["final"] == pytest.approx(ANCHOR.final_imbalance)
+
+
+def test_trace_models_take_their_traces_sizes():
+    """A trace model's experts and top-k are stated once, in experiments.loads.traces (Qwen1.5-MoE
+    config.json: 60 experts, top-4); a model whose experts differ from its trace's is refused."""
+    qwen = shapes.TRACE_MODELS["qwen1.5-moe-a2.7b"]
+    assert (qwen.num_experts, qwen.top_k) == (60, 4)
+    row = dataclasses.asdict(shapes.MODELS["glm-4.5-106b"])
+    del row["name"]
+    with pytest.raises(ValueError, match=r"glm has 64 experts, its trace switch-base-128 128"):
+        shapes._models({"glm": {**row, "num_experts": 64}})
