@@ -115,7 +115,8 @@ def step_seconds(load: Load, corner: Corner, balanced: bool, scenario) -> float:
     layers and the LM head."""
     model, cluster = ANCHOR.shape, CLUSTERS[scenario.cluster]
     per_layer = layer_of(load, corner, balanced, scenario).total
-    return model.moe_layers * per_layer + layer.fixed_seconds(model, cluster, layer.CostParams())
+    fixed = layer.fixed_seconds(model, cluster, layer.CostParams())
+    return layer.group_step_seconds(per_layer, 1, model, fixed, 1)
 
 
 def ideal_seconds(corner: Corner, scenario) -> float:
