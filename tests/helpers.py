@@ -35,6 +35,13 @@ def expert_mesh(ep: int = 8, dp: int = 1) -> jax.sharding.Mesh:
     return jax.make_mesh((dp, ep), ("data", "expert"), devices=devices)
 
 
+def auto_axes(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The same devices and axis names with every axis of type Auto."""
+    return jax.sharding.Mesh(
+        mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim
+    )
+
+
 def gpu_mesh(axis_sizes, axis_names, axis_types=None) -> AbstractMesh:
     """An abstract mesh of H100s (axes Explicit unless given, as from `jax.make_mesh`), to export
     for CUDA on a host without a GPU: since jax 0.11 the CUDA lowering of a Pallas (Triton) kernel

@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments.stepmodel.shapes import ANCHOR
@@ -93,6 +93,11 @@ DRY = ExchangeSetup(48, 16, 8, 2, 2, 1.25, "float32", 40, "ragged_dot", 2, 1)
 
 
 # -- the exchanges, as the layer runs them ---------------------------------------------------
+
+
+def exchange_mesh(devices) -> Mesh:
+    """The programs' mesh: ``devices`` on the one axis `AXIS` (of type Auto)."""
+    return Mesh(np.array(devices), (AXIS,))
 
 
 def balanced_sizes(R: int, rows: int) -> np.ndarray:

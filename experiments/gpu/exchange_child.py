@@ -15,7 +15,6 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from experiments.gpu import hlo_schedule
@@ -26,6 +25,7 @@ from experiments.gpu.exchange import (
     _compare,
     _random,
     check_gradients,
+    exchange_mesh,
     filled_slots,
     random_masters,
     time_tokens,
@@ -114,7 +114,7 @@ def run_variant(spec: dict) -> dict:
     s = ExchangeSetup(**spec["setup"])
     dry = spec["dry"]
     devices = jax.devices("cpu")[:4] if dry else [d for d in jax.devices() if d.platform == "gpu"]
-    mesh = Mesh(np.array(devices), (AXIS,))
+    mesh = exchange_mesh(devices)
     backends = ("portable",) if dry else ("ragged", "portable")
     out = {
         "variant": spec["variant"],

@@ -126,15 +126,15 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
     doc; every process returns them)."""
     import jax
     import numpy as np
-    from jax.sharding import AxisType
 
     import ultraep_jax as uep
+    from experiments.train.trainer import make_mesh
 
     engine = _engine()
     model_cfg = train_cfg.model
     devices = jax.device_count()
     data_size, ep = mesh_shape(devices, cfg.ep_size, model_cfg.num_experts)
-    mesh = jax.make_mesh((data_size, ep), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    mesh = make_mesh(data_size, ep, 1)
     calibration = None
     if pinned:
         rows = model_cfg.top_k * sum(len(p.tokens) for p in prompts) // devices

@@ -17,6 +17,7 @@ from experiments.stepmodel.layer import (
     LayerTime,
     copy_seconds,
     fixed_seconds,
+    group_step_seconds,
     ideal_layer_time,
     ideal_step_seconds,
     layer_time,
@@ -45,7 +46,7 @@ def step_seconds(
     n_layers = n_streams // groups
     microbatches = len(results[0])
     scale = model.moe_layers / n_layers
-    fixed = microbatches * fixed_seconds(model, cluster, params)
+    fixed = fixed_seconds(model, cluster, params)
     # Every matrix's transfer in one batched call, in the order the loops below visit them; a
     # layout already in place (no copies charged) moves nothing.
     moved = [
@@ -71,10 +72,9 @@ def step_seconds(
                     rank_expert_seconds(b.rank_load, groups, model, params),
                 )
                 terms += [t.other, t.plan, t.a2a, t.experts, t.transfer_exposed]
-        terms *= scale
-        total = float(terms.sum()) + fixed
+        total = group_step_seconds(float(terms.sum()), n_layers, model, fixed, microbatches)
         if total > best:
-            best, best_terms = total, LayerTime(*terms)
+            best, best_terms = total, LayerTime(*(terms * scale))
     return best, best_terms
 
 

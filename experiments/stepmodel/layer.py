@@ -17,7 +17,7 @@ Per MoE layer and microbatch (``mode`` "train": forward + backward; "prefill": f
                                 all-to-all of its pass and only what outlasts it is exposed;
                                 t_xfer from the relay schedule's largest per-link copies
   step(group) = sum over microbatches of (sum over MoE layers of t + dense layers + LM head)
-  step = max over DP groups (they meet at the gradient all-reduce)
+  step = max over DP groups (they meet at the gradient all-reduce)   (`group_step_seconds`)
 
 `layer_terms` is the rule; `layer_time` charges a target shape's layer from the busiest rank's
 rows (the simulator), and `experiments.replay` charges the same rule with its measured terms.
@@ -31,7 +31,7 @@ import dataclasses
 import numpy as np
 
 from experiments.stepmodel import links as links_
-from experiments.stepmodel.calibration import Calibration
+from experiments.stepmodel.calibration import GPU_GMM_TILE_ROWS, Calibration
 from experiments.stepmodel.shapes import ANCHOR, Cluster, ModelShape
 
 #: Passes over the experts' FLOPs: forward (1) and, in training, backward (2 more).
@@ -76,6 +76,18 @@ def expert_fwd_flops(rows: float, hidden: int, ffn: int) -> float:
 def compute_seconds(fwd_flops: float, tflops: float, mode: str) -> float:
     """Seconds of ``fwd_flops`` forward FLOPs in ``mode`` (`PASSES`) at ``tflops`` TFLOP/s."""
     return PASSES[mode] * fwd_flops / (tflops * 1e12)
+
+
+def tiled_expert_seconds(rows_G, model: ModelShape, tflops: float) -> float:
+    """Forward + backward seconds of one rank's groups of ``rows_G`` rows (float [G]; empty ones
+    cost nothing) at ``tflops``, each group's last tile padded to `GPU_GMM_TILE_ROWS` rows (a GPU
+    grouped matmul's)."""
+    tile = GPU_GMM_TILE_ROWS
+    rows = np.asarray(rows_G, np.float64)
+    padded = float(np.sum(np.ceil(rows / tile) * tile))
+    return compute_seconds(
+        expert_fwd_flops(padded, model.hidden, model.expert_ffn), tflops, "train"
+    )
 
 
 def train_seconds(fwd_flops: float, cluster: Cluster, params: CostParams) -> float:
@@ -249,6 +261,16 @@ def fixed_seconds(model: ModelShape, cluster: Cluster, params: CostParams) -> fl
     return train_seconds(flops, cluster, params)
 
 
+def group_step_seconds(
+    moe_s: float, sampled_layers: int, model: ModelShape, fixed_s: float, microbatches: int
+) -> float:
+    """One DP group's step: ``moe_s``, the seconds of its ``sampled_layers`` sampled MoE layers
+    summed over its ``microbatches``, scaled to the model's ``moe_layers``, plus the dense layers
+    and LM head (``fixed_s``, `fixed_seconds`) in every microbatch. The step is the max of this
+    over the DP groups (they meet at the gradient all-reduce)."""
+    return model.moe_layers / sampled_layers * moe_s + microbatches * fixed_s
+
+
 def rank_expert_seconds(rows, groups, model: ModelShape, params: CostParams) -> float | None:
     """The busiest rank's calibrated expert seconds, for ranks with ``rows`` rows in ``groups``
     non-empty local groups (arrays [R]); None without a calibration."""
@@ -272,4 +294,5 @@ def ideal_step_seconds(
 ) -> float:
     """Force-balanced ideal step (`ideal_layer_time` in every MoE layer and microbatch)."""
     per_layer = ideal_layer_time(model, ep, cluster, params).total
-    return microbatches * (model.moe_layers * per_layer + fixed_seconds(model, cluster, params))
+    fixed = fixed_seconds(model, cluster, params)
+    return group_step_seconds(microbatches * per_layer, 1, model, fixed, microbatches)

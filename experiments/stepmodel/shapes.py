@@ -5,7 +5,8 @@ The figures, with the config files and datasheets they come from, are in ``shape
 this file (the one place they are written); :data:`MODELS`, :data:`CLUSTERS`, :data:`SCENARIOS`
 and :data:`SETUPS` hold them by name, in file order; :data:`TRACE_MODELS` the traced models whose
 expert count fits none of the scenarios (not in :data:`MODELS`, which the simulator runs on
-every scenario).
+every scenario). A traced model's experts and top-k are its trace's (`experiments.loads.traces`):
+a model whose experts differ from its trace's is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import tomllib
+
+from experiments.loads import traces
 
 
 def expert_bytes(d_model: int, d_ff: int, itemsize: int) -> int:
@@ -161,12 +164,30 @@ class Setup:
         return self.shape.num_experts // self.ep
 
 
-def _models(table: dict) -> dict:
-    """``{name: ModelShape}`` of a shapes file's table of models, in file order."""
+def _traced_sizes(row: dict) -> dict:
+    """A trace model's routed experts and top-k: its trace's (`traces.TRACE_NUM_EXPERTS`,
+    `traces.TRACE_TOP_K`, their one statement)."""
     return {
-        name: ModelShape(name=name, **{**row, "attention": tuple(row["attention"])})
-        for name, row in table.items()
+        "num_experts": traces.TRACE_NUM_EXPERTS[row["trace"]],
+        "top_k": traces.TRACE_TOP_K[row["trace"]],
     }
+
+
+def _models(table: dict, traced: bool = False) -> dict:
+    """``{name: ModelShape}`` of a shapes file's table of models, in file order; ``traced``: the
+    trace models, whose experts and top-k are their trace's. ValueError when a model's experts
+    differ from its trace's."""
+    models = {}
+    for name, row in table.items():
+        sizes = _traced_sizes(row) if traced else {}
+        model = ModelShape(name=name, **{**row, **sizes, "attention": tuple(row["attention"])})
+        if model.num_experts != traces.TRACE_NUM_EXPERTS[model.trace]:
+            raise ValueError(
+                f"shapes.toml: {name} has {model.num_experts} experts, its trace {model.trace} "
+                f"{traces.TRACE_NUM_EXPERTS[model.trace]}"
+            )
+        models[name] = model
+    return models
 
 
 def _read(path: pathlib.Path) -> tuple[dict, dict, dict, dict, dict]:
@@ -174,7 +195,7 @@ def _read(path: pathlib.Path) -> tuple[dict, dict, dict, dict, dict]:
     shape}`` in file order."""
     with path.open("rb") as f:
         tables = tomllib.load(f)
-    models, trace_models = _models(tables["models"]), _models(tables["trace_models"])
+    models, trace_models = _models(tables["models"]), _models(tables["trace_models"], True)
     clusters = {name: Cluster(name=name, **row) for name, row in tables["clusters"].items()}
     scenarios = {name: Scenario(name=name, **row) for name, row in tables["scenarios"].items()}
     setups = {

@@ -39,7 +39,7 @@ from experiments.loads import policies, workloads
 from experiments.program import run_main
 from experiments.stepmodel import calibration as cal
 from experiments.stepmodel import layer, links
-from experiments.stepmodel.shapes import ANCHOR, CLUSTERS, SCENARIOS, ModelShape
+from experiments.stepmodel.shapes import ANCHOR, CLUSTERS, SCENARIOS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +70,6 @@ CORNERS = tuple(
     Corner(g, u, p)
     for g, u, p in itertools.product(cal.GPU_GMM_FWD_BWD_TFLOPS, cal.LAUNCH_US, (0.0, 1.0))
 )
-
-
-def expert_seconds(rows_G, model: ModelShape, tflops: float) -> float:
-    """Forward + backward seconds of one rank's groups of ``rows_G`` rows (float [G]; empty ones
-    cost nothing) at ``tflops``, each group's last tile padded to `GPU_GMM_TILE_ROWS` rows."""
-    tile = cal.GPU_GMM_TILE_ROWS
-    rows = np.asarray(rows_G, np.float64)
-    padded = float(np.sum(np.ceil(rows / tile) * tile))
-    return layer.compute_seconds(
-        layer.expert_fwd_flops(padded, model.hidden, model.expert_ffn), tflops, "train"
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +106,7 @@ def layer_of(load: Load, corner: Corner, balanced: bool, scenario) -> layer.Laye
         scenario.ep,
         cluster,
         params,
-        expert_seconds(rows_G, model, corner.gmm_tflops),
+        layer.tiled_expert_seconds(rows_G, model, corner.gmm_tflops),
     )
 
 
@@ -126,7 +115,8 @@ def step_seconds(load: Load, corner: Corner, balanced: bool, scenario) -> float:
     layers and the LM head."""
     model, cluster = ANCHOR.shape, CLUSTERS[scenario.cluster]
     per_layer = layer_of(load, corner, balanced, scenario).total
-    return model.moe_layers * per_layer + layer.fixed_seconds(model, cluster, layer.CostParams())
+    fixed = layer.fixed_seconds(model, cluster, layer.CostParams())
+    return layer.group_step_seconds(per_layer, 1, model, fixed, 1)
 
 
 def ideal_seconds(corner: Corner, scenario) -> float:

@@ -8,7 +8,6 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from experiments.gpu import exchange as gpu_exchange
 from experiments.gpu import hlo_schedule
@@ -17,7 +16,7 @@ SETUP = dataclasses.replace(gpu_exchange.DRY, check_rows=40, d_model=8)
 
 
 def _mesh():
-    return Mesh(np.array(jax.devices()[:8]), (gpu_exchange.AXIS,))
+    return gpu_exchange.exchange_mesh(jax.devices()[:8])
 
 
 def numpy_exchange(operand, sizes, src, dst, send_rows, recv_rows):

@@ -12,10 +12,8 @@ import re
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 import ultraep_jax as uep
 from experiments import cli
@@ -175,7 +173,7 @@ def test_predictions_equal_each_prompt_alone(served, workdir):
     what the padded, masked batch predicted, and the continuation starts with it."""
     res, _ = served
     _, train_cfg = engine.read_train_config(str(workdir))
-    mesh = jax.make_mesh((1, 8), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    mesh = trainer.make_mesh(1, 8, 1)  # the mesh experiments.serve builds on 8 devices
     state, step = engine.restore(train_cfg, workdir, mesh)
     assert step == TINY["steps"] == res["checkpoint_step"]
     model = engine.build(train_cfg, mesh, state, None, None)
@@ -238,7 +236,7 @@ def test_prompt_longer_than_max_seq_len(tmp_path, workdir):
 def test_decode_compiles_the_fallback(workdir):
     """The decode steps' program has no planner call; the prefill's, balanced, has one."""
     _, train_cfg = engine.read_train_config(str(workdir))
-    mesh = jax.make_mesh((1, 8), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    mesh = trainer.make_mesh(1, 8, 1)  # the mesh experiments.serve builds on 8 devices
     state, _ = engine.restore(train_cfg, workdir, mesh)
     balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=2, min_tokens_per_rank=0)
     tokens = np.zeros((8, 16), np.int32)

@@ -9,12 +9,14 @@ hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
 import numpy as np
 import pytest
 
+from experiments.stepmodel import cpu_rates, layer, shapes
 from experiments.stepmodel.shapes import ANCHOR
 from experiments.stepmodel_programs import anchor, pinned
 
@@ -85,8 +87,8 @@ def _check(key: tuple, row: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def rates() -> pinned.Rates:
-    return pinned.Rates.read(RESULTS / "rates_cpu.json")
+def rates() -> cpu_rates.Rates:
+    return cpu_rates.Rates.read(RESULTS / "rates_cpu.json")
 
 
 def _breakeven_rows(rates, name: str) -> list[dict]:
@@ -129,11 +131,11 @@ def test_a_rule_without_balancing_misses(rates):
 
 def test_linear_fit_recovers_its_coefficients():
     x = np.array([[1, 2.0, 3.0], [1, 5.0, 1.0], [1, 7.0, 4.0], [1, 1.0, 9.0]])
-    fit = pinned.Linear.fit(("a", "b", "c"), x, x @ [0.5, 2.0, 0.25])
+    fit = cpu_rates.Linear.fit(("a", "b", "c"), x, x @ [0.5, 2.0, 0.25])
     np.testing.assert_allclose(fit.coef, [0.5, 2.0, 0.25], rtol=1e-9)
     assert fit(1, 3.0, 4.0) == pytest.approx(0.5 + 6.0 + 1.0)
     with pytest.raises(ValueError):
-        pinned.Linear(("a",), (-1.0,))
+        cpu_rates.Linear(("a",), (-1.0,))
 
 
 def test_moe_runs_parse_a_block():
@@ -159,16 +161,16 @@ Step-time ratios (medians of the same run):
 
 def test_layer_seconds_refuses_what_the_rates_do_not_time(rates):
     with pytest.raises(ValueError):
-        pinned.layer_seconds(rates, "train", 256, 1024, 512, 2, True)
+        cpu_rates.layer_seconds(rates, "train", 256, 1024, 512, 2, True)
     with pytest.raises(ValueError):
-        pinned.layer_seconds(rates, "train", 256, 1024, 512, 1, False)
+        cpu_rates.layer_seconds(rates, "train", 256, 1024, 512, 1, False)
 
 
 def test_expert_seconds_pads_each_group_to_a_tile():
     model = ANCHOR.shape
-    one = anchor.expert_seconds([128], model, 500.0)
-    assert anchor.expert_seconds([1], model, 500.0) == pytest.approx(one)
-    assert anchor.expert_seconds([129, 0], model, 500.0) == pytest.approx(2 * one)
+    one = layer.tiled_expert_seconds([128], model, 500.0)
+    assert layer.tiled_expert_seconds([1], model, 500.0) == pytest.approx(one)
+    assert layer.tiled_expert_seconds([129, 0], model, 500.0) == pytest.approx(2 * one)
 
 
 def test_anchor_published_plans_within_their_bands():
@@ -179,3 +181,14 @@ def test_anchor_published_plans_within_their_bands():
         assert f["speedup_band"][0] <= f["speedup"] <= f["speedup_band"][1]
         assert f["speedup"] > 1.0  # balancing the anchor's loads pays
         assert f["final"] == pytest.approx(ANCHOR.final_imbalance)
+
+
+def test_trace_models_take_their_traces_sizes():
+    """A trace model's experts and top-k are stated once, in experiments.loads.traces (Qwen1.5-MoE
+    config.json: 60 experts, top-4); a model whose experts differ from its trace's is refused."""
+    qwen = shapes.TRACE_MODELS["qwen1.5-moe-a2.7b"]
+    assert (qwen.num_experts, qwen.top_k) == (60, 4)
+    row = dataclasses.asdict(shapes.MODELS["glm-4.5-106b"])
+    del row["name"]
+    with pytest.raises(ValueError, match=r"glm has 64 experts, its trace switch-base-128 128"):
+        shapes._models({"glm": {**row, "num_experts": 64}})

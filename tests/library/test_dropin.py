@@ -19,24 +19,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
+from tests import helpers
 from tests.helpers import set_param
 from tests.references.moe import reference_moe
 
 D, F, E, K = 16, 8, 8, 2
 B, L = 8, 6  # 48 tokens: 6 per device on 8 token devices, 12 on 4 (with a "model" axis)
 
-MESHES = {
-    "ep8": ((8,), ("expert",)),
-    "dp2ep4": ((2, 4), ("data", "expert")),
-    "dp2ep2tp2": ((2, 2, 2), ("data", "expert", "model")),
-}
+#: The meshes the cases run on: the standard two (tests/helpers.py) and a third axis the layer
+#: leaves to the user (name -> (shape, axis names)).
+EXTRA_MESHES = {"dp2ep2tp2": ((2, 2, 2), ("data", "expert", "model"))}
+MESHES = (*helpers.MESH_KINDS, *EXTRA_MESHES)
 FACTORS = {
     "entry": ("local", "routed", "layer"),
-    "mesh": tuple(MESHES),
+    "mesh": MESHES,
     "axes": ("explicit", "auto"),
     "mask": ("none", "random", "all"),
     "dtype": ("float32", "bfloat16"),
@@ -73,9 +73,12 @@ CASES = _pairwise_cases()
 
 
 def _mesh(name: str, axes: str):
-    shape, names = MESHES[name]
-    kind = AxisType.Explicit if axes == "explicit" else AxisType.Auto
-    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+    """The mesh ``name`` of `MESHES`, its axes Explicit (as `jax.make_mesh` gives them) or Auto."""
+    if name in helpers.MESH_KINDS:
+        mesh = helpers.make_mesh(name)
+    else:
+        mesh = jax.make_mesh(*EXTRA_MESHES[name])
+    return mesh if axes == "explicit" else helpers.auto_axes(mesh)
 
 
 def _draw(seed: int, dtype):

@@ -97,8 +97,8 @@ def test_config_sizes_are_optional_and_checked_when_given():
     assert "\n" not in str(info.value)
 
 
-def test_expert_parallel_fills_in_the_balancer_sizes():
-    mesh = jax.make_mesh((2, 4), ("data", "expert"))
+def test_expert_parallel_fills_in_the_balancer_sizes(dp2ep4_mesh):
+    mesh = dp2ep4_mesh
     ep = uep.ExpertParallel(mesh, 8, uep.BalancerConfig(slots_per_rank=1))
     assert ep.balancer == uep.BalancerConfig(8, 4, slots_per_rank=1)
     assert ep == uep.ExpertParallel(mesh, 8, uep.BalancerConfig(8, 4, slots_per_rank=1))

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, Mesh
 
 import ultraep_jax as uep
 from tests import helpers
@@ -297,11 +296,6 @@ def test_dropless_stats(case):
     assert int(bal["over_capacity"]) == 0 and int(plain["over_capacity"]) == 0
 
 
-def _auto_axes(mesh):
-    """The same devices and axis names with every axis of type Auto."""
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
-
-
 @pytest.mark.parametrize("placement", ["unplaced", "auto_mesh"])
 def test_input_placement_does_not_matter(placement):
     """x as a plain array, or placed on an Auto-axes copy of the mesh, gives the same output and
@@ -312,7 +306,7 @@ def test_input_placement_does_not_matter(placement):
     if placement == "unplaced":
         x = jnp.asarray(res["x"])
     else:
-        x = place_batch(_auto_axes(mesh), res["x"])
+        x = place_batch(helpers.auto_axes(mesh), res["x"])
     layer = build_layer(mesh, case.num_experts, case.top_k, None, None, res["params"])
     y, _, gx, gp = layer_value_and_grads(layer, x, jnp.asarray(res["cotangent"]))
     y_ref, _, gx_ref, gp_ref = res["plain"]
