@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax._ops import INT64_MAX, check_int
+from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.base.layout import check_divisible
 from ultraep_jax.config.balancer import BalancerConfig
 from ultraep_jax.config.execution import AUTO, PLANNERS
@@ -144,7 +145,8 @@ def plan(
         raise ValueError(f"plan: planner must be one of {PLANNERS}, got {planner!r}")
     native = functools.partial(_ffi_plan, config=config, cap=cap, parallel=parallel)
     portable = functools.partial(_portable_plan, config=config, cap=cap)
-    impls = {"native": native, "portable": portable}
+    axes = varying_axes(loads)
+    impls = {"native": _varying(native, axes), "portable": _varying(portable, axes)}
     if planner != "auto":
         return impls[planner](loads)
     rule = dict(AUTO["planner"])
@@ -152,6 +154,13 @@ def plan(
         rule["cuda"] = "portable"
     _log.info("ultraep_jax plan: planner by lowering platform: %s", rule)
     return jax.lax.platform_dependent(loads, **{p: impls[name] for p, name in rule.items()})
+
+
+def _varying(impl, axes):
+    """``impl`` with its plan typed as varying over ``axes`` (the loads'): inside a shard_map
+    the plan varies as the loads do, whichever planner made it. The FFI call's outputs lose that
+    type and the portable planner's keep it, and the branches of "auto" must agree."""
+    return lambda loads: jax.tree.map(lambda a: vary(a, axes), impl(loads))
 
 
 def check_native_planner(planner: str, platform: str | None) -> None:

@@ -28,6 +28,7 @@ from ultraep_jax.planning.portable_attempt import (
     first_max,
     no_replicas,
     try_threshold,
+    while_varying,
 )
 
 #: Probes run at once: one `vmap` lane each.
@@ -162,7 +163,7 @@ def _first_success(sz: Sizes, tot: Totals, taus, run, any_floor):
         i, found, _, _ = s
         return ~found & (i < n) & pending[jnp.minimum(i, n)]
 
-    _, found, k, reps = jax.lax.while_loop(cond, body, (first + 1, ok, first, reps))
+    _, found, k, reps = while_varying(cond, body, (first + 1, ok, first, reps), tot.L)
     return found, k, reps
 
 

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ultraep_jax._vma import vary, varying_axes
+
 LOOSE, STRICT, MOST = 0, 1, 2
 #: An attempt's state code: still placing replicas, succeeded, failed at a source, or a floor-1
 #: attempt found a source whose masters have nothing left (no plan reaches the threshold);
@@ -68,6 +70,15 @@ class Replicas:
     target: jax.Array
     quota: jax.Array
     count: jax.Array
+
+
+def while_varying(cond, body, init, like):
+    """`lax.while_loop` whose initial carry is typed as varying over whatever ``like`` (an
+    array derived from the loads) varies over: inside a `shard_map` over loads that differ
+    between EP groups, the body's outputs vary as the loads do, and a constant initial carry would
+    not match them."""
+    axes = varying_axes(like)
+    return jax.lax.while_loop(cond, body, jax.tree.map(lambda a: vary(a, axes), init))
 
 
 def no_replicas(sz: Sizes) -> Replicas:
@@ -207,10 +218,11 @@ def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, n_order, run):
         "load_src": load_src,
         "later": later - x,
     }
-    s = jax.lax.while_loop(
+    s = while_varying(
         lambda s: s["code"] == RUNNING,
         lambda s: _step(sz, tot, f, rule, tau, order, n_order, s),
         s,
+        tot.L,
     )
     reps = Replicas(s["rep_e"], s["rep_t"], s["rep_q"], s["nrep"])
     return s["code"], s["failed"], reps
@@ -286,5 +298,5 @@ def try_threshold(sz: Sizes, tot: Totals, tau, any_floor, run):
         "ok": jnp.zeros((), bool),
         "reps": no_replicas(sz),
     }
-    s = jax.lax.while_loop(lambda s: ~s["decided"] & (s["pos"] < _POSITIONS), body, s)
+    s = while_varying(lambda s: ~s["decided"] & (s["pos"] < _POSITIONS), body, s, tot.L)
     return s["ok"], s["reps"]
