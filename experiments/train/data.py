@@ -12,7 +12,6 @@ The corpus is a flat ``uint8`` array: the bytes of a list of files, concatenated
   corpus in file order (so the routing really changes over time: tests, docs, C-like code...), and
   a resumed run sees exactly the same batches as an uninterrupted one.
 * :func:`eval_batches` -- fixed, non-overlapping windows from the start of the eval slice.
-* :func:`process_slice` -- the contiguous block of batch rows one process feeds.
 
 Every batch is int32 ``[batch_size, seq_len + 1]``: the model reads ``batch[:, :-1]`` and predicts
 ``batch[:, 1:]``.
@@ -39,7 +38,6 @@ __all__ = [
     "default_corpus_root",
     "eval_batches",
     "load_corpus",
-    "process_slice",
     "split_corpus",
     "train_batch",
 ]
@@ -280,29 +278,3 @@ def eval_batches(
         idx = np.arange(b * batch_size, (b + 1) * batch_size) % num_windows
         batches.append(windows[idx].astype(np.int32))
     return batches
-
-
-def process_slice(batch: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
-    """The rows of a global batch that process ``process_index`` feeds.
-
-    Args:
-      batch: ``[B, ...]`` with ``B % process_count == 0``.
-      process_index: in ``[0, process_count)``.
-      process_count: >= 1.
-
-    Returns:
-      ``batch[i * B // P : (i + 1) * B // P]`` (a contiguous block; the blocks of all processes,
-      in process order, are the whole batch).
-    """
-    process_count = check_int("process_count", process_count, 1)
-    process_index = check_int("process_index", process_index, 0)
-    if process_index >= process_count:
-        raise ValueError(f"process_index={process_index} is not < process_count={process_count}")
-    batch = np.asarray(batch)
-    if batch.ndim < 1 or batch.shape[0] % process_count != 0:
-        raise ValueError(
-            f"batch size {batch.shape[0] if batch.ndim else 0} is not divisible by "
-            f"process_count={process_count}"
-        )
-    rows = batch.shape[0] // process_count
-    return batch[process_index * rows : (process_index + 1) * rows]

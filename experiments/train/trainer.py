@@ -230,8 +230,9 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration)
     batch_sharding = NamedSharding(mesh, P(("data", "expert")))
 
     def global_batch(rows: np.ndarray) -> jax.Array:
-        local = data.process_slice(rows, jax.process_index(), jax.process_count())
-        return jax.make_array_from_process_local_data(batch_sharding, local, rows.shape)
+        # Every process holds the whole batch; each device takes its block. With a tensor axis
+        # the processes of one EP rank's tensor ranks take the same rows.
+        return jax.make_array_from_callback(rows.shape, batch_sharding, lambda index: rows[index])
 
     eval_set = [
         global_batch(b)

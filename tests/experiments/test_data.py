@@ -139,7 +139,7 @@ def test_train_and_eval_are_disjoint_positions():
 
 
 # --------------------------------------------------------------------------------------------
-# train_batch / eval_batches / process_slice
+# train_batch / eval_batches
 # --------------------------------------------------------------------------------------------
 
 
@@ -191,18 +191,6 @@ def test_eval_batches_cover_the_slice_from_its_start():
     # Fewer windows than one batch: one batch, windows reused from the start.
     (small,) = D.eval_batches(held[:25], 4, 9, max_batches=3)
     np.testing.assert_array_equal(small, np.stack([held[0:10], held[10:20]] * 2))
-
-
-def test_process_slice_partitions_rows():
-    batch = np.arange(8 * 5).reshape(8, 5)
-    for count in (1, 2, 4, 8):
-        parts = [D.process_slice(batch, i, count) for i in range(count)]
-        assert all(p.shape == (8 // count, 5) for p in parts)
-        np.testing.assert_array_equal(np.concatenate(parts), batch)
-    with pytest.raises(ValueError):
-        D.process_slice(batch, 0, 3)
-    with pytest.raises(ValueError):
-        D.process_slice(batch, 2, 2)
 
 
 # --------------------------------------------------------------------------------------------
