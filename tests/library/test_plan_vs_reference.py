@@ -146,8 +146,8 @@ def _check_property_case(
     assert np.asarray(got.rank_load).max() <= rank_loads_before(loads).max()
 
 
-@settings(max_examples=60, deadline=None)
-@given(
+#: The property tests' cases, the same for both planners.
+_PROPERTY_CASES = dict(
     R=st.sampled_from([2, 4, 8]),
     experts_per_rank=st.integers(1, 4),
     S=st.integers(0, 3),
@@ -160,6 +160,10 @@ def _check_property_case(
     capacity=st.one_of(st.none(), st.floats(0.9, 1.5)),
     g=st.sampled_from(DOMAINS),
 )
+
+
+@settings(max_examples=60, deadline=None)
+@given(**_PROPERTY_CASES)
 def test_ffi_equals_reference_property(
     R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, g
 ):
@@ -171,19 +175,7 @@ def test_ffi_equals_reference_property(
 # Fewer examples: the portable planner compiles once per size, slot count, domain size, exact
 # mode and capacity or not (about 3 s each; F, K, eps and the capacity are traced).
 @settings(max_examples=12, deadline=None)
-@given(
-    R=st.sampled_from([2, 4, 8]),
-    experts_per_rank=st.integers(1, 4),
-    S=st.integers(0, 3),
-    F=st.sampled_from([1, 5, 64, 4096]),
-    K=st.sampled_from([0, 1, 7]),
-    eps=st.sampled_from([0.0, 0.003, 0.01, 0.25, 1e17, 1e300]),
-    seed=st.integers(0, 2**31),
-    kind=st.sampled_from(["uniform", "hot", "zipf", "one", "equal"]),
-    scale=st.sampled_from([3, 500, 60_000, 4_000_000]),
-    capacity=st.one_of(st.none(), st.floats(0.9, 1.5)),
-    g=st.sampled_from(DOMAINS),
-)
+@given(**_PROPERTY_CASES)
 def test_portable_equals_reference_property(
     R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, g
 ):
