@@ -81,9 +81,16 @@ def routed_experts_local(
     T = math.prod(x.shape[:-1])
     mask_T = None if token_mask is None else token_mask.reshape(T)
     capacity = ep.capacity(T, K)
-    y_TD, stats = _pipeline(
-        x.reshape(T, D), experts.reshape(T, K), weights.reshape(T, K), mask_T, params, ep, capacity
-    )
+    with jax.named_scope("routed_experts"):
+        y_TD, stats = _pipeline(
+            x.reshape(T, D),
+            experts.reshape(T, K),
+            weights.reshape(T, K),
+            mask_T,
+            params,
+            ep,
+            capacity,
+        )
     return y_TD.reshape(x.shape), stats
 
 
@@ -106,7 +113,8 @@ def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, 
         sent_CD = _exchange(x_TD[dispatch.send_order_N // K], dispatch.exchange, ep)
         rows_CD = checkpoint_name(to_groups(sent_CD, dispatch), remat.RECEIVED)
     # The relay schedule, once per call: the transfer follows it and the stats count its sends.
-    schedule = None if balancer is None else _relay_schedule(plan, params, balancer)
+    with jax.named_scope("relay_schedule"):
+        schedule = None if balancer is None else _relay_schedule(plan, params, balancer)
     with jax.named_scope("experts"):
         done_CD = _experts(rows_CD, params, plan, dispatch.group_sizes_G, ep, balancer, schedule)
     with jax.named_scope("combine"):
@@ -116,8 +124,9 @@ def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, 
         if mask_T is not None:
             y_TD = jnp.where(mask_T[:, None], y_TD, 0)
         y_TD = _summed_over_tensor(y_TD, ep)
-    send_max = 0.0 if schedule is None else _transfer_send_max(schedule, params)
-    stats = _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, dispatch, send_max)
+    with jax.named_scope("stats"):
+        send_max = 0.0 if schedule is None else _transfer_send_max(schedule, params)
+        stats = _stats(ep, capacity, K, experts_N, loads_RE, masked_R, plan, dispatch, send_max)
     return y_TD.astype(x_TD.dtype), stats
 
 
@@ -172,7 +181,8 @@ def _exchange(operand, exchange, ep: ExpertParallel) -> jax.Array:
     if ep.ep_size == 1:
         return comm.local_exchange(operand, exchange)
     backend = ep.execution.comm_backend
-    return comm.ragged_exchange(operand, exchange, axis_name=ep.expert_axis, backend=backend)
+    with jax.named_scope("exchange"):  # a profile's "exchange" term (`experiments.step_terms`)
+        return comm.ragged_exchange(operand, exchange, axis_name=ep.expert_axis, backend=backend)
 
 
 def _plan(experts_N, masked, ep: ExpertParallel, balancer: BalancerConfig | None, capacity: int):

@@ -203,7 +203,8 @@ def _forward(ep, router, ideal, x, token_mask, router_kernel, bias, experts, sha
     shape = (B, L, router.top_k)
     ids, weights = routing.experts.reshape(shape), routing.weights.reshape(shape)
     if ideal:
-        ids = force_balanced(ids, ep, token_mask)
+        with jax.named_scope("force_balanced"):
+            ids = force_balanced(ids, ep, token_mask)
     y, stats = routed_experts(x, ids, weights, experts, ep, token_mask)
     if shared is not None:
         with jax.named_scope("shared_experts"):

@@ -38,14 +38,18 @@ import os
 import pathlib
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 
-import numpy as np
 from absl import flags
 
-from experiments.concurrency import concurrency_line
+from experiments.bench.step_report import (
+    busiest_terms,
+    calibration_summary,
+    case_report,
+    plot,
+    print_case,
+)
 from experiments.output_files import write_json
 from experiments.program import run_main
 from experiments.records import read_metrics
@@ -63,15 +67,17 @@ MODES = {
 }
 #: The cases: the router's flags of each.
 CASES = {"softmax": ("--router=softmax",), "sigmoid": ("--router=sigmoid",)}
-#: The ratios reported: name -> (mode A, mode B, scale): per round, A's step time / B's x scale.
-RATIOS = {
-    "balanced_pct_of_ideal": ("ideal", "balanced", 100.0),
-    "balanced_x_over_plain": ("plain", "balanced", 1.0),
-    "balanced_x_over_plain@1.25": ("plain@1.25", "balanced", 1.0),
-    "plain_pct_of_ideal": ("ideal", "plain", 100.0),
-}
 #: Flags the benchmark sets itself: --train_flags may not give them.
-_OWN_FLAGS = ("balance", "capacity_factor", "workdir", "pinned_ranks", "steps", "preset", "router")
+_OWN_FLAGS = (
+    "balance",
+    "capacity_factor",
+    "workdir",
+    "pinned_ranks",
+    "steps",
+    "profile_steps",
+    "preset",
+    "router",
+)
 
 _PINNED = flags.DEFINE_integer(
     "pinned_ranks",
@@ -81,6 +87,12 @@ _PINNED = flags.DEFINE_integer(
 )
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Alternated rounds (medians over them).")
 _STEPS = flags.DEFINE_integer("steps", 40, "Steps per run (the first compiles: untimed).")
+_PROFILE = flags.DEFINE_integer(
+    "profile_steps",
+    3,
+    "The last steps of each run traced to split the step into terms (experiments.train "
+    "--profile_steps; left out of the median step time). 0: no split.",
+)
 _PRESET = flags.DEFINE_enum("preset", "moe_heavy", sorted(PRESETS), "Model preset.")
 _BATCH = flags.DEFINE_integer("batch_size", 32, "Global batch (sequences).")
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed (the same in every run).")
@@ -94,7 +106,19 @@ _OUT = flags.DEFINE_string(
     "run_dir", "runs/bench_step", "Run folder (the runs, the JSON, the PNG)."
 )
 #: The flags the JSON records as the run's settings.
-_SETTINGS = (_PINNED, _ROUNDS, _STEPS, _PRESET, _BATCH, _SEED, _DATA, _MODES, _CASES, _TRAIN_FLAGS)
+_SETTINGS = (
+    _PINNED,
+    _ROUNDS,
+    _STEPS,
+    _PROFILE,
+    _PRESET,
+    _BATCH,
+    _SEED,
+    _DATA,
+    _MODES,
+    _CASES,
+    _TRAIN_FLAGS,
+)
 
 
 def _check_names(kind: str, known):
@@ -122,6 +146,12 @@ flags.register_validator("routers", _check_names("router", CASES))
 flags.register_validator("train_flags", _check_train_flags)
 flags.register_validator("rounds", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("steps", lambda v: v >= 2, "must be >= 2 (the first step compiles)")
+flags.register_validator("profile_steps", lambda v: v >= 0, "must be >= 0")
+flags.register_multi_flags_validator(
+    ["steps", "profile_steps"],
+    lambda f: f["profile_steps"] <= f["steps"] - 2,
+    "--profile_steps must be at most --steps - 2 (the first step compiles, one step is timed)",
+)
 flags.register_validator(
     "pinned_ranks",
     lambda v: 0 <= v <= len(os.sched_getaffinity(0)),
@@ -147,6 +177,7 @@ def train_command(case: str, mode: str, workdir: pathlib.Path) -> list[str]:
     cmd = [sys.executable, "-m", "experiments.train", f"--pinned_ranks={_PINNED.value}"]
     cmd += [f"--workdir={workdir}", f"--preset={_PRESET.value}", f"--steps={steps}"]
     cmd += [f"--batch_size={_BATCH.value}", f"--seed={_SEED.value}", "--eval_batches=1"]
+    cmd += [f"--profile_steps={_PROFILE.value}"]
     # Evaluate and checkpoint only after the last step; 2 MiB of text is more than 40 steps read.
     cmd += [f"--eval_every={steps}", f"--checkpoint_every={steps}", f"--print_every={steps}"]
     cmd += ["--max_corpus_bytes=2097152"] + ([f"--data={_DATA.value}"] if _DATA.value else [])
@@ -156,7 +187,8 @@ def train_command(case: str, mode: str, workdir: pathlib.Path) -> list[str]:
 def read_run(workdir: pathlib.Path) -> tuple[dict, dict]:
     """One finished run's figures (``step_time_s``, the busiest rank's median step;
     ``tokens_per_s``; ``dropped_pairs``; per-layer mean max/mean ``imbalance_before`` /
-    ``_after`` [L]; ``losses`` by step; ``calibration``) and its flat configuration."""
+    ``_after`` [L]; ``losses`` by step; ``calibration``; ``terms``, the busiest rank's profile
+    (`step_report.busiest_terms`; None unprofiled)) and its flat configuration."""
     summary = json.loads((workdir / "summary.json").read_text())
     records = read_metrics(workdir / "metrics.jsonl")
     run = {
@@ -167,6 +199,9 @@ def read_run(workdir: pathlib.Path) -> tuple[dict, dict]:
         "imbalance_after": summary["imbalance_after"]["mean"],
         "losses": {str(r["step"]): r["loss"] for r in records},
         "calibration": summary.get("calibration"),
+        "terms": busiest_terms(
+            [json.loads(p.read_text()) for p in sorted(workdir.glob("terms_rank*.json"))]
+        ),
     }
     return run, summary["config"]
 
@@ -218,129 +253,6 @@ def flop_shares(model: ModelConfig, seq_len: int) -> dict[str, float]:
     return {name: value / total for name, value in flops.items()}
 
 
-def logged_steps(steps: int) -> list[str]:
-    """The steps whose loss is reported: the first, each quarter, the last."""
-    return [str(s) for s in sorted({1, *(steps * q // 4 for q in (1, 2, 3, 4))} - {0})]
-
-
-def mode_summary(runs: list[dict]) -> dict:
-    """One mode's figures over its rounds' runs: median step time with the rounds' min / max
-    and spread ((max - min) / median), tokens/s (median), pairs dropped (the largest run's),
-    per-layer imbalance (medians over rounds), the first round's losses at `logged_steps`."""
-    times = [r["step_time_s"] for r in runs]
-    median = statistics.median(times)
-    steps = logged_steps(max(int(s) for s in runs[0]["losses"]))
-    return {
-        "step_time_s": {"median": median, "min": min(times), "max": max(times), "rounds": times},
-        "spread": (max(times) - min(times)) / median,
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-        "dropped_pairs": max(r["dropped_pairs"] for r in runs),
-        "imbalance_before": np.median([r["imbalance_before"] for r in runs], axis=0).tolist(),
-        "imbalance_after": np.median([r["imbalance_after"] for r in runs], axis=0).tolist(),
-        "losses": {s: runs[0]["losses"][s] for s in steps},
-    }
-
-
-def round_ratios(rounds: list[dict]) -> dict[str, dict]:
-    """`RATIOS` of each round's step times, and their median, for those whose modes ran."""
-    out = {}
-    for name, (a, b, scale) in RATIOS.items():
-        if a in rounds[0] and b in rounds[0]:
-            values = [r[a]["step_time_s"] / r[b]["step_time_s"] * scale for r in rounds]
-            out[name] = {"rounds": values, "median": statistics.median(values)}
-    return out
-
-
-def loss_difference(rounds: list[dict]) -> float | None:
-    """The largest |balanced - plain| loss over every round and step (None without both)."""
-    if "balanced" not in rounds[0] or "plain" not in rounds[0]:
-        return None
-    return max(
-        abs(r["balanced"]["losses"][s] - loss)
-        for r in rounds
-        for s, loss in r["plain"]["losses"].items()
-    )
-
-
-def case_report(rounds: list[dict]) -> dict:
-    """A case's JSON: per-mode `mode_summary`, `round_ratios`, `loss_difference`, the rounds."""
-    return {
-        "modes": {m: mode_summary([r[m] for r in rounds]) for m in rounds[0]},
-        "ratios": round_ratios(rounds),
-        "loss_max_abs_diff_balanced_plain": loss_difference(rounds),
-        "rounds": rounds,
-    }
-
-
-def _layers(values) -> str:
-    return " ".join(f"{v:.2f}" for v in values)
-
-
-def print_case(case: str, report: dict) -> None:
-    """The case's table of modes, its ratios and its loss check."""
-    print(f"\ncase {case}: {clock_text()} median step over {_ROUNDS.value} rounds [min-max]")
-    for mode, s in report["modes"].items():
-        t = s["step_time_s"]
-        losses = " ".join(f"{loss:.4f}" for loss in s["losses"].values())
-        print(
-            f"  {mode:10s} {t['median'] * 1e3:7.1f} ms [{t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f},"
-            f" spread {s['spread']:.0%}]  {s['tokens_per_s']:8.0f} tok/s  dropped "
-            f"{s['dropped_pairs']}  max/mean per layer {_layers(s['imbalance_before'])} -> "
-            f"{_layers(s['imbalance_after'])}  loss at steps {'/'.join(s['losses'])}: {losses}"
-        )
-    for name, ratio in report["ratios"].items():
-        rounds = " ".join(f"{v:.3f}" for v in ratio["rounds"])
-        print(f"  {name}: {ratio['median']:.3f} (median of rounds {rounds})")
-    if report["loss_max_abs_diff_balanced_plain"] is not None:
-        diff = report["loss_max_abs_diff_balanced_plain"]
-        print(f"  balanced vs plain loss, largest difference over rounds and steps: {diff:.2e}")
-
-
-def calibration_summary(results: dict) -> dict | None:
-    """The runs' calibration ratios and the line of the run at their median (None unpinned)."""
-    cals = [r["calibration"] for rs in results.values() for rd in rs for r in rd.values()]
-    cals = sorted((c for c in cals if c), key=lambda c: c["ratio"])
-    if not cals:
-        return None
-    return {"ratios": [c["ratio"] for c in cals], "line": concurrency_line(cals[len(cals) // 2])}
-
-
-def _plot_case(ax, case: str, modes: dict) -> None:
-    """One case's bars: each mode's median step, the part above the ideal's median stacked on
-    the part within it (when the ideal ran), whiskers at the rounds' min and max."""
-    times = [m["step_time_s"] for m in modes.values()]
-    median = np.array([t["median"] for t in times]) * 1e3
-    whiskers = np.array([[t["median"] - t["min"], t["max"] - t["median"]] for t in times]).T * 1e3
-    ideal = modes["ideal"]["step_time_s"]["median"] * 1e3 if "ideal" in modes else np.inf
-    base = np.minimum(median, ideal)
-    ax.bar(list(modes), base, color="C0", label="within the ideal's step")
-    ax.bar(list(modes), median - base, bottom=base, color="C3", label="above the ideal's step")
-    ax.errorbar(list(modes), median, yerr=whiskers, fmt="none", ecolor="k", capsize=5)
-    ax.set_title(f"{case} ({len(times[0]['rounds'])} rounds)")
-    ax.set_ylabel(f"{clock_text()} median step (ms)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-
-
-def plot(report: dict, path: pathlib.Path) -> None:
-    """Bar chart per case (`_plot_case`): the modes' median steps split only into the ideal's
-    step and the time above it, not into the step's own terms."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    cases = report["cases"]
-    fig = Figure(figsize=(4 + 3 * len(cases), 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(cases), squeeze=False)[0]
-    for ax, (case, data) in zip(axes, cases.items(), strict=True):
-        _plot_case(ax, case, data["modes"])
-    fig.suptitle(
-        "training step by mode, min-max over rounds: the part above the force-balanced ideal\n"
-        "(imbalance; for balanced, its own cost and what imbalance remains); not split further"
-    )
-    fig.savefig(path, dpi=110)
-
-
 def main(argv):
     """Runs the rounds, prints the report, writes the JSON and the PNG."""
     if len(argv) > 1:
@@ -368,13 +280,13 @@ def main(argv):
     shares = ", ".join(f"{k} {v:.1%}" for k, v in report["flop_shares"].items() if v)
     print(f"\nthe step's FLOPs by part (from the shapes): {shares}", flush=True)
     for case, data in report["cases"].items():
-        print_case(case, data)
+        print_case(case, data, clock_text(), _ROUNDS.value)
     if report["calibration"]:
         print(report["calibration"]["line"])
     json_path, png_path = out / "bench_step.json", out / "bench_step.png"
     write_json(json_path, report)
-    plot(report, png_path)
-    print(f"wrote {json_path} and {png_path} (bars split only at the ideal's step, not into terms)")
+    plot(report, png_path, clock_text())
+    print(f"wrote {json_path} and {png_path}")
     if ideal:
         print(IDEAL_NOTE)
 

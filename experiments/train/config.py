@@ -28,7 +28,7 @@ MODEL_FIELDS = tuple(field.name for field in dataclasses.fields(ModelConfig))
 #: be resumed with the same values.
 STATE_FIELDS = MODEL_FIELDS
 #: Fields that only say how long to train and how often to report: free to change on resume.
-SCHEDULE_FIELDS = ("steps", "checkpoint_every", "eval_every", "print_every")
+SCHEDULE_FIELDS = ("steps", "checkpoint_every", "eval_every", "print_every", "profile_steps")
 # TrainConfig's fields that must be ints >= 1.
 _POSITIVE = (
     "steps",
@@ -122,6 +122,10 @@ class TrainConfig:
       print_every: progress line interval (steps).
       profile_loads: record per-step, per-layer expert and rank loads before/after balancing to
         <workdir>/loads.jsonl.
+      profile_steps: trace the last this many steps with the JAX profiler on every process and
+        write each process's step split into terms (experiments.step_terms) to
+        <workdir>/terms_rank<process>.json; those steps are left out of the median step time.
+        0: none.
     """
 
     workdir: str = "runs/default"
@@ -147,6 +151,7 @@ class TrainConfig:
     eval_every: int = 50
     print_every: int = 10
     profile_loads: bool = False
+    profile_steps: int = 0
 
     def __post_init__(self):
         if self.balance not in BALANCE_MODES:
@@ -156,6 +161,11 @@ class TrainConfig:
         check_positive_ints(self, _POSITIVE, "--")
         if self.slots_per_rank < 0 or self.ep_size < 0 or self.min_tokens_per_rank < 0:
             raise ValueError("--slots_per_rank, --ep_size and --min_tokens_per_rank must be >= 0")
+        if not 0 <= self.profile_steps < self.steps:
+            raise ValueError(
+                f"--profile_steps={self.profile_steps} must be in [0, --steps={self.steps}) (the "
+                f"first step compiles)"
+            )
         if self.balance == "ultraep" and self.slots_per_rank == 0:
             # Balancing would plan nothing, and the 1.05x buffer sized for it would drop pairs.
             raise ValueError(

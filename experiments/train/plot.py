@@ -55,11 +55,12 @@ def _steps_losses(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray
 
 def timed_records(records: list[dict]) -> list[dict]:
     """The records whose step time and tokens/s count: all but the first step of each start of
-    the run (the first run and every resume), whose time includes compiling the step. Those carry
-    ``"compiling": true``; in a file without that mark, the first record is left out."""
+    the run (the first run and every resume), whose time includes compiling the step, and the
+    steps traced by ``--profile_steps``. Those carry ``"compiling": true`` / ``"profiled":
+    true``; in a file without the first mark, the first record is left out."""
     if any("compiling" in r for r in records):
-        return [r for r in records if not r.get("compiling")]
-    return records[1:]
+        return [r for r in records if not r.get("compiling") and not r.get("profiled")]
+    return [r for r in records[1:] if not r.get("profiled")]
 
 
 # --------------------------------------------------------------------------------------------

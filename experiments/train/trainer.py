@@ -24,6 +24,7 @@ from experiments.output_files import write_json
 from experiments.train import data, plot, summary
 from experiments.train.checkpoints import Checkpoints
 from experiments.train.config import IDEAL_NOTE, TrainConfig
+from experiments.train.step_profile import StepProfile
 from experiments.train.stop import StopRequest, in_worker_thread
 from experiments.train.workdir import (
     CONFIG_FILE,
@@ -241,10 +242,12 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration)
     train_step = nnx.jit(_train_step)
     eval_step = nnx.jit(_eval_step)
     step = saved = start
+    profile = StepProfile(workdir, cfg.steps, cfg.profile_steps, start)
     while step < cfg.steps and not stop.agreed():
         step += 1
         stop.step = step
         batch = global_batch(data.train_batch(train_bytes, step - 1, cfg.batch_size, cfg.seq_len))
+        profiled = profile.starts(step)
         begin = time.perf_counter()
         loss, stats = train_step(model, optimizer, batch)
         record = {"step": step, "balance": cfg.balance, "loss": float(loss)}
@@ -254,6 +257,9 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration)
         record["tokens_per_s"] = round(cfg.batch_size * cfg.seq_len / elapsed, 1)
         if step == start + 1:  # its time includes compiling the step: the summary leaves it out
             record["compiling"] = True
+        if profiled:  # traced: slower, left out of the summary's median too
+            record["profiled"] = True
+            profile.ended(step, elapsed)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             record["eval_loss"] = float(np.mean([float(eval_step(model, b)) for b in eval_set]))
         if lead:
@@ -264,6 +270,7 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration)
                 print(summary.progress_line(record), flush=True)
         if checkpoints.save(step, model, optimizer):
             saved = step
+    profile.finish(lambda: train_step.lower(model, optimizer, batch).compile().as_text())
     if step > saved:  # the last step, or the step a stop request ended on
         checkpoints.save(step, model, optimizer, force=True)
     checkpoints.wait()

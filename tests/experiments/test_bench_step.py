@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments.bench import step
+from experiments.bench import step, step_report
 from models.presets import preset
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -36,8 +36,8 @@ def _bench(args, timeout=900):
 def test_rotated_orders_and_logged_steps():
     modes = list(step.MODES)
     assert [step.rotated(modes, r)[0] for r in range(5)] == [*modes, modes[0]]
-    assert step.logged_steps(40) == ["1", "10", "20", "30", "40"]
-    assert step.logged_steps(3) == ["1", "2", "3"]
+    assert step_report.logged_steps(40) == ["1", "10", "20", "30", "40"]
+    assert step_report.logged_steps(3) == ["1", "2", "3"]
 
 
 def test_flop_shares_of_the_default_preset():
@@ -68,7 +68,7 @@ def test_ratios_are_medians_of_per_round_ratios():
     times = {"ideal": (300, 280, 320), "balanced": (310, 290, 300), "plain": (380, 300, 330)}
     times["plain@1.25"] = (330, 320, 310)
     rounds = [{m: _run(t[r]) for m, t in times.items()} for r in range(3)]
-    ratios = step.round_ratios(rounds)
+    ratios = step_report.round_ratios(rounds)
     assert ratios["balanced_pct_of_ideal"]["rounds"] == pytest.approx(
         [300 / 310 * 100, 280 / 290 * 100, 320 / 300 * 100]
     )
@@ -76,13 +76,13 @@ def test_ratios_are_medians_of_per_round_ratios():
     assert ratios["balanced_x_over_plain"]["median"] == pytest.approx(330 / 300)
     assert ratios["balanced_x_over_plain@1.25"]["median"] == pytest.approx(330 / 310)
     assert ratios["plain_pct_of_ideal"]["median"] == pytest.approx(280 / 300 * 100)
-    summary = step.mode_summary([r["plain"] for r in rounds])
+    summary = step_report.mode_summary([r["plain"] for r in rounds])
     assert summary["step_time_s"]["median"] == pytest.approx(0.330)
     assert summary["spread"] == pytest.approx((0.380 - 0.300) / 0.330)
-    assert step.loss_difference(rounds) == 0.0
+    assert step_report.loss_difference(rounds) == 0.0
     rounds[1]["balanced"] = _run(290, loss_shift=1e-3)
-    assert step.loss_difference(rounds) == pytest.approx(1e-3)
-    assert "balanced_pct_of_ideal" not in step.round_ratios([{"plain": _run(1)}])
+    assert step_report.loss_difference(rounds) == pytest.approx(1e-3)
+    assert "balanced_pct_of_ideal" not in step_report.round_ratios([{"plain": _run(1)}])
 
 
 @pytest.mark.parametrize(
@@ -106,21 +106,22 @@ def test_bad_input_is_one_line(args, message, tmp_path):
 @pytest.mark.slow
 def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
     pinned = 2 if len(os.sched_getaffinity(0)) >= 2 else 0
-    args = ["--rounds=1", "--steps=3", "--batch_size=8", f"--pinned_ranks={pinned}"]
+    args = ["--rounds=1", "--steps=4", "--profile_steps=1", "--batch_size=8"]
+    args.append(f"--pinned_ranks={pinned}")
     proc = _bench([*args, f"--train_flags={TINY}", f"--run_dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "a timing reference" in proc.stdout and "not into terms" in proc.stdout
+    assert "a timing reference" in proc.stdout and "balanced - ideal by term" in proc.stdout
     report = json.loads((tmp_path / "bench_step.json").read_text())
     assert (tmp_path / "bench_step.png").stat().st_size > 0
     case = report["cases"]["softmax"]
     assert list(case["modes"]) == list(step.MODES)
     (raw,) = case["rounds"]
-    for name, (a, b, scale) in step.RATIOS.items():
+    for name, (a, b, scale) in step_report.RATIOS.items():
         want = raw[a]["step_time_s"] / raw[b]["step_time_s"] * scale
         assert case["ratios"][name]["median"] == pytest.approx(want)
     for mode, summary in case["modes"].items():
         assert summary["step_time_s"]["median"] == raw[mode]["step_time_s"]
-        assert summary["losses"] == raw[mode]["losses"]  # 3 steps: all logged
+        assert summary["losses"] == raw[mode]["losses"]  # 4 steps: all logged
     balanced, plain = raw["balanced"]["losses"], raw["plain"]["losses"]
     np.testing.assert_allclose(list(balanced.values()), list(plain.values()), rtol=1e-5)
     assert case["loss_max_abs_diff_balanced_plain"] == max(
@@ -128,6 +129,18 @@ def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
     )
     assert all(v == 1.0 for v in case["modes"]["ideal"]["imbalance_before"])
     assert case["modes"]["plain"]["dropped_pairs"] == 0
+    # Each mode's step split into terms from its profiled last step: the terms and what lies
+    # outside the ops make the profiled wall time; only balanced moves replicas, only the ideal
+    # runs the even assignment.
+    for mode, summary in case["modes"].items():
+        profile = summary["profile"]
+        total = sum(profile["terms_ms"].values()) + profile["outside_ops_ms"]
+        assert total == pytest.approx(profile["wall_ms"]), mode
+        assert profile["terms_ms"]["experts"] > 0 and profile["terms_ms"]["rest"] > 0
+        assert (profile["terms_ms"]["ideal_assignment"] > 0) == (mode == "ideal")
+        if mode != "balanced":
+            assert profile["terms_ms"]["replica_transfer"] == 0, mode
+    assert sorted(case["gap_to_ideal_ms"]) == sorted(m for m in step.MODES if m != "ideal")
     tiny = dataclasses.replace(preset("moe_heavy").model, **TINY_MODEL)
     assert report["flop_shares"] == pytest.approx(step.flop_shares(tiny, 32))
     assert (report["calibration"] is not None) == bool(pinned)

@@ -166,6 +166,33 @@ def test_bad_tensor_size_is_one_line(values, message):
     assert "\n" not in str(err.value)
 
 
+def test_profiled_steps_are_split_into_terms_and_left_out_of_the_median(tmp_path):
+    records = _run(tmp_path, "profiled", steps=5, profile_steps=2)
+    assert [bool(r.get("profiled")) for r in records] == [False, False, False, True, True]
+    summary = _summary(tmp_path / "profiled")
+    assert summary["timed_steps"] == 2  # steps 2 and 3: not the compiling one, not the traced
+    assert summary["median_step_time_s"] == pytest.approx(
+        np.median([r["step_time"] for r in records[1:3]]), abs=1e-5
+    )
+    terms = json.loads((tmp_path / "profiled" / "terms_rank0.json").read_text())
+    assert terms["steps"] == 2 and terms["rank"] == 0
+    assert terms["wall_s"] == pytest.approx(np.mean([r["step_time"] for r in records[3:]]), 1e-3)
+    split = terms["terms_s"]
+    assert sum(split.values()) + terms["outside_ops_s"] == pytest.approx(terms["wall_s"])
+    # Balanced EP8: every stage of the layer ran; nothing of the ideal's assignment did.
+    for term in ("rest", "experts", "exchange", "bookkeeping", "planner"):
+        assert split[term] > 0, term
+    assert split["ideal_assignment"] == 0
+    assert 0 < terms["collectives_s"]["exchange"] <= split["exchange"]
+    assert not (tmp_path / "profiled" / "profile").exists()  # the traces are removed
+
+
+@pytest.mark.parametrize("profile_steps", [5, -1])
+def test_profile_steps_must_leave_the_compiling_step_untraced(profile_steps):
+    with pytest.raises(ValueError, match=re.escape(f"--profile_steps={profile_steps} must be in")):
+        TrainConfig.from_flat({"workdir": "w", "steps": 5, "profile_steps": profile_steps})
+
+
 def test_resume_continues_the_same_trajectory(tmp_path, capsys):
     whole = _run(tmp_path, "whole", steps=6, checkpoint_every=3)
     _run(tmp_path, "split", steps=3, checkpoint_every=3)  # "interrupted" after step 3

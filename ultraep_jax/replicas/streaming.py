@@ -75,15 +75,17 @@ def experts_with_replicas(
     )
 
     def fetch(weights):
-        fetched = transfer.fetch_replica_experts(
-            weights,
-            slot_expert_RS,
-            axis_name=axis_name,
-            backend=backend,
-            max_fanout=max_fanout,
-            domain_size=domain_size,
-            schedule=schedule,
-        )
+        # Named so that a profile tells the transfer (and, transposed, its gradient) apart.
+        with jax.named_scope("replica_transfer"):
+            fetched = transfer.fetch_replica_experts(
+                weights,
+                slot_expert_RS,
+                axis_name=axis_name,
+                backend=backend,
+                max_fanout=max_fanout,
+                domain_size=domain_size,
+                schedule=schedule,
+            )
         return checkpoint_name(fetched, remat.REPLICAS)
 
     active = transfer.active_slots(slot_expert_RS) > 0
