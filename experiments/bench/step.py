@@ -45,6 +45,7 @@ import sys
 import numpy as np
 from absl import flags
 
+from experiments.bench.step_ratios import RATIOS
 from experiments.concurrency import concurrency_line
 from experiments.output_files import write_json
 from experiments.program import run_main
@@ -63,13 +64,6 @@ MODES = {
 }
 #: The cases: the router's flags of each.
 CASES = {"softmax": ("--router=softmax",), "sigmoid": ("--router=sigmoid",)}
-#: The ratios reported: name -> (mode A, mode B, scale): per round, A's step time / B's x scale.
-RATIOS = {
-    "balanced_pct_of_ideal": ("ideal", "balanced", 100.0),
-    "balanced_x_over_plain": ("plain", "balanced", 1.0),
-    "balanced_x_over_plain@1.25": ("plain@1.25", "balanced", 1.0),
-    "plain_pct_of_ideal": ("ideal", "plain", 100.0),
-}
 #: Flags the benchmark sets itself: --train_flags may not give them.
 _OWN_FLAGS = ("balance", "capacity_factor", "workdir", "pinned_ranks", "steps", "preset", "router")
 
