@@ -72,37 +72,42 @@ class StepRates:
         return cls(Rates.read(path), train["seconds"], train["tokens"], train["num_layers"])
 
 
-def buffer_rows(rates: Rates, mode: str, tokens: int) -> int:
-    """C of ``mode``'s layers at ``tokens`` per rank, as `uep.ExpertParallel.capacity` sizes it:
-    ``ceil(factor x T x k)``, or R x T x k for plain dropless."""
-    pairs = rates.top_k * tokens
+def buffer_rows(rates: Rates, mode: str, tokens: int, ep: int | None = None) -> int:
+    """C of ``mode``'s layers at ``tokens`` per rank over ``ep`` ranks (default the rates'), as
+    `uep.ExpertParallel.capacity` sizes it: ``ceil(factor x T x k)``, or R x T x k for plain
+    dropless."""
+    pairs, ep = rates.top_k * tokens, ep or rates.ep
     if mode == "plain":
-        return rates.ep * pairs
+        return ep * pairs
     factor = CAPPED_FACTOR if mode == "plain@1.25" else BALANCED_CAPACITY_FACTOR
-    return min(rates.ep * pairs, math.ceil(factor * pairs))
+    return min(ep * pairs, math.ceil(factor * pairs))
 
 
-def mode_layer_seconds(rates: Rates, mode: str, tokens: int, imbalance: float) -> float:
+def mode_layer_seconds(
+    rates: Rates, mode: str, tokens: int, imbalance: float, ep: int | None = None
+) -> float:
     """One MoE layer of ``mode`` (`MODES`) at max/mean ``imbalance`` of its busiest rank (before
-    balancing for the plain modes, after for balanced; the ideal's is 1.0 whatever is given)."""
+    balancing for the plain modes, after for balanced; the ideal's is 1.0 whatever is given).
+    ``ep``: the ranks its buffer is sized for (default the rates'; every other term stays the
+    rates', the all-to-all's bytes included)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     rows = (1.0 if mode == "ideal" else imbalance) * rates.top_k * tokens
     balanced = mode == "balanced"
     replicas = REPLICAS if balanced else 0
-    capacity = buffer_rows(rates, mode, tokens)
+    capacity = buffer_rows(rates, mode, tokens, ep)
     return layer_seconds(rates, "train", tokens, capacity, rows, replicas, balanced)
 
 
-def step_seconds(rates: StepRates, mode: str, imbalances) -> float:
+def step_seconds(rates: StepRates, mode: str, imbalances, ep: int | None = None) -> float:
     """The whole step of ``mode`` at the rest's tokens per rank: rest + one layer per entry of
-    ``imbalances`` [L] (each layer's max/mean, `mode_layer_seconds`)."""
+    ``imbalances`` [L] (each layer's max/mean, `mode_layer_seconds` with ``ep``)."""
     if len(imbalances) != rates.num_layers:
         raise ValueError(
             f"step_seconds: {len(imbalances)} layer imbalances for a {rates.num_layers}-layer rest"
         )
     return rates.rest_s + sum(
-        mode_layer_seconds(rates.layer, mode, rates.tokens, i) for i in imbalances
+        mode_layer_seconds(rates.layer, mode, rates.tokens, i, ep) for i in imbalances
     )
 
 
