@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.bench import rates as rates_program
-from experiments.bench import step_rest
+from experiments.bench import rates_file, step_rest
 from experiments.stepmodel import cpu_step
 from experiments.stepmodel.cpu_rates import layer_seconds
 from experiments.train import trainer
@@ -118,24 +117,24 @@ def test_rates_merge_keeps_the_other_part():
     old = _rates_file("old", modes={"train": 1}, a2a=[1], rest={"train": 1})
     new = _rates_file("new", rest={"train": 2})
     new["shape"]["repeats"] = 20
-    out = rates_program.merged(old, new, ["rest"])
+    out = rates_file.merged(old, new, ["rest"])
     assert out["modes"] == {"train": 1} and out["a2a"] == [1] and out["rest"] == {"train": 2}
     assert out["shape"] == old["shape"]  # the layer rates' repeats
     assert out["provenance"]["date"] == "old"
     assert out["provenance"]["remeasured_rest"].startswith("re-measured alone on new")
-    assert rates_program.merged(old, new, ["layer", "rest"]) is new
+    assert rates_file.merged(old, new, ["layer", "rest"]) is new
 
 
 def test_rates_merge_refuses_what_it_cannot_keep():
     new = _rates_file("new", rest={"train": 2})
     with pytest.raises(ValueError, match="needs an existing rates file"):
-        rates_program.merged(None, new, ["rest"])
+        rates_file.merged(None, new, ["rest"])
     with pytest.raises(ValueError, match="has no layer part to keep"):
-        rates_program.merged(_rates_file("old"), new, ["rest"])
+        rates_file.merged(_rates_file("old"), new, ["rest"])
     other = _rates_file("old", modes={})
     other["shape"]["d_model"] = 64
     with pytest.raises(ValueError, match="shape"):
-        rates_program.merged(other, new, ["rest"])
+        rates_file.merged(other, new, ["rest"])
 
 
 def test_rest_model_keeps_the_experts_for_the_optimizer():
