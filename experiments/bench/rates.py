@@ -3,6 +3,7 @@
     python -m experiments.bench.rates       # writes runs/rates/rates_cpu.json
     python -m experiments.bench.rates --json_out=experiments/results/rates_cpu.json  # committed
     python -m experiments.bench.rates --modes=train --tokens=256,2048 --json_out=/tmp/r.json
+    python -m experiments.bench.rates --parts=rest --json_out=experiments/results/rates_cpu.json
 
 The break-even's layers (`experiments.bench.breakeven`: D=128, F=512, E=8, top-2, EP=2 as two
 pinned processes) take their time from a few rates, each measured here on its own, so that the
@@ -23,6 +24,14 @@ to them:
   overhead     the plain layers (dropless and capacity 1.05) with an unbiased router (skew 0)
                timed whole; what the experts and all-to-alls above leave of them is the layer's
                bookkeeping, fitted as fixed + per token x T + per buffer row x C
+  rest         the rest of a training step of `experiments.train` at ``--rest_batch_size`` x
+               ``--rest_seq_len`` tokens over the ranks (the ``moe_heavy`` preset at the layer's
+               shape): the trainer's step with every routed-experts layer replaced by nothing
+               (`experiments.bench.step_rest`), train mode only
+
+``--parts`` picks what is measured: ``layer`` (every rate above but the rest) and / or ``rest``;
+a run of some parts keeps the others of an existing ``--json_out`` file (same shape), and
+notes in the file's provenance which part it re-measured when.
 
 Every rate is a median of ``--repeats`` calls. Prints the rates, writes ``--json_out`` with the
 provenance (machine, commit, command, date).
@@ -30,7 +39,10 @@ provenance (machine, commit, command, date).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import pathlib
 import sys
 
 import jax
@@ -45,13 +57,16 @@ from experiments import cli
 from experiments.bench import (
     breakeven,  # the layer's shape and sweep flags (--tokens, --modes)
     moe,
+    step_rest,
 )
+from experiments.bench.rates_file import PARTS, merged
 from experiments.concurrency import concurrency_check, concurrency_line
 from experiments.output_files import write_json
 from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
 from experiments.program import run_main
 from experiments.stepmodel import calibration
 from experiments.walltime import median_seconds, seconds_per_plan
+from models.presets import PRESETS
 from ultraep_jax import tools
 
 # experiments/results/rates_cpu.json, which the step model's tests read, only when named.
@@ -59,6 +74,18 @@ flags.FLAGS.set_default("json_out", f"{cli.run_folder('rates')}/rates_cpu.json")
 flags.FLAGS.set_default("tokens", ["256", "1024", "2048", "4096", "8192"])
 flags.FLAGS.set_default("repeats", 5)
 FLAGS = flags.FLAGS
+_PARTS = flags.DEFINE_list("parts", list(PARTS), f"Parts to measure, of {', '.join(PARTS)}.")
+flags.register_validator(
+    "parts",
+    lambda v: bool(v) and set(v) <= set(PARTS),
+    f"must name some of {', '.join(PARTS)}",
+)
+_REST_BATCH = flags.DEFINE_integer(
+    "rest_batch_size", 32, "The rest's global batch (sequences), as experiments.bench.step's."
+)
+_REST_SEQ = flags.DEFINE_integer("rest_seq_len", 128, "The rest's sequence length.")
+#: The model whose rest is timed: experiments.bench.step's default preset, at the layer's shape.
+REST_PRESET = "moe_heavy"
 
 #: Busiest rank's rows per buffer, as multiples of the pairs a rank routes (T x k): the range
 #: the break-even's ranks run (1.0 balanced, up to 1.8 at skew 3).
@@ -232,9 +259,8 @@ def layer_points(mode: str, tokens: list[int], repeats: int) -> list[dict]:
 
 
 def measure() -> dict:
-    """Every rate of the module docstring on this run's ranks (every process runs it)."""
+    """Every layer rate of the module docstring on this run's ranks (every process runs it)."""
     tokens, _, modes, repeats = breakeven.sweep()
-    moe._check_shape(jax.device_count())
     out = {"a2a": a2a_points(tokens, repeats), "modes": {}}
     multihost_utils.sync_global_devices("rates:collectives")
     out["planner_s"] = planner_seconds(repeats)
@@ -249,6 +275,26 @@ def measure() -> dict:
     return out
 
 
+def measure_rest() -> dict:
+    """The rest of the training step (`step_rest.rest_seconds`) of `REST_PRESET` at the layer's
+    shape, with its batch, tokens per rank and layers (every process runs it)."""
+    shape = {k: getattr(FLAGS, k) for k in ("d_model", "d_ff", "num_experts", "top_k")}
+    model = dataclasses.replace(PRESETS[REST_PRESET].model, **shape)
+    batch, seq = _REST_BATCH.value, _REST_SEQ.value
+    timed = step_rest.rest_seconds(model, batch, seq, FLAGS.repeats)
+    return {
+        "train": {
+            **timed,
+            "preset": REST_PRESET,
+            "batch_size": batch,
+            "seq_len": seq,
+            "tokens": batch * seq // jax.device_count(),
+            "num_layers": model.num_layers,
+            "repeats": FLAGS.repeats,
+        }
+    }
+
+
 def main(argv):
     """Starts the pinned rank processes, or (as one of them) measures; the first writes the
     rates with their provenance."""
@@ -259,8 +305,13 @@ def main(argv):
         sys.exit(code)
     keep_freed_memory()  # as the break-even's ranks: time the kernels, not page faults
     start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    moe._check_shape(jax.device_count())
     cal = concurrency_check(FLAGS.top_k * 8192, FLAGS.d_model, FLAGS.d_ff)
-    rates = measure()
+    parts = list(_PARTS.value)
+    rates = measure() if "layer" in parts else {}
+    if "rest" in parts:
+        multihost_utils.sync_global_devices("rates:rest")
+        rates["rest"] = {**measure_rest(), "calibration": cal}
     if jax.process_index() == 0:
         print(concurrency_line(cal))
         shape = {k: getattr(FLAGS, k) for k in ("d_model", "d_ff", "num_experts", "top_k")}
@@ -276,6 +327,14 @@ def main(argv):
             "calibration": cal,
             **rates,
         }
+        path = pathlib.Path(FLAGS.json_out)
+        old = json.loads(path.read_text()) if path.exists() else None
+        try:
+            res = merged(old, res, parts)
+        except ValueError as err:
+            breakeven._fail(f"{FLAGS.json_out}: {err}")
+        if "rest" in parts:
+            print(f"rest of the step: {res['rest']['train']['seconds'] * 1e3:.1f} ms (median)")
         write_json(FLAGS.json_out, res)
         print(f"wrote {FLAGS.json_out}")
 

@@ -12,16 +12,9 @@ import statistics
 
 import numpy as np
 
+from experiments.bench.step_ratios import RATIOS
 from experiments.concurrency import concurrency_line
 from experiments.step_terms import TERMS
-
-#: The ratios reported: name -> (mode A, mode B, scale): per round, A's step time / B's x scale.
-RATIOS = {
-    "balanced_pct_of_ideal": ("ideal", "balanced", 100.0),
-    "balanced_x_over_plain": ("plain", "balanced", 1.0),
-    "balanced_x_over_plain@1.25": ("plain@1.25", "balanced", 1.0),
-    "plain_pct_of_ideal": ("ideal", "plain", 100.0),
-}
 
 
 def logged_steps(steps: int) -> list[str]:
