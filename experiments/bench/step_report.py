@@ -12,9 +12,9 @@ import statistics
 
 import numpy as np
 
-from experiments.bench.step_ratios import RATIOS
 from experiments.concurrency import concurrency_line
 from experiments.step_terms import TERMS
+from experiments.stepmodel.step_ratios import RATIOS
 
 
 def logged_steps(steps: int) -> list[str]:

@@ -23,9 +23,8 @@ import dataclasses
 import json
 import math
 
-from experiments.bench.step_ratios import RATIOS
 from experiments.stepmodel.cpu_rates import Rates, layer_seconds
-from experiments.train.config import BALANCED_CAPACITY_FACTOR
+from experiments.stepmodel.step_ratios import RATIOS
 
 #: Replicas the balanced layers are charged: the rates time 0 or 1; both committed bench.step
 #: runs made exactly one per layer at every step (their summaries' ``mean_replicas_per_layer``
@@ -74,12 +73,13 @@ class StepRates:
 
 def buffer_rows(rates: Rates, mode: str, tokens: int, ep: int | None = None) -> int:
     """C of ``mode``'s layers at ``tokens`` per rank over ``ep`` ranks (default the rates'), as
-    `uep.ExpertParallel.capacity` sizes it: ``ceil(factor x T x k)``, or R x T x k for plain
-    dropless."""
+    `uep.ExpertParallel.capacity` sizes it: ``ceil(factor x T x k)`` (the rates' factor, the
+    trainer's 1.05, for ideal and balanced; `CAPPED_FACTOR` for plain@1.25), or R x T x k for
+    plain dropless."""
     pairs, ep = rates.top_k * tokens, ep or rates.ep
     if mode == "plain":
         return ep * pairs
-    factor = CAPPED_FACTOR if mode == "plain@1.25" else BALANCED_CAPACITY_FACTOR
+    factor = CAPPED_FACTOR if mode == "plain@1.25" else rates.capacity_factor
     return min(ep * pairs, math.ceil(factor * pairs))
 
 
