@@ -137,7 +137,11 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
             # The step model's layer at the replayed shape: measured planner, bookkeeping and
             # experts, the exchanges modelled from their bytes (`experiments.stepmodel.layer`).
             one_a2a, one_transfer = real_ratio.exchanges(
-                w.token_rows_RR, copies, shape.row_bytes(), shape.expert_bytes(), settings.link_gbps
+                w.token_rows_RR,
+                copies,
+                shape.experts.row_bytes(),
+                shape.experts.expert_bytes(),
+                settings.link_gbps,
             )
             at = layer.layer_terms(
                 max(experts[p]), one_a2a, one_transfer, mode, other_s=book[p], plan_s=planner[p]

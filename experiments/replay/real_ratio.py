@@ -77,13 +77,10 @@ class TargetModel:
             link_gbps,
         )
 
-    def expert_bytes(self) -> int:
-        """Bytes of one expert's weights (a replica copy)."""
-        return shapes.expert_bytes(self.d_model, self.d_ff, self.itemsize)
-
-    def row_bytes(self) -> int:
-        """Bytes of one token row."""
-        return self.d_model * self.itemsize
+    @property
+    def experts(self) -> shapes.ExpertShape:
+        """One expert and its token rows at the target (their bytes)."""
+        return shapes.ExpertShape(self.d_model, self.d_ff, self.itemsize)
 
     def ideal_expert_seconds(self, mode: str) -> float:
         """The force-balanced ideal rank's expert time on the GPU: its mean rows' FLOPs at
@@ -134,8 +131,8 @@ def layer_at_target(
     one_a2a, one_transfer = exchanges(
         np.asarray(token_rows_RR) * scale,
         transfer_copies,
-        target.row_bytes(),
-        target.expert_bytes(),
+        target.experts.row_bytes(),
+        target.experts.expert_bytes(),
         target.link_gbps,
     )
     return layer.layer_terms(experts, one_a2a, one_transfer, mode)

@@ -27,8 +27,8 @@ TOKEN_ROWS = np.array([[7.0, 3.0], [5.0, 9.0]])  # rows src -> dst at 10 pairs p
 
 
 def test_target_sizes_by_hand():
-    assert TARGET.expert_bytes() == 3 * 4 * 2 * 2  # 48
-    assert TARGET.row_bytes() == 8
+    assert TARGET.experts.expert_bytes() == 3 * 4 * 2 * 2  # 48
+    assert TARGET.experts.row_bytes() == 8
     # 6 D F FLOPs per row and pass: 48 x 20 rows = 960 FLOPs a pass, 3 passes in training.
     assert TARGET.ideal_expert_seconds("prefill") == pytest.approx(0.96)
     assert TARGET.ideal_expert_seconds("train") == pytest.approx(2.88)

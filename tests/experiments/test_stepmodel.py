@@ -210,3 +210,13 @@ def test_corner_is_the_step_models_rates():
     assert rates.launch_s == pytest.approx(12 * 6e-6)
     with pytest.raises(ValueError, match="Corner"):
         anchor.Corner(Calibration(), 0.5)  # no grouped-matmul rate
+
+
+def test_expert_shape_states_the_bytes_once():
+    # DeepSeek-V3's expert in bf16: 3 x 7168 x 2048 x 2 bytes, a row 7168 x 2; the model's, the
+    # replay target's and the replay shape's bytes are this one type's.
+    experts = ANCHOR.shape.experts(2)
+    assert experts.expert_bytes() == 3 * 7168 * 2048 * 2
+    assert experts.row_bytes() == 7168 * 2
+    with pytest.raises(ValueError, match="ExpertShape.itemsize=0"):
+        shapes.ExpertShape(4, 2, 0)
