@@ -90,17 +90,6 @@ class TargetModel:
         return layer.compute_seconds(flops, self.gpu_tflops, mode)
 
 
-def exchanges(
-    token_rows_RR: np.ndarray, copies: float, row_bytes: float, expert_bytes: float, gbps: float
-) -> tuple[float, float]:
-    """``(one all-to-all, one direction of the replica transfer)`` in seconds over links of
-    ``gbps`` per rank and direction: the dispatch's rows ``token_rows_RR`` [R, R] and
-    ``copies``, the transfer's length in expert copies (`links.relay_copies`)."""
-    link = links.Links.single(gbps)
-    one_a2a = links.exchange_seconds(token_rows_RR, row_bytes, link)
-    return one_a2a, copies * links.copy_seconds(expert_bytes, len(token_rows_RR), link)
-
-
 def layer_at_target(
     experts_s: float,
     ideal_experts_s: float,
@@ -128,11 +117,10 @@ def layer_at_target(
         raise ValueError(f"ideal_experts_s={ideal_experts_s} must be > 0")
     experts = experts_s / ideal_experts_s * target.ideal_expert_seconds(mode)
     scale = target.pairs_per_rank[mode] / replayed_pairs
-    one_a2a, one_transfer = exchanges(
+    one_a2a, one_transfer = links.exchange_and_transfer(
         np.asarray(token_rows_RR) * scale,
         transfer_copies,
-        target.experts.row_bytes(),
-        target.experts.expert_bytes(),
-        target.link_gbps,
+        target.experts,
+        links.Links.single(target.link_gbps),
     )
     return layer.layer_terms(experts, one_a2a, one_transfer, mode)

@@ -10,7 +10,7 @@ import pytest
 from scipy.optimize import nnls
 
 from experiments.replay import real_ratio
-from experiments.stepmodel import calibration, links
+from experiments.stepmodel import calibration, links, shapes
 
 # A tiny target whose numbers are easy by hand: 1000 FLOP/s and 1 byte/s.
 TARGET = real_ratio.TargetModel(
@@ -119,3 +119,12 @@ def test_fit_costs_keeps_every_cost_non_negative():
     np.testing.assert_allclose(
         [fit["seconds_fixed"], fit["seconds_per_row"], fit["seconds_per_group"]], want, atol=1e-9
     )
+
+
+def test_exchange_and_transfer_by_hand():
+    # 1 byte/s, one link class: rank 1 sends 5 rows (rank 0 receives 5) of 4 x 2 = 8 bytes ->
+    # 40 s; two copies of a 3 x 4 x 2 x 2 = 48-byte expert to the one other rank -> 96 s.
+    got = links.exchange_and_transfer(
+        TOKEN_ROWS, 2.0, shapes.ExpertShape(4, 2, 2), links.Links.single(1e-9)
+    )
+    assert got == pytest.approx((40.0, 96.0))
