@@ -80,7 +80,7 @@ for _name in ("ep", "qwen_ep"):
 
 #: The expert the copies carry: the anchor's model, w_gate, w_up and w_down at its itemsize.
 MODEL = shapes.ANCHOR.shape
-COPY_BYTES = MODEL.expert_bytes(shapes.ANCHOR.itemsize)
+COPY_BYTES = MODEL.experts(shapes.ANCHOR.itemsize).expert_bytes()
 
 
 def trace_top_k(name: str) -> int:

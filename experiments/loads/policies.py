@@ -1,18 +1,26 @@
 """The balancing policies the programs compare, in one registry (`POLICIES`, in table order),
-and ours as a `baselines.Balanced` (``ultraep_jax.plan``, the FFI planner): the others are in
-`experiments.loads.baselines`. Each program reports the registry's policies it runs, in its
-order (`names`). `weight_copies` is the one adapter from a policy's layout to the weight copies
-each rank receives, which the step model charges (`experiments.sim` and `experiments.replay` both
-use it)."""
+and the one runner from a policy's name to its plans (`run`: a stream of load matrices ->
+per matrix a layout with its quotas, the planning time, whether it moves weights in that layer,
+and the library's plans for ours), which `experiments.sim`, `experiments.replay` and
+`experiments.planner` all use. Ours is ``ultraep_jax.plan`` (the FFI planner) as a
+`baselines.Balanced`; the others are in `experiments.loads.baselines`. Each program reports the
+registry's policies it runs, in its order (`names`). `weight_copies` is the one adapter from a
+policy's layout to the weight copies each rank receives, which the step model charges.
+
+Shapes: M matrices of a stream, H earlier matrices, R ranks, E experts, C slots per rank.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
 
 import numpy as np
 
 from experiments.batched import batched_planner
-from experiments.loads import ranks
+from experiments.loads import baselines, ranks
 from experiments.loads.baselines import Balanced, master_layout
-from experiments.walltime import time_batched_plan
 
 #: Every policy, in table order: name -> what it does.
 POLICIES = {
@@ -57,7 +65,11 @@ def ultraep_balanced(batch, cfg) -> list[Balanced]:
     """ultraep's plans for a batch ``[N, R, E]`` (one ``jit(vmap(uep.plan))`` call) as ``N``
     :class:`Balanced`, layout ``[R, E/R + S]``: the masters, then the spare slots."""
     batch = np.asarray(batch, dtype=np.int32)
-    plans = batched_planner(cfg)(batch)
+    return _balanced(batch, batched_planner(cfg)(batch))
+
+
+def _balanced(batch, plans) -> list[Balanced]:
+    """The batched ``plans`` of ``batch`` [N, R, E] as N `Balanced` (masters, then slots)."""
     num, num_ranks, num_experts = batch.shape
     masters = master_layout(num_ranks, num_experts)
     slot_expert = np.asarray(plans.slot_expert)
@@ -72,17 +84,95 @@ def ultraep_balanced(batch, cfg) -> list[Balanced]:
     ]
 
 
-def ultraep_batch(batch, cfg, *, repeats: int = 1) -> tuple[list, float]:
-    """:func:`ultraep_balanced` of a batch ``[N, R, E]``, and its planning time.
-
-    Returns:
-      ``(results, seconds)``: ``N`` :class:`Balanced`, and the median wall time of one
-      already-compiled batched call over ``max(1, repeats)`` calls
-      (`experiments.walltime.time_batched_plan`), so ``seconds / N`` per matrix.
-    """
-    return ultraep_balanced(batch, cfg), time_batched_plan(batch, cfg, max(1, repeats))
-
-
 def ultraep(loads, cfg) -> Balanced:
     """ultraep's plan for one ``loads [R, E]`` as a :class:`Balanced`."""
     return ultraep_balanced(np.asarray(loads)[None], cfg)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One policy on a stream of M load matrices (`run`).
+
+    Attributes:
+      balanced: M `Balanced`, each matrix's layout ``[R, C]`` and its instances' tokens.
+      seconds: float [M], each matrix's planning wall time (ours: the timer's per plan, 0 without
+        one; eplb_periodic: 0, its re-plans are off the step, see ``periodic``).
+      relaid: True when each layout is planned on its own matrix, so that its instances off their
+        home rank receive weights in that layer (`weight_copies`); False when the layout is
+        already in place (none, eplb_periodic).
+      plans: ours (ultraep, exact): the library's `uep.Plan` of each matrix, NumPy with a
+        leading axis M; else None.
+      periodic: eplb_periodic's `baselines.Periodic` (its re-plans' placements and times).
+    """
+
+    balanced: list
+    seconds: list
+    relaid: bool
+    plans: object = None
+    periodic: baselines.Periodic | None = None
+
+
+#: (loads [N, R, E], config, capacity) -> seconds per plan of our planner on them.
+PlanTimer = Callable[[np.ndarray, object, "int | None"], float]
+
+
+def _timed(stream, balance) -> tuple[list, list]:
+    """``balance(loads)`` on every matrix of ``stream``: the results and their wall times."""
+    results, seconds = [], []
+    for loads in stream:
+        start = time.perf_counter()
+        results.append(balance(loads))
+        seconds.append(time.perf_counter() - start)
+    return results, seconds
+
+
+def _ours(stream, cfg, capacity, plan_timer) -> Run:
+    """``uep.plan`` on every matrix (one batched call within ``capacity``) as a `Run`."""
+    import jax  # as `experiments.batched`: JAX only where a planner runs
+
+    batch = np.asarray(stream, np.int32)
+    plans = jax.device_get(batched_planner(cfg, capacity)(batch))
+    per_plan = 0.0 if plan_timer is None else plan_timer(batch, cfg, capacity)
+    return Run(_balanced(batch, plans), [per_plan] * len(batch), True, plans)
+
+
+def run(
+    name: str,
+    stream,
+    cfg,
+    past=None,
+    *,
+    window: int | None = None,
+    interval: int | None = None,
+    lag: int = 1,
+    capacity: int | None = None,
+    plan_timer: PlanTimer | None = None,
+) -> Run:
+    """Policy ``name`` (of `POLICIES`) on ``stream`` [M, R, E] (oldest first) under ``cfg``
+    (a `uep.BalancerConfig`; none needs none).
+
+    none, eplb_exact and eplb_plus plan each matrix on its own, each call timed; eplb_periodic
+    plans on ``past`` [H, R, E] (earlier matrices of the same layer, none by default) and the
+    stream with ``window`` = ``interval`` = max(H, 1) unless given and ``lag`` (1: past steps
+    only), reporting the stream's steps; ultraep and exact (``balance_eps`` = 0) are
+    ``uep.plan`` within ``capacity`` rows (None: unbounded), timed by ``plan_timer``."""
+    stream = np.asarray(stream)
+    if name == "none":
+        return Run(*_timed(stream, baselines.none), relaid=False)
+    if name in ("eplb_exact", "eplb_plus"):
+        eplb = getattr(baselines, name)
+        return Run(*_timed(stream, lambda x: eplb(x, cfg.slots_per_rank)), relaid=True)
+    if name == "eplb_periodic":
+        if past is None:
+            past = np.zeros((0,) + stream.shape[1:], stream.dtype)
+        h = len(past)
+        win = max(h, 1) if window is None else window
+        every = max(h, 1) if interval is None else interval
+        history = np.concatenate([past, stream])
+        periodic = baselines.eplb_periodic(history, cfg.slots_per_rank, win, every, lag=lag)
+        return Run(periodic.steps[h:], [0.0] * len(stream), False, periodic=periodic)
+    if name == "ultraep":
+        return _ours(stream, cfg, capacity, plan_timer)
+    if name == "exact":
+        return _ours(stream, dataclasses.replace(cfg, balance_eps=0.0), capacity, plan_timer)
+    raise ValueError(f"unknown policy {name!r}; expected one of {list(POLICIES)}")

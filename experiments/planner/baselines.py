@@ -6,7 +6,6 @@ replication-only planner, within 0.02 of eplb_exact, and faster than it."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,6 +14,7 @@ import ultraep_jax as uep
 from experiments.loads import baselines, drift, policies
 from experiments.planner import setup
 from experiments.stepmodel.shapes import ANCHOR
+from experiments.walltime import time_batched_plan
 
 #: The rows of each workload, in table order.
 ORDER = policies.names(without=("exact",))
@@ -55,16 +55,6 @@ def _summary(results: list, moved, seconds) -> dict:
     }
 
 
-def _each(matrices: np.ndarray, balance) -> tuple[list, list]:
-    """``balance(loads)`` on every matrix of ``[N, R, E]``: the results and their wall times."""
-    results, seconds = [], []
-    for loads in matrices:
-        start = time.perf_counter()
-        results.append(balance(loads))
-        seconds.append(time.perf_counter() - start)
-    return results, seconds
-
-
 def _relayout_moves(results: list, series: list, num_ranks: int, num_experts: int) -> list[int]:
     """Placements each result's layout adds to the one before it in its time series (the first
     compared with the master layout): eplb_exact re-plans every step."""
@@ -77,26 +67,38 @@ def _relayout_moves(results: list, series: list, num_ranks: int, num_experts: in
     return moved
 
 
+def _median_of_3_per_plan(batch: np.ndarray, cfg, capacity) -> float:
+    """Our planner's seconds per plan: one batched call over ``batch`` [N, R, E], median of 3,
+    / N."""
+    return time_batched_plan(batch, cfg, 3, capacity=capacity) / len(batch)
+
+
 def evaluate(matrices: np.ndarray, series: list, cfg: uep.BalancerConfig, window, interval):
-    """All baselines on ``matrices [N, R, E]``; ``series`` orders them in time for eplb_periodic
-    and for counting eplb_exact's per-step layout changes. Returns {baseline: summary dict}."""
-    S = cfg.slots_per_rank
+    """All baselines on ``matrices [N, R, E]`` (`policies.run`); ``series`` orders them in time
+    for eplb_periodic (each series its own stream, re-planned every ``interval`` on the last
+    ``window`` steps, the re-plan step included) and for counting eplb_exact's per-step layout
+    changes; ultraep's time is one batched call over all N (median of 3) / N. Returns
+    {baseline: summary dict}."""
     out = {}
-    results, seconds = _each(matrices, baselines.none)
-    out["none"] = _summary(results, None, seconds)
-    results, seconds = _each(matrices, lambda x: baselines.eplb_exact(x, S))
-    moved = _relayout_moves(results, series, cfg.ep_size, cfg.num_experts)
-    out["eplb_exact"] = _summary(results, moved, seconds)
-    results, seconds = _each(matrices, lambda x: baselines.eplb_plus(x, S))
-    out["eplb_plus"] = _summary(results, None, seconds)
-    periodic = [baselines.eplb_periodic(matrices[idx], S, window, interval) for idx in series]
+    for name in ("none", "eplb_exact", "eplb_plus"):
+        run = policies.run(name, matrices, cfg)
+        moved = None
+        if name == "eplb_exact":
+            moved = _relayout_moves(run.balanced, series, cfg.ep_size, cfg.num_experts)
+        out[name] = _summary(run.balanced, moved, run.seconds)
+    periodic = [
+        policies.run(
+            "eplb_periodic", matrices[idx], cfg, window=window, interval=interval, lag=0
+        ).periodic
+        for idx in series
+    ]
     out["eplb_periodic"] = _summary(
         [r for p in periodic for r in p.steps],
         [m for p in periodic for m in p.new_placements],
         [s for p in periodic for s in p.plan_seconds],
     )
-    results, batch_seconds = policies.ultraep_batch(matrices, cfg, repeats=3)
-    out["ultraep"] = _summary(results, None, [batch_seconds / len(matrices)])
+    run = policies.run("ultraep", matrices, cfg, plan_timer=_median_of_3_per_plan)
+    out["ultraep"] = _summary(run.balanced, None, run.seconds[:1])
     return out
 
 

@@ -135,9 +135,9 @@ def replay_cell(workload: str, ep: int, mode: str, samples, settings: Settings) 
             w = works[p]
             copies = float(links.relay_copies(w.held_RC[None], E, cfg.max_fanout)["length"][0])
             # The step model's layer at the replayed shape: measured planner, bookkeeping and
-            # experts, the exchanges modelled from their bytes (`experiments.stepmodel.layer`).
-            one_a2a, one_transfer = real_ratio.exchanges(
-                w.token_rows_RR, copies, shape.row_bytes(), shape.expert_bytes(), settings.link_gbps
+            # experts, the exchanges modelled from their bytes (`experiments.stepmodel.links`).
+            one_a2a, one_transfer = links.exchange_and_transfer(
+                w.token_rows_RR, copies, shape.experts, links.Links.single(settings.link_gbps)
             )
             at = layer.layer_terms(
                 max(experts[p]), one_a2a, one_transfer, mode, other_s=book[p], plan_s=planner[p]

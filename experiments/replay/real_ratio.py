@@ -77,13 +77,10 @@ class TargetModel:
             link_gbps,
         )
 
-    def expert_bytes(self) -> int:
-        """Bytes of one expert's weights (a replica copy)."""
-        return shapes.expert_bytes(self.d_model, self.d_ff, self.itemsize)
-
-    def row_bytes(self) -> int:
-        """Bytes of one token row."""
-        return self.d_model * self.itemsize
+    @property
+    def experts(self) -> shapes.ExpertShape:
+        """One expert and its token rows at the target (their bytes)."""
+        return shapes.ExpertShape(self.d_model, self.d_ff, self.itemsize)
 
     def ideal_expert_seconds(self, mode: str) -> float:
         """The force-balanced ideal rank's expert time on the GPU: its mean rows' FLOPs at
@@ -91,17 +88,6 @@ class TargetModel:
         rows = self.pairs_per_rank[mode]
         flops = layer.expert_fwd_flops(rows, self.d_model, self.d_ff)
         return layer.compute_seconds(flops, self.gpu_tflops, mode)
-
-
-def exchanges(
-    token_rows_RR: np.ndarray, copies: float, row_bytes: float, expert_bytes: float, gbps: float
-) -> tuple[float, float]:
-    """``(one all-to-all, one direction of the replica transfer)`` in seconds over links of
-    ``gbps`` per rank and direction: the dispatch's rows ``token_rows_RR`` [R, R] and
-    ``copies``, the transfer's length in expert copies (`links.relay_copies`)."""
-    link = links.Links.single(gbps)
-    one_a2a = links.exchange_seconds(token_rows_RR, row_bytes, link)
-    return one_a2a, copies * links.copy_seconds(expert_bytes, len(token_rows_RR), link)
 
 
 def layer_at_target(
@@ -131,11 +117,10 @@ def layer_at_target(
         raise ValueError(f"ideal_experts_s={ideal_experts_s} must be > 0")
     experts = experts_s / ideal_experts_s * target.ideal_expert_seconds(mode)
     scale = target.pairs_per_rank[mode] / replayed_pairs
-    one_a2a, one_transfer = exchanges(
+    one_a2a, one_transfer = links.exchange_and_transfer(
         np.asarray(token_rows_RR) * scale,
         transfer_copies,
-        target.row_bytes(),
-        target.expert_bytes(),
-        target.link_gbps,
+        target.experts,
+        links.Links.single(target.link_gbps),
     )
     return layer.layer_terms(experts, one_a2a, one_transfer, mode)

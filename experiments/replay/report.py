@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from experiments.stepmodel import calibration as stepcal
-from experiments.stepmodel.shapes import expert_bytes
+from experiments.stepmodel.shapes import ExpertShape
 
 
 def cell_table(cell: dict) -> list[str]:
@@ -46,11 +46,12 @@ def cell_table(cell: dict) -> list[str]:
 def target_table(cell: dict) -> list[str]:
     """The lines of one cell at ``--transfer_model``'s ratios (ms per layer, summed)."""
     t = cell["target"]
+    copy_mb = ExpertShape(t["d_model"], t["d_ff"], t["itemsize"]).expert_bytes() / 1e6
     ms = 1e3
     lines = [
         f"  at {t['name']}'s ratios (D={t['d_model']} F={t['d_ff']}, "
         f"{t['pairs_per_rank'][cell['mode']]} pairs per rank, an expert copy "
-        f"{expert_bytes(t['d_model'], t['d_ff'], t['itemsize']) / 1e6:.1f} MB) on {t['gpu']} at "
+        f"{copy_mb:.1f} MB) on {t['gpu']} at "
         f"{t['gpu_tflops']:g} TFLOP/s, links {t['link_gbps']:g} GB/s, relay f="
         f"{cell['balancer']['max_fanout']}: experts = the "
         + ("measured" if cell.get("timed", True) else "rows-modelled")

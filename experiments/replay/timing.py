@@ -58,13 +58,10 @@ class Shape:
         """Bytes per element."""
         return jnp.dtype(self.dtype).itemsize
 
-    def expert_bytes(self) -> int:
-        """Bytes of one expert's weights (w_gate, w_up, w_down)."""
-        return shapes.expert_bytes(self.d_model, self.d_ff, self.itemsize)
-
-    def row_bytes(self) -> int:
-        """Bytes of one token row."""
-        return self.d_model * self.itemsize
+    @property
+    def experts(self) -> shapes.ExpertShape:
+        """One expert and its token rows at this shape (their bytes)."""
+        return shapes.ExpertShape(self.d_model, self.d_ff, self.itemsize)
 
 
 def clock() -> Callable[[], float]:

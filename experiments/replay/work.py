@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import jax
 import numpy as np
@@ -208,14 +207,21 @@ _jit_counts = jax.jit(group_counts, static_argnums=2)
 def library_work(
     policy: str, loads_RE: np.ndarray, cfg: uep.BalancerConfig | None, capacity: int
 ) -> RankWork:
-    """ultraep / exact mode (``cfg``) or none (``cfg`` None) as the layer runs it: the plan
-    of ``loads_RE`` within ``capacity`` rows and every rank's rows per group under it."""
+    """ultraep / exact mode (``cfg``) or masters only (``cfg`` None) as the layer runs it: the
+    plan of ``loads_RE`` within ``capacity`` rows and every rank's rows per group under it."""
     loads = np.asarray(loads_RE, np.int32)
-    R, E = loads.shape
     if cfg is None:
         plan = _jit_masters_only(loads)
     else:
         plan = _jit_plan(loads, cfg, capacity)
+    return plan_work(policy, loads, plan, capacity)
+
+
+def plan_work(policy: str, loads_RE: np.ndarray, plan: uep.Plan, capacity: int) -> RankWork:
+    """Every rank's rows per group under the library's ``plan`` of ``loads_RE`` within
+    ``capacity`` rows (`dispatch.group_counts`, as the layer counts them)."""
+    loads = np.asarray(loads_RE, np.int32)
+    R, E = loads.shape
     counts = jax.device_get(_jit_counts(loads, plan, capacity))
     held, copies = policies.weight_copies(np.asarray(plan.slot_expert), E)
     return RankWork(
@@ -279,24 +285,23 @@ DROPLESS = ("none", "eplb_periodic", "eplb_exact")
 def policy_work(
     sample: Sample, cfg: uep.BalancerConfig, pairs_per_rank: int, capacity: int
 ) -> dict[str, RankWork]:
-    """Every policy of `POLICIES` on ``sample``, plus ``"ideal"``: the force-balanced ideal,
-    plain EP on `force_balanced_loads` (every rank at the mean rows, E_m groups) with the layer's
-    ``capacity``, which ultraep and exact mode (``cfg`` with ``balance_eps=0``) also use. The
-    `DROPLESS` policies get a buffer of their own busiest rank's rows (`dropless_capacity`)."""
+    """Every policy of `POLICIES` on ``sample`` (`policies.run`, eplb_periodic on its history),
+    plus ``"ideal"``: the force-balanced ideal, plain EP on `force_balanced_loads` (every rank at
+    the mean rows, E_m groups) with the layer's ``capacity``, which ultraep and exact mode also
+    use. The library's plans are counted as the layer counts them (`plan_work`), the others'
+    layouts as placements (`placement_work`). The `DROPLESS` policies get a buffer of their own
+    busiest rank's rows (`dropless_capacity`)."""
     loads = sample.loads_RE
     R, E = loads.shape
-    out = {"none": library_work("none", loads, None, R * pairs_per_rank)}
-    history = np.concatenate([sample.history_HRE, loads[None]]).astype(np.int64)
-    window = max(1, len(sample.history_HRE))
-    periodic = baselines.eplb_periodic(history, cfg.slots_per_rank, window, window, lag=1)
-    out["eplb_periodic"] = placement_work("eplb_periodic", periodic.steps[-1], loads, False)
-    start = time.perf_counter()
-    exact_eplb = baselines.eplb_exact(loads, cfg.slots_per_rank)
-    seconds = time.perf_counter() - start
-    out["eplb_exact"] = placement_work("eplb_exact", exact_eplb, loads, True, seconds)
-    out["ultraep"] = library_work("ultraep", loads, cfg, capacity)
-    exact_cfg = dataclasses.replace(cfg, balance_eps=0.0)
-    out["exact"] = library_work("exact", loads, exact_cfg, capacity)
+    out = {}
+    for name in POLICIES:
+        run = policies.run(name, loads[None], cfg, sample.history_HRE, capacity=capacity)
+        if run.plans is not None:
+            plan = jax.tree.map(lambda a: a[0], run.plans)
+            out[name] = plan_work(name, loads, plan, capacity)
+        else:
+            seconds = run.seconds[0] if run.relaid else 0.0
+            out[name] = placement_work(name, run.balanced[0], loads, run.relaid, seconds)
     out["ideal"] = library_work("ideal", force_balanced_loads(R, E, pairs_per_rank), None, capacity)
     buffers = {p: dropless_capacity(int(out[p].rows_R.max()), pairs_per_rank) for p in DROPLESS}
     return with_buffers(out, buffers)

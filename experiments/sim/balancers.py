@@ -5,8 +5,8 @@ microbatches of one layer in one DP group, oldest first), a ``BalancerConfig`` a
 histories ``int32 [n, H, R, E]`` (earlier matrices of the same layer, for balancers that plan from
 the past), and returns per stream and microbatch a :class:`Costed`: the balancer's
 `experiments.loads.baselines.Balanced` layout and quotas, the weight copies it sends and the
-planner time on the critical path. The balancers themselves are those of
-`experiments.loads.baselines`:
+planner time on the critical path. Each balancer is its policy's `experiments.loads.policies.run`
+(the one runner from a name to its plans; the EPLB baselines are `experiments.loads.baselines`):
 
   * ``none`` -- masters only: nothing moves, no planner.
   * ``eplb_exact`` / ``eplb_plus`` -- plan on the exact load of every layer and microbatch, so
@@ -24,13 +24,12 @@ planner time on the critical path. The balancers themselves are those of
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import baselines, policies
+from experiments.loads import policies
 from experiments.loads.baselines import Balanced
 from experiments.walltime import time_batched_plan
 
@@ -88,56 +87,38 @@ def resident(balanced: Balanced, num_experts: int) -> Costed:
     return Costed(balanced, np.zeros(num_experts, np.int64), np.zeros(ranks, np.int64))
 
 
-def _each_matrix(streams: np.ndarray, balance, timed: bool) -> list[list[Costed]]:
-    """``balance(loads [R, E]) -> Balanced`` on every matrix of ``streams`` [n, M, R, E], its
-    wall time on the critical path when ``timed``."""
-    num_experts = streams.shape[-1]
-    out = []
-    for stream in streams:
-        row = []
-        for loads in stream:
-            start = time.perf_counter()
-            balanced = balance(loads)
-            seconds = time.perf_counter() - start if timed else 0.0
-            row.append(costed(balanced, num_experts, seconds))
-        out.append(row)
-    return out
+def balancer(name: str, plan_timer: policies.PlanTimer | None = None) -> BalancerFn:
+    """Policy ``name`` as a balancer: `policies.run` on each stream (with its history), each
+    matrix charged as `costed` where the policy plans it on its own load (its planning time on the
+    critical path, its off-home instances copied) and as `resident` where its layout is already in
+    place; ``plan_timer`` times our planner."""
+
+    def balance(streams, cfg=None, history=None) -> list[list[Costed]]:
+        streams = np.asarray(streams)
+        num_experts = streams.shape[-1]
+        out = []
+        for i, stream in enumerate(streams):
+            past = None if history is None else history[i]
+            r = policies.run(name, stream, cfg, past, plan_timer=plan_timer)
+            each = zip(r.balanced, r.seconds, strict=True)
+            if r.relaid:
+                out.append([costed(b, num_experts, s) for b, s in each])
+            else:
+                out.append([resident(b, num_experts) for b, _ in each])
+        return out
+
+    return balance
 
 
-def none_balancer(streams, cfg=None, history=None) -> list[list[Costed]]:
-    """Masters only: rank loads as routed, nothing moves, no planner."""
-    del cfg, history
-    return _each_matrix(np.asarray(streams), baselines.none, timed=False)
-
-
-def eplb_exact_balancer(streams, cfg, history=None) -> list[list[Costed]]:
-    """EPLB re-laid out on every matrix (``baselines.eplb_exact``), timed per call."""
-    del history
-    slots = cfg.slots_per_rank
-    return _each_matrix(streams, lambda loads: baselines.eplb_exact(loads, slots), timed=True)
-
-
-def eplb_plus_balancer(streams, cfg, history=None) -> list[list[Costed]]:
-    """Replication only, masters fixed (``baselines.eplb_plus``), timed per call."""
-    del history
-    slots = cfg.slots_per_rank
-    return _each_matrix(streams, lambda loads: baselines.eplb_plus(loads, slots), timed=True)
-
-
-def eplb_periodic_balancer(streams, cfg, history=None) -> list[list[Costed]]:
-    """EPLB planned on each stream's history and kept for its microbatches
-    (``baselines.eplb_periodic`` with ``window = interval = max(H, 1)``, ``lag=1``)."""
-    if history is None:
-        history = np.zeros((streams.shape[0], 0) + streams.shape[2:], dtype=streams.dtype)
-    h = history.shape[1]
-    rows = []
-    for stream, past in zip(streams, history, strict=True):
-        window = max(h, 1)
-        result = baselines.eplb_periodic(
-            np.concatenate([past, stream]), cfg.slots_per_rank, window, window, lag=1
-        )
-        rows.append([resident(b, cfg.num_experts) for b in result.steps[h:]])
-    return rows
+#: Masters only: rank loads as routed, nothing moves, no planner.
+none_balancer = balancer("none")
+#: EPLB re-laid out on every matrix (``baselines.eplb_exact``), timed per call.
+eplb_exact_balancer = balancer("eplb_exact")
+#: Replication only, masters fixed (``baselines.eplb_plus``), timed per call.
+eplb_plus_balancer = balancer("eplb_plus")
+#: EPLB planned on each stream's history and kept for its microbatches
+#: (``baselines.eplb_periodic`` with ``window = interval = max(H, 1)``, ``lag=1``).
+eplb_periodic_balancer = balancer("eplb_periodic")
 
 
 _PLAN_SECONDS: dict = {}
@@ -153,21 +134,16 @@ def measure_plan_seconds(sample: np.ndarray, cfg: uep.BalancerConfig, batch: int
     return _PLAN_SECONDS[cfg]
 
 
+def plan_timer(timing_batch: int) -> policies.PlanTimer:
+    """Our planner's time per plan as the simulator charges it: `measure_plan_seconds` over
+    ``timing_batch`` matrices (any receive buffer: the simulator plans unbounded)."""
+    return lambda batch, cfg, capacity: measure_plan_seconds(batch, cfg, timing_batch)
+
+
 def make_ultraep_balancer(timing_batch: int = 256) -> BalancerFn:
-    """Our planner: ``uep.plan`` on the exact load of every layer and microbatch
-    (``policies.ultraep_balanced``), with the CPU-measured per-plan time on the critical path."""
-
-    def run(streams: np.ndarray, cfg: uep.BalancerConfig, history=None) -> list[list[Costed]]:
-        del history
-        n, m = streams.shape[:2]
-        flat = streams.reshape((n * m,) + streams.shape[2:]).astype(np.int32)
-        seconds = measure_plan_seconds(flat, cfg, batch=timing_batch)
-        results = [
-            costed(b, cfg.num_experts, seconds) for b in policies.ultraep_balanced(flat, cfg)
-        ]
-        return [results[i * m : (i + 1) * m] for i in range(n)]
-
-    return run
+    """Our planner: ``uep.plan`` on the exact load of every layer and microbatch, with the
+    CPU-measured per-plan time (`measure_plan_seconds`) on the critical path."""
+    return balancer("ultraep", plan_timer(timing_batch))
 
 
 def make_balancers(names: Sequence[str], timing_batch: int) -> dict[str, BalancerFn]:
@@ -176,11 +152,7 @@ def make_balancers(names: Sequence[str], timing_batch: int) -> dict[str, Balance
     unknown = sorted(set(names) - set(BASELINE_ORDER))
     if unknown:
         raise ValueError(f"unknown baselines {unknown}; expected some of {BASELINE_ORDER}")
-    every = {
-        "none": none_balancer,
-        "eplb_periodic": eplb_periodic_balancer,
-        "eplb_exact": eplb_exact_balancer,
-        "eplb_plus": eplb_plus_balancer,
-        "ultraep": make_ultraep_balancer(timing_batch),
+    timer = plan_timer(timing_batch)
+    return {
+        name: balancer(name, timer) for name in BASELINE_ORDER if name == "none" or name in names
     }
-    return {name: every[name] for name in BASELINE_ORDER if name == "none" or name in names}

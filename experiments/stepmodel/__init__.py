@@ -7,10 +7,11 @@ alone: no flags, no ``main``; the programs that print its figures (pinned, ancho
                 layouts, the anchor's published setup (one loader)
   links         all-to-all, replica copy and relayed transfer per link class (NVLink, IB)
   layer         one MoE layer's time from its terms, with one overlap rule; FLOP terms
-  cpu_rates     the rates of this machine's two pinned CPU ranks (`experiments.bench.rates`'s
-                file fitted) and one layer's seconds from them
-  calibration   the model's rates in one object (Calibration) and their fit from the per-rank
-                replay (fit, provenance, the calibration file); the GPU-side estimates' bands
+  cpu_rates     this machine's two pinned CPU ranks' rates (`experiments.bench.rates`'s file)
+                read into a Calibration, and one layer's seconds from them
+  calibration   the model's rates in one object (Calibration, with the measured fits it may
+                carry: the replay's expert costs, the pinned ranks' layer terms) and the replay's
+                fit (provenance, the calibration file); the GPU-side estimates' bands
 
-The registry of balancing policies is `experiments.loads.policies`.
+The registry of balancing policies and their runner is `experiments.loads.policies`.
 """

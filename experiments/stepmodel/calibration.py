@@ -1,5 +1,6 @@
-"""The step model's rates, in one object (`Calibration`), and their fit from the per-rank
-replay's timed ranks with its provenance (the calibration file).
+"""The step model's rates, in one object (`Calibration`), and their fits from measurements:
+the per-rank replay's timed ranks with its provenance (the calibration file, `ExpertCost`) and
+this machine's pinned CPU ranks (`experiments.bench.rates`'s file, `PinnedFit`).
 
 Every rate the model charges is a named field of `Calibration`, so that a fit to measurements
 replaces it in one place: the experts' rate (a FLOP rate, or the replay's measured fixed,
@@ -93,6 +94,59 @@ class ExpertCost:
 
 
 @dataclasses.dataclass(frozen=True)
+class Linear:
+    """``seconds = sum(coef[i] * x[i])`` over named terms, fitted >= 0 (a cost model: no term
+    pays back time)."""
+
+    names: tuple[str, ...]
+    coef: tuple[float, ...]
+
+    def __post_init__(self):
+        if len(self.names) != len(self.coef) or min(self.coef, default=0) < 0:
+            raise ValueError(f"Linear: {self.names} with coefficients {self.coef}")
+
+    @classmethod
+    def fit(cls, names: tuple[str, ...], x, seconds) -> Linear:
+        """The non-negative least-squares fit of ``seconds`` [m] on ``x`` [m, len(names)]."""
+        coef = nonnegative_least_squares(np.asarray(x, np.float64), np.asarray(seconds))
+        return cls(names, tuple(float(c) for c in coef))
+
+    def __call__(self, *x: float) -> float:
+        return float(np.dot(self.coef, x))
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedFit:
+    """The layer terms measured on this machine's two pinned CPU ranks (`experiments.bench.rates`'s
+    file, fitted by `experiments.stepmodel.cpu_rates.read_calibration`), each a `Linear` fit.
+
+    Attributes:
+      d_model, top_k, ep, experts_per_rank, capacity_factor: the layer's shape.
+      experts: per mode, the plain kernel's seconds of (1, C, rows, groups).
+      stage: per mode and replicas (0, 1), the balanced program's expert stage's seconds of
+        (1, C, rows, groups).
+      other: per mode, the bookkeeping's seconds of (1, T, C).
+      a2a: one token all-to-all's seconds of (1, bytes per rank).
+      provenance: machine, commit, command and date of the rates.
+    """
+
+    d_model: int
+    top_k: int
+    ep: int
+    experts_per_rank: int
+    capacity_factor: float
+    experts: dict
+    stage: dict
+    other: dict
+    a2a: Linear
+    provenance: dict
+
+    def __post_init__(self):
+        if not set(self.experts) == set(self.stage) == set(self.other):
+            raise ValueError(f"PinnedFit: modes {sorted(self.experts)} vs {sorted(self.other)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Calibration:
     """The step model's rates (the terms a fit to measurements sets).
 
@@ -109,6 +163,8 @@ class Calibration:
         link_efficiency).
       planner_s: seconds per plan on the step's critical path (None: timed on this machine).
       launch_s: kernel-launch latency per MoE layer on the critical path, seconds.
+      pinned: the layer's terms as fitted on this machine's pinned CPU ranks (`PinnedFit`; None:
+        the FLOP and link terms above). With it, ``planner_s`` is the rates file's timed plan.
     """
 
     gemm_efficiency: float = 0.65
@@ -119,6 +175,7 @@ class Calibration:
     ib_gbps: float | None = None
     planner_s: float | None = None
     launch_s: float = 0.0
+    pinned: PinnedFit | None = None
 
     def __post_init__(self):
         for field in ("gemm_efficiency", "link_efficiency"):

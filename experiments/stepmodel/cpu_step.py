@@ -23,7 +23,8 @@ import dataclasses
 import json
 import math
 
-from experiments.stepmodel.cpu_rates import Rates, layer_seconds
+from experiments.stepmodel.calibration import Calibration
+from experiments.stepmodel.cpu_rates import layer_seconds, read_calibration
 from experiments.stepmodel.step_ratios import RATIOS
 
 #: Replicas the balanced layers are charged: the rates time 0 or 1; both committed bench.step
@@ -39,7 +40,8 @@ MODES = ("ideal", "balanced", "plain", "plain@1.25")
 
 @dataclasses.dataclass(frozen=True)
 class StepRates:
-    """The layer's rates (`Rates`) and the rest of the step measured beside them.
+    """The layer's rates (a `Calibration` with its pinned fit, `cpu_rates.read_calibration`) and
+    the rest of the step measured beside them.
 
     Attributes:
       layer: the fitted layer rates.
@@ -48,7 +50,7 @@ class StepRates:
       num_layers: L, the MoE layers of the timed model.
     """
 
-    layer: Rates
+    layer: Calibration
     rest_s: float
     tokens: int
     num_layers: int
@@ -68,23 +70,23 @@ class StepRates:
         if rest is None:
             raise ValueError(f"{path} has no rest of the step: run bench.rates --parts=rest")
         train = rest["train"]
-        return cls(Rates.read(path), train["seconds"], train["tokens"], train["num_layers"])
+        return cls(read_calibration(path), train["seconds"], train["tokens"], train["num_layers"])
 
 
-def buffer_rows(rates: Rates, mode: str, tokens: int, ep: int | None = None) -> int:
+def buffer_rows(rates: Calibration, mode: str, tokens: int, ep: int | None = None) -> int:
     """C of ``mode``'s layers at ``tokens`` per rank over ``ep`` ranks (default the rates'), as
     `uep.ExpertParallel.capacity` sizes it: ``ceil(factor x T x k)`` (the rates' factor, the
     trainer's 1.05, for ideal and balanced; `CAPPED_FACTOR` for plain@1.25), or R x T x k for
     plain dropless."""
-    pairs, ep = rates.top_k * tokens, ep or rates.ep
+    pairs, ep = rates.pinned.top_k * tokens, ep or rates.pinned.ep
     if mode == "plain":
         return ep * pairs
-    factor = CAPPED_FACTOR if mode == "plain@1.25" else rates.capacity_factor
+    factor = CAPPED_FACTOR if mode == "plain@1.25" else rates.pinned.capacity_factor
     return min(ep * pairs, math.ceil(factor * pairs))
 
 
 def mode_layer_seconds(
-    rates: Rates, mode: str, tokens: int, imbalance: float, ep: int | None = None
+    rates: Calibration, mode: str, tokens: int, imbalance: float, ep: int | None = None
 ) -> float:
     """One MoE layer of ``mode`` (`MODES`) at max/mean ``imbalance`` of its busiest rank (before
     balancing for the plain modes, after for balanced; the ideal's is 1.0 whatever is given).
@@ -92,7 +94,7 @@ def mode_layer_seconds(
     rates', the all-to-all's bytes included)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    rows = (1.0 if mode == "ideal" else imbalance) * rates.top_k * tokens
+    rows = (1.0 if mode == "ideal" else imbalance) * rates.pinned.top_k * tokens
     balanced = mode == "balanced"
     replicas = REPLICAS if balanced else 0
     capacity = buffer_rows(rates, mode, tokens, ep)

@@ -152,7 +152,7 @@ def replica_bytes(model: ModelShape, params: CostParams) -> float:
     (`uep.ExpertParallel(tensor_axis=...)`, F split over t devices) each tensor rank sends only
     its F / t slice, over its own links: the bytes per link fall by t (model such a run with
     ``expert_ffn`` / t)."""
-    return float(model.expert_bytes(params.weight_bytes))
+    return float(model.experts(params.weight_bytes).expert_bytes())
 
 
 def copy_seconds(nbytes: float, ep: int, cluster: Cluster, params: CostParams) -> float:

@@ -24,6 +24,7 @@ import numpy as np
 
 from experiments.batched import batched_transfer
 from experiments.loads.ranks import held_off_home
+from experiments.stepmodel.shapes import ExpertShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,17 @@ def copy_seconds(nbytes: float, ep: int, links: Links) -> float:
     g = min(links.domain, ep)
     p_nvl, p_ib = (g - 1) / (ep - 1), (ep - g) / (ep - 1)
     return nbytes * (p_nvl / links.nvlink_bytes_s + p_ib / links.ib_bytes_s)
+
+
+def exchange_and_transfer(
+    token_rows_RR: np.ndarray, copies: float, experts: ExpertShape, links: Links
+) -> tuple[float, float]:
+    """``(one token all-to-all, one direction of the replica transfer)`` in seconds on
+    ``links``: the dispatch's rows ``token_rows_RR`` [R, R] at ``experts``' row bytes
+    (`exchange_seconds`), and ``copies``, the transfer's length in expert copies
+    (`relay_copies`), each at one copy's expected time to a random other rank (`copy_seconds`)."""
+    one_a2a = exchange_seconds(token_rows_RR, experts.row_bytes(), links)
+    return one_a2a, copies * copy_seconds(experts.expert_bytes(), len(token_rows_RR), links)
 
 
 def relay_copies(held_NRC, num_experts: int, fanout: int | None) -> dict[str, np.ndarray]:

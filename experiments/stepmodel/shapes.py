@@ -18,9 +18,32 @@ import tomllib
 from experiments.loads import traces
 
 
-def expert_bytes(d_model: int, d_ff: int, itemsize: int) -> int:
-    """Bytes of one SwiGLU expert's weights (w_gate, w_up [D, F], w_down [F, D])."""
-    return 3 * d_model * d_ff * itemsize
+@dataclasses.dataclass(frozen=True)
+class ExpertShape:
+    """One routed SwiGLU expert and its token rows as the exchanges move them: the one statement
+    of their bytes, for the step model's targets and the replay's shapes alike.
+
+    Attributes:
+      d_model, d_ff: D and F (w_gate, w_up [D, F], w_down [F, D]).
+      itemsize: bytes per weight and activation element (2: bf16).
+    """
+
+    d_model: int
+    d_ff: int
+    itemsize: int
+
+    def __post_init__(self):
+        for field in ("d_model", "d_ff", "itemsize"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"ExpertShape.{field}={getattr(self, field)} must be >= 1")
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights (a replica copy): 3 x D x F x itemsize."""
+        return 3 * self.d_model * self.d_ff * self.itemsize
+
+    def row_bytes(self) -> int:
+        """Bytes of one token row (D activations)."""
+        return self.d_model * self.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +82,9 @@ class ModelShape:
     attention: tuple
     trace: str
 
-    def expert_bytes(self, itemsize: int) -> int:
-        """Bytes of one routed expert's weights (w_gate, w_up, w_down): 3 x D x F x itemsize."""
-        return expert_bytes(self.hidden, self.expert_ffn, itemsize)
-
-    def row_bytes(self, itemsize: int) -> int:
-        """Bytes of one token row (D activations)."""
-        return self.hidden * itemsize
+    def experts(self, itemsize: int) -> ExpertShape:
+        """One routed expert of this model at ``itemsize`` bytes per element (its bytes)."""
+        return ExpertShape(self.hidden, self.expert_ffn, itemsize)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,17 +47,18 @@ class Corner:
     """One choice within each estimated term's band.
 
     Attributes:
-      gmm_tflops: the grouped matmul's forward + backward rate, TFLOP/s.
-      launch_us: latency of one added kernel, us.
-      plan_at: where in each planner's GPU time range (0: low end, 1: high end).
+      rates: the step model's rates at this choice (`Calibration`): ``expert_tflops`` the grouped
+        matmul's forward + backward rate, ``launch_s`` the latency of the kernels balancing adds
+        to a layer (`corner`).
+      plan_at: where in each planner's GPU time range (0: low end, 1: high end); the range is the
+        planner's own (`Load.plan_ms`), not a rate of the step.
     """
 
-    gmm_tflops: float
-    launch_us: float
+    rates: cal.Calibration
     plan_at: float
 
     def __post_init__(self):
-        if not (self.gmm_tflops > 0 and self.launch_us >= 0 and 0 <= self.plan_at <= 1):
+        if self.rates.expert_tflops is None or not 0 <= self.plan_at <= 1:
             raise ValueError(f"Corner: {self}")
 
     def plan_s(self, plan_ms: tuple[float, float]) -> float:
@@ -65,9 +66,16 @@ class Corner:
         return 1e-3 * (plan_ms[0] + self.plan_at * (plan_ms[1] - plan_ms[0]))
 
 
-MIDDLE = Corner(float(np.mean(cal.GPU_GMM_FWD_BWD_TFLOPS)), float(np.mean(cal.LAUNCH_US)), 0.5)
+def corner(gmm_tflops: float, launch_us: float, plan_at: float) -> Corner:
+    """The corner of a grouped-matmul rate (TFLOP/s), one added kernel's launch latency (us, for
+    each of `calibration.EXTRA_KERNELS`) and a place in the planners' ranges."""
+    launch = 1e-6 * launch_us * cal.EXTRA_KERNELS
+    return Corner(cal.Calibration(expert_tflops=gmm_tflops, launch_s=launch), plan_at)
+
+
+MIDDLE = corner(float(np.mean(cal.GPU_GMM_FWD_BWD_TFLOPS)), float(np.mean(cal.LAUNCH_US)), 0.5)
 CORNERS = tuple(
-    Corner(g, u, p)
+    corner(g, u, p)
     for g, u, p in itertools.product(cal.GPU_GMM_FWD_BWD_TFLOPS, cal.LAUNCH_US, (0.0, 1.0))
 )
 
@@ -95,8 +103,8 @@ def layer_of(load: Load, corner: Corner, balanced: bool, scenario) -> layer.Laye
     """One MoE layer of a training step at ``load``: balanced, or as routed (``balanced``
     False: no planner, no transfer, no added kernel)."""
     model, cluster = ANCHOR.shape, CLUSTERS[scenario.cluster]
-    launch = 1e-6 * corner.launch_us * cal.EXTRA_KERNELS if balanced else 0.0
-    params = layer.CostParams(calibration=cal.Calibration(launch_s=launch))
+    rates = corner.rates if balanced else dataclasses.replace(corner.rates, launch_s=0.0)
+    params = layer.CostParams(calibration=rates)
     rows_G = load.busiest_G if balanced else load.none_G
     return layer.layer_time(
         float(np.sum(rows_G)),
@@ -106,7 +114,7 @@ def layer_of(load: Load, corner: Corner, balanced: bool, scenario) -> layer.Laye
         scenario.ep,
         cluster,
         params,
-        layer.tiled_expert_seconds(rows_G, model, corner.gmm_tflops),
+        layer.tiled_expert_seconds(rows_G, model, rates.expert_tflops),
     )
 
 

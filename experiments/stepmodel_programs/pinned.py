@@ -37,7 +37,8 @@ import re
 from absl import flags
 
 from experiments.program import run_main
-from experiments.stepmodel.cpu_rates import Rates, layer_seconds
+from experiments.stepmodel.calibration import Calibration
+from experiments.stepmodel.cpu_rates import layer_seconds, read_calibration
 
 #: The layer benchmark's runs in experiments/results.
 MOE_GLOB = "bench_pinned_*.txt"
@@ -46,13 +47,14 @@ TOLERANCE = 0.05
 
 
 def layers(
-    rates: Rates, mode: str, tokens: int, before: float, after: float, replicas: int
+    rates: Calibration, mode: str, tokens: int, before: float, after: float, replicas: int
 ) -> dict:
     """Seconds of the break-even's and the layer benchmark's programs at one load: max/mean
     ``before`` and ``after`` balancing with ``replicas`` replicas."""
-    pairs = rates.top_k * tokens
-    capped = max(1, math.ceil(rates.capacity_factor * pairs))
-    dropless = rates.ep * pairs
+    fit = rates.pinned
+    pairs = fit.top_k * tokens
+    capped = max(1, math.ceil(fit.capacity_factor * pairs))
+    dropless = fit.ep * pairs
 
     def run(capacity, imbalance, reps, planned):
         return layer_seconds(rates, mode, tokens, capacity, imbalance * pairs, reps, planned)
@@ -73,7 +75,7 @@ BREAKEVEN_RATIOS = (
 )
 
 
-def breakeven_rows(rates: Rates, points: list[dict], min_tokens: int = 256) -> list[dict]:
+def breakeven_rows(rates: Calibration, points: list[dict], min_tokens: int = 256) -> list[dict]:
     """Each break-even point with ``min_tokens`` tokens per rank or more: its measured ratios
     (`BREAKEVEN_RATIOS`) beside the model's."""
     out = []
@@ -135,7 +137,7 @@ def moe_runs(text: str) -> list[dict]:
     return runs
 
 
-def moe_rows(rates: Rates, runs: list[dict], tokens: int) -> list[dict]:
+def moe_rows(rates: Calibration, runs: list[dict], tokens: int) -> list[dict]:
     """The layer benchmark's runs at ``tokens`` per rank: each measured ratio beside the
     model's."""
     out = []
@@ -156,11 +158,11 @@ def moe_rows(rates: Rates, runs: list[dict], tokens: int) -> list[dict]:
     return out
 
 
-def report(rates: Rates, breakeven_points: list[dict], moe_text: str) -> list[str]:
+def report(rates: Calibration, breakeven_points: list[dict], moe_text: str) -> list[str]:
     """The table of every measured ratio beside the model's, flagged where they differ by more
     than `TOLERANCE`."""
     rows = breakeven_rows(rates, breakeven_points) + moe_rows(rates, moe_runs(moe_text), 2048)
-    p = rates.provenance
+    p = rates.pinned.provenance
     lines = [
         f"rates: {p['command']} ({p['date']}, commit {p['commit']}, {p['machine']})",
         f"{'mode':>8} {'skew':>5} {'tokens':>6} {'ratio':>25} {'measured':>9} {'model':>7} "
@@ -184,7 +186,7 @@ def main(argv):
     f = flags.FLAGS
     points = json.loads(pathlib.Path(f.breakeven).read_text())["points"]
     text = "".join(p.read_text() for p in sorted(pathlib.Path(f.results).glob(MOE_GLOB)))
-    print("\n".join(report(Rates.read(f.rates), points, text)))
+    print("\n".join(report(read_calibration(f.rates), points, text)))
 
 
 if __name__ == "__main__":

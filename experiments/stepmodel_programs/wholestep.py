@@ -129,7 +129,7 @@ def main(argv):
     del argv
     f = flags.FLAGS
     rates = cpu_step.StepRates.read(f.rates)
-    p = rates.layer.provenance
+    p = rates.layer.pinned.provenance
     print(f"rates: {f.rates} ({p['date']}; rest: {p.get('remeasured_rest', p['date'])})")
     print(
         f"rest of the step {rates.rest_s * 1e3:.1f} ms at {rates.tokens} tokens per rank, "

@@ -1,6 +1,8 @@
 """Tests for experiments/loads/baselines.py and drift.drifting_stream (fast; hand-computed
 cases)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -151,7 +153,7 @@ def test_invariants_random(R, E, S):
     rng = np.random.default_rng(R * 100 + E + S)
     cfg = uep.BalancerConfig(num_experts=E, ep_size=R, slots_per_rank=S, min_tokens_per_replica=8)
     batch = np.stack([_random_loads(rng, R, E, skew) for skew in (0.2, 0.5, 1.0, 5.0) * 3])
-    ultra, _ = policies.ultraep_batch(batch, cfg)
+    ultra = policies.run("ultraep", batch, cfg).balanced
     masters = b.master_layout(R, E)
     for loads, u in zip(batch, ultra, strict=True):
         none = b.none(loads)
@@ -239,3 +241,48 @@ def test_drifting_stream_drifts_and_jumps():
     s = drift.drifting_stream(4, 64, 1024, 8, 301, seed=0).sum(axis=1).astype(np.float64)
     near = np.mean([np.corrcoef(s[t], s[t + 1])[0, 1] for t in range(0, 300, 30)])
     assert near > np.corrcoef(s[0], s[300])[0, 1] + 0.2
+
+
+# ----------------------------------------------------------------------------- the runner
+
+
+def test_run_maps_each_name_to_its_policy():
+    # One runner for sim, replay and planner: each name gives its policy's own layouts, timed
+    # where it plans on the matrix itself, and says whether those layouts move weights.
+    rng = np.random.default_rng(7)
+    cfg = uep.BalancerConfig(num_experts=8, ep_size=4, slots_per_rank=1, min_tokens_per_replica=1)
+    stream = np.stack([_random_loads(rng, 4, 8, 0.5, 200) for _ in range(3)])
+    past = np.stack([_random_loads(rng, 4, 8, 0.5, 200) for _ in range(2)])
+    for name, want, relaid in (
+        ("none", [b.none(x) for x in stream], False),
+        ("eplb_exact", [b.eplb_exact(x, 1) for x in stream], True),
+        ("eplb_plus", [b.eplb_plus(x, 1) for x in stream], True),
+        (
+            "eplb_periodic",
+            b.eplb_periodic(np.concatenate([past, stream]), 1, 2, 2, lag=1).steps[2:],
+            False,
+        ),
+        ("ultraep", [policies.ultraep(x, cfg) for x in stream], True),
+    ):
+        got = policies.run(name, stream, cfg, past)
+        assert got.relaid is relaid and len(got.balanced) == len(got.seconds) == 3, name
+        for g, w in zip(got.balanced, want, strict=True):
+            np.testing.assert_array_equal(g.layout, w.layout, err_msg=name)
+            np.testing.assert_array_equal(g.quota, w.quota, err_msg=name)
+    with pytest.raises(ValueError, match="unknown policy 'eplb'"):
+        policies.run("eplb", stream, cfg)
+
+
+def test_run_gives_the_librarys_plans_within_the_capacity():
+    # ultraep and exact are uep.plan within the layer's buffer (exact: balance_eps = 0), the
+    # plans themselves returned for the replay's per-rank counts.
+    rng = np.random.default_rng(8)
+    cfg = uep.BalancerConfig(num_experts=8, ep_size=4, slots_per_rank=1, min_tokens_per_replica=1)
+    stream = np.stack([_random_loads(rng, 4, 8, 0.3, 200) for _ in range(2)])
+    for name, c in (("ultraep", cfg), ("exact", dataclasses.replace(cfg, balance_eps=0.0))):
+        got = policies.run(name, stream, cfg, capacity=230)
+        for i, loads in enumerate(stream):
+            want = uep.plan(loads, c, capacity=230)
+            np.testing.assert_array_equal(got.plans.slot_expert[i], want.slot_expert)
+            np.testing.assert_array_equal(got.plans.slot_quota[i], want.slot_quota)
+        assert got.seconds == [0.0, 0.0]  # no timer: not timed

@@ -10,7 +10,7 @@ import pytest
 from scipy.optimize import nnls
 
 from experiments.replay import real_ratio
-from experiments.stepmodel import calibration, links
+from experiments.stepmodel import calibration, links, shapes
 
 # A tiny target whose numbers are easy by hand: 1000 FLOP/s and 1 byte/s.
 TARGET = real_ratio.TargetModel(
@@ -27,8 +27,8 @@ TOKEN_ROWS = np.array([[7.0, 3.0], [5.0, 9.0]])  # rows src -> dst at 10 pairs p
 
 
 def test_target_sizes_by_hand():
-    assert TARGET.expert_bytes() == 3 * 4 * 2 * 2  # 48
-    assert TARGET.row_bytes() == 8
+    assert TARGET.experts.expert_bytes() == 3 * 4 * 2 * 2  # 48
+    assert TARGET.experts.row_bytes() == 8
     # 6 D F FLOPs per row and pass: 48 x 20 rows = 960 FLOPs a pass, 3 passes in training.
     assert TARGET.ideal_expert_seconds("prefill") == pytest.approx(0.96)
     assert TARGET.ideal_expert_seconds("train") == pytest.approx(2.88)
@@ -119,3 +119,12 @@ def test_fit_costs_keeps_every_cost_non_negative():
     np.testing.assert_allclose(
         [fit["seconds_fixed"], fit["seconds_per_row"], fit["seconds_per_group"]], want, atol=1e-9
     )
+
+
+def test_exchange_and_transfer_by_hand():
+    # 1 byte/s, one link class: rank 1 sends 5 rows (rank 0 receives 5) of 4 x 2 = 8 bytes ->
+    # 40 s; two copies of a 3 x 4 x 2 x 2 = 48-byte expert to the one other rank -> 96 s.
+    got = links.exchange_and_transfer(
+        TOKEN_ROWS, 2.0, shapes.ExpertShape(4, 2, 2), links.Links.single(1e-9)
+    )
+    assert got == pytest.approx((40.0, 96.0))

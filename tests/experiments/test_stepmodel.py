@@ -16,7 +16,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from experiments.stepmodel import cpu_rates, layer, shapes
+from experiments.stepmodel import calibration, cpu_rates, layer, shapes
+from experiments.stepmodel.calibration import Calibration
 from experiments.stepmodel.shapes import ANCHOR
 from experiments.stepmodel_programs import anchor, pinned
 
@@ -87,8 +88,8 @@ def _check(key: tuple, row: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def rates() -> cpu_rates.Rates:
-    return cpu_rates.Rates.read(RESULTS / "rates_cpu.json")
+def rates() -> Calibration:
+    return cpu_rates.read_calibration(RESULTS / "rates_cpu.json")
 
 
 def _breakeven_rows(rates, name: str) -> list[dict]:
@@ -131,11 +132,11 @@ def test_a_rule_without_balancing_misses(rates):
 
 def test_linear_fit_recovers_its_coefficients():
     x = np.array([[1, 2.0, 3.0], [1, 5.0, 1.0], [1, 7.0, 4.0], [1, 1.0, 9.0]])
-    fit = cpu_rates.Linear.fit(("a", "b", "c"), x, x @ [0.5, 2.0, 0.25])
+    fit = calibration.Linear.fit(("a", "b", "c"), x, x @ [0.5, 2.0, 0.25])
     np.testing.assert_allclose(fit.coef, [0.5, 2.0, 0.25], rtol=1e-9)
     assert fit(1, 3.0, 4.0) == pytest.approx(0.5 + 6.0 + 1.0)
     with pytest.raises(ValueError):
-        cpu_rates.Linear(("a",), (-1.0,))
+        calibration.Linear(("a",), (-1.0,))
 
 
 def test_moe_runs_parse_a_block():
@@ -192,3 +193,30 @@ def test_trace_models_take_their_traces_sizes():
     del row["name"]
     with pytest.raises(ValueError, match=r"glm has 64 experts, its trace switch-base-128 128"):
         shapes._models({"glm": {**row, "num_experts": 64}})
+
+
+def test_layer_seconds_needs_the_pinned_fit():
+    # The step model's rates without a rates file's fit (the GPU model's defaults) time no CPU
+    # layer: a one-line error, not the FLOP model's figures.
+    with pytest.raises(ValueError, match="no pinned-rank fit"):
+        cpu_rates.layer_seconds(Calibration(), "train", 256, 1024, 512, 0, False)
+
+
+def test_corner_is_the_step_models_rates():
+    # The anchor's middle corner: the grouped matmul's mid-band rate as the experts' rate, the
+    # mid-band launch latency of each added kernel summed per layer.
+    rates = anchor.MIDDLE.rates
+    assert rates.expert_tflops == pytest.approx(528.0)
+    assert rates.launch_s == pytest.approx(12 * 6e-6)
+    with pytest.raises(ValueError, match="Corner"):
+        anchor.Corner(Calibration(), 0.5)  # no grouped-matmul rate
+
+
+def test_expert_shape_states_the_bytes_once():
+    # DeepSeek-V3's expert in bf16: 3 x 7168 x 2048 x 2 bytes, a row 7168 x 2; the model's, the
+    # replay target's and the replay shape's bytes are this one type's.
+    experts = ANCHOR.shape.experts(2)
+    assert experts.expert_bytes() == 3 * 7168 * 2048 * 2
+    assert experts.row_bytes() == 7168 * 2
+    with pytest.raises(ValueError, match="ExpertShape.itemsize=0"):
+        shapes.ExpertShape(4, 2, 0)

@@ -71,7 +71,7 @@ def test_a_model_without_the_imbalance_misses(rates):
 
 def test_buffers_are_the_trainers(rates):
     layer = rates.layer  # T = 2048, k = 2, R = 2: 4096 pairs per rank
-    assert layer.capacity_factor == BALANCED_CAPACITY_FACTOR  # timed at the trainer's buffer
+    assert layer.pinned.capacity_factor == BALANCED_CAPACITY_FACTOR  # timed at the trainer's buffer
     assert cpu_step.buffer_rows(layer, "plain", 2048) == 8192  # R x T x k
     assert cpu_step.buffer_rows(layer, "balanced", 2048) == 4301  # ceil(1.05 x 4096)
     assert cpu_step.buffer_rows(layer, "ideal", 2048) == 4301
