@@ -3,10 +3,11 @@ a capped buffer, one model trained from the same seed and data in each mode.
 
         python -m experiments.bench.step --pinned_ranks=2            # about 10 minutes
         python -m experiments.bench.step --pinned_ranks=2 --routers=softmax,sigmoid --rounds=7
+        python -m experiments.bench.step --pinned_ranks=2 --cases=skewed   # its own data
         python -m experiments.bench.step --pinned_ranks=2 --data='corpus/*.txt' --run_dir=runs/a
 
 Every run is ``python -m experiments.train --pinned_ranks=N`` with its workdir
-``<run_dir>/<router>/round<r>/<mode>``, the model of ``--preset`` (default ``moe_heavy``),
+``<run_dir>/<case>/round<r>/<mode>``, the model of ``--preset`` (default ``moe_heavy``),
 ``--steps`` steps and one of four modes:
 
   ideal       --balance=ideal: the force-balanced ideal (every expert the same pairs from every
@@ -16,8 +17,20 @@ Every run is ``python -m experiments.train --pinned_ranks=N`` with its workdir
   plain@1.25  --balance=none --capacity_factor=1.25 (fixed-buffer EP: drops the pairs beyond it)
 
 in ``--rounds`` alternated rounds (the order rotates each round, so that a machine slowing down
-slows every mode alike). For each ``--routers`` (the router: softmax, or DeepSeek-V3's sigmoid with
-the aux-loss-free bias) it reports each mode's busiest-rank median step time (the median over
+slows every mode alike). For each case of ``--routers`` (alias ``--cases``):
+
+  softmax     the softmax router on ``--data`` (default: the trainer's corpus, the standard
+              library's .py files)
+  sigmoid     DeepSeek-V3's sigmoid router with the aux-loss-free bias, on ``--data``
+  skewed      the softmax router on a mix of its own (`CASE_DATA`): the standard library's
+              top-level modules ``s[t-z]*.py``, stat.py to sysconfig.py, of which 40 steps of
+              32 x 128 bytes read stat, statistics, string, stringprep (Unicode tables), struct
+              and most of subprocess. On this text the router, as it trains, sends 76 % / 84 %
+              of its pairs per layer to one EP2 rank (max/mean 1.52 / 1.68 plain; the whole
+              corpus: 1.22 / 1.35), the largest of the mixes tried (docs/results.md: found by
+              measuring, not predicted); ``--data`` with it is an error
+
+it reports each mode's busiest-rank median step time (the median over
 rounds of each run's median step, with the rounds' min-max), tokens/s, pairs dropped, per-layer
 max/mean rank load before -> after (mean over steps), the loss at the same steps; then balanced's
 % of the ideal, x over plain and over plain@1.25, and plain's % of the ideal (the headroom), each
@@ -55,6 +68,7 @@ from experiments.program import run_main
 from experiments.records import read_metrics
 from experiments.stepmodel.layer import expert_fwd_flops
 from experiments.train.config import IDEAL_NOTE, MODEL_FIELDS
+from experiments.train.data import default_corpus_root
 from models.moe_lm import ModelConfig
 from models.presets import PRESETS
 
@@ -66,7 +80,15 @@ MODES = {
     "plain@1.25": ("--balance=none", "--capacity_factor=1.25"),
 }
 #: The cases: the router's flags of each.
-CASES = {"softmax": ("--router=softmax",), "sigmoid": ("--router=sigmoid",)}
+CASES = {
+    "softmax": ("--router=softmax",),
+    "sigmoid": ("--router=sigmoid",),
+    "skewed": ("--router=softmax",),
+}
+#: Cases that train on a text mix of their own: a glob under the Python standard library's
+#: folder (`default_corpus_root`, resolved at run time: the same files wherever this Python is).
+#: The other cases read --data (default: the trainer's corpus, the standard library's .py files).
+CASE_DATA = {"skewed": "s[t-z]*.py"}
 #: Flags the benchmark sets itself: --train_flags may not give them.
 _OWN_FLAGS = (
     "balance",
@@ -77,6 +99,7 @@ _OWN_FLAGS = (
     "profile_steps",
     "preset",
     "router",
+    "data",
 )
 
 _PINNED = flags.DEFINE_integer(
@@ -96,9 +119,14 @@ _PROFILE = flags.DEFINE_integer(
 _PRESET = flags.DEFINE_enum("preset", "moe_heavy", sorted(PRESETS), "Model preset.")
 _BATCH = flags.DEFINE_integer("batch_size", 32, "Global batch (sequences).")
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed (the same in every run).")
-_DATA = flags.DEFINE_string("data", None, "Training text (experiments.train --data; a skewed mix).")
+_DATA = flags.DEFINE_string(
+    "data", None, "Training text (experiments.train --data) of the cases without their own mix."
+)
 _MODES = flags.DEFINE_list("modes", list(MODES), f"Modes to run, of {', '.join(MODES)}.")
-_CASES = flags.DEFINE_list("routers", ["softmax"], f"Router cases, of {', '.join(CASES)}.")
+_CASES = flags.DEFINE_list(
+    "routers", ["softmax"], f"Cases (router and data; alias --cases), of {', '.join(CASES)}."
+)
+flags.DEFINE_alias("cases", "routers")
 _TRAIN_FLAGS = flags.DEFINE_string(
     "train_flags", "", "More experiments.train flags for every run, e.g. '--d_model=64 --top_k=4'."
 )
@@ -141,8 +169,20 @@ def _check_train_flags(text: str) -> bool:
     return True
 
 
+def _check_data_and_cases(values: dict) -> bool:
+    own = [c for c in values["routers"] or () if c in CASE_DATA]
+    if values["data"] is not None and own:
+        raise flags.ValidationError(
+            f"--data conflicts with case {', '.join(own)}, which trains on its own mix "
+            f"({'; '.join(CASE_DATA[c] for c in own)} under the standard library's folder): "
+            "run that case without --data"
+        )
+    return True
+
+
 flags.register_validator("modes", _check_names("mode", MODES))
-flags.register_validator("routers", _check_names("router", CASES))
+flags.register_validator("routers", _check_names("case", CASES))
+flags.register_multi_flags_validator(["data", "routers"], _check_data_and_cases)
 flags.register_validator("train_flags", _check_train_flags)
 flags.register_validator("rounds", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("steps", lambda v: v >= 2, "must be >= 2 (the first step compiles)")
@@ -171,6 +211,14 @@ def rotated(names: list[str], offset: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+def case_data(case: str) -> str | None:
+    """The ``--data`` the runs of ``case`` read: its own mix (`CASE_DATA`, a glob made absolute
+    under `default_corpus_root`), else ``--data`` (None: the trainer's default corpus)."""
+    if case in CASE_DATA:
+        return str(default_corpus_root() / CASE_DATA[case])
+    return _DATA.value
+
+
 def train_command(case: str, mode: str, workdir: pathlib.Path) -> list[str]:
     """The trainer's command line for one run of ``mode`` in ``case``."""
     steps = _STEPS.value
@@ -178,9 +226,11 @@ def train_command(case: str, mode: str, workdir: pathlib.Path) -> list[str]:
     cmd += [f"--workdir={workdir}", f"--preset={_PRESET.value}", f"--steps={steps}"]
     cmd += [f"--batch_size={_BATCH.value}", f"--seed={_SEED.value}", "--eval_batches=1"]
     cmd += [f"--profile_steps={_PROFILE.value}"]
-    # Evaluate and checkpoint only after the last step; 2 MiB of text is more than 40 steps read.
+    # Evaluate and checkpoint only after the last step; 2 MiB of text is more than 40 steps read
+    # (a smaller text is read again from its start).
     cmd += [f"--eval_every={steps}", f"--checkpoint_every={steps}", f"--print_every={steps}"]
-    cmd += ["--max_corpus_bytes=2097152"] + ([f"--data={_DATA.value}"] if _DATA.value else [])
+    data = case_data(case)
+    cmd += ["--max_corpus_bytes=2097152"] + ([f"--data={data}"] if data else [])
     return cmd + [*CASES[case], *MODES[mode], *shlex.split(_TRAIN_FLAGS.value)]
 
 
@@ -273,7 +323,10 @@ def main(argv):
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "settings": {f.name: f.value for f in _SETTINGS},
         "flop_shares": flop_shares(model, config["seq_len"]),
-        "cases": {case: case_report(rounds) for case, rounds in results.items()},
+        "cases": {
+            case: {"data": case_data(case), **case_report(rounds)}
+            for case, rounds in results.items()
+        },
         "calibration": calibration_summary(results),
         "note": IDEAL_NOTE if ideal else None,
     }

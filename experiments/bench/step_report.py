@@ -130,9 +130,11 @@ def _ms(values: dict, signed: bool = False) -> str:
 
 
 def print_case(case: str, report: dict, clock: str, rounds: int) -> None:
-    """The case's table of modes (with ``clock``, whose clock the times are), each mode's terms,
-    the gaps to the ideal by term, its ratios and its loss check."""
-    print(f"\ncase {case}: {clock} median step over {rounds} rounds [min-max]")
+    """The case's data (when not the trainer's default), its table of modes (with ``clock``,
+    whose clock the times are), each mode's terms, the gaps to the ideal by term, its ratios and
+    its loss check."""
+    data = f", data {report['data']}" if report.get("data") else ""
+    print(f"\ncase {case}{data}: {clock} median step over {rounds} rounds [min-max]")
     for mode, s in report["modes"].items():
         t = s["step_time_s"]
         losses = " ".join(f"{loss:.4f}" for loss in s["losses"].values())

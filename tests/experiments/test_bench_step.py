@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from experiments.bench import step, step_report
+from experiments.train.data import corpus_files, default_corpus_root, load_corpus, split_corpus
 from models.presets import preset
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -89,8 +90,11 @@ def test_ratios_are_medians_of_per_round_ratios():
     "args, message",
     [
         (["--modes=ideal,fast"], "unknown mode fast; expected some of ideal, balanced"),
-        (["--routers=relu"], "unknown router relu; expected some of softmax, sigmoid"),
+        (["--routers=relu"], "unknown case relu; expected some of softmax, sigmoid, skewed"),
         (["--train_flags=--balance=none"], "sets --balance=none, which the benchmark sets"),
+        (["--train_flags=--data=a.txt"], "sets --data=a.txt, which the benchmark sets"),
+        (["--cases=skewed", "--data=a.txt"], "--data conflicts with case skewed, which trains"),
+        (["--routers=softmax,skewed", "--data=a.txt"], "--data conflicts with case skewed"),
         (["--rounds=0"], "must be >= 1"),
         ([f"--pinned_ranks={len(os.sched_getaffinity(0)) + 1}"], "cores this process may use"),
     ],
@@ -101,6 +105,47 @@ def test_bad_input_is_one_line(args, message, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def _train_commands(*args) -> dict[str, list[str]]:
+    """Each case's trainer command line (plain mode) as the benchmark builds it from ``args``."""
+    code = (
+        "import json, sys; from absl import flags; from experiments.bench import step; "
+        "flags.FLAGS(['step', *sys.argv[1:]]); "
+        "print(json.dumps({c: step.train_command(c, 'plain', step.pathlib.Path('w')) "
+        "for c in step._CASES.value}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def test_the_skewed_case_reads_its_own_mix_and_the_others_data():
+    """skewed: the softmax router on `CASE_DATA`'s glob under this Python's standard library;
+    the other cases read --data when given, else the trainer's default corpus (no --data)."""
+    mix = str(default_corpus_root() / step.CASE_DATA["skewed"])
+    cmds = _train_commands("--cases=softmax,skewed")
+    assert [a for a in cmds["skewed"] if a.startswith("--data")] == [f"--data={mix}"]
+    assert "--router=softmax" in cmds["skewed"] and "--balance=none" in cmds["skewed"]
+    assert not [a for a in cmds["softmax"] if a.startswith("--data")]
+    cmds = _train_commands("--routers=softmax,sigmoid", "--data=a.txt")
+    assert all(cmd.count("--data=a.txt") == 1 for cmd in cmds.values())
+
+
+def test_the_skewed_mix_resolves_to_non_empty_text_files():
+    """The mix exists on this Python (a glob under the standard library, not a path of one
+    machine), opens with the modules docs/results.md names, every file holds bytes, and its
+    training part holds 40 default batches (32 x 128 bytes): 40 steps read no byte twice."""
+    assert not pathlib.Path(step.CASE_DATA["skewed"]).is_absolute()
+    files = corpus_files(str(default_corpus_root() / step.CASE_DATA["skewed"]))
+    names = [f.name for f in files]
+    assert names[:5] == ["stat.py", "statistics.py", "string.py", "stringprep.py", "struct.py"]
+    assert all(f.is_file() and f.suffix == ".py" and f.stat().st_size > 0 for f in files)
+    train, _ = split_corpus(load_corpus(files, 2 << 20), 0.02, 128)
+    assert train.size > 40 * 32 * 128  # 40 steps read each byte once, as on the whole corpus
 
 
 @pytest.mark.slow
