@@ -74,8 +74,15 @@ def active_slots(slot_expert_RS: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(used_S, jnp.arange(1, S + 1, dtype=jnp.int32), 0))
 
 
+def column_buckets(S: int) -> tuple[int, ...]:
+    """The slot-column counts the dense hop compiles a branch for: 1, 2, 4, ... and S (a hop
+    moves the smallest that holds its columns in use: at most twice the bytes needed, with
+    log2(S) + 2 branches rather than S + 1)."""
+    return tuple(sorted({*(1 << i for i in range(max(S - 1, 0).bit_length())), S} - {0}))
+
+
 def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_name: str):
-    """[S, P] by a dense exchange: every rank sends each peer one row per slot of that peer (the
+    """[S, P] by a dense exchange: every rank sends each peer one row per slot column in use (the
     row it sends that slot, or zeros) and each slot sums what it got; no exchange at all when no
     slot receives.
 
@@ -86,30 +93,39 @@ def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_n
     me = jax.lax.axis_index(axis_name)
     P_ = sum(w.shape[1] for w in tables)
     dtype = jnp.result_type(*tables)  # what the concatenation below makes of mixed dtypes
-    # Both branches of the cond must have one type: varying over all that any input varies over.
+    # Every branch of the switch must have one type: varying over all that any input varies over.
     axes = {axis_name}.union(*(varying_axes(a) for a in (*tables, sender_RS, source_RS)))
 
-    def fetch():
-        mine = (sender_RS == me).reshape(-1, 1)  # bool [R * S, 1]
-        rows = source_RS.reshape(-1)
-        # One fused gather per tensor, zero where another rank sends the slot: a select, not a
-        # product with a 0/1 mask, so that inf or NaN in one expert's weights stays in the slots
-        # of that expert (inf * 0 is NaN, and the sum would spread it to every slot gathering
-        # the same row); its transpose is a select too.
-        send = jnp.concatenate([jnp.where(mine, w[rows], 0) for w in tables], axis=1)
-        # Only the sender's row of each slot is non-zero, so summing over senders delivers it:
-        # a reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster than an
-        # all-to-all).
-        got = jax.lax.psum_scatter(send, axis_name, scatter_dimension=0, tiled=True)
-        return vary(got, axes)
+    def fetch(k: int):
+        def moved():
+            mine = (sender_RS[:, :k] == me).reshape(-1, 1)  # bool [R * k, 1]
+            rows = source_RS[:, :k].reshape(-1)
+            # One fused gather per tensor, zero where another rank sends the slot: a select, not
+            # a product with a 0/1 mask, so that inf or NaN in one expert's weights stays in the
+            # slots of that expert (inf * 0 is NaN, and the sum would spread it to every slot
+            # gathering the same row); its transpose is a select too.
+            send = jnp.concatenate([jnp.where(mine, w[rows], 0) for w in tables], axis=1)
+            # Only the sender's row of each slot is non-zero, so summing over senders delivers
+            # it: a reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster
+            # than an all-to-all).
+            got = jax.lax.psum_scatter(send, axis_name, scatter_dimension=0, tiled=True)
+            return vary(jnp.pad(got, ((0, S - k), (0, 0))), axes)
+
+        return moved
 
     def skip():
         return vary(jnp.zeros((S, P_), dtype), axes)
 
-    # The plan is identical across the EP group, so every rank takes the same branch. One branch
-    # moves every slot column: a branch per count of columns in use moved fewer bytes, but its
-    # S + 1 branches (and their transposes) cost compile time for no measurable step time here.
-    return jax.lax.cond(jnp.any(sender_RS < R), fetch, skip)
+    # The plan is identical across the EP group, so every rank takes the same branch: the one
+    # that moves the fewest slot columns holding every receiving slot (plans fill columns from
+    # the first), as bytes on the wire and copies cost per column moved.
+    buckets = column_buckets(S)
+    if not buckets:  # no slot column: nothing to move
+        return skip()
+    receiving_S = jnp.any(sender_RS < R, axis=0)
+    used = jnp.max(jnp.where(receiving_S, jnp.arange(1, S + 1, dtype=jnp.int32), 0))
+    branch = jnp.sum(jnp.asarray(buckets, jnp.int32) < used) + (used > 0)
+    return jax.lax.switch(branch, [skip, *(fetch(k) for k in buckets)])
 
 
 def _hop_exchange_if_any(table_NP, sender_RS, source_RS, axis_name, backend):
