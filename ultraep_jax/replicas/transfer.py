@@ -69,22 +69,28 @@ def _hop_exchange(table_NP, sender_RS, source_RS, axis_name: str, backend: str):
 def active_slots(slot_expert_RS: jax.Array) -> jax.Array:
     """int32 []: how many leading slot columns hold a replica on some rank (0 when none does);
     every slot from there on is empty on every rank."""
-    S = slot_expert_RS.shape[1]
-    used_S = jnp.any(slot_expert_RS >= 0, axis=0)
+    return _leading_columns(jnp.any(slot_expert_RS >= 0, axis=0))
+
+
+def _leading_columns(used_S: jax.Array) -> jax.Array:
+    """int32 []: the columns up to the last one in use (bool [S]); 0 when none is."""
+    S = used_S.shape[0]
     return jnp.max(jnp.where(used_S, jnp.arange(1, S + 1, dtype=jnp.int32), 0))
 
 
 def column_buckets(S: int) -> tuple[int, ...]:
     """The slot-column counts the dense hop compiles a branch for: 1, 2, 4, ... and S (a hop
     moves the smallest that holds its columns in use: at most twice the bytes needed, with
-    log2(S) + 2 branches rather than S + 1)."""
+    log2(S) + 1 branches rather than S; at S = 2 the two a skip-or-move cond had)."""
     return tuple(sorted({*(1 << i for i in range(max(S - 1, 0).bit_length())), S} - {0}))
 
 
 def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_name: str):
     """[S, P] by a dense exchange: every rank sends each peer one row per slot column in use (the
-    row it sends that slot, or zeros) and each slot sums what it got; no exchange at all when no
-    slot receives.
+    row it sends that slot, or zeros) and each slot sums what it got. It always exchanges (at
+    least one column): the layer runs it only when the plan has a replica
+    (`replicas.streaming`'s ``lax.cond``), so a branch that skipped it would only cost compile
+    time.
 
     ``tables``: this rank's rows to send from, each [N, P_i] (P = sum of P_i); ``sender_RS`` and
     ``source_RS`` as in `_hop_exchange`.
@@ -113,19 +119,15 @@ def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_n
 
         return moved
 
-    def skip():
+    buckets = column_buckets(S)
+    if not buckets:  # no slot column: nothing to move
         return vary(jnp.zeros((S, P_), dtype), axes)
-
     # The plan is identical across the EP group, so every rank takes the same branch: the one
     # that moves the fewest slot columns holding every receiving slot (plans fill columns from
     # the first), as bytes on the wire and copies cost per column moved.
-    buckets = column_buckets(S)
-    if not buckets:  # no slot column: nothing to move
-        return skip()
-    receiving_S = jnp.any(sender_RS < R, axis=0)
-    used = jnp.max(jnp.where(receiving_S, jnp.arange(1, S + 1, dtype=jnp.int32), 0))
-    branch = jnp.sum(jnp.asarray(buckets, jnp.int32) < used) + (used > 0)
-    return jax.lax.switch(branch, [skip, *(fetch(k) for k in buckets)])
+    used = _leading_columns(jnp.any(sender_RS < R, axis=0))
+    branch = jnp.sum(jnp.asarray(buckets, jnp.int32) < used)
+    return jax.lax.switch(branch, [fetch(k) for k in buckets])
 
 
 def _hop_exchange_if_any(table_NP, sender_RS, source_RS, axis_name, backend):
