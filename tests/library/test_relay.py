@@ -182,6 +182,43 @@ def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch, ep8
         np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "S, want", [(0, ()), (1, (1,)), (2, (1, 2)), (3, (1, 2, 3)), (4, (1, 2, 4)), (6, (1, 2, 4, 6))]
+)
+def test_dense_hop_compiles_a_branch_per_bucket_of_columns(S, want):
+    assert transfer.column_buckets(S) == want
+
+
+@pytest.mark.parametrize("used", [0, 1, 2, 3, 4])
+def test_dense_fetch_moving_only_the_columns_in_use_equals_numpy(used, ep8_mesh):
+    """S = 4 slots, the plan filling 3 ranks' slots in each of the first ``used`` columns (the
+    other ranks' slots there empty): the dense hop moves 1, 2 or 4 columns (or none) and every
+    slot still gets its expert, every master the sum of its slots' cotangents."""
+    R, em, S = 8, 2, 4
+    rng = np.random.default_rng(used)
+    slot_expert = np.full((R, S), -1, np.int32)
+    for c in range(used):
+        ranks = rng.choice(R, size=3, replace=False)
+        slot_expert[ranks, c] = rng.integers(0, R * em, size=3)
+    masters = [
+        rng.normal(size=(R * em, 3, 5)).astype(np.float32),
+        rng.normal(size=(R * em, 4)).astype(np.float32),
+    ]
+    cot = [rng.normal(size=(R * S, *w.shape[1:])).astype(np.float32) for w in masters]
+    got, grads = fetch_with_grads(ep8_mesh, masters, slot_expert, cot, backend="portable")
+    flat = slot_expert.reshape(-1)
+    assert (flat >= 0).any() == bool(used)
+    for g, w in zip(got, masters, strict=True):
+        want = np.stack([w[e] if e >= 0 else np.zeros_like(w[0]) for e in flat])
+        np.testing.assert_array_equal(np.asarray(g), want)
+    for g, c, w in zip(grads, cot, masters, strict=True):
+        want = np.zeros_like(w)
+        for i, e in enumerate(flat):
+            if e >= 0:
+                want[e] += c[i]
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
+
+
 def test_relay_hops_lower_for_cuda_with_ragged_all_to_all(ep8_mesh):
     """The relayed transfer exports for CUDA: one ragged all-to-all for hop 1 and one per later
     hop (inside a conditional), whose transposes carry the gradients back."""

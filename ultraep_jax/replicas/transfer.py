@@ -69,15 +69,28 @@ def _hop_exchange(table_NP, sender_RS, source_RS, axis_name: str, backend: str):
 def active_slots(slot_expert_RS: jax.Array) -> jax.Array:
     """int32 []: how many leading slot columns hold a replica on some rank (0 when none does);
     every slot from there on is empty on every rank."""
-    S = slot_expert_RS.shape[1]
-    used_S = jnp.any(slot_expert_RS >= 0, axis=0)
+    return _leading_columns(jnp.any(slot_expert_RS >= 0, axis=0))
+
+
+def _leading_columns(used_S: jax.Array) -> jax.Array:
+    """int32 []: the columns up to the last one in use (bool [S]); 0 when none is."""
+    S = used_S.shape[0]
     return jnp.max(jnp.where(used_S, jnp.arange(1, S + 1, dtype=jnp.int32), 0))
 
 
+def column_buckets(S: int) -> tuple[int, ...]:
+    """The slot-column counts the dense hop compiles a branch for: 1, 2, 4, ... and S (a hop
+    moves the smallest that holds its columns in use: at most twice the bytes needed, with
+    log2(S) + 1 branches rather than S; at S = 2 the two a skip-or-move cond had)."""
+    return tuple(sorted({*(1 << i for i in range(max(S - 1, 0).bit_length())), S} - {0}))
+
+
 def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_name: str):
-    """[S, P] by a dense exchange: every rank sends each peer one row per slot of that peer (the
-    row it sends that slot, or zeros) and each slot sums what it got; no exchange at all when no
-    slot receives.
+    """[S, P] by a dense exchange: every rank sends each peer one row per slot column in use (the
+    row it sends that slot, or zeros) and each slot sums what it got. It always exchanges (at
+    least one column): the layer runs it only when the plan has a replica
+    (`replicas.streaming`'s ``lax.cond``), so a branch that skipped it would only cost compile
+    time.
 
     ``tables``: this rank's rows to send from, each [N, P_i] (P = sum of P_i); ``sender_RS`` and
     ``source_RS`` as in `_hop_exchange`.
@@ -86,30 +99,35 @@ def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_n
     me = jax.lax.axis_index(axis_name)
     P_ = sum(w.shape[1] for w in tables)
     dtype = jnp.result_type(*tables)  # what the concatenation below makes of mixed dtypes
-    # Both branches of the cond must have one type: varying over all that any input varies over.
+    # Every branch of the switch must have one type: varying over all that any input varies over.
     axes = {axis_name}.union(*(varying_axes(a) for a in (*tables, sender_RS, source_RS)))
 
-    def fetch():
-        mine = (sender_RS == me).reshape(-1, 1)  # bool [R * S, 1]
-        rows = source_RS.reshape(-1)
-        # One fused gather per tensor, zero where another rank sends the slot: a select, not a
-        # product with a 0/1 mask, so that inf or NaN in one expert's weights stays in the slots
-        # of that expert (inf * 0 is NaN, and the sum would spread it to every slot gathering
-        # the same row); its transpose is a select too.
-        send = jnp.concatenate([jnp.where(mine, w[rows], 0) for w in tables], axis=1)
-        # Only the sender's row of each slot is non-zero, so summing over senders delivers it:
-        # a reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster than an
-        # all-to-all).
-        got = jax.lax.psum_scatter(send, axis_name, scatter_dimension=0, tiled=True)
-        return vary(got, axes)
+    def fetch(k: int):
+        def moved():
+            mine = (sender_RS[:, :k] == me).reshape(-1, 1)  # bool [R * k, 1]
+            rows = source_RS[:, :k].reshape(-1)
+            # One fused gather per tensor, zero where another rank sends the slot: a select, not
+            # a product with a 0/1 mask, so that inf or NaN in one expert's weights stays in the
+            # slots of that expert (inf * 0 is NaN, and the sum would spread it to every slot
+            # gathering the same row); its transpose is a select too.
+            send = jnp.concatenate([jnp.where(mine, w[rows], 0) for w in tables], axis=1)
+            # Only the sender's row of each slot is non-zero, so summing over senders delivers
+            # it: a reduce-scatter (XLA:CPU runs it and its transpose, an all-gather, faster
+            # than an all-to-all).
+            got = jax.lax.psum_scatter(send, axis_name, scatter_dimension=0, tiled=True)
+            return vary(jnp.pad(got, ((0, S - k), (0, 0))), axes)
 
-    def skip():
+        return moved
+
+    buckets = column_buckets(S)
+    if not buckets:  # no slot column: nothing to move
         return vary(jnp.zeros((S, P_), dtype), axes)
-
-    # The plan is identical across the EP group, so every rank takes the same branch. One branch
-    # moves every slot column: a branch per count of columns in use moved fewer bytes, but its
-    # S + 1 branches (and their transposes) cost compile time for no measurable step time here.
-    return jax.lax.cond(jnp.any(sender_RS < R), fetch, skip)
+    # The plan is identical across the EP group, so every rank takes the same branch: the one
+    # that moves the fewest slot columns holding every receiving slot (plans fill columns from
+    # the first), as bytes on the wire and copies cost per column moved.
+    used = _leading_columns(jnp.any(sender_RS < R, axis=0))
+    branch = jnp.sum(jnp.asarray(buckets, jnp.int32) < used)
+    return jax.lax.switch(branch, [fetch(k) for k in buckets])
 
 
 def _hop_exchange_if_any(table_NP, sender_RS, source_RS, axis_name, backend):
