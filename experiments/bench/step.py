@@ -57,9 +57,9 @@ import sys
 from absl import flags
 
 from experiments.bench.step_report import (
-    busiest_terms,
     calibration_summary,
     case_report,
+    mean_terms,
     plot,
     print_case,
 )
@@ -132,6 +132,12 @@ _TRAIN_FLAGS = flags.DEFINE_string(
 )
 _OUT = flags.DEFINE_string(
     "run_dir", "runs/bench_step", "Run folder (the runs, the JSON, the PNG)."
+)
+_REPORT_ONLY = flags.DEFINE_bool(
+    "report_only",
+    False,
+    "Train nothing: report the runs already in --run_dir (of the same --cases, --modes and "
+    "--rounds), e.g. to render a finished benchmark again with this program's report.",
 )
 #: The flags the JSON records as the run's settings.
 _SETTINGS = (
@@ -237,8 +243,8 @@ def train_command(case: str, mode: str, workdir: pathlib.Path) -> list[str]:
 def read_run(workdir: pathlib.Path) -> tuple[dict, dict]:
     """One finished run's figures (``step_time_s``, the busiest rank's median step;
     ``tokens_per_s``; ``dropped_pairs``; per-layer mean max/mean ``imbalance_before`` /
-    ``_after`` [L]; ``losses`` by step; ``calibration``; ``terms``, the busiest rank's profile
-    (`step_report.busiest_terms`; None unprofiled)) and its flat configuration."""
+    ``_after`` [L]; ``losses`` by step; ``calibration``; ``terms``, the ranks' profiles averaged
+    (`step_report.mean_terms`; None unprofiled)) and its flat configuration."""
     summary = json.loads((workdir / "summary.json").read_text())
     records = read_metrics(workdir / "metrics.jsonl")
     run = {
@@ -249,7 +255,7 @@ def read_run(workdir: pathlib.Path) -> tuple[dict, dict]:
         "imbalance_after": summary["imbalance_after"]["mean"],
         "losses": {str(r["step"]): r["loss"] for r in records},
         "calibration": summary.get("calibration"),
-        "terms": busiest_terms(
+        "terms": mean_terms(
             [json.loads(p.read_text()) for p in sorted(workdir.glob("terms_rank*.json"))]
         ),
     }
@@ -267,16 +273,27 @@ def run_one(case: str, mode: str, workdir: pathlib.Path) -> tuple[dict, dict]:
     return read_run(workdir)
 
 
+def read_finished(case: str, mode: str, workdir: pathlib.Path) -> tuple[dict, dict]:
+    """`read_run` of a run already in ``workdir`` (``--report_only``); RuntimeError naming it
+    when it has no summary."""
+    if not (workdir / "summary.json").exists():
+        raise RuntimeError(f"{case} {mode}: no finished run in {workdir} (--report_only)")
+    return read_run(workdir)
+
+
 def run_rounds(out: pathlib.Path) -> tuple[dict[str, list[dict]], dict]:
     """Every case's rounds (each ``{mode: read_run figures}``), the modes rotated each round,
-    and the first run's configuration."""
+    and the first run's configuration; trained afresh, or read back with ``--report_only``."""
     modes, cases, rounds = list(_MODES.value), list(_CASES.value), _ROUNDS.value
     results, config = {case: [] for case in cases}, None
     for r in range(rounds):
         for case in cases:
             runs = {}
             for mode in rotated(modes, r):
-                runs[mode], config = run_one(case, mode, out / case / f"round{r}" / mode)
+                workdir = out / case / f"round{r}" / mode
+                runs[mode], config = (read_finished if _REPORT_ONLY.value else run_one)(
+                    case, mode, workdir
+                )
                 print(
                     f"round {r + 1}/{rounds} {case} {mode}: "
                     f"{runs[mode]['step_time_s'] * 1e3:.1f} ms/step, "

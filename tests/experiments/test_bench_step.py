@@ -65,6 +65,47 @@ def _run(ms, loss_shift=0.0):
     }
 
 
+def _terms(rank, experts_ms, exchange_ms, wall_ms):
+    terms = dict.fromkeys(step_report.TERMS, 0.0)
+    terms.update(experts=experts_ms / 1e3, exchange=exchange_ms / 1e3, rest=0.05)
+    collectives = dict.fromkeys(step_report.TERMS, 0.0)
+    collectives["exchange"] = exchange_ms / 1e3
+    outside = wall_ms / 1e3 - sum(terms.values())
+    return {
+        "rank": rank,
+        "steps": 3,
+        "wall_s": wall_ms / 1e3,
+        "terms_s": terms,
+        "collectives_s": collectives,
+        "outside_ops_s": outside,
+    }
+
+
+def test_terms_are_the_mean_rank_and_gaps_are_to_the_ideal():
+    """Rank 0 busy (experts 150 ms, waits 10 ms), rank 1 idle (experts 110, waits 50): the mean
+    rank 130 / 30; a second round's profile and the medians over rounds; gaps by term."""
+    busy, idle = _terms(0, 150, 10, 220), _terms(1, 110, 50, 220)
+    mean = step_report.mean_terms([busy, idle])
+    assert mean["terms_s"]["experts"] == pytest.approx(0.130)
+    assert mean["collectives_s"]["exchange"] == pytest.approx(0.030)
+    assert mean["wall_s"] == pytest.approx(0.220) and mean["ranks"] == 2
+    assert step_report.mean_terms([]) is None
+    ideal = step_report.mean_terms([_terms(0, 120, 20, 200), _terms(1, 120, 20, 200)])
+    runs = [dict(_run(220), terms=mean), dict(_run(240), terms=mean)]
+    runs[1]["terms"] = step_report.mean_terms([_terms(0, 160, 10, 240), _terms(1, 120, 50, 240)])
+    summary = step_report.mode_summary(runs)["profile"]
+    assert summary["terms_ms"]["experts"] == pytest.approx((130 + 140) / 2)
+    assert summary["wall_ms"] == pytest.approx(230) and summary["profiled_steps"] == 3
+    assert summary["experts_share"] == pytest.approx(135 / 230)
+    modes = {"ideal": step_report.mode_summary([dict(_run(200), terms=ideal)] * 2)}
+    modes["plain"] = step_report.mode_summary(runs)
+    gaps = step_report.gaps(modes)["plain"]
+    assert gaps["experts"] == pytest.approx(135 - 120) and gaps["exchange"] == pytest.approx(10)
+    assert sum(gaps.values()) == pytest.approx(230 - 200)
+    unprofiled = step_report.mode_summary([_run(220)])
+    assert unprofiled["profile"] is None
+
+
 def test_ratios_are_medians_of_per_round_ratios():
     times = {"ideal": (300, 280, 320), "balanced": (310, 290, 300), "plain": (380, 300, 330)}
     times["plain@1.25"] = (330, 320, 310)
@@ -190,3 +231,14 @@ def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
     assert report["flop_shares"] == pytest.approx(step.flop_shares(tiny, 32))
     assert (report["calibration"] is not None) == bool(pinned)
     assert report["command"].endswith(f"--run_dir={tmp_path}") and "--rounds=1" in report["command"]
+    # --report_only reads the same runs back: the same figures, nothing trained.
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("summary.json")}
+    (tmp_path / "bench_step.json").unlink()
+    again = _bench([*args, "--report_only", f"--train_flags={TINY}", f"--run_dir={tmp_path}"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("summary.json")} == before
+    reread = json.loads((tmp_path / "bench_step.json").read_text())
+    assert reread["cases"]["softmax"]["modes"] == case["modes"]
+    assert reread["cases"]["softmax"]["gap_to_ideal_ms"] == case["gap_to_ideal_ms"]
+    missing = _bench(["--report_only", "--rounds=2", f"--run_dir={tmp_path}"], timeout=120)
+    assert missing.returncode == 1 and "no finished run in" in missing.stderr
