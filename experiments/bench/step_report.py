@@ -223,7 +223,6 @@ def _plot_case(ax, case: str, modes: dict, clock: str) -> None:
     ax.set_title(f"{case} ({len(times[0]['rounds'])} rounds)")
     ax.set_ylabel(f"{clock} step (ms)")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=7)
 
 
 def plot(report: dict, path: pathlib.Path, clock: str) -> None:
@@ -232,11 +231,13 @@ def plot(report: dict, path: pathlib.Path, clock: str) -> None:
     from matplotlib.figure import Figure
 
     cases = report["cases"]
-    fig = Figure(figsize=(4 + 4 * len(cases), 5.5), layout="constrained")
+    fig = Figure(figsize=(6 + 4 * len(cases), 5.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(cases), squeeze=False)[0]
     for ax, (case, data) in zip(axes, cases.items(), strict=True):
         _plot_case(ax, case, data["modes"], clock)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles[::-1], labels[::-1], loc="outside right upper", fontsize=8)
     fig.suptitle(
         "training step by mode against the force-balanced ideal, split into terms by a profile\n"
         "of the last steps (mean of the ranks: waiting for the busiest counts in the collectives)"

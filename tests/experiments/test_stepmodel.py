@@ -117,7 +117,7 @@ def test_model_predicts_each_breakeven_ratio(rates, name, count):
 def test_model_predicts_the_layer_benchmark_at_2048_tokens(rates):
     text = "".join(p.read_text() for p in sorted(RESULTS.glob(pinned.MOE_GLOB)))
     rows = pinned.moe_rows(rates, pinned.moe_runs(text), 2048)
-    assert len(rows) == 9  # three runs at 2048 tokens per rank, three ratios each
+    assert len(rows) == 12  # four runs at 2048 tokens per rank, three ratios each
     for row in rows:
         _check(("bench_pinned", row["mode"], row["measured"], row["tokens"], row["ratio"]), row)
 
