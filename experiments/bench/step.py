@@ -3,7 +3,7 @@ a capped buffer, one model trained from the same seed and data in each mode.
 
         python -m experiments.bench.step --pinned_ranks=2            # about 10 minutes
         python -m experiments.bench.step --pinned_ranks=2 --routers=softmax,sigmoid --rounds=7
-        python -m experiments.bench.step --pinned_ranks=2 --cases=skewed   # its own data
+        python -m experiments.bench.step --pinned_ranks=2 --routers=skewed   # its own data
         python -m experiments.bench.step --pinned_ranks=2 --data='corpus/*.txt' --run_dir=runs/a
 
 Every run is ``python -m experiments.train --pinned_ranks=N`` with its workdir
@@ -17,7 +17,7 @@ Every run is ``python -m experiments.train --pinned_ranks=N`` with its workdir
   plain@1.25  --balance=none --capacity_factor=1.25 (fixed-buffer EP: drops the pairs beyond it)
 
 in ``--rounds`` alternated rounds (the order rotates each round, so that a machine slowing down
-slows every mode alike). For each case of ``--routers`` (alias ``--cases``):
+slows every mode alike). For each case of ``--routers``:
 
   softmax     the softmax router on ``--data`` (default: the trainer's corpus, the standard
               library's .py files)
@@ -124,9 +124,8 @@ _DATA = flags.DEFINE_string(
 )
 _MODES = flags.DEFINE_list("modes", list(MODES), f"Modes to run, of {', '.join(MODES)}.")
 _CASES = flags.DEFINE_list(
-    "routers", ["softmax"], f"Cases (router and data; alias --cases), of {', '.join(CASES)}."
+    "routers", ["softmax"], f"Cases (router and data), of {', '.join(CASES)}."
 )
-flags.DEFINE_alias("cases", "routers")
 _TRAIN_FLAGS = flags.DEFINE_string(
     "train_flags", "", "More experiments.train flags for every run, e.g. '--d_model=64 --top_k=4'."
 )
@@ -136,7 +135,7 @@ _OUT = flags.DEFINE_string(
 _REPORT_ONLY = flags.DEFINE_bool(
     "report_only",
     False,
-    "Train nothing: report the runs already in --run_dir (of the same --cases, --modes and "
+    "Train nothing: report the runs already in --run_dir (of the same --routers, --modes and "
     "--rounds), e.g. to render a finished benchmark again with this program's report.",
 )
 #: The flags the JSON records as the run's settings.

@@ -134,7 +134,7 @@ def test_ratios_are_medians_of_per_round_ratios():
         (["--routers=relu"], "unknown case relu; expected some of softmax, sigmoid, skewed"),
         (["--train_flags=--balance=none"], "sets --balance=none, which the benchmark sets"),
         (["--train_flags=--data=a.txt"], "sets --data=a.txt, which the benchmark sets"),
-        (["--cases=skewed", "--data=a.txt"], "--data conflicts with case skewed, which trains"),
+        (["--routers=skewed", "--data=a.txt"], "--data conflicts with case skewed, which trains"),
         (["--routers=softmax,skewed", "--data=a.txt"], "--data conflicts with case skewed"),
         (["--rounds=0"], "must be >= 1"),
         ([f"--pinned_ranks={len(os.sched_getaffinity(0)) + 1}"], "cores this process may use"),
@@ -168,7 +168,7 @@ def test_the_skewed_case_reads_its_own_mix_and_the_others_data():
     """skewed: the softmax router on `CASE_DATA`'s glob under this Python's standard library;
     the other cases read --data when given, else the trainer's default corpus (no --data)."""
     mix = str(default_corpus_root() / step.CASE_DATA["skewed"])
-    cmds = _train_commands("--cases=softmax,skewed")
+    cmds = _train_commands("--routers=softmax,skewed")
     assert [a for a in cmds["skewed"] if a.startswith("--data")] == [f"--data={mix}"]
     assert "--router=softmax" in cmds["skewed"] and "--balance=none" in cmds["skewed"]
     assert not [a for a in cmds["softmax"] if a.startswith("--data")]
