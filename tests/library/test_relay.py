@@ -146,6 +146,21 @@ def _portable_exchange(monkeypatch):
     monkeypatch.setattr(execution, "check_platform", lambda backend, platform: None)
 
 
+def _assert_fetch_equals_numpy(got, grads, masters, slot_expert, cot):
+    """Every slot holds its expert's weights (zeros when empty), bit for bit, and each master's
+    gradient is the sum of the cotangents of the slots holding it."""
+    flat = slot_expert.reshape(-1)
+    for g, w in zip(got, masters, strict=True):
+        want = np.stack([w[e] if e >= 0 else np.zeros_like(w[0]) for e in flat])
+        np.testing.assert_array_equal(np.asarray(g), want)
+    for g, c, w in zip(grads, cot, masters, strict=True):
+        want = np.zeros_like(w)
+        for i, e in enumerate(flat):
+            if e >= 0:
+                want[e] += c[i]
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend", ["portable", "ragged"])
 @pytest.mark.parametrize("f", [1, 2])
 def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch, ep8_mesh):
@@ -170,16 +185,7 @@ def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch, ep8
     got, grads = fetch_with_grads(
         ep8_mesh, masters, slot_expert, cot, backend=backend, max_fanout=f
     )
-    flat = slot_expert.reshape(-1)
-    for g, w in zip(got, masters, strict=True):
-        want = np.stack([w[e] if e >= 0 else np.zeros_like(w[0]) for e in flat])
-        np.testing.assert_array_equal(np.asarray(g), want)
-    for g, c, w in zip(grads, cot, masters, strict=True):
-        want = np.zeros_like(w)
-        for i, e in enumerate(flat):
-            if e >= 0:
-                want[e] += c[i]
-        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
+    _assert_fetch_equals_numpy(got, grads, masters, slot_expert, cot)
 
 
 @pytest.mark.parametrize(
@@ -206,17 +212,8 @@ def test_dense_fetch_moving_only_the_columns_in_use_equals_numpy(used, ep8_mesh)
     ]
     cot = [rng.normal(size=(R * S, *w.shape[1:])).astype(np.float32) for w in masters]
     got, grads = fetch_with_grads(ep8_mesh, masters, slot_expert, cot, backend="portable")
-    flat = slot_expert.reshape(-1)
-    assert (flat >= 0).any() == bool(used)
-    for g, w in zip(got, masters, strict=True):
-        want = np.stack([w[e] if e >= 0 else np.zeros_like(w[0]) for e in flat])
-        np.testing.assert_array_equal(np.asarray(g), want)
-    for g, c, w in zip(grads, cot, masters, strict=True):
-        want = np.zeros_like(w)
-        for i, e in enumerate(flat):
-            if e >= 0:
-                want[e] += c[i]
-        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
+    assert (slot_expert >= 0).any() == bool(used)
+    _assert_fetch_equals_numpy(got, grads, masters, slot_expert, cot)
 
 
 def test_relay_hops_lower_for_cuda_with_ragged_all_to_all(ep8_mesh):
