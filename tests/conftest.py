@@ -3,22 +3,16 @@ compilation cache, shared by the test processes and the program runs they start;
 parallel test processes; the rule for tests that need the real expert-load traces; and the
 standard meshes as fixtures (built by tests/helpers.py, which module-level code uses directly)."""
 
+import collections
 import os
 import pathlib
 
 import pytest
 
-#: XLA:CPU's quick-compile settings (LLVM at -O0, no fusion emitters). The tests run small shapes,
-#: so compiling is most of their time, and these settings compile the layer's step about 4x faster
-#: (2.1x less CPU time for tests/library/test_relay.py); what a program computes does not depend on
-#: them. The program runs the tests start (experiments.train, serve, the benchmarks) do not inherit
-#: XLA_FLAGS: they compile with XLA's defaults. ULTRAEP_TEST_XLA_DEFAULTS=1 runs the tests with the
-#: defaults too.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+from tests.xla_settings import fast_compile_flags
+
 _flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-if os.environ.get("ULTRAEP_TEST_XLA_DEFAULTS", "") in ("", "0"):
-    _flags += " " + FAST_COMPILE_FLAGS
-os.environ["XLA_FLAGS"] = _flags.strip()
+os.environ["XLA_FLAGS"] = f"{_flags} {fast_compile_flags()}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 #: Where compiled programs are kept between tests, test processes and runs. The suite compiles the
@@ -62,6 +56,31 @@ def skip_without_traces(reason: str):
     if traces_required():
         pytest.fail(f"{reason} ({REQUIRE_TRACES_ENV} is set, so this fails instead of skipping)")
     pytest.skip(reason)
+
+
+#: Seconds each test file took (setup, call and teardown of its tests, summed), for the summary.
+_FILE_SECONDS: collections.Counter = collections.Counter()
+#: How many of the slowest files the summary names.
+SLOWEST_FILES = 10
+
+
+def pytest_runtest_logreport(report):
+    """Adds a test phase's seconds to its file's (in the process that prints the summary, the
+    test processes' reports included)."""
+    _FILE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Ends the run with its slowest test files, so a regression in the suite's time shows where
+    it starts."""
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep(
+        "=", f"{SLOWEST_FILES} slowest test files (of {total:.0f} s in test processes)"
+    )
+    for path, seconds in _FILE_SECONDS.most_common(SLOWEST_FILES):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
 
 
 @pytest.fixture(scope="session")

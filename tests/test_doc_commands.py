@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import pathlib
 import re
 import shlex
@@ -25,6 +24,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.xla_settings import program_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = (
@@ -105,7 +106,7 @@ COMMANDS = {m: a for m, a in documented_commands().items() if m not in NOT_FLAG_
 
 
 def _run(module: str, argvs: list[list[str]], *extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     env["JAX_PLATFORMS"] = "cpu"  # parsing touches no device
     return subprocess.run(
         [sys.executable, "-c", _RUNNER, module, json.dumps(argvs), *extra],
@@ -158,7 +159,7 @@ def test_gpu_summary_docstring_example_runs(tmp_path):
         "run_all.sh --dry_run" in summary.__doc__
         and "DIR=runs/gpu_all_dry" in (ROOT / "experiments" / "gpu" / "run_all.sh").read_text()
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     missing = tmp_path / "nothing"
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.gpu.summary", f"--dir={missing}"],
@@ -177,7 +178,7 @@ def test_gpu_summary_docstring_example_runs(tmp_path):
 def test_no_backend_probe_line_on_cpu():
     """JAX's INFO line "Unable to initialize backend 'tpu'" opened the output of the programs on a
     CPU machine (absl's handler shows INFO); `program.run_main` leaves that logger at WARNING."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.stepmodel_programs.anchor"],
         cwd=ROOT,

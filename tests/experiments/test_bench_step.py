@@ -15,6 +15,7 @@ import pytest
 from experiments.bench import step, step_report
 from experiments.train.data import corpus_files, default_corpus_root, load_corpus, split_corpus
 from models.presets import preset
+from tests.xla_settings import program_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY_MODEL = {"d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 32, "num_experts": 8}
@@ -23,7 +24,7 @@ TINY += " --seq_len=32 --min_tokens_per_replica=2 --min_tokens_per_rank=0"
 
 
 def _bench(args, timeout=900):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     return subprocess.run(
         [sys.executable, "-m", "experiments.bench.step", *args],
         cwd=ROOT,
@@ -156,7 +157,7 @@ def _train_commands(*args) -> dict[str, list[str]]:
         "print(json.dumps({c: step.train_command(c, 'plain', step.pathlib.Path('w')) "
         "for c in step._CASES.value}))"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     proc = subprocess.run(
         [sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True
     )

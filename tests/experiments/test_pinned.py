@@ -14,6 +14,7 @@ import pytest
 
 from experiments.pinned_ranks import _forward_lines, is_rank_library_line, launch_pinned_ranks
 from tests.helpers import expert_mesh, fetch_with_grads
+from tests.xla_settings import program_env
 from ultraep_jax.replicas import transfer
 
 # End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
@@ -111,7 +112,7 @@ def test_moe_bench_on_two_pinned_ranks(tmp_path):
     cmd = [sys.executable, "-m", "experiments.bench.moe", "--pinned_ranks=2", "--repeats=1"]
     cmd += ["--d_model=16", "--d_ff=32", "--num_experts=8", "--tokens_per_device=128"]
     cmd += ["--seq_len=32", "--skew=4", f"--json_out={out}"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = program_env()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "calibration: 2 pinned ranks" in done.stdout

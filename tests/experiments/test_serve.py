@@ -25,6 +25,7 @@ from experiments.serve.prompts import Prompt, pad_batch
 from experiments.serve.report import report
 from experiments.train import trainer
 from experiments.train.config import TrainConfig
+from tests.xla_settings import program_env
 
 # End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
 # One test process builds the module fixture (pytest-xdist).
@@ -75,7 +76,7 @@ def prompt_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def _serve(*args, timeout=600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     return subprocess.run(
         [sys.executable, "-m", "experiments.serve", *args],
         cwd=ROOT,
@@ -328,7 +329,7 @@ def test_documented_command_runs_from_another_folder(tmp_path_factory):
     here = tmp_path_factory.mktemp("elsewhere")
     run = here / "runs" / "default"
     trainer.run(TrainConfig.from_flat({"workdir": str(run), **TINY, "max_seq_len": 128}))
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     command = "python -m experiments.serve --workdir=runs/default"
     proc = subprocess.run(

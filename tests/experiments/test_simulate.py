@@ -3,7 +3,6 @@ the balancers' weight copies, and one small table end to end."""
 
 import dataclasses
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ import ultraep_jax as uep
 from experiments.loads import baselines, policies, ranks, traces
 from experiments.sim import balancers, cell, report, streams
 from experiments.stepmodel import calibration, layer, links, shapes
+from tests.xla_settings import program_env
 
 # A tiny model whose FLOPs are easy to count by hand:
 #   experts: 3 GEMMs x 2 x D x F = 6 * 64 * 32 = 12288 FLOPs per row forward.
@@ -294,7 +294,7 @@ def test_traces_dir(tmp_path):
 
 
 def test_missing_traces_dir_ends_with_one_line(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = program_env()
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.sim", f"--traces_dir={tmp_path}"],
         check=False,

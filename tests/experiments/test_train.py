@@ -5,7 +5,6 @@ resuming, Ctrl-C saves everything, summary.json is written, and 2 processes x 4 
 
 import dataclasses
 import json
-import os
 import pathlib
 import re
 import signal
@@ -27,6 +26,7 @@ from experiments.train.config import (
 )
 from models.moe_lm import ModelConfig
 from models.presets import PRESETS
+from tests.xla_settings import program_env
 
 # End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
 pytestmark = pytest.mark.slow
@@ -378,7 +378,7 @@ def test_a_preset_or_model_flag_gets_its_own_workdir(args, workdir):
         "import sys; from absl import flags; from experiments.train import main; "
         "flags.FLAGS(['train', *sys.argv[1:]]); print(main.config_from_flags().workdir)"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     proc = subprocess.run(
         [sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True
     )
@@ -462,7 +462,7 @@ def test_stop_request_leaves_an_ignored_sigint_ignored():
 
 
 def _python(args, env_extra=None, timeout=600, merge_stderr=False):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     env.update(env_extra or {})
     # SIGINT as in a terminal, also when pytest runs as a script's background job: an ignored
     # SIGINT would be inherited, and the run keeps an ignored SIGINT ignored.
@@ -640,7 +640,7 @@ def test_unparsable_flags_end_with_one_line_and_exit_2(tmp_path, args, message):
     "module, flag", [("experiments.train", "--helpshort"), ("experiments.planner", "--help")]
 )
 def test_help_exits_0(module, flag):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     proc = subprocess.run(
         [sys.executable, "-m", module, flag], cwd=ROOT, env=env, capture_output=True, text=True
     )
@@ -650,7 +650,7 @@ def test_help_exits_0(module, flag):
 
 def test_help_leads_with_usage_and_three_examples():
     """--help used to open with absl's file path of the module and an RST-quoted header."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = program_env()
     outputs = []
     for flag in ("--help", "--helpshort", "-?"):
         proc = subprocess.run(
