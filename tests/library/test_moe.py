@@ -503,8 +503,6 @@ def _cuda_text(balanced: bool) -> str:
             jax.export.DisabledSafetyCheck.custom_call("ultraep_plan"),
             # ragged_all_to_all has no export compatibility guarantee in this JAX
             jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all"),
-            # the experts' Pallas grouped matmul lowers to a Triton kernel call on CUDA
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
         ],
     )(params, rest, x)
     assert exported.platforms == ("cuda",)

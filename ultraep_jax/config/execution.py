@@ -13,7 +13,8 @@ from ultraep_jax.base.activations import ACTIVATIONS
 #: devices it is resolved when the configuration is built (only that branch is traced); on any
 #: other mesh when the computation is lowered (`comm.by_backend`, `experts.registry`). XLA:CPU
 #: cannot compile `ragged_all_to_all`. The kernel "cuda" is JAX's Mosaic GPU kernels on Hopper
-#: where the shapes suit them, else the Pallas (Triton) kernel; TPU and ROCm run JAX's own
+#: where the shapes suit them, else XLA's `ragged_dot` (not the Pallas Triton backend, which JAX
+#: 0.12 deprecates); TPU and ROCm run JAX's own
 #: `ragged_all_to_all` and `ragged_dot`. The planner: the native FFI handler on CPU and on CUDA
 #: (there only where the CUDA handler was built, `planning.planner.plan`), else the portable one.
 AUTO = {
@@ -52,7 +53,8 @@ class Execution:
       comm_backend: "auto" (fixed-size collectives on CPU, `ragged_all_to_all` elsewhere),
         "portable" or "ragged": the token exchange's and the replica transfer's (`comm`).
       expert_kernel: one of `KERNELS` ("auto": Mosaic GPU on Hopper where the shapes suit it,
-        else Pallas/Triton, on CUDA; the tiled loop elsewhere; `experts.registry`).
+        else `jax.lax.ragged_dot`, on CUDA; the tiled loop on CPU; `experts.registry`; "pallas"
+        is Pallas' Triton backend, deprecated by JAX 0.12, and only an explicit choice).
       transfer_chunks: n >= 1 (at most d_ff): the replica weights move as n transfers of d_ff / n
         hidden columns each, and each chunk's slot matmuls read only that chunk, so XLA may
         overlap transfer and compute (`replicas.streaming`; ffi/TRANSFER.md). 1: one transfer.

@@ -23,7 +23,8 @@ from ultraep_jax.experts.tiled import tiled_glu_parts
 
 
 def _pallas(lhs, rhs, group_sizes):
-    """The Pallas (Triton) grouped matmul (`gmm_pallas`), imported when first traced."""
+    """The Pallas grouped matmul on Pallas' Triton backend (`gmm_pallas`; deprecated by JAX 0.12,
+    so only an explicit choice: never "auto"), imported when first traced."""
     from ultraep_jax.experts import gmm_pallas
 
     return gmm_pallas.grouped_matmul(lhs, rhs, group_sizes)
@@ -38,7 +39,8 @@ def _mgpu(lhs, rhs, group_sizes):
 
 def _cuda_grouped(lhs, rhs, group_sizes):
     """The CUDA grouped matmul of "auto": JAX's Hopper (Mosaic GPU) ragged-dot kernels on an
-    H100/H200 when the operands suit them, else our Pallas (Triton) kernel."""
+    H100/H200 when the operands suit them, else XLA's `jax.lax.ragged_dot` (no Pallas Triton
+    kernel: JAX 0.12 deprecates that backend)."""
     from ultraep_jax.experts import gmm_mgpu
 
     if (
@@ -47,7 +49,7 @@ def _cuda_grouped(lhs, rhs, group_sizes):
         and not gmm_mgpu.mgpu_unsupported(lhs.shape, rhs.shape, lhs.dtype)
     ):
         return _mgpu(lhs, rhs, group_sizes)
-    return _pallas(lhs, rhs, group_sizes)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
 
 def _tiled(rows, stacks, starts, group_sizes, activation):
@@ -120,9 +122,10 @@ def grouped_glu(
         tracks the rows present; all stacks in one loop), "ragged_dot" (`jax.lax.ragged_dot`; a
         masked dense product on CPU, in which inf or NaN in one group's weights reaches every row as
         0 * inf; the tiled and Pallas kernels keep a group's non-finite values in its own rows),
-        "pallas" (the Pallas/Triton kernel of `gmm_pallas`), "mgpu" (JAX's Hopper Mosaic GPU
-        kernels, `gmm_mgpu`), or "auto": on CUDA Mosaic GPU on Hopper where the shapes suit it, else
-        Pallas; tiled elsewhere; chosen per platform at lowering time. The matmul kernels run each
+        "pallas" (the Pallas kernel of `gmm_pallas` on Pallas' Triton backend, which JAX 0.12
+        deprecates), "mgpu" (JAX's Hopper Mosaic GPU kernels, `gmm_mgpu`), or "auto": on CUDA
+        Mosaic GPU on Hopper where the shapes suit it, else `jax.lax.ragged_dot`; tiled on CPU;
+        chosen per platform at lowering time. The matmul kernels run each
         stack as its own calls, so that the masters' work does not wait for the replica weights to
         arrive.
       activation: a name of `activations.ACTIVATIONS` (default "silu": SwiGLU).
