@@ -40,6 +40,18 @@ def _checked_router(router, top_k: int, num_experts: int):
     return router
 
 
+def _expert_parallel(*args, **options) -> ExpertParallel:
+    """`ExpertParallel(*args, **options)`, its one-line errors naming `MoE`, the entry the user
+    called, rather than the configuration it builds."""
+    try:
+        return ExpertParallel(*args, **options)
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        if not message.startswith("ExpertParallel:"):
+            raise
+        raise type(err)("MoE:" + message.removeprefix("ExpertParallel:")) from None
+
+
 class MoE(nnx.Module):
     """A top-k MoE layer of gated experts (SwiGLU by default), expert-parallel over ``mesh``,
     optionally balanced.
@@ -101,7 +113,7 @@ class MoE(nnx.Module):
             check_positive_int("MoE", name, value)
             for name, value in (("d_model", d_model), ("d_ff", d_ff), ("top_k", top_k))
         )
-        self.ep = ExpertParallel(mesh, num_experts, balancer, capacity_factor, **ep_options)
+        self.ep = _expert_parallel(mesh, num_experts, balancer, capacity_factor, **ep_options)
         check_chunks("MoE", self.ep, self.ep.local_d_ff(d_ff, "MoE"))
         num_experts = self.ep.num_experts
         router = _checked_router(router, top_k, num_experts)

@@ -576,6 +576,22 @@ def test_bad_configuration_raises_one_line_at_construction(kwargs, match):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(balancer=uep.BalancerConfig(slots_per_rank=0)), "no spare slot"),
+        (dict(expert_axis="ep"), "the mesh has no axis 'ep'"),
+    ],
+    ids=["no_slots", "missing_axis"],
+)
+def test_construction_errors_name_moe(kwargs, match):
+    """The configuration `MoE` builds (`ExpertParallel`) raises; the line names `MoE`, the entry
+    the user called."""
+    with pytest.raises(ValueError, match=re.escape(match)) as info:
+        uep.MoE(8, 8, 8, 2, make_mesh("ep8"), rngs=nnx.Rngs(0), **kwargs)
+    assert str(info.value).startswith("MoE: ") and "ExpertParallel" not in str(info.value)
+
+
 def test_numpy_scalars_are_accepted_as_python_numbers(ep8_mesh):
     """NumPy integers and floats are accepted wherever Python ones are (as `BalancerConfig` does)
     and stored as Python numbers, so configurations compare and hash alike."""

@@ -304,6 +304,28 @@ def test_cuda_lowering_uses_the_same_custom_call():
     assert "ultraep_plan" in text and "callback" not in text
 
 
+@pytest.mark.parametrize("platform", ["tpu", "rocm"])
+def test_native_planner_lowered_where_it_has_no_handler_is_one_line(platform):
+    """`planner="native"` lowered for a platform without a handler (an export for TPU from this
+    CPU host): one line of ours that says what to use, not XLA's error for the custom call."""
+    loads = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    with pytest.raises(ValueError, match=f"no native planner handler exists for '{platform}'"):
+        jax.export.export(
+            jax.jit(lambda l: uep.plan(l, CFG, planner="native")), platforms=[platform]
+        )(loads)
+    # The same call lowered for the CPU is the handler, as before.
+    assert (
+        "custom_call @ultraep_plan"
+        in jax.jit(lambda l: uep.plan(l, CFG, planner="native")).lower(loads).as_text()
+    )
+
+
+def test_parallel_with_the_portable_planner_is_one_line():
+    loads = np.ones((8, 16), np.int32)
+    with pytest.raises(ValueError, match="parallel=True is a form of the native planner"):
+        uep.plan(loads, CFG, parallel=True, planner="portable")
+
+
 def test_imbalance():
     np.testing.assert_allclose(uep.imbalance(np.array([3, 1, 1, 3])), 1.5)
     np.testing.assert_allclose(uep.imbalance(np.array([[2, 2], [4, 0]])), [1.0, 2.0])

@@ -38,8 +38,9 @@ class ExpertParallel:
         (``top_k * tokens per device``; a finite number > 0, NumPy scalars accepted); pairs
         beyond it are dropped and counted. None sizes the buffer for the worst case (every pair
         to one rank) so that nothing is ever dropped.
-      expert_axis: the name of the EP mesh axis. A mesh without it (or with it of size 1) runs
-        every expert on every device: plain local experts, no exchange, no balancing.
+      expert_axis: the name of the EP mesh axis; a mesh without that axis is a one-line error.
+        None (or an EP axis of size 1) runs every expert on every device: plain local experts,
+        no exchange, no balancing.
       token_axes: the mesh axes tokens are split over (the EP axis among them when the mesh has
         it); on the other axes every device sees the same tokens. Each index of the token axes
         other than the EP axis is an independent EP group with its own plan. None (default):

@@ -9,6 +9,9 @@ import functools
 import logging
 
 import jax
+import jax.extend
+import jax.interpreters.batching
+import jax.interpreters.mlir
 import jax.numpy as jnp
 import numpy as np
 
@@ -143,15 +146,29 @@ def plan(
         raise TypeError(f"plan: parallel must be a bool, got {type(parallel).__name__}")
     if not isinstance(planner, str) or planner not in PLANNERS:
         raise ValueError(f"plan: planner must be one of {PLANNERS}, got {planner!r}")
+    if parallel and planner == "portable":
+        raise ValueError(
+            "plan: parallel=True is a form of the native planner; the portable planner has "
+            "none (use planner='native' or 'auto')"
+        )
     native = functools.partial(_ffi_plan, config=config, cap=cap, parallel=parallel)
     portable = functools.partial(_portable_plan, config=config, cap=cap)
+    refused = functools.partial(_refused_plan, config=config)
     axes = varying_axes(loads)
-    impls = {"native": _varying(native, axes), "portable": _varying(portable, axes)}
-    if planner != "auto":
-        return impls[planner](loads)
-    rule = dict(AUTO["planner"])
-    if not _native.has_cuda_handler():  # never XLA's error for an unregistered custom call
-        rule["cuda"] = "portable"
+    impls = {
+        name: _varying(impl, axes)
+        for name, impl in (("native", native), ("portable", portable), ("refused", refused))
+    }
+    if planner == "portable":
+        return impls["portable"](loads)
+    # Chosen by the platform the computation is lowered for: "auto" by `AUTO`, "native" the
+    # handler where one exists and one line of ours elsewhere (never XLA's error for an
+    # unregistered custom call).
+    fallback = "portable" if planner == "auto" else "refused"
+    rule = dict(AUTO["planner"]) if planner == "auto" else {"cpu": "native", "cuda": "native"}
+    rule["default"] = fallback
+    if not _native.has_cuda_handler():
+        rule["cuda"] = fallback
     _log.info("ultraep_jax plan: planner by lowering platform: %s", rule)
     return jax.lax.platform_dependent(loads, **{p: impls[name] for p, name in rule.items()})
 
@@ -163,26 +180,70 @@ def _varying(impl, axes):
     return lambda loads: jax.tree.map(lambda a: vary(a, axes), impl(loads))
 
 
+def _no_native_handler(platform: str | None) -> str | None:
+    """Why devices of ``platform`` have no native planner handler in this install (None: they
+    have one, or the platform is not known yet)."""
+    if platform in (None, "cpu"):
+        return None
+    if platform in ("gpu", "cuda"):
+        if _native.has_cuda_handler():
+            return None
+        return (
+            "this install has no CUDA planner handler (built only when nvcc is on the PATH at "
+            "install time)"
+        )
+    return f"no native planner handler exists for {platform!r} devices"
+
+
+def _native_refusal(why: str) -> str:
+    """The one line that refuses ``planner='native'`` where there is no handler."""
+    return (
+        f"planner='native': {why}; use planner='auto' (the portable planner there) or "
+        "'portable' (docs/gpu.md)"
+    )
+
+
 def check_native_planner(planner: str, platform: str | None) -> None:
     """Raises one line when ``planner`` is "native" for devices of ``platform`` that have no
     native handler in this install: CUDA GPUs without the CUDA handler (built only when nvcc was
     on the PATH at install time), or a platform with none (TPU, ROCm), so that such a step never
     reaches XLA's error for an unregistered custom call."""
-    if planner != "native" or platform in (None, "cpu"):
-        return
-    if platform in ("gpu", "cuda"):
-        if _native.has_cuda_handler():
-            return
-        why = (
-            "this install has no CUDA planner handler (built only when nvcc is on the PATH at "
-            "install time)"
-        )
-    else:
-        why = f"no native planner handler exists for {platform!r} devices"
-    raise ValueError(
-        f"planner='native': {why}; use planner='auto' (the portable planner there) or "
-        "'portable' (docs/gpu.md)"
-    )
+    why = _no_native_handler(platform) if planner == "native" else None
+    if why is not None:
+        raise ValueError(_native_refusal(why))
+
+
+# The native planner's branch for a platform without its handler: a primitive whose lowering
+# raises `_native_refusal`, so that a step lowered for such a platform (`jax.export` for TPU from
+# a CPU host) ends in one line of ours rather than XLA's error for an unregistered custom call.
+# It is only ever lowered where it refuses; tracing, vmap and shard_map see its output types.
+_no_native_p = jax.extend.core.Primitive("ultraep_no_native_planner")
+_no_native_p.multiple_results = True
+_no_native_p.def_abstract_eval(
+    lambda loads, *, shapes: [jax.core.ShapedArray(shape, jnp.int32) for shape in shapes]
+)
+
+
+def _no_native_lowering(ctx, loads, *, shapes):
+    platforms = ctx.module_context.platforms
+    raise ValueError(_native_refusal(_no_native_handler(platforms[0]) or "no handler"))
+
+
+def _no_native_batch(args, dims, *, shapes):
+    (loads,), (dim,) = args, dims
+    n = loads.shape[dim]
+    out = _no_native_p.bind(loads, shapes=tuple((n, *shape) for shape in shapes))
+    return out, [0] * len(shapes)
+
+
+jax.interpreters.mlir.register_lowering(_no_native_p, _no_native_lowering)
+jax.interpreters.batching.primitive_batchers[_no_native_p] = _no_native_batch
+
+
+def _refused_plan(loads, config: BalancerConfig) -> Plan:
+    """A `Plan`'s types from `_no_native_p` (its lowering refuses; see above)."""
+    R, E, S = config.ep_size, config.num_experts, config.slots_per_rank
+    return Plan(*_no_native_p.bind(loads, shapes=((R, S), (R, S), (E,), (R,))))
 
 
 def _portable_plan(loads, config: BalancerConfig, cap: int) -> Plan:
