@@ -151,7 +151,8 @@ def test_auto_follows_the_lowering_platform_and_the_cuda_handler(monkeypatch):
     monkeypatch.setattr(_native, "has_cuda_handler", lambda: False)
     text = _export_plan("cuda").mlir_module()  # default checks: no custom call left
     assert "ultraep_plan" not in text
-    with pytest.raises(ValueError, match="ultraep_plan"):  # asked for, the handler is named
+    # Asked for, the missing handler is one line of ours (it was XLA's error naming the call).
+    with pytest.raises(ValueError, match="this install has no CUDA planner handler"):
         _export_plan("cuda", planner="native")
 
 
