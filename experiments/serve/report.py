@@ -9,6 +9,16 @@ from experiments.program import fallback_note
 MODE_NAMES = {"ultraep": "balanced (ultraep)", "none": "plain EP (none)"}
 
 
+def _clock_note(res: dict) -> str:
+    """What the prefill ratio measures where it is not the busiest rank's clock."""
+    if res["pinned_ranks"] or res["device"] != "cpu" or res["devices"] < 2:
+        return ""
+    return (
+        f"(the prefill times on {res['devices']} simulated CPU devices in one process are the "
+        "total work of every rank, not the busiest rank's time: --pinned_ranks=2 measures that)"
+    )
+
+
 def report(res: dict) -> str:
     """The readable report of `run`'s results."""
     m = res["model"]
@@ -62,6 +72,8 @@ def report(res: dict) -> str:
             f"\n{timing}; next-token predictions the same for {same} of {n} prompts (largest "
             f"log-probability difference {diff:.2g})"
         )
+        if not res["fallback"] and _clock_note(res):
+            lines.append(_clock_note(res))
     dec = res["decode"]
     if dec["steps"]:
         lines.append(
