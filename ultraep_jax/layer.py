@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -70,6 +71,9 @@ class MoE(nnx.Module):
       shared_d_ff: hidden width of an always-on SwiGLU expert every token goes through beside
         the routed ones (DeepSeek's shared expert; 0: none). Its weights are replicated and it
         runs outside the expert exchange, so XLA may overlap the two.
+      shared_expert_gate: the shared expert's output multiplied by ``sigmoid(x @ g)`` per token,
+        with ``g`` the parameter ``shared_expert_gate`` [D, 1] (replicated; Qwen2-MoE's gated
+        shared expert). Default False; needs ``shared_d_ff``.
       force_balanced: the force-balanced ideal, a timing reference that changes the model's
         math: the router's choices replaced by an even assignment (`ideal.force_balanced`), its
         weights kept; only with ``balancer=None``. Default False.
@@ -104,6 +108,7 @@ class MoE(nnx.Module):
         *,
         router: SoftmaxTopK | SigmoidTopK | None = None,
         shared_d_ff: int = 0,
+        shared_expert_gate: bool = False,
         force_balanced: bool = False,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -118,6 +123,11 @@ class MoE(nnx.Module):
         num_experts = self.ep.num_experts
         router = _checked_router(router, top_k, num_experts)
         shared_d_ff = check_positive_int("MoE", "shared_d_ff", shared_d_ff, minimum=0)
+        if not isinstance(shared_expert_gate, (bool, np.bool_)):
+            raise TypeError(f"MoE: shared_expert_gate must be a bool, got {shared_expert_gate!r}")
+        if shared_expert_gate and not shared_d_ff:
+            raise ValueError("MoE: shared_expert_gate=True gates a shared expert: set shared_d_ff")
+        self.shared_expert_gated = bool(shared_expert_gate)
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.router, self.shared_d_ff = router, shared_d_ff
         if not isinstance(force_balanced, bool):
@@ -155,6 +165,8 @@ class MoE(nnx.Module):
             self.shared_gate = param(D**-0.5, (D, Fs), replicated)
             self.shared_up = param(D**-0.5, (D, Fs), replicated)
             self.shared_down = param(Fs**-0.5, (Fs, D), replicated)
+        if self.shared_expert_gated:
+            self.shared_expert_gate = param(D**-0.5, (D, 1), replicated)
 
     @property
     def mesh(self):
@@ -189,6 +201,8 @@ class MoE(nnx.Module):
         shared = None
         if self.shared_d_ff:
             shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
+            if self.shared_expert_gated:
+                shared += (self.shared_expert_gate[...],)
         kernel = self.router_kernel[...]
         statics = (self.ep, self.router, self.force_balanced)
         return with_auto_axes(_forward, statics, x, token_mask, kernel, bias, experts, shared)
@@ -220,6 +234,8 @@ def _forward(ep, router, ideal, x, token_mask, router_kernel, bias, experts, sha
     y, stats = routed_experts(x, ids, weights, experts, ep, token_mask)
     if shared is not None:
         with jax.named_scope("shared_experts"):
-            s = dense_glu(x, *shared, activation=ep.execution.activation)
+            s = dense_glu(x, *shared[:3], activation=ep.execution.activation)
+            if len(shared) == 4:  # Qwen2-MoE's gate: sigmoid(x @ g) [B, L, 1] per token
+                s = s * jax.nn.sigmoid(jnp.dot(x, shared[3].astype(x.dtype))).astype(s.dtype)
             y = y + (s if token_mask is None else jnp.where(token_mask[..., None], s, 0))
     return y, dataclasses.replace(stats, aux_loss=routing.aux_loss, z_loss=routing.z_loss)

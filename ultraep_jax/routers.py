@@ -9,7 +9,7 @@ in neither loss). Two are provided:
 - `SigmoidTopK`: DeepSeek-V3. Sigmoid scores; the choice is made on scores plus a per-expert
   bias (aux-loss-free balancing: `update_bias` nudges the bias from the exact loads the layer
   reports), optionally limited to the best groups of experts; the weights are the chosen scores
-  without the bias, normalised to sum 1 and scaled.
+  without the bias, normalised to sum 1 (or not: ``renormalize=False``) and scaled.
 
 Router math is float32 whatever the parameters' dtype.
 """
@@ -112,6 +112,8 @@ class SigmoidTopK:
         worth being the sum of its two best biased scores (its best one with one expert per group).
       scale: the weights are multiplied by this (DeepSeek-V3's routed scaling factor), finite > 0.
       bias_rate: how far `update_bias` moves each expert's bias per step (0: a fixed bias).
+      renormalize: the chosen scores divided by their sum before the scale (True, DeepSeek-V3's
+        ``norm_topk_prob=True``) or taken as they are (False); a bool.
 
     Integers may be NumPy integers and the floats any real scalars; they are stored as Python
     ``int`` / ``float``.
@@ -122,6 +124,7 @@ class SigmoidTopK:
     top_groups: int = 1
     scale: float = 1.0
     bias_rate: float = 1e-3
+    renormalize: bool = True
 
     uses_bias = True
 
@@ -142,6 +145,9 @@ class SigmoidTopK:
             "bias_rate",
             check_finite("SigmoidTopK", "bias_rate", self.bias_rate, positive=False),
         )
+        if not isinstance(self.renormalize, (bool, np.bool_)):
+            raise TypeError(f"SigmoidTopK: renormalize must be a bool, got {self.renormalize!r}")
+        object.__setattr__(self, "renormalize", bool(self.renormalize))
 
     def check_experts(self, num_experts: int) -> None:
         """Raises ValueError (one line) unless this router can choose among ``num_experts``: the
@@ -179,7 +185,9 @@ class SigmoidTopK:
             choice_TE = jnp.where(allowed_TE, choice_TE, -jnp.inf)
         _, experts_TK = jax.lax.top_k(choice_TE, self.top_k)
         chosen_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
-        weights_TK = self.scale * chosen_TK / jnp.sum(chosen_TK, axis=-1, keepdims=True)
+        if self.renormalize:
+            chosen_TK = chosen_TK / jnp.sum(chosen_TK, axis=-1, keepdims=True)
+        weights_TK = self.scale * chosen_TK
         experts_TK = experts_TK.astype(jnp.int32)
         probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
         return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK, mask_T))

@@ -18,7 +18,8 @@ def reference_layer(x, params, experts, router: Router, *, keep=None, shared: bo
     """float32 [B, L, D]: the dense MoE of ``x`` [B, L, D] for the choice ``experts`` [T, k]
     (T = B x L) with ``router``'s weights from the logits ``x @ params["router_kernel"]``
     (`HIGHEST`); ``keep`` (optional, [T, k] of 0/1) drops (token, choice) pairs; ``shared``
-    adds the shared expert (``params`` then holds `SHARED_NAMES`)."""
+    adds the shared expert (``params`` then holds `SHARED_NAMES`, and ``shared_expert_gate``
+    [D, 1] when it is gated)."""
     xt = x.reshape(-1, x.shape[-1])
     logits = jnp.dot(xt, params["router_kernel"], precision=HIGHEST)
     weights = router_weights(logits, experts, router)
@@ -28,6 +29,8 @@ def reference_layer(x, params, experts, router: Router, *, keep=None, shared: bo
         weights,
         tuple(params[n] for n in EXPERT_NAMES),
         keep,
-        shared=tuple(params[n] for n in SHARED_NAMES) if shared else None,
+        shared=tuple(params[n] for n in (*SHARED_NAMES, "shared_expert_gate") if n in params)
+        if shared
+        else None,
     )
     return y.reshape(x.shape)

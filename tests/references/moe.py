@@ -25,7 +25,8 @@ def reference_moe(
     (gathered, so an expert no pair chooses is never read); pairs with ``keep`` [..., k] False
     are selected out (ids outside [0, E) are clipped first, then unused). ``mask`` [...]: the
     real tokens; a masked token's pairs are selected out too. ``shared``: (gate [D, F_s], up
-    [D, F_s], down [F_s, D]), the always-on expert with the same activation. Everything in
+    [D, F_s], down [F_s, D]), the always-on expert with the same activation, and optionally its
+    gate g [D, 1] (its output times ``sigmoid(x @ g)``). Everything in
     float32, every matmul at `HIGHEST`.
     """
     act = ACTIVATIONS[activation]
@@ -43,7 +44,11 @@ def reference_moe(
     out = jnp.einsum("...kf,...kfd->...kd", act(gate) * up, w_down[e], precision=HIGHEST)
     y = jnp.sum(jnp.where(keep, weights, 0)[..., None] * out, axis=-2)
     if shared is not None:
-        s_gate, s_up, s_down = (f32(w) for w in shared)
+        s_gate, s_up, s_down = (f32(w) for w in shared[:3])
         h = act(jnp.dot(x, s_gate, precision=HIGHEST)) * jnp.dot(x, s_up, precision=HIGHEST)
-        y = y + jnp.dot(h, s_down, precision=HIGHEST)
+        s = jnp.dot(h, s_down, precision=HIGHEST)
+        if len(shared) == 4:
+            g = jnp.dot(x, f32(shared[3]), precision=HIGHEST)
+            s = s / (1.0 + jnp.exp(-g))
+        y = y + s
     return y if mask is None else jnp.where(jnp.asarray(mask)[..., None], y, 0)

@@ -79,12 +79,13 @@ def router_probs(logits, router: Router):
 
 def router_weights(logits, experts, router: Router):
     """[T, k] the weights of the fixed choices ``experts``: chosen softmax probabilities
-    (renormalised or not), or chosen unbiased sigmoid scores normalised to 1, times ``scale``."""
+    (renormalised or not), or chosen unbiased sigmoid scores (normalised to 1 or not), times
+    ``scale``."""
     if router.kind == "softmax":
         w = jnp.take_along_axis(router_probs(logits, router), experts, axis=-1)
         return w / jnp.sum(w, axis=-1, keepdims=True) if router.renormalize else w
     s = jnp.take_along_axis(1.0 / (1.0 + jnp.exp(-logits)), experts, axis=-1)
-    return router.scale * s / jnp.sum(s, axis=-1, keepdims=True)
+    return router.scale * (s / jnp.sum(s, axis=-1, keepdims=True) if router.renormalize else s)
 
 
 def router_losses(logits, experts, router: Router):
