@@ -4,9 +4,10 @@ parses as written: the program's flags and their validators accept it (`parsed_a
 What runs how (a full run of most of them takes minutes to hours, so this file only parses):
   - every command: its flags parsed by the program's own parser (`program.parse_flags`, with the
     program's validators), one process per program, without running its ``main``; marked slow
-    (a JAX import per program, about a minute in all);
+    (a JAX import per program, about half a minute in all);
   - every program's defaults: no figure is written under docs/ or experiments/results/ unless a
-    flag names the file (`test_defaults_write_no_committed_file`);
+    flag names the file (`test_defaults_write_no_committed_file`), printed by the same process
+    that parsed its commands (`parsed`);
   - run in full elsewhere: experiments/README.md's serve command as written
     (tests/experiments/test_serve.py::test_documented_command_runs_from_another_folder), the
     README's ```python blocks (tests/test_readme.py), train's documented flags on small models
@@ -16,6 +17,7 @@ What runs how (a full run of most of them takes minutes to hours, so this file o
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import pathlib
 import re
@@ -26,6 +28,9 @@ import sys
 import pytest
 
 from tests.xla_settings import program_env
+
+# Each program's process serves two tests (`parsed`): one test process runs them (pytest-xdist).
+pytestmark = pytest.mark.xdist_group("test_doc_commands")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = (
@@ -128,10 +133,18 @@ def test_commands_are_found():
     assert ["--dir=DIR"] in COMMANDS["experiments.gpu.summary"]
 
 
+@functools.cache
+def parsed(module: str) -> subprocess.CompletedProcess:
+    """One process per program (per test process): it parses every documented command of
+    ``module`` as written, then prints every string flag's default (`_RUNNER`'s ``--defaults``),
+    for both tests below."""
+    return _run(module, COMMANDS[module], "--defaults")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(COMMANDS))
 def test_parsed_as_written(module):
-    proc = _run(module, COMMANDS[module])
+    proc = parsed(module)
     assert proc.returncode == 0, (COMMANDS[module], proc.stderr[-2000:])
 
 
@@ -140,7 +153,7 @@ def test_parsed_as_written(module):
 def test_defaults_write_no_committed_file(module):
     """bench.breakeven, bench.rates and stepmodel_programs.topology overwrote docs/breakeven.json
     and .png, experiments/results/rates_cpu.json and topology.json by default."""
-    proc = _run(module, [max(COMMANDS[module], key=len)], "--defaults")
+    proc = parsed(module)
     assert proc.returncode == 0, proc.stderr[-2000:]
     defaults = json.loads(proc.stdout.strip().splitlines()[-1])
     inputs = {"rates", "breakeven", "calibration", "traces_dir", "workdir", "dir", "prompts"}

@@ -149,17 +149,25 @@ def test_bad_input_is_one_line(args, message, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def _train_commands(*args) -> dict[str, list[str]]:
-    """Each case's trainer command line (plain mode) as the benchmark builds it from ``args``."""
+def _train_commands(*argvs: list[str]) -> list[dict[str, list[str]]]:
+    """For each of ``argvs``: each case's trainer command line (plain mode) as the benchmark
+    builds it from those flags, in one process (the flags parsed afresh for each)."""
     code = (
-        "import json, sys; from absl import flags; from experiments.bench import step; "
-        "flags.FLAGS(['step', *sys.argv[1:]]); "
-        "print(json.dumps({c: step.train_command(c, 'plain', step.pathlib.Path('w')) "
-        "for c in step._CASES.value}))"
+        "import json, sys; from absl import flags; from experiments.bench import step\n"
+        "out = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    flags.FLAGS.unparse_flags(); flags.FLAGS(['step', *argv])\n"
+        "    out.append({c: step.train_command(c, 'plain', step.pathlib.Path('w'))\n"
+        "                for c in step._CASES.value})\n"
+        "print(json.dumps(out))"
     )
     env = program_env()
     proc = subprocess.run(
-        [sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-c", code, json.dumps(argvs)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
@@ -169,12 +177,13 @@ def test_the_skewed_case_reads_its_own_mix_and_the_others_data():
     """skewed: the softmax router on `CASE_DATA`'s glob under this Python's standard library;
     the other cases read --data when given, else the trainer's default corpus (no --data)."""
     mix = str(default_corpus_root() / step.CASE_DATA["skewed"])
-    cmds = _train_commands("--routers=softmax,skewed")
+    cmds, with_data = _train_commands(
+        ["--routers=softmax,skewed"], ["--routers=softmax,sigmoid", "--data=a.txt"]
+    )
     assert [a for a in cmds["skewed"] if a.startswith("--data")] == [f"--data={mix}"]
     assert "--router=softmax" in cmds["skewed"] and "--balance=none" in cmds["skewed"]
     assert not [a for a in cmds["softmax"] if a.startswith("--data")]
-    cmds = _train_commands("--routers=softmax,sigmoid", "--data=a.txt")
-    assert all(cmd.count("--data=a.txt") == 1 for cmd in cmds.values())
+    assert all(cmd.count("--data=a.txt") == 1 for cmd in with_data.values())
 
 
 def test_the_skewed_mix_resolves_to_non_empty_text_files():

@@ -4,6 +4,7 @@ resuming, Ctrl-C saves everything, summary.json is written, and 2 processes x 4 
 1 x 8."""
 
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -360,30 +361,43 @@ def test_default_workdir_names_the_model():
         default_workdir(None, {"steps": 3})
 
 
-@pytest.mark.parametrize(
-    "args, workdir",
-    [
-        ([], "runs/default"),
-        (["--preset=tiny", "--steps=3", "--balance=none"], "runs/default"),
-        (["--preset=deepseek_v3"], "runs/deepseek_v3"),
-        (["--preset=deepseek_v3", "--num_layers=1"], "runs/deepseek_v3-num_layers=1"),
-        (["--d_model=32"], "runs/default-d_model=32"),
-        (["--preset=mixtral", "--workdir=elsewhere"], "elsewhere"),
-    ],
-)
-def test_a_preset_or_model_flag_gets_its_own_workdir(args, workdir):
-    """`--preset=deepseek_v3` right after the default run used to resume runs/default's
-    checkpoints of another model (an error)."""
+#: The command lines of `test_a_preset_or_model_flag_gets_its_own_workdir` and their workdirs.
+WORKDIR_CASES = [
+    ([], "runs/default"),
+    (["--preset=tiny", "--steps=3", "--balance=none"], "runs/default"),
+    (["--preset=deepseek_v3"], "runs/deepseek_v3"),
+    (["--preset=deepseek_v3", "--num_layers=1"], "runs/deepseek_v3-num_layers=1"),
+    (["--d_model=32"], "runs/default-d_model=32"),
+    (["--preset=mixtral", "--workdir=elsewhere"], "elsewhere"),
+]
+
+
+@functools.cache
+def _workdirs_from_flags() -> list[str]:
+    """`main.config_from_flags().workdir` of each command line of `WORKDIR_CASES`, in one process
+    (per test process): the flags parsed afresh for each (absl's global flags, reset between)."""
     code = (
-        "import sys; from absl import flags; from experiments.train import main; "
-        "flags.FLAGS(['train', *sys.argv[1:]]); print(main.config_from_flags().workdir)"
+        "import json, sys; from absl import flags; from experiments.train import main; "
+        "out = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    flags.FLAGS.unparse_flags(); flags.FLAGS(['train', *argv])\n"
+        "    out.append(main.config_from_flags().workdir)\n"
+        "print(json.dumps(out))"
     )
     env = program_env()
+    argvs = json.dumps([args for args, _ in WORKDIR_CASES])
     proc = subprocess.run(
-        [sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-c", code, argvs], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == workdir
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("case", range(len(WORKDIR_CASES)))
+def test_a_preset_or_model_flag_gets_its_own_workdir(case):
+    """`--preset=deepseek_v3` right after the default run used to resume runs/default's
+    checkpoints of another model (an error)."""
+    assert _workdirs_from_flags()[case] == WORKDIR_CASES[case][1], WORKDIR_CASES[case][0]
 
 
 def test_only_flags_given_override_the_base_model():
@@ -512,22 +526,28 @@ def _one_error_line(proc, message):
 
 @pytest.mark.parametrize("case", ["empty file", "empty files", "tiny file", "workdir is a file"])
 def test_unusable_inputs_end_with_one_line(tmp_path, case):
+    """The run's own checks of its data and workdir, in this process: a one-line `RunError`
+    before anything is written, which the program ends with as its one line ``error: ...`` and
+    exit code 2, as for every RunError (run as a program by
+    `test_resume_with_another_model_ends_with_one_line`)."""
     workdir = tmp_path / "run"
     if case == "empty file":
         (tmp_path / "empty.txt").write_bytes(b"")
-        args, message = [f"--data={tmp_path / 'empty.txt'}"], "the corpus is empty"
+        values, message = {"data": str(tmp_path / "empty.txt")}, "the corpus is empty"
     elif case == "empty files":
         (tmp_path / "texts").mkdir()
         for name in ("a.txt", "b.txt"):
             (tmp_path / "texts" / name).write_bytes(b"")
-        args, message = [f"--data={tmp_path / 'texts'}"], "the corpus is empty"
+        values, message = {"data": str(tmp_path / "texts")}, "the corpus is empty"
     elif case == "tiny file":
         (tmp_path / "tiny.txt").write_bytes(b"abc")
-        args, message = [f"--data={tmp_path / 'tiny.txt'}"], "too small"
+        values, message = {"data": str(tmp_path / "tiny.txt")}, "too small"
     else:
         workdir.write_text("not a folder")
-        args, message = [], "is a file"
-    _one_error_line(_python([f"--workdir={workdir}", *args, *SMALL_FLAGS]), message)
+        values, message = {}, "is a file"
+    with pytest.raises(trainer.RunError, match=re.escape(message)) as info:
+        trainer.run(_config(workdir, **values))
+    assert "\n" not in str(info.value)
     if case != "workdir is a file":
         assert not workdir.exists()  # nothing written for a run that cannot start
 
@@ -705,11 +725,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, capsys):
     steps = ["--steps=3", "--checkpoint_every=3", "--eval_every=3", *SMALL_FLAGS]
-    single = _python([f"--workdir={tmp_path / 'one'}", *steps])
-    out, err = single.communicate(timeout=600)
-    assert single.returncode == 0, err[-3000:]
+    # The one process: this one (8 devices), the run `python -m experiments.train` with `steps`
+    # makes (the default preset's model is `ModelConfig`'s defaults), its output captured.
+    capsys.readouterr()
+    _run(tmp_path, "one", steps=3, checkpoint_every=3, eval_every=3)
+    out = capsys.readouterr().out
     workdir = (tmp_path / "one").absolute()
     assert out.splitlines()[0].startswith(f"workdir {workdir}: config.json")
     assert f"files in {workdir}:" in out and "summary.json" in out.split("files in")[-1]
