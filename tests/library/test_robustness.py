@@ -269,9 +269,11 @@ def capacity_case(seed, max_fanout, chunks, backend, monkeypatch, poison_dropped
     return got, ref, keep, plan
 
 
+# The ragged f = 1 case relays through 7 hops, each in every chunk (each hop's exchange compiled
+# once per chunk): 2 chunks there; 4 chunks run through the same chunk loop at f = 3.
 @pytest.mark.parametrize(
     "max_fanout, chunks, backend",
-    [(1, 2, "portable"), (2, 3, "ragged"), (3, 4, "portable"), (1, 4, "ragged")],
+    [(1, 2, "portable"), (2, 3, "ragged"), (3, 4, "portable"), (1, 2, "ragged")],
 )
 def test_capacity_drops_with_relays_and_streaming_equal_reference(
     max_fanout, chunks, backend, monkeypatch
@@ -334,7 +336,7 @@ def test_int64_ids_outside_the_experts_do_not_wrap_under_x64():
             uep.routed_experts(jnp.asarray(x), ids, weights, params, ep)  # eager: checked
     assert int(stats.invalid) == int(wide.sum()) > 0
     assert int(np.asarray(stats.expert_load).sum()) == int((~wide).sum())
-    want = reference_moe(
+    want = jax.jit(reference_moe)(
         jnp.asarray(x),
         jnp.asarray(np.where(wide, 0, experts).astype(np.int32)),
         jnp.asarray(weights),
@@ -389,9 +391,11 @@ def test_relay_schedule_of_the_largest_fanouts_equals_reference(f):
     """A fan-out near 2**31 used to overflow the schedule's int32 level bounds (every slot then
     received from itself in hop 2)."""
     rng = np.random.default_rng(9)
+    # Jitted: op by op, each of the schedule's many small ops compiles on its own.
+    schedule = jax.jit(relay.relay_schedule, static_argnums=(1, 2))
     for R, em, S in ((8, 1, 2), (8, 2, 3), (4, 4, 2)):
         slots = random_slots(rng, R, em, S, fill=0.8, hot=2)
-        got = relay.relay_schedule(jnp.asarray(slots), em, f)
+        got = schedule(jnp.asarray(slots), em, f)
         want = reference_schedule(slots, em, f)
         np.testing.assert_array_equal(np.asarray(got.hop_RS), want["hop"])
         np.testing.assert_array_equal(np.asarray(got.sender_RS), want["sender"])
@@ -407,6 +411,14 @@ def test_largest_max_fanout_sends_every_copy_from_the_master():
     experts = skewed_experts(rng, (B, L), np.arange(E), hot=[0, 1], k=k)
     weights = rng.uniform(0.1, 1.0, size=(B, L, k)).astype(np.float32)
     params = draw_params(rng, E)
+    # The reference does not depend on f: computed once, jitted.
+    want = jax.jit(reference_moe)(
+        jnp.asarray(x),
+        jnp.asarray(experts),
+        jnp.asarray(weights),
+        tuple(jnp.asarray(w) for w in params),
+        jnp.ones(experts.shape, bool),
+    )
     sends = {}
     for f in (0, 2**31 - 1):
         balancer = _balancer(f)
@@ -414,13 +426,6 @@ def test_largest_max_fanout_sends_every_copy_from_the_master():
         y, stats = jax.jit(lambda x, ep=ep: uep.routed_experts(x, experts, weights, params, ep))(x)
         assert int(stats.replicas) > 0
         sends[f] = float(stats.transfer_send_max)
-        want = reference_moe(
-            jnp.asarray(x),
-            jnp.asarray(experts),
-            jnp.asarray(weights),
-            tuple(jnp.asarray(w) for w in params),
-            jnp.ones(experts.shape, bool),
-        )
         assert_close(np.asarray(y), want, f"y, max_fanout={f}")
     assert sends[0] == sends[2**31 - 1] > 0
 

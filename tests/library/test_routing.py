@@ -84,9 +84,16 @@ def logit(p):
 # -- 1. router math ------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _route_jit(spec, logits, bias):
+    # One compiled program per router and shape: op by op, each of the router's ops compiles on
+    # its own (seconds per test on 2 cores); the layer runs the router under jit anyway.
+    return spec.library()(logits, bias)
+
+
 def _route(spec, logits, bias=None):
-    r = spec.library()(
-        jnp.asarray(logits, jnp.float32), None if bias is None else jnp.asarray(bias)
+    r = _route_jit(
+        spec, jnp.asarray(logits, jnp.float32), None if bias is None else jnp.asarray(bias)
     )
     return r, np.asarray(r.experts), np.asarray(r.weights)
 
@@ -204,6 +211,33 @@ def _random_logits(spec, seed, T=6):
     raise AssertionError("could not draw logits with a clear routing margin")
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _router_and_reference(spec, logits, bias, idx, cot):
+    """The library router's routing on ``logits`` and the reference's weights and losses on the
+    fixed choice ``idx``, and the gradients w.r.t. the logits of each (weights against ``cot``,
+    aux, z) by the library and by the reference, and the weights' gradient w.r.t. the bias (None
+    without one): one compiled program instead of a dozen op-by-op gradients."""
+    router = spec.library()
+    lib_fns = {
+        "weights": lambda l: jnp.sum(router(l, bias).weights * cot),
+        "aux": lambda l: router(l, bias).aux_loss,
+        "z": lambda l: router(l, bias).z_loss,
+    }
+    ref_fns = {
+        "weights": lambda l: jnp.sum(router_weights(l, idx, spec) * cot),
+        "aux": lambda l: router_losses(l, idx, spec)[0],
+        "z": lambda l: router_losses(l, idx, spec)[1],
+    }
+    grads = {
+        what: (jax.grad(lib_fns[what])(logits), jax.grad(ref_fns[what])(logits)) for what in lib_fns
+    }
+    g_bias = None
+    if bias is not None:
+        g_bias = jax.grad(lambda b: jnp.sum(router(logits, b).weights * cot))(bias)
+    ref = (router_weights(logits, idx, spec), *router_losses(logits, idx, spec))
+    return router(logits, bias), ref, grads, g_bias
+
+
 @pytest.mark.parametrize(
     "seed, spec", list(enumerate(RANDOM_SPECS)), ids=[s.id for s in RANDOM_SPECS]
 )
@@ -211,34 +245,23 @@ def test_router_values_and_gradients_match_reference(seed, spec):
     """Random logits: experts, weights, aux and z losses equal the reference, and so do the
     gradients w.r.t. the logits of the weights (against a random cotangent) and of each loss."""
     logits, bias, want_experts = _random_logits(spec, seed)
-    router = spec.library()
-    bias_j = None if bias is None else jnp.asarray(bias)
-    r = router(jnp.asarray(logits), bias_j)
+    cot = jnp.asarray(np.random.default_rng(1).normal(size=want_experts.shape), jnp.float32)
+    r, (ref_weights, ref_aux, ref_z), grads, g_bias = _router_and_reference(
+        spec,
+        jnp.asarray(logits),
+        None if bias is None else jnp.asarray(bias),
+        jnp.asarray(want_experts),
+        cot,
+    )
     np.testing.assert_array_equal(np.asarray(r.experts), want_experts)
-    idx = jnp.asarray(want_experts)
-    ref_aux, ref_z = router_losses(jnp.asarray(logits), idx, spec)
-    assert_close(r.weights, router_weights(jnp.asarray(logits), idx, spec), "weights", 1e-5, 1e-6)
+    assert_close(r.weights, ref_weights, "weights", 1e-5, 1e-6)
     assert_close(r.aux_loss, ref_aux, "aux_loss", 1e-5, 1e-6)
     assert_close(r.z_loss, ref_z, "z_loss", 1e-5, 1e-6)
-    cot = jnp.asarray(np.random.default_rng(1).normal(size=want_experts.shape), jnp.float32)
-    lib_fns = {
-        "weights": lambda l: jnp.sum(router(l, bias_j).weights * cot),
-        "aux": lambda l: router(l, bias_j).aux_loss,
-        "z": lambda l: router(l, bias_j).z_loss,
-    }
-    ref_fns = {
-        "weights": lambda l: jnp.sum(router_weights(l, idx, spec) * cot),
-        "aux": lambda l: router_losses(l, idx, spec)[0],
-        "z": lambda l: router_losses(l, idx, spec)[1],
-    }
-    for what, lib_fn in lib_fns.items():
-        got = jax.grad(lib_fn)(jnp.asarray(logits))
-        want = jax.grad(ref_fns[what])(jnp.asarray(logits))
+    for what, (got, want) in grads.items():
         assert np.abs(np.asarray(want)).max() > 0, what
         assert_close(got, want, f"d {what} / d logits", 1e-4, 1e-6)
     if bias is not None:
         # the bias is a selection device only: no gradient flows into it
-        g_bias = jax.grad(lambda b: jnp.sum(router(jnp.asarray(logits), b).weights * cot))(bias_j)
         np.testing.assert_array_equal(np.asarray(g_bias), 0)
 
 

@@ -5,6 +5,7 @@ moves from the loads of the step."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,14 @@ from models.moe_lm import ModelConfig, MoELM, next_token_loss
 from models.presets import PRESETS, preset
 from tests.helpers import expert_mesh
 
+# One test process computes the models it caches (pytest-xdist).
+pytestmark = pytest.mark.xdist_group("test_models")
+
+# Two blocks: the fewest where a scan that mixes up, reverses or repeats the blocks' parameters
+# differs from the blocks unrolled (each block compiles again when unrolled).
 SMALL = ModelConfig(
     d_model=16,
-    num_layers=3,
+    num_layers=2,
     num_heads=2,
     d_ff=16,
     num_experts=8,
@@ -64,15 +70,25 @@ def _unrolled_copy(scanned: MoELM, mesh, balancer) -> MoELM:
     return unrolled
 
 
-@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
-def test_scanned_blocks_equal_unrolled(router):
-    cfg = dataclasses.replace(SMALL, router=router, num_groups=2, top_groups=1, shared_d_ff=8)
+@functools.cache
+def scanned_and_unrolled():
+    """(config, scanned model, its (loss, stats, grads), the unrolled copy's) on `_batch`: the
+    sigmoid router in groups (its bias a per-block state the scan carries beside the parameters,
+    so it covers the softmax router's path through the blocks and more), a shared expert, a bias
+    rate. Computed once for the tests that compare them, remat against the scanned model and the
+    bias step from its loads."""
+    cfg = dataclasses.replace(
+        SMALL, router="sigmoid", num_groups=2, top_groups=1, shared_d_ff=8, bias_rate=0.5
+    )
     mesh, balancer = expert_mesh(), _balancer(cfg)
     scanned = MoELM(cfg, mesh, balancer, None, rngs=nnx.Rngs(0))
     unrolled = _unrolled_copy(scanned, mesh, balancer)
     batch = _batch()
-    loss_s, stats_s, grads_s = _loss_and_grads(scanned, batch)
-    loss_u, stats_u, grads_u = _loss_and_grads(unrolled, batch)
+    return cfg, scanned, _loss_and_grads(scanned, batch), _loss_and_grads(unrolled, batch)
+
+
+def test_scanned_blocks_equal_unrolled():
+    cfg, _, (loss_s, stats_s, grads_s), (loss_u, stats_u, grads_u) = scanned_and_unrolled()
     np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5)
     np.testing.assert_array_equal(stats_s.expert_load, stats_u.expert_load)
     assert stats_s.expert_load.shape == (cfg.num_layers, cfg.num_experts)
@@ -91,11 +107,12 @@ def test_scanned_blocks_equal_unrolled(router):
 
 
 def test_remat_changes_nothing():
-    mesh, balancer = expert_mesh(), _balancer(SMALL)
-    plain = MoELM(SMALL, mesh, balancer, None, rngs=nnx.Rngs(0))
-    remat = MoELM(dataclasses.replace(SMALL, remat=True), mesh, balancer, None, rngs=nnx.Rngs(0))
-    loss_p, _, grads_p = _loss_and_grads(plain, _batch(1))
-    loss_r, _, grads_r = _loss_and_grads(remat, _batch(1))
+    # The plain model is the scanned model of `scanned_and_unrolled` (same config and
+    # initialisation), so only the remat model compiles here.
+    cfg, _, (loss_p, _, grads_p), _ = scanned_and_unrolled()
+    mesh, balancer = expert_mesh(), _balancer(cfg)
+    remat = MoELM(dataclasses.replace(cfg, remat=True), mesh, balancer, None, rngs=nnx.Rngs(0))
+    loss_r, _, grads_r = _loss_and_grads(remat, _batch())
     np.testing.assert_allclose(loss_p, loss_r, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_r), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -122,9 +139,12 @@ def test_presets_build_and_step(name):
 
 
 def test_router_bias_steps_from_the_loads():
-    cfg = dataclasses.replace(SMALL, router="sigmoid", num_groups=2, top_groups=1, bias_rate=0.5)
-    model = MoELM(cfg, expert_mesh(), _balancer(cfg), None, rngs=nnx.Rngs(0))
-    _, stats = next_token_loss(model, _batch(3))
+    # The loads of the scanned sigmoid model's training step (bias rate 0.5, the bias still 0),
+    # stepped on a copy so that the cached model keeps its bias.
+    cfg, scanned, (_, stats, _), _ = scanned_and_unrolled()
+    assert cfg.bias_rate == 0.5
+    model = nnx.clone(scanned)
+    np.testing.assert_array_equal(np.asarray(model.blocks.moe.router_bias[...]), 0)
     model.update_router_biases(stats)
     load = np.asarray(stats.expert_load, np.float64)
     want = 0.5 * np.sign(load.mean(-1, keepdims=True) - load)
