@@ -603,20 +603,27 @@ def test_balancer_without_spare_slots_raises_one_line():
     """``slots_per_rank=0`` with a balancer never balances (1.068 -> 1.068 before): refused; the
     planner alone still takes S = 0 (a plan that keeps every token on its master)."""
     mesh = expert_mesh(8)
-    for build in (
-        lambda: uep.ExpertParallel(mesh, 8, uep.BalancerConfig(slots_per_rank=0)),
-        lambda: uep.MoE(
-            d_model=D,
-            d_ff=F,
-            num_experts=8,
-            top_k=2,
-            mesh=mesh,
-            balancer=uep.BalancerConfig(slots_per_rank=0),
-            rngs=nnx.Rngs(0),
+    # Each names the entry the user called: the configuration, or the layer that builds it.
+    for entry, build in (
+        (
+            "ExpertParallel",
+            lambda: uep.ExpertParallel(mesh, 8, uep.BalancerConfig(slots_per_rank=0)),
+        ),
+        (
+            "MoE",
+            lambda: uep.MoE(
+                d_model=D,
+                d_ff=F,
+                num_experts=8,
+                top_k=2,
+                mesh=mesh,
+                balancer=uep.BalancerConfig(slots_per_rank=0),
+                rngs=nnx.Rngs(0),
+            ),
         ),
     ):
         assert_raises_one_line(
-            ValueError, r"^ExpertParallel: BalancerConfig\(slots_per_rank=0\) leaves", build
+            ValueError, rf"^{entry}: BalancerConfig\(slots_per_rank=0\) leaves", build
         )
     plan = uep.plan(np.ones((8, 8), np.int32), uep.BalancerConfig(slots_per_rank=0))
     assert plan.slot_expert.shape == (8, 0)
