@@ -133,6 +133,8 @@ def test_report_on_the_fallback_and_without_decode(served):
     empty continuations."""
     res, stdout = served
     assert re.search(r"balanced / plain prefill time: \d+\.\d{3}; next-token", stdout)
+    # One process over simulated devices: the ratio is said to be total work, not a clock.
+    assert "simulated CPU devices in one process are the total work" in stdout
     assert stdout.count("; continues ") == len(PROMPTS)
     threshold = {**res["balancer"], "min_tokens_per_rank": 256}  # above its tokens per rank
     text = report({**res, "fallback": True, "balancer": threshold, "decode": {"steps": 0}})
