@@ -12,7 +12,7 @@ from conftest import skip_without_traces
 
 import ultraep_jax as uep
 from experiments.loads import workloads
-from tests.library.test_plan_parallel import FIELDS, _assert_same, _batched, _item
+from tests.library.test_plan_parallel import FIELDS, _assert_same, _batched, _item, _plan
 from tests.library.test_plan_vs_reference import _random_loads
 from tests.references.planner import reference_plan
 from ultraep_jax.planning import native as _native
@@ -103,6 +103,6 @@ def test_sizes_beyond_the_shared_memory_budget_run_the_core():
     assert _native.parallel_warps(8, 64, 2) == 16
     loads = workloads.rank_zipf_loads(512, 512, 64, 2, 2.0, 0)
     cfg = uep.BalancerConfig(512, 512, 8, 16)
-    core, par = uep.plan(loads, cfg), uep.plan(loads, cfg, parallel=True)
+    core, par = _plan(loads, cfg), _plan(loads, cfg, parallel=True)
     for name in FIELDS:
         np.testing.assert_array_equal(getattr(par, name), getattr(core, name), err_msg=name)

@@ -3,6 +3,8 @@ generated workloads (`experiments.loads.workloads`), and its balance quality on 
 reference setup and on real DeepSeek-R1 loads (the rest of the comparison, on random loads:
 tests/library/test_plan_vs_reference.py)."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from conftest import skip_without_traces
 
 import ultraep_jax as uep
 from experiments.loads import workloads
+from tests.library.test_plan_parallel import _plan
 from tests.library.test_plan_vs_reference import FIELDS, _assert_same, _random_loads
 from tests.references.planner import check_plan_invariants, rank_loads_before, reference_plan
 
@@ -21,7 +24,7 @@ def test_huge_eps_means_no_replicas(eps):
     # reaches the most loaded rank means: leave every token on its master.
     cfg = uep.BalancerConfig(num_experts=256, ep_size=64, slots_per_rank=2, balance_eps=eps)
     loads = workloads.rank_zipf_loads(64, 256, 8192, 8, 3.0, 0)
-    got = uep.plan(loads, cfg)
+    got = _plan(loads, cfg)
     before = rank_loads_before(loads)
     assert float(loads.sum()) * (1.0 + eps) / 64 > 2.0**63
     assert int(got.num_replicas) == 0
@@ -44,8 +47,8 @@ def test_ffi_equals_reference_with_capacity(eps, mean_frac, g):
     totals = batch.sum(axis=(1, 2), dtype=np.int64)
     assert (totals[:6] == totals[0]).all()  # the generated loads all have T = R * 4096 * 4
     cap = int(mean_frac * -(-int(totals[0]) // R))
-    got = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg, capacity=cap)))(batch)
-    unbounded = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))(batch)
+    got = jax.jit(jax.vmap(lambda l: _plan(l, cfg, cap)))(batch)
+    unbounded = jax.jit(jax.vmap(lambda l: _plan(l, cfg)))(batch)
     for i, loads in enumerate(batch):
         want = reference_plan(loads, S, F, eps, 1, capacity=cap, ranks_per_domain=g)
         _assert_same({n: np.asarray(getattr(got, n))[i] for n in FIELDS}, want, f"item {i}")
@@ -81,7 +84,7 @@ def test_ultraep_reference_setup(initial, g):
     batch = np.stack(
         [workloads.rank_zipf_loads(64, 256, 8192, 8, initial, seed) for seed in range(5)]
     )
-    plans = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))(batch)
+    plans = jax.jit(jax.vmap(lambda l: _plan(l, cfg)))(batch)
     for i, loads in enumerate(batch):
         before = rank_loads_before(loads)
         assert abs(before.max() / before.mean() - initial) < 0.01 * initial
@@ -91,13 +94,22 @@ def test_ultraep_reference_setup(initial, g):
         check_plan_invariants(loads, {n: np.asarray(getattr(plans, n))[i] for n in FIELDS}, 2)
 
 
-@pytest.mark.parametrize("g", [None, 8])
-@pytest.mark.parametrize("ep_size", [32, 64])
-def test_deepseek_r1_traces(ep_size, g):
+@functools.cache
+def _deepseek_r1(ep_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The DeepSeek-R1 trace's loads [N, R, E] for ``ep_size`` ranks and their max/mean before
+    balancing by the reference (in Python: seconds), the same for every domain size."""
     try:
         rows = list(workloads.trace_workloads("deepseek-r1", ep_size, 8192, 8, seed=0))
     except FileNotFoundError as err:
         skip_without_traces(f"traces not available: {err}")
+    batch = np.stack([loads for _, loads in rows])
+    return batch, np.asarray(uep.imbalance(np.stack([rank_loads_before(l) for l in batch])))
+
+
+@pytest.mark.parametrize("g", [None, 8])
+@pytest.mark.parametrize("ep_size", [32, 64])
+def test_deepseek_r1_traces(ep_size, g):
+    batch, before = _deepseek_r1(ep_size)
     cfg = uep.BalancerConfig(
         num_experts=256,
         ep_size=ep_size,
@@ -106,10 +118,8 @@ def test_deepseek_r1_traces(ep_size, g):
         balance_eps=0.01,
         ranks_per_domain=g,
     )
-    batch = np.stack([loads for _, loads in rows])
-    plans = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg)))(batch)
+    plans = jax.jit(jax.vmap(lambda l: _plan(l, cfg)))(batch)
     after = np.asarray(uep.imbalance(plans.rank_load))
-    before = np.asarray(uep.imbalance(np.stack([rank_loads_before(l) for l in batch])))
     assert before.mean() > 1.3  # the real loads really are imbalanced
-    assert after.mean() <= 1.02, f"mean final max/mean {after.mean():.4f} over {len(rows)} layers"
+    assert after.mean() <= 1.02, f"mean final max/mean {after.mean():.4f} over {len(batch)} layers"
     assert np.all(after <= before + 1e-6)

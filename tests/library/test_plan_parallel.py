@@ -31,9 +31,16 @@ def _config(R, E, S, F, K, eps, g=None) -> uep.BalancerConfig:
     return uep.BalancerConfig(E, R, S, F, eps, K, ranks_per_domain=g)
 
 
+def _plan(loads, cfg, capacity=None, parallel=False) -> uep.Plan:
+    """``uep.plan`` with the native planner named: "auto" (the same plan on the CPU) would also
+    trace the portable planner, its branch for other platforms, for every new size (seconds under
+    vmap; tests/library/test_portable.py checks what "auto" chooses)."""
+    return uep.plan(loads, cfg, capacity=capacity, parallel=parallel, planner="native")
+
+
 def _batched(cfg, batch, capacity=None, parallel=False) -> dict:
     """Plans of batch [N, R, E] as a dict of NumPy arrays [N, ...]."""
-    fn = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg, capacity=capacity, parallel=parallel)))
+    fn = jax.jit(jax.vmap(lambda l: _plan(l, cfg, capacity, parallel)))
     got = fn(batch)
     return {n: np.asarray(getattr(got, n)) for n in FIELDS}
 
@@ -124,8 +131,8 @@ def test_parallel_equals_core_and_reference_property(
     cap = None if capacity is None else max(1, int(capacity * loads.sum(dtype=np.int64) / R))
     g = g if g is None or R % g == 0 else R
     cfg = _config(R, E, S, F, K, eps, g)
-    core = uep.plan(loads, cfg, capacity=cap)
-    par = uep.plan(loads, cfg, capacity=cap, parallel=True)
+    core = _plan(loads, cfg, cap)
+    par = _plan(loads, cfg, cap, parallel=True)
     want = reference_plan(loads, S, F, eps, K, capacity=cap or 0, ranks_per_domain=g)
     context = f"{cfg}, capacity {cap}"
     _assert_same({n: np.asarray(getattr(par, n)) for n in FIELDS}, want, context)
@@ -208,14 +215,14 @@ def test_target_ties_go_to_the_smallest_rank(parallel):
     # Best fit: L = [23, 15, 15], eps 0.15: tau0 = floor(53 * 1.15 / 3) = 20, slacks 5 and 5 both
     # take the 3 tokens, so rank 1 gets all of them and rank 2 none.
     cfg = uep.BalancerConfig(3, 3, 1, 1, 0.15)
-    plan = uep.plan(np.diag([23, 15, 15]).astype(np.int32), cfg, parallel=parallel)
+    plan = _plan(np.diag([23, 15, 15]).astype(np.int32), cfg, parallel=parallel)
     assert np.asarray(plan.slot_expert).tolist() == [[-1], [0], [-1]]
     assert np.asarray(plan.slot_quota).tolist() == [[0], [3], [0]]
     assert np.asarray(plan.rank_load).tolist() == [20, 18, 15]
     # Most slack: L = [23, 18, 18], exact mode, tau = 20: slacks 2 and 2 cannot take 3, so the
     # most slack wins, tie to rank 1 (2 tokens); rank 2 then fits the last token.
     cfg = uep.BalancerConfig(3, 3, 1, 1, 0.0)
-    plan = uep.plan(np.diag([23, 18, 18]).astype(np.int32), cfg, parallel=parallel)
+    plan = _plan(np.diag([23, 18, 18]).astype(np.int32), cfg, parallel=parallel)
     assert np.asarray(plan.slot_quota).tolist() == [[0], [2], [1]]
     assert np.asarray(plan.master_quota).tolist() == [20, 18, 18]
     assert np.asarray(plan.rank_load).tolist() == [20, 20, 19]
@@ -232,9 +239,8 @@ def test_fit_prefers_a_near_target(parallel):
     # master's domain.
     loads = np.diag([30, 6, 10, 18]).astype(np.int32)
     for g, target in [(None, 2), (4, 2), (1, 2), (2, 1)]:
-        plan = uep.plan(
-            loads, uep.BalancerConfig(4, 4, 1, 1, 0.25, ranks_per_domain=g), None, parallel=parallel
-        )
+        cfg = uep.BalancerConfig(4, 4, 1, 1, 0.25, ranks_per_domain=g)
+        plan = _plan(loads, cfg, parallel=parallel)
         want = [[-1]] * 4
         want[target] = [0]
         assert np.asarray(plan.slot_expert).tolist() == want, g
@@ -245,7 +251,7 @@ def test_fit_prefers_a_near_target(parallel):
     loads = np.diag([36, 20, 8, 10, 12, 20]).astype(np.int32)
     for g, second in [(None, 4), (6, 4), (3, 4), (2, 3)]:
         cfg = uep.BalancerConfig(6, 6, 1, 1, 0.15, ranks_per_domain=g)
-        plan = uep.plan(loads, cfg, parallel=parallel)
+        plan = _plan(loads, cfg, parallel=parallel)
         quota = [0] * 6
         quota[2], quota[second] = 12, 4
         assert np.asarray(plan.slot_quota).ravel().tolist() == quota, g

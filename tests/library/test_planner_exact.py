@@ -27,9 +27,10 @@ def _loads(R, load_e):
 
 def _plan(loads, S, F, eps, K, capacity=None, g=None):
     """The native plan (fast domains of ``g`` ranks; None: one) as NumPy arrays, checked against
-    the NumPy reference and the invariants."""
+    the NumPy reference and the invariants. (Named: "auto" would also trace the portable planner,
+    its branch for other platforms, at every new size.)"""
     cfg = uep.BalancerConfig(loads.shape[1], loads.shape[0], S, F, eps, K, ranks_per_domain=g)
-    plan = uep.plan(loads, cfg, capacity=capacity)
+    plan = uep.plan(loads, cfg, capacity=capacity, planner="native")
     got = {name: np.asarray(getattr(plan, name)) for name in FIELDS}
     want = reference_plan(loads, S, F, eps, K, capacity=capacity or 0, ranks_per_domain=g)
     for name in FIELDS:

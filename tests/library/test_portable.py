@@ -159,6 +159,9 @@ def test_auto_follows_the_lowering_platform_and_the_cuda_handler(monkeypatch):
 # -- the layer ------------------------------------------------------------------------------
 
 
+# In test_moe's test process (pytest-xdist), whose cache of `test_moe.run_case` (the reference
+# and the native layer: three compiles of a layer step) then serves this test too.
+@pytest.mark.xdist_group("test_moe")
 @pytest.mark.parametrize("case", test_moe.SKEWED[:2], ids=lambda c: c.id)
 def test_layer_with_portable_planner_equals_dense_reference_and_native(case):
     res = test_moe.run_case(case)
