@@ -2,8 +2,8 @@
 a capped buffer, one model trained from the same seed and data in each mode.
 
         python -m experiments.bench.step --pinned_ranks=2            # about 10 minutes
-        python -m experiments.bench.step --pinned_ranks=2 --routers=softmax,sigmoid --rounds=7
-        python -m experiments.bench.step --pinned_ranks=2 --routers=skewed   # its own data
+        python -m experiments.bench.step --pinned_ranks=2 --train_cases=softmax,sigmoid --rounds=7
+        python -m experiments.bench.step --pinned_ranks=2 --train_cases=skewed   # its own text
         python -m experiments.bench.step --pinned_ranks=2 --data='corpus/*.txt' --run_dir=runs/a
 
 Every run is ``python -m experiments.train --pinned_ranks=N`` with its workdir
@@ -17,7 +17,7 @@ Every run is ``python -m experiments.train --pinned_ranks=N`` with its workdir
   plain@1.25  --balance=none --capacity_factor=1.25 (fixed-buffer EP: drops the pairs beyond it)
 
 in ``--rounds`` alternated rounds (the order rotates each round, so that a machine slowing down
-slows every mode alike). For each case of ``--routers``:
+slows every mode alike). For each training case of ``--train_cases`` (a router on a text):
 
   softmax     the softmax router on ``--data`` (default: the trainer's corpus, the standard
               library's .py files)
@@ -36,11 +36,15 @@ max/mean rank load before -> after (mean over steps), the loss at the same steps
 % of the ideal, x over plain and over plain@1.25, and plain's % of the ideal (the headroom), each
 the median of per-round ratios; the largest |loss| difference between balanced and plain (the
 same math: 0 up to rounding); the experts' share of the step's FLOPs; the calibration line.
-Writes ``<run_dir>/bench_step.json`` and ``<run_dir>/bench_step.png`` (each mode's median step
-time with its spread over rounds, split only into the ideal's step and the time above it: not
-into the step's own terms, which the trainer does not time). ``--pinned_ranks=0`` runs each
-mode on 8 simulated devices in one process (their clock is the total work of all ranks, not the
-busiest one's).
+With ``--profile_steps=N`` (default 3) each run's last N steps are traced on every rank
+(`experiments.train` ``--profile_steps``) and split into terms (`experiments.step_terms`:
+planner, bookkeeping, replica transfer, exchange, experts, rest; the mean of the ranks): the
+report prints each mode's terms and its gap to the ideal by term. Writes
+``<run_dir>/bench_step.json`` and ``<run_dir>/bench_step.png`` (per case, each mode's profiled
+step as bars stacked by term, its median unprofiled step as a dot with the rounds' min-max).
+``--pinned_ranks=0`` runs each mode on 8 simulated devices in one process (their clock is the
+total work of all ranks, not the busiest one's), with ``--profile_steps=0``: a process's profile
+adds its devices' work up, so only pinned ranks (a device each) split the step.
 """
 
 from __future__ import annotations
@@ -67,7 +71,12 @@ from experiments.output_files import write_json
 from experiments.program import run_main
 from experiments.records import read_metrics
 from experiments.stepmodel.layer import expert_fwd_flops
-from experiments.train.config import IDEAL_NOTE, MODEL_FIELDS
+from experiments.train.config import (
+    IDEAL_NOTE,
+    MODEL_FIELDS,
+    check_profile_devices,
+    check_profile_steps,
+)
 from experiments.train.data import default_corpus_root
 from models.moe_lm import ModelConfig
 from models.presets import PRESETS
@@ -79,7 +88,7 @@ MODES = {
     "plain": ("--balance=none", "--capacity_factor=none"),
     "plain@1.25": ("--balance=none", "--capacity_factor=1.25"),
 }
-#: The cases: the router's flags of each.
+#: The training cases (a router on a text): the trainer's flags of each.
 CASES = {
     "softmax": ("--router=softmax",),
     "sigmoid": ("--router=sigmoid",),
@@ -114,17 +123,23 @@ _PROFILE = flags.DEFINE_integer(
     "profile_steps",
     3,
     "The last steps of each run traced to split the step into terms (experiments.train "
-    "--profile_steps; left out of the median step time). 0: no split.",
+    "--profile_steps; left out of the median step time); at most --steps - 2, and only with "
+    "--pinned_ranks (one device per process). 0: no split.",
 )
 _PRESET = flags.DEFINE_enum("preset", "moe_heavy", sorted(PRESETS), "Model preset.")
 _BATCH = flags.DEFINE_integer("batch_size", 32, "Global batch (sequences).")
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed (the same in every run).")
 _DATA = flags.DEFINE_string(
-    "data", None, "Training text (experiments.train --data) of the cases without their own mix."
+    "data",
+    None,
+    "Training text (experiments.train --data) of the cases without a text of their own.",
 )
 _MODES = flags.DEFINE_list("modes", list(MODES), f"Modes to run, of {', '.join(MODES)}.")
 _CASES = flags.DEFINE_list(
-    "routers", ["softmax"], f"Cases (router and data), of {', '.join(CASES)}."
+    "train_cases",
+    ["softmax"],
+    f"Training cases, each a router on a text, of {', '.join(CASES)} (skewed: the softmax "
+    "router on a text of its own that skews it more).",
 )
 _TRAIN_FLAGS = flags.DEFINE_string(
     "train_flags", "", "More experiments.train flags for every run, e.g. '--d_model=64 --top_k=4'."
@@ -135,7 +150,7 @@ _OUT = flags.DEFINE_string(
 _REPORT_ONLY = flags.DEFINE_bool(
     "report_only",
     False,
-    "Train nothing: report the runs already in --run_dir (of the same --routers, --modes and "
+    "Train nothing: report the runs already in --run_dir (of the same --train_cases, --modes and "
     "--rounds), e.g. to render a finished benchmark again with this program's report.",
 )
 #: The flags the JSON records as the run's settings.
@@ -174,8 +189,20 @@ def _check_train_flags(text: str) -> bool:
     return True
 
 
+def _check_profile(values: dict) -> bool:
+    """``--profile_steps`` in the trainer's range (`check_profile_steps`), and only where each
+    run's processes hold one device each (`check_profile_devices`: ``--pinned_ranks``; with 0
+    the trainer runs 8 simulated devices in one process)."""
+    try:
+        check_profile_steps(values["profile_steps"], values["steps"])
+        check_profile_devices(values["profile_steps"], 1 if values["pinned_ranks"] else 8)
+    except ValueError as err:
+        raise flags.ValidationError(str(err)) from None
+    return True
+
+
 def _check_data_and_cases(values: dict) -> bool:
-    own = [c for c in values["routers"] or () if c in CASE_DATA]
+    own = [c for c in values["train_cases"] or () if c in CASE_DATA]
     if values["data"] is not None and own:
         raise flags.ValidationError(
             f"--data conflicts with case {', '.join(own)}, which trains on its own mix "
@@ -186,17 +213,12 @@ def _check_data_and_cases(values: dict) -> bool:
 
 
 flags.register_validator("modes", _check_names("mode", MODES))
-flags.register_validator("routers", _check_names("case", CASES))
-flags.register_multi_flags_validator(["data", "routers"], _check_data_and_cases)
+flags.register_validator("train_cases", _check_names("case", CASES))
+flags.register_multi_flags_validator(["data", "train_cases"], _check_data_and_cases)
 flags.register_validator("train_flags", _check_train_flags)
 flags.register_validator("rounds", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("steps", lambda v: v >= 2, "must be >= 2 (the first step compiles)")
-flags.register_validator("profile_steps", lambda v: v >= 0, "must be >= 0")
-flags.register_multi_flags_validator(
-    ["steps", "profile_steps"],
-    lambda f: f["profile_steps"] <= f["steps"] - 2,
-    "--profile_steps must be at most --steps - 2 (the first step compiles, one step is timed)",
-)
+flags.register_multi_flags_validator(["steps", "profile_steps", "pinned_ranks"], _check_profile)
 flags.register_validator(
     "pinned_ranks",
     lambda v: 0 <= v <= len(os.sched_getaffinity(0)),

@@ -54,6 +54,31 @@ IDEAL_NOTE = (
 )
 
 
+def check_profile_steps(profile_steps: int, steps: int) -> None:
+    """Raises ValueError (one line) unless ``--profile_steps`` is in [0, steps - 2]: the first
+    step compiles and at least one more is timed untraced (train and bench.step alike)."""
+    top = max(steps - 2, 0)
+    if not 0 <= profile_steps <= top:
+        raise ValueError(
+            f"--profile_steps={profile_steps} must be in [0, {top}] with --steps={steps} (the "
+            "first step compiles, and one more is timed untraced)"
+        )
+
+
+def check_profile_devices(profile_steps: int, local_devices: int) -> None:
+    """Raises ValueError (one line) when ``--profile_steps`` would split the step of a process
+    holding ``local_devices`` > 1 devices: its profile holds every device's ops, whose times add
+    up past the step (on 8 simulated CPU devices, 3-4x the step and a negative rest), so the
+    split means something only with one device per process."""
+    if profile_steps and local_devices > 1:
+        raise ValueError(
+            f"--profile_steps={profile_steps} splits a process's step into terms, but a process "
+            f"holding {local_devices} devices adds their work up (the terms would sum to several "
+            "times the step): run one device per process (--pinned_ranks=2 measures each rank's "
+            "step), or --profile_steps=0"
+        )
+
+
 def auto_capacity_factor(balance: str) -> float | None:
     """The capacity factor that ``"auto"`` stands for: `BALANCED_CAPACITY_FACTOR` when the run
     balances or runs the force-balanced ideal (the buffer fits the balanced load), None
@@ -76,6 +101,23 @@ def default_workdir(preset: str | None, model_values: Mapping[str, object]) -> s
         if field in model_values
     )
     return f"runs/{name}"
+
+
+def _ep_size_error(ep: int, num_devices: int, tensor: int, num_experts: int) -> str:
+    """The one line for an ``--ep_size`` that does not divide the devices the data and expert
+    axes share (``num_devices`` / ``tensor``), with the values that do (and divide the
+    experts)."""
+    devices = num_devices // tensor
+    where = f"the {num_devices} devices"
+    if tensor > 1:
+        where = f"the {devices} devices that --tensor_size={tensor} leaves of {num_devices}"
+    fits = [str(d) for d in range(1, devices + 1) if devices % d == 0 and num_experts % d == 0]
+    listed = fits[0] if len(fits) == 1 else f"{', '.join(fits[:-1])} or {fits[-1]}"
+    every = f", or 0 for all {devices}" if num_experts % devices == 0 else ""
+    return (
+        f"--ep_size={ep} does not divide {where} (the data x expert axes); use --ep_size="
+        f"{listed}{every}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +167,9 @@ class TrainConfig:
       profile_steps: trace the last this many steps with the JAX profiler on every process and
         write each process's step split into terms (experiments.step_terms) to
         <workdir>/terms_rank<process>.json; those steps are left out of the median step time.
-        0: none.
+        Only with one device per process (--pinned_ranks, or --num_processes with
+        --cpu_devices=1): a process of several devices would add their work up. At most
+        --steps - 2 (the first step compiles, one more is timed). 0: none.
     """
 
     workdir: str = "runs/default"
@@ -161,11 +205,7 @@ class TrainConfig:
         check_positive_ints(self, _POSITIVE, "--")
         if self.slots_per_rank < 0 or self.ep_size < 0 or self.min_tokens_per_rank < 0:
             raise ValueError("--slots_per_rank, --ep_size and --min_tokens_per_rank must be >= 0")
-        if not 0 <= self.profile_steps < self.steps:
-            raise ValueError(
-                f"--profile_steps={self.profile_steps} must be in [0, --steps={self.steps}) (the "
-                f"first step compiles)"
-            )
+        check_profile_steps(self.profile_steps, self.steps)
         if self.balance == "ultraep" and self.slots_per_rank == 0:
             # Balancing would plan nothing, and the 1.05x buffer sized for it would drop pairs.
             raise ValueError(
@@ -225,9 +265,7 @@ class TrainConfig:
         ep = self.ep_size or token_devices
         num_experts = self.model.num_experts
         if token_devices % ep:
-            raise ValueError(
-                f"--ep_size={ep} does not divide the {token_devices} devices of a tensor rank"
-            )
+            raise ValueError(_ep_size_error(ep, num_devices, tensor, num_experts))
         if num_experts % ep:
             raise ValueError(f"--num_experts={num_experts} is not divisible by the EP size {ep}")
         if self.batch_size % num_devices:
@@ -235,6 +273,12 @@ class TrainConfig:
                 f"--batch_size={self.batch_size} is not divisible by the {num_devices} devices"
             )
         return token_devices // ep, ep, tensor
+
+    def check_process(self, local_devices: int) -> None:
+        """Raises ValueError (one line) when this process, holding ``local_devices`` devices,
+        cannot run the configuration: ``--profile_steps`` with more than one
+        (`check_profile_devices`)."""
+        check_profile_devices(self.profile_steps, local_devices)
 
     def to_json(self) -> dict:
         """The configuration by flat name, model fields in place of ``model`` (what

@@ -136,6 +136,7 @@ def main(argv):
             from experiments.train import data
 
             cfg.check_devices(jax.device_count())
+            cfg.check_process(jax.local_device_count())
             data.corpus_files(cfg.data)
         except (ValueError, TypeError) as err:
             _fail(err)

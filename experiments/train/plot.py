@@ -24,7 +24,14 @@ import numpy as np
 
 from experiments.records import read_metrics
 
-__all__ = ["marker_indices", "metrics_figure", "plot_metrics", "summarize", "timed_records"]
+__all__ = [
+    "left_out_text",
+    "marker_indices",
+    "metrics_figure",
+    "plot_metrics",
+    "summarize",
+    "timed_records",
+]
 
 
 def _per_layer(records: list[dict], key: str) -> np.ndarray:
@@ -206,6 +213,30 @@ def _layer_colors(num_layers: int) -> list:
 # --------------------------------------------------------------------------------------------
 
 
+def _steps_text(steps: list[int]) -> str:
+    """``step 1``, ``steps 1, 4``, ``steps 8-10``: runs of consecutive steps as ranges."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    parts = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(parts)}"
+
+
+def left_out_text(records: list[dict], timed: list[dict]) -> str:
+    """Which of ``records``' steps the medians leave out (those not in ``timed``), and why:
+    ``step 1, compiling; steps 8-10, profiled`` (traced by ``--profile_steps``)."""
+    timed_steps = {r["step"] for r in timed}
+    out = [r for r in records if r["step"] not in timed_steps]
+    groups = (
+        ([r["step"] for r in out if not r.get("profiled")], "compiling"),
+        ([r["step"] for r in out if r.get("profiled")], "profiled"),
+    )
+    return "; ".join(f"{_steps_text(steps)}, {why}" for steps, why in groups if steps)
+
+
 def _nan_stat(fn, column: np.ndarray) -> float:
     column = column[~np.isnan(column)]
     return float(fn(column)) if column.size else math.nan
@@ -226,7 +257,8 @@ def summarize(metrics_path) -> str:
     layer the mean and max over logged steps of the imbalance before and after balancing; the
     total dropped (token, choice) pairs over logged steps (if ``dropped`` is logged); the median
     tokens/s and step time over the logged steps but each start's first, which includes compiling
-    the step (`timed_records`), or ``no timed step`` when no other step is left.
+    the step, and those traced by ``--profile_steps`` (`timed_records`; `left_out_text` names
+    them), or ``no timed step`` when no other step is left.
     """
     records = read_metrics(metrics_path)
     first, last = records[0], records[-1]
@@ -264,9 +296,7 @@ def summarize(metrics_path) -> str:
     timed = timed_records(records)
     throughput = [float(r["tokens_per_s"]) for r in timed if r.get("tokens_per_s") is not None]
     step_times = [float(r["step_time"]) for r in timed if r.get("step_time") is not None]
-    timed_steps = {r["step"] for r in timed}
-    left_out = [str(r["step"]) for r in records if r["step"] not in timed_steps]
-    left_out = f"left out: step{'s' if len(left_out) > 1 else ''} {', '.join(left_out)}, compiling"
+    left_out = f"left out: {left_out_text(records, timed)}"
     if throughput:
         lines.append(
             f"tokens/s: median {np.median(throughput):.1f} over {len(throughput)} "

@@ -13,9 +13,7 @@ import jax
 
 from experiments import step_terms
 from experiments.output_files import write_json
-
-#: ``<workdir>/terms_rank<process index>.json``.
-TERMS_FILE = "terms_rank{}.json"
+from experiments.train.workdir import TERMS_FILE
 
 
 def terms_path(workdir: pathlib.Path, rank: int) -> pathlib.Path:

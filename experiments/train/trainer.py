@@ -154,9 +154,12 @@ def run(cfg: TrainConfig, calibrate: bool = False) -> dict:
 
     Raises:
       RunError: the data, the workdir or its checkpoints cannot be used (a one-line message).
+      ValueError: the devices do not fit ``cfg`` (`TrainConfig.check_devices`,
+        `TrainConfig.check_process`; one line), before anything is written.
     """
     lead = jax.process_index() == 0
     data_size, ep_size, tensor_size = cfg.check_devices(jax.device_count())
+    cfg.check_process(jax.local_device_count())
     check_workdir(cfg)
     corpus = _load_data(cfg)
     workdir = open_workdir(cfg)

@@ -17,6 +17,8 @@ PLOT_FILE = "metrics.png"
 SUMMARY_FILE = "summary.json"
 PROFILE_FILE = "loads.jsonl"
 CHECKPOINT_DIR = "checkpoints"
+#: ``--profile_steps``: ``terms_rank<process index>.json``, each process's step split into terms.
+TERMS_FILE = "terms_rank{}.json"
 
 
 class RunError(ValueError):
@@ -93,9 +95,10 @@ def keep_records_up_to(path: pathlib.Path, step: int):
 def workdir_contents(cfg: TrainConfig) -> str:
     """What the run writes in its workdir (for the line printed at the start)."""
     during = [CONFIG_FILE, METRICS_FILE] + ([PROFILE_FILE] if cfg.profile_loads else [])
+    at_end = [PLOT_FILE, SUMMARY_FILE] + ([TERMS_FILE.format("<p>")] if cfg.profile_steps else [])
     return (
         f"{', '.join(during)} and {CHECKPOINT_DIR}/ as it goes, "
-        f"{PLOT_FILE} and {SUMMARY_FILE} at the end"
+        f"{', '.join(at_end[:-1])} and {at_end[-1]} at the end"
     )
 
 
@@ -109,7 +112,12 @@ def files_written(cfg: TrainConfig, workdir: pathlib.Path, step: int) -> str:
     ]
     if cfg.profile_loads:
         rows.append((PROFILE_FILE, "per-step, per-layer loads (experiments.train.viewer)"))
-    rows.append((CHECKPOINT_DIR + "/", f"step {step}; rerun with this --workdir to continue"))
     rows = [(name, what) for name, what in rows if (workdir / name).exists()]
+    if any(workdir.glob(TERMS_FILE.format("*"))):
+        # Each process writes its own, maybe after this line: the pattern, not the files so far.
+        what = "each process's profiled steps split into terms (--profile_steps)"
+        rows.append((TERMS_FILE.format("<p>"), what))
+    if (workdir / CHECKPOINT_DIR).exists():
+        rows.append((f"{CHECKPOINT_DIR}/", f"step {step}; rerun with this --workdir to continue"))
     width = max(len(name) for name, _ in rows)
     return "\n".join([f"files in {workdir}:"] + [f"  {n:<{width}}  {w}" for n, w in rows])

@@ -6,13 +6,16 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from absl import flags
 
 from experiments.bench import step, step_report
+from experiments.train.config import TrainConfig
 from experiments.train.data import corpus_files, default_corpus_root, load_corpus, split_corpus
 from models.presets import preset
 from tests.xla_settings import program_env
@@ -132,11 +135,11 @@ def test_ratios_are_medians_of_per_round_ratios():
     "args, message",
     [
         (["--modes=ideal,fast"], "unknown mode fast; expected some of ideal, balanced"),
-        (["--routers=relu"], "unknown case relu; expected some of softmax, sigmoid, skewed"),
+        (["--train_cases=relu"], "unknown case relu; expected some of softmax, sigmoid, skewed"),
         (["--train_flags=--balance=none"], "sets --balance=none, which the benchmark sets"),
         (["--train_flags=--data=a.txt"], "sets --data=a.txt, which the benchmark sets"),
-        (["--routers=skewed", "--data=a.txt"], "--data conflicts with case skewed, which trains"),
-        (["--routers=softmax,skewed", "--data=a.txt"], "--data conflicts with case skewed"),
+        (["--train_cases=skewed", "--data=a.txt"], "--data conflicts with case skewed, which"),
+        (["--train_cases=softmax,skewed", "--data=a.txt"], "--data conflicts with case skewed"),
         (["--rounds=0"], "must be >= 1"),
         ([f"--pinned_ranks={len(os.sched_getaffinity(0)) + 1}"], "cores this process may use"),
     ],
@@ -178,7 +181,7 @@ def test_the_skewed_case_reads_its_own_mix_and_the_others_data():
     the other cases read --data when given, else the trainer's default corpus (no --data)."""
     mix = str(default_corpus_root() / step.CASE_DATA["skewed"])
     cmds, with_data = _train_commands(
-        ["--routers=softmax,skewed"], ["--routers=softmax,sigmoid", "--data=a.txt"]
+        ["--train_cases=softmax,skewed"], ["--train_cases=softmax,sigmoid", "--data=a.txt"]
     )
     assert [a for a in cmds["skewed"] if a.startswith("--data")] == [f"--data={mix}"]
     assert "--router=softmax" in cmds["skewed"] and "--balance=none" in cmds["skewed"]
@@ -199,14 +202,98 @@ def test_the_skewed_mix_resolves_to_non_empty_text_files():
     assert train.size > 40 * 32 * 128  # 40 steps read each byte once, as on the whole corpus
 
 
+def test_profile_steps_take_the_trainers_range_and_need_pinned_ranks():
+    """--profile_steps: the trainer's range (at most --steps - 2; the benchmark's own check
+    allowed what the trainer refused and the other way round), and only with pinned ranks: on 8
+    simulated devices in one process the terms added the devices' work up (3-4x the step)."""
+    check = step._check_profile
+    assert check({"steps": 4, "profile_steps": 2, "pinned_ranks": 2})
+    assert check({"steps": 4, "profile_steps": 0, "pinned_ranks": 0})
+    for values, message in [
+        ({"steps": 4, "profile_steps": 3}, "--profile_steps=3 must be in [0, 2] with --steps=4"),
+        ({"steps": 2, "profile_steps": 1}, "--profile_steps=1 must be in [0, 0] with --steps=2"),
+        ({"steps": 4, "profile_steps": -1}, "--profile_steps=-1 must be in [0, 2]"),
+    ]:
+        with pytest.raises(flags.ValidationError, match=re.escape(message)):
+            check({**values, "pinned_ranks": 2})
+        with pytest.raises(ValueError, match=re.escape(message)):  # the trainer's own words
+            TrainConfig(workdir="w", **values)
+    with pytest.raises(flags.ValidationError, match=r"holding 8 devices adds their work up") as e:
+        check({"steps": 40, "profile_steps": 3, "pinned_ranks": 0})
+    assert "--pinned_ranks=2" in str(e.value) and "--profile_steps=0" in str(e.value)
+
+
+def test_the_flag_of_the_cases_is_train_cases():
+    """A case is a router on a text ("skewed" is a text), not a router: --train_cases, not
+    --routers (and not --cases, planner.domains' flag, nor --workloads, sim's and replay's)."""
+    assert "train_cases" in flags.FLAGS and "routers" not in flags.FLAGS
+    assert step._CASES.name == "train_cases" and step._CASES.default == ["softmax"]
+
+
+def _one_round_report() -> dict:
+    """A report of one case, one round, every mode profiled (hand values, ms)."""
+    terms = dict.fromkeys(step_report.TERMS, 0.0) | {"rest": 70.0, "experts": 130.0}
+    profile = {"terms_ms": terms, "outside_ops_ms": 20.0}
+    modes = {
+        m: {"step_time_s": {"median": 0.25, "min": 0.24, "max": 0.26, "rounds": [0.25]}}
+        | {"profile": profile}
+        for m in step.MODES
+    }
+    return {"cases": {"softmax": {"modes": modes}}}
+
+
+def test_the_picture_says_round_and_keeps_its_legend_off_the_title():
+    """One case of one round: the panel said "(1 rounds)", and the legend, at the figure's
+    top right, lay over the two-line title."""
+    fig = step_report.figure(_one_round_report(), "busiest rank's")
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    (ax,) = fig.axes
+    assert ax.get_title() == "softmax (1 round)"
+    (legend,) = fig.legends
+    title = fig._suptitle.get_window_extent(renderer)
+    assert not legend.get_window_extent(renderer).overlaps(title)
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels[0] == "median step (unprofiled), min-max" and "experts" in labels
+
+
+def _check_profiled_run(workdir: pathlib.Path, ranks: int) -> None:
+    """A balanced 4-step run of ``ranks`` pinned ranks with --profile_steps=1: the last step is
+    marked and left out of the median with the compiling one; each rank wrote its terms, which
+    with what lies outside the ops make its profiled step, every stage of the layer among them;
+    the traces are removed."""
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [bool(r.get("profiled")) for r in records] == [False, False, False, True]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["timed_steps"] == 2  # steps 2 and 3: not the compiling one, not the traced
+    assert summary["median_step_time_s"] == pytest.approx(
+        np.median([r["step_time"] for r in records[1:3]]), abs=1e-5
+    )
+    for rank in range(ranks):
+        terms = json.loads((workdir / f"terms_rank{rank}.json").read_text())
+        assert terms["steps"] == 1 and terms["rank"] == rank
+        split = terms["terms_s"]
+        assert sum(split.values()) + terms["outside_ops_s"] == pytest.approx(terms["wall_s"])
+        for term in ("rest", "experts", "exchange", "bookkeeping", "planner"):
+            assert split[term] > 0, (rank, term)
+        assert split["ideal_assignment"] == 0
+        assert 0 < terms["collectives_s"]["exchange"] <= split["exchange"]
+    rank0 = json.loads((workdir / "terms_rank0.json").read_text())
+    assert rank0["wall_s"] == pytest.approx(records[-1]["step_time"], rel=1e-3)
+    assert not (workdir / "profile").exists()
+
+
 @pytest.mark.slow
 def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
+    # The step split into terms needs a device per process: pinned ranks.
     pinned = 2 if len(os.sched_getaffinity(0)) >= 2 else 0
-    args = ["--rounds=1", "--steps=4", "--profile_steps=1", "--batch_size=8"]
+    args = ["--rounds=1", "--steps=4", f"--profile_steps={1 if pinned else 0}", "--batch_size=8"]
     args.append(f"--pinned_ranks={pinned}")
     proc = _bench([*args, f"--train_flags={TINY}", f"--run_dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "a timing reference" in proc.stdout and "balanced - ideal by term" in proc.stdout
+    assert "a timing reference" in proc.stdout
+    assert ("balanced - ideal by term" in proc.stdout) == bool(pinned)
     report = json.loads((tmp_path / "bench_step.json").read_text())
     assert (tmp_path / "bench_step.png").stat().st_size > 0
     case = report["cases"]["softmax"]
@@ -229,6 +316,9 @@ def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
     # outside the ops make the profiled wall time; only balanced moves replicas, only the ideal
     # runs the even assignment.
     for mode, summary in case["modes"].items():
+        if not pinned:
+            assert summary["profile"] is None
+            continue
         profile = summary["profile"]
         total = sum(profile["terms_ms"].values()) + profile["outside_ops_ms"]
         assert total == pytest.approx(profile["wall_ms"]), mode
@@ -236,6 +326,8 @@ def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
         assert (profile["terms_ms"]["ideal_assignment"] > 0) == (mode == "ideal")
         if mode != "balanced":
             assert profile["terms_ms"]["replica_transfer"] == 0, mode
+    if pinned:  # the trainer's own files of a profiled run: what the report above read
+        _check_profiled_run(tmp_path / "softmax" / "round0" / "balanced", pinned)
     assert sorted(case["gap_to_ideal_ms"]) == sorted(m for m in step.MODES if m != "ideal")
     tiny = dataclasses.replace(preset("moe_heavy").model, **TINY_MODEL)
     assert report["flop_shares"] == pytest.approx(step.flop_shares(tiny, 32))

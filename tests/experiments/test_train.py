@@ -12,19 +12,24 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
 
 from experiments import cli
-from experiments.train import stop, trainer
+from experiments.train import plot, stop, trainer
 from experiments.train.config import (
     BALANCED_CAPACITY_FACTOR,
     TrainConfig,
     default_workdir,
     parse_capacity_factor,
 )
+from experiments.train.step_profile import StepProfile
+from experiments.train.workdir import files_written, workdir_contents
 from models.moe_lm import ModelConfig
 from models.presets import PRESETS
 from tests.xla_settings import program_env
@@ -157,7 +162,16 @@ def test_tensor_size_2_trains_the_mixtral_preset_with_the_same_loss(tmp_path):
     [
         ({"tensor_size": 3}, "--tensor_size=3 does not divide the 8 devices"),
         ({"tensor_size": 2, "d_ff": 33}, "--d_ff=33 is not divisible by --tensor_size=2"),
-        ({"tensor_size": 2, "ep_size": 8}, "--ep_size=8 does not divide the 4 devices of a"),
+        (
+            {"tensor_size": 2, "ep_size": 8},
+            "--ep_size=8 does not divide the 4 devices that --tensor_size=2 leaves of 8 (the data "
+            "x expert axes); use --ep_size=1, 2 or 4, or 0 for all 4",
+        ),
+        (
+            {"ep_size": 3, "num_experts": 4},
+            "--ep_size=3 does not divide the 8 devices (the data x expert axes); use --ep_size=1,"
+            " 2 or 4",
+        ),
         ({"tensor_size": 0}, "tensor_size must be a positive int"),
     ],
 )
@@ -167,31 +181,90 @@ def test_bad_tensor_size_is_one_line(values, message):
     assert "\n" not in str(err.value)
 
 
-def test_profiled_steps_are_split_into_terms_and_left_out_of_the_median(tmp_path):
-    records = _run(tmp_path, "profiled", steps=5, profile_steps=2)
-    assert [bool(r.get("profiled")) for r in records] == [False, False, False, True, True]
-    summary = _summary(tmp_path / "profiled")
-    assert summary["timed_steps"] == 2  # steps 2 and 3: not the compiling one, not the traced
-    assert summary["median_step_time_s"] == pytest.approx(
-        np.median([r["step_time"] for r in records[1:3]]), abs=1e-5
-    )
-    terms = json.loads((tmp_path / "profiled" / "terms_rank0.json").read_text())
-    assert terms["steps"] == 2 and terms["rank"] == 0
-    assert terms["wall_s"] == pytest.approx(np.mean([r["step_time"] for r in records[3:]]), 1e-3)
-    split = terms["terms_s"]
-    assert sum(split.values()) + terms["outside_ops_s"] == pytest.approx(terms["wall_s"])
-    # Balanced EP8: every stage of the layer ran; nothing of the ideal's assignment did.
-    for term in ("rest", "experts", "exchange", "bookkeeping", "planner"):
-        assert split[term] > 0, term
-    assert split["ideal_assignment"] == 0
-    assert 0 < terms["collectives_s"]["exchange"] <= split["exchange"]
-    assert not (tmp_path / "profiled" / "profile").exists()  # the traces are removed
+def test_profile_steps_on_a_process_of_several_devices_is_one_line(tmp_path):
+    """One process over 8 simulated devices traced the 8 devices' ops against one step's wall
+    time: terms summing to ~4x the step, "outside ops -0.221 s". The run refuses before
+    anything is written, saying why and what measures it; one device per process runs."""
+    cfg = _config(tmp_path / "profiled", steps=5, profile_steps=2)
+    with pytest.raises(ValueError) as info:
+        trainer.run(cfg)
+    text = str(info.value)
+    assert text.startswith("--profile_steps=2 splits a process's step into terms, but a process ")
+    assert "holding 8 devices adds their work up" in text and "--pinned_ranks=2" in text
+    assert "--profile_steps=0" in text and "\n" not in text
+    assert not (tmp_path / "profiled").exists()
+    cfg.check_process(1)  # a pinned rank: one device
+    _config(tmp_path / "w", steps=5).check_process(8)  # nothing profiled: any devices
 
 
-@pytest.mark.parametrize("profile_steps", [5, -1])
+def test_step_profile_traces_the_last_steps_and_writes_the_terms(tmp_path):
+    """`StepProfile` on one device (what a pinned rank holds): the last 2 of 3 steps traced, the
+    terms file written with the terms and what lies outside the ops making the profiled steps'
+    mean wall time, the traces removed; none when the profiled steps include this start's
+    compiling step."""
+
+    @jax.jit
+    def step(x):
+        with jax.named_scope("experts"):
+            y = jnp.tanh(x @ x)
+        return jnp.sort(y, axis=0)
+
+    x = jnp.full((64, 64), 0.01, jnp.float32)
+    profile = StepProfile(tmp_path, steps=3, profile_steps=2, start=0)
+    marks, walls = [], []
+    for s in (1, 2, 3):
+        marks.append(profile.starts(s))
+        begin = time.perf_counter()
+        jax.block_until_ready(step(x))
+        walls.append(time.perf_counter() - begin)
+        profile.ended(s, walls[-1])
+    assert marks == [False, True, True]
+    out = profile.finish(lambda: step.lower(x).compile().as_text())
+    assert json.loads((tmp_path / "terms_rank0.json").read_text()) == out
+    assert out["steps"] == 2 and out["rank"] == 0
+    assert out["wall_s"] == pytest.approx(np.mean(walls[1:]))
+    assert sum(out["terms_s"].values()) + out["outside_ops_s"] == pytest.approx(out["wall_s"])
+    assert out["terms_s"]["experts"] > 0 and out["terms_s"]["rest"] > 0
+    assert not (tmp_path / "profile").exists()
+    resumed = StepProfile(tmp_path / "r", steps=3, profile_steps=2, start=1)
+    assert [resumed.starts(s) for s in (2, 3)] == [False, False] and resumed.finish(str) is None
+
+
+@pytest.mark.parametrize("profile_steps", [5, 4, -1])
 def test_profile_steps_must_leave_the_compiling_step_untraced(profile_steps):
+    """At most --steps - 2 (bench.step's range too): 4 of 5 steps left no timed step."""
     with pytest.raises(ValueError, match=re.escape(f"--profile_steps={profile_steps} must be in")):
         TrainConfig.from_flat({"workdir": "w", "steps": 5, "profile_steps": profile_steps})
+    assert TrainConfig.from_flat({"workdir": "w", "steps": 5, "profile_steps": 3}).steps == 5
+
+
+def test_the_summary_and_the_files_name_the_profiled_steps(tmp_path):
+    """The summary's line left out "steps 1, 8, 9, 10, compiling" for a run whose last 3 steps
+    were profiled; the closing list of files left out the terms files."""
+    records = [
+        {"step": s, "loss": 1.0, "step_time": 0.1, "tokens_per_s": 10.0 * s} for s in range(1, 11)
+    ]
+    records[0]["compiling"] = True
+    for r in records[7:]:
+        r["profiled"] = True
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = plot.summarize(tmp_path / "metrics.jsonl")
+    want = "over 6 steps (left out: step 1, compiling; steps 8-10, profiled)"
+    assert f"tokens/s: median 45.0 {want}" in out, out  # steps 2-7
+    cfg = _config(tmp_path, steps=10, profile_steps=3)
+    for name in ("config.json", "summary.json", "terms_rank1.json"):
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "checkpoints").mkdir()
+    lines = files_written(cfg, tmp_path, 10).splitlines()
+    assert [line.split()[0] for line in lines[1:]] == [
+        "config.json",
+        "metrics.jsonl",
+        "summary.json",
+        "terms_rank<p>.json",
+        "checkpoints/",
+    ]
+    assert "profiled steps split into terms (--profile_steps)" in lines[4]
+    assert "terms_rank<p>.json at the end" in workdir_contents(cfg)
 
 
 def test_resume_continues_the_same_trajectory(tmp_path, capsys):
