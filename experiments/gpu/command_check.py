@@ -55,7 +55,8 @@ def main(argv: list[str]) -> int:
         print(f"command_check: {module} not run")
         return 0
     if module == "pytest":
-        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", *args]
+        # In this process: collecting needs none of the parallel test processes (pytest-xdist).
+        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", *args]
         return subprocess.run(cmd, check=False).returncode
     try:
         check_program(module, args)
