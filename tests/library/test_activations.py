@@ -38,11 +38,12 @@ def test_exact_gelu_values_and_derivative_equal_closed_forms(dtype):
     x64 = x.astype(np.float64)
     cdf = 0.5 * (1 + erf(x64 / np.sqrt(2)))
     pdf = np.exp(-0.5 * x64**2) / np.sqrt(2 * np.pi)
-    value, slope = jax.vmap(jax.value_and_grad(ACTIVATIONS["gelu"]))(jnp.asarray(x))
+    # Compiled, as the layer runs it (op by op, each operation of the gradient compiles alone).
+    value = jax.jit(ACTIVATIONS["gelu"])(jnp.asarray(x))
+    slope = jax.jit(jax.vmap(jax.grad(ACTIVATIONS["gelu"])))(jnp.asarray(x))
     # Values: jax.nn.gelu's, bit for bit; both within rounding of the float64 x * Phi(x).
-    np.testing.assert_array_equal(
-        np.asarray(value), np.asarray(jax.nn.gelu(jnp.asarray(x), approximate=False))
-    )
+    gelu = jax.jit(lambda x: jax.nn.gelu(x, approximate=False))
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(gelu(jnp.asarray(x))))
     tol = 2e-6 if dtype == np.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(value, np.float64), x64 * cdf, rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(slope, np.float64), cdf + x64 * pdf, rtol=tol, atol=tol)

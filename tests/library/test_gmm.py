@@ -63,7 +63,7 @@ def test_gradients_equal_ragged_dot(case):
         return jnp.sum(jnp.sin(mm(lhs, rhs, gs)) * cot)
 
     got = jax.jit(jax.grad(functools.partial(loss, _kernel), argnums=(0, 1)))(lhs, rhs)
-    want = jax.grad(functools.partial(loss, _reference), argnums=(0, 1))(lhs, rhs)
+    want = jax.jit(jax.grad(functools.partial(loss, _reference), argnums=(0, 1)))(lhs, rhs)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
     total = int(np.sum(CASES[case][3]))
@@ -74,14 +74,14 @@ def test_bf16_accumulates_in_float32():
     lhs, rhs, gs = _inputs(96, 32, 32, [7, 40, 0, 33], dtype=jnp.bfloat16)
     out = jax.jit(_kernel)(lhs, rhs, gs)
     assert out.dtype == jnp.bfloat16
-    exact = _reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs)
+    exact = jax.jit(_reference)(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs)
     np.testing.assert_allclose(out.astype(jnp.float32), exact, rtol=1e-2, atol=1e-2)
 
     def loss(mm, lhs, rhs):
         return jnp.sum(mm(lhs, rhs, gs).astype(jnp.float32) ** 2)
 
     got = jax.jit(jax.grad(functools.partial(loss, _kernel), argnums=(0, 1)))(lhs, rhs)
-    want = jax.grad(functools.partial(loss, _reference), argnums=(0, 1))(
+    want = jax.jit(jax.grad(functools.partial(loss, _reference), argnums=(0, 1)))(
         lhs.astype(jnp.float32), rhs.astype(jnp.float32)
     )
     for g, w in zip(got, want, strict=True):
@@ -93,12 +93,16 @@ def test_bf16_accumulates_in_float32():
 def test_tile_metadata_bounds_the_work():
     rng = np.random.default_rng(2)
     M, tm = 512, 64
+
+    @jax.jit  # one program per group count, not one per operation and group count
+    def metadata(sizes):
+        starts, ends = gmm_pallas.group_bounds(sizes, M)
+        return (starts, ends, *gmm_pallas.tile_groups(starts, ends, M // tm, tm))
+
     for _ in range(50):
         G = int(rng.integers(1, 9))
         sizes = rng.multinomial(int(rng.integers(0, M + 1)), np.ones(G) / G)
-        starts, ends = gmm_pallas.group_bounds(jnp.asarray(sizes, jnp.int32), M)
-        lo, hi = map(np.asarray, gmm_pallas.tile_groups(starts, ends, M // tm, tm))
-        starts, ends = np.asarray(starts), np.asarray(ends)
+        starts, ends, lo, hi = map(np.asarray, metadata(jnp.asarray(sizes, jnp.int32)))
         items = 0
         for t in range(M // tm):
             for g in range(G):
