@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.references.routing import Router, router_losses, router_weights, select_experts
+from tests.references import routing
+from tests.references.routing import Router, select_experts
+
+# Compiled, one program per case (op by op, each of their operations compiles alone).
+router_weights = jax.jit(routing.router_weights, static_argnums=2)
+router_losses = jax.jit(routing.router_losses, static_argnums=2)
 
 
 def test_softmax_picks_the_largest_logits_best_first_ties_to_the_smaller_index():
