@@ -134,6 +134,52 @@ class ModelConfig:
         return jnp.dtype(self.param_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class MoESettings:
+    """How every MoE layer of the model runs: all that `uep.MoE` takes beside the model's shape,
+    in one object, so that a program's choices reach each layer as they are and a new one needs
+    no new argument on the way.
+
+    Attributes:
+      balancer: a `uep.BalancerConfig` for every MoE layer (the planner's choices: spare slots,
+        floor, tolerance, ``max_fanout``, ``ranks_per_domain``, the fallback threshold; its
+        sizes read from the layer), or None for plain expert parallelism.
+      capacity_factor: receive-buffer size of each MoE layer (see `uep.MoE`); None is dropless.
+      force_balanced: every MoE layer runs the force-balanced ideal (`uep.MoE`'s
+        ``force_balanced``: a timing reference that changes the model's math).
+      tensor_axis: the mesh axis splitting every expert's hidden width (`uep.MoE`'s
+        ``tensor_axis``: expert tensor parallelism), or None.
+      execution: how the routed experts run, a `uep.Execution` (planner, expert kernel,
+        communication backend, transfer chunks, activation).
+    """
+
+    balancer: uep.BalancerConfig | None = None
+    capacity_factor: float | None = None
+    force_balanced: bool = False
+    tensor_axis: str | None = None
+    execution: uep.Execution = uep.Execution()
+
+    def __post_init__(self):
+        if self.balancer is not None and not isinstance(self.balancer, uep.BalancerConfig):
+            raise TypeError(
+                "MoESettings.balancer must be a uep.BalancerConfig or None, got "
+                f"{type(self.balancer).__name__}"
+            )
+        if not isinstance(self.execution, uep.Execution):
+            kind = type(self.execution).__name__
+            raise TypeError(f"MoESettings.execution must be a uep.Execution, got {kind}")
+
+    def layer_options(self) -> dict:
+        """The keywords of `uep.MoE` these settings give."""
+        return {
+            "balancer": self.balancer,
+            "capacity_factor": self.capacity_factor,
+            "force_balanced": self.force_balanced,
+            "tensor_axis": self.tensor_axis,
+            "execution": self.execution,
+        }
+
+
 class CausalSelfAttention(nnx.Module):
     """Dense multi-head causal self-attention: [B, T, D] -> [B, T, D]."""
 
@@ -156,17 +202,7 @@ class CausalSelfAttention(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block: attention, then the balanced MoE feed-forward layer."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        mesh: Mesh,
-        balancer,
-        capacity_factor,
-        *,
-        force_balanced: bool = False,
-        tensor_axis: str | None = None,
-        rngs: nnx.Rngs,
-    ):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, settings: MoESettings, *, rngs: nnx.Rngs):
         dtype = cfg.dtype
         self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.num_heads, dtype, rngs=rngs)
@@ -177,14 +213,11 @@ class Block(nnx.Module):
             num_experts=cfg.num_experts,
             top_k=cfg.top_k,
             mesh=mesh,
-            balancer=balancer,
-            capacity_factor=capacity_factor,
             router=cfg.make_router(),
             shared_d_ff=cfg.shared_d_ff,
-            force_balanced=force_balanced,
             param_dtype=dtype,
-            tensor_axis=tensor_axis,
             rngs=rngs,
+            **settings.layer_options(),
         )
 
     def __call__(
@@ -205,27 +238,17 @@ class MoELM(nnx.Module):
     Args:
       cfg: the model's shape.
       mesh: the device mesh; its "expert" axis carries expert parallelism, and the batch is
-        split over all of its axes but the ``tensor_axis``.
-      balancer: a `uep.BalancerConfig` for every MoE layer, or None for plain expert parallelism.
-      capacity_factor: receive-buffer size of each MoE layer (see `uep.MoE`); None is dropless.
-      force_balanced: every MoE layer runs the force-balanced ideal (`uep.MoE`'s
-        ``force_balanced``: a timing reference that changes the model's math).
-      tensor_axis: the mesh axis splitting every expert's hidden width (`uep.MoE`'s
-        ``tensor_axis``: expert tensor parallelism), or None.
+        split over all of its axes but the settings' ``tensor_axis``.
+      settings: how every MoE layer runs (`MoESettings`; default: plain expert parallelism,
+        dropless, the library's default execution).
       rngs: initialisation randomness.
     """
 
     def __init__(
-        self,
-        cfg: ModelConfig,
-        mesh: Mesh,
-        balancer=None,
-        capacity_factor=None,
-        *,
-        force_balanced: bool = False,
-        tensor_axis: str | None = None,
-        rngs: nnx.Rngs,
+        self, cfg: ModelConfig, mesh: Mesh, settings: MoESettings = MoESettings(), *, rngs: nnx.Rngs
     ):
+        if not isinstance(settings, MoESettings):
+            raise TypeError(f"MoELM: settings must be a MoESettings, got {type(settings).__name__}")
         self.cfg = cfg
         dtype = cfg.dtype
         self.embed = nnx.Embed(
@@ -236,15 +259,7 @@ class MoELM(nnx.Module):
         )
 
         def block(rngs):
-            return Block(
-                cfg,
-                mesh,
-                balancer,
-                capacity_factor,
-                force_balanced=force_balanced,
-                tensor_axis=tensor_axis,
-                rngs=rngs,
-            )
+            return Block(cfg, mesh, settings, rngs=rngs)
 
         if cfg.scan_layers:
             make = nnx.split_rngs(splits=cfg.num_layers)(nnx.vmap(block, in_axes=0, out_axes=0))

@@ -28,7 +28,7 @@ from absl import flags
 from flax import nnx
 
 import ultraep_jax as uep
-from models.moe_lm import MoELM, next_token_loss
+from models.moe_lm import MoELM, MoESettings, next_token_loss
 from models.presets import PRESETS, preset
 
 _LAYERS = flags.DEFINE_list("layers", ["2", "8"], "Depths to compile.")
@@ -46,7 +46,7 @@ def compile_seconds(cfg, mesh) -> float:
         min_tokens_per_replica=8,
         min_tokens_per_rank=0,  # compile the balanced program whatever the batch
     )
-    model = MoELM(cfg, mesh, balancer, 1.05, rngs=nnx.Rngs(0))
+    model = MoELM(cfg, mesh, MoESettings(balancer, 1.05), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     batch = jax.ShapeDtypeStruct((16, 129), jnp.int32)
 

@@ -7,7 +7,12 @@ import math
 import pathlib
 
 from experiments.cli import check_capacity_factor
-from experiments.train.config import BALANCED_CAPACITY_FACTOR
+from experiments.train.config import (
+    BALANCED_CAPACITY_FACTOR,
+    TrainConfig,
+    balancer_options,
+    execution_of,
+)
 from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK
 
 #: ``--balance`` values: one mode, or both (balanced against plain expert parallelism).
@@ -43,7 +48,19 @@ class ServeConfig:
       min_tokens_per_rank: balanced prefill compiles plain expert parallelism when each rank
         holds fewer tokens than this (BalancerConfig.min_tokens_per_rank; 0: always balance).
       repeats: timed prefill calls per mode (the median is reported).
-      ep_size: devices on the expert axis (0: all); the rest is data.
+      ep_size: devices on the expert axis (0: all the tensor axis leaves); the rest is data.
+      tensor_size: devices on a "tensor" axis that splits each expert's hidden width (expert
+        tensor parallelism, as experiments.train --tensor_size); 0: the workdir's training
+        value. The weights are the same whatever it is: a workdir trained with one value serves
+        with any other that divides the devices and --d_ff, to the same predictions.
+      planner: the balanced prefill's planner, as experiments.train --planner (auto, native or
+        portable).
+      max_fanout: the balanced prefill's relay bound of the replica transfer, as
+        experiments.train --max_fanout (0: no bound).
+      transfer_chunks: the balanced prefill's replica transfer in this many chunks, as
+        experiments.train --transfer_chunks.
+      ranks_per_domain: the balanced prefill's EP ranks per fast domain, as experiments.train
+        --ranks_per_domain (0: one domain).
     """
 
     workdir: str = ""
@@ -58,6 +75,11 @@ class ServeConfig:
     min_tokens_per_rank: int = DEFAULT_MIN_TOKENS_PER_RANK
     repeats: int = 5
     ep_size: int = 0
+    tensor_size: int = 0
+    planner: str = TrainConfig.planner
+    max_fanout: int = TrainConfig.max_fanout
+    transfer_chunks: int = TrainConfig.transfer_chunks
+    ranks_per_domain: int = 0
 
     def __post_init__(self):
         if not self.workdir:
@@ -75,10 +97,13 @@ class ServeConfig:
             ("min_tokens_per_rank", 0),
             ("repeats", 1),
             ("ep_size", 0),
+            ("tensor_size", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"--{name} must be an int >= {minimum}, got {value!r}")
+        execution_of(self.planner, self.transfer_chunks)
+        balancer_options(self.max_fanout, self.ranks_per_domain)
         cf = check_capacity_factor(self.capacity_factor, BALANCED_CAPACITY_FACTOR)
         object.__setattr__(self, "capacity_factor", cf)
         if not (

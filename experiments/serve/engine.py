@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 import ultraep_jax as uep
 from experiments.train.checkpoints import Checkpoints
 from experiments.train.config import MODEL_FIELDS, TrainConfig
-from experiments.train.trainer import place_on_mesh
+from experiments.train.trainer import TENSOR_AXIS, place_on_mesh
 from experiments.train.workdir import CHECKPOINT_DIR, CONFIG_FILE, RunError
-from models.moe_lm import MoELM
+from models.moe_lm import MoELM, MoESettings
 
 
 def read_train_config(workdir: str) -> tuple[pathlib.Path, TrainConfig]:
@@ -56,13 +56,18 @@ def read_train_config(workdir: str) -> tuple[pathlib.Path, TrainConfig]:
         raise RunError(f"cannot read {config}: {err}") from None
 
 
-def restore(train_cfg: TrainConfig, workdir: pathlib.Path, mesh) -> tuple[nnx.State, int]:
-    """(the model's state from the workdir's newest checkpoint, placed on ``mesh``, its step).
+def restore(
+    train_cfg: TrainConfig, workdir: pathlib.Path, mesh, settings: MoESettings | None = None
+) -> tuple[nnx.State, int]:
+    """(the model's state from the workdir's newest checkpoint, its step), placed on ``mesh`` as
+    a model of ``settings`` (default: plain EP) lays it out: the experts' hidden width over its
+    ``tensor_axis``, if any, whatever split the run that saved it used.
 
     Raises:
       RunError: the workdir holds no checkpoint, or one of another model shape.
     """
-    model = MoELM(train_cfg.model, mesh, rngs=nnx.Rngs(train_cfg.seed))
+    settings = MoESettings() if settings is None else settings
+    model = MoELM(train_cfg.model, mesh, settings, rngs=nnx.Rngs(train_cfg.seed))
     place_on_mesh(model, mesh)
     # A checkpoint holds the optimizer's state too; orbax restores the tree as saved.
     optimizer = nnx.Optimizer(model, optax.adamw(train_cfg.learning_rate), wrt=nnx.Param)
@@ -77,19 +82,20 @@ def restore(train_cfg: TrainConfig, workdir: pathlib.Path, mesh) -> tuple[nnx.St
     return nnx.state(model), step
 
 
-def build(train_cfg: TrainConfig, mesh, state, balancer, capacity_factor) -> MoELM:
-    """The workdir's model with ``balancer`` (None: plain EP) and ``capacity_factor`` (None:
-    dropless), holding ``state`` (from `restore`; a balancer changes no parameter)."""
-    model = MoELM(train_cfg.model, mesh, balancer, capacity_factor, rngs=nnx.Rngs(0))
+def build(train_cfg: TrainConfig, mesh, state, settings: MoESettings) -> MoELM:
+    """The workdir's model whose MoE layers run as ``settings`` say (balancer or plain EP,
+    buffer, tensor axis, execution), holding ``state`` (from `restore` with the same tensor axis;
+    the settings change no parameter)."""
+    model = MoELM(train_cfg.model, mesh, settings, rngs=nnx.Rngs(0))
     place_on_mesh(model, mesh)
     nnx.update(model, state)
     return model
 
 
 def on_mesh(mesh, a: np.ndarray, split: bool) -> jax.Array:
-    """``a`` (the same on every process) as a global array: rows split over every mesh axis, or
-    replicated."""
-    spec = P(tuple(mesh.axis_names)) if split else P()
+    """``a`` (the same on every process) as a global array: rows split over the mesh axes that
+    split tokens (every axis but "tensor", whose ranks see the same tokens), or replicated."""
+    spec = P(tuple(n for n in mesh.axis_names if n != TENSOR_AXIS)) if split else P()
     return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
 
 

@@ -12,8 +12,15 @@ parallelism, and show what the model predicts.
 source (the default run's training text): padded into 24 x 93 tokens, 279 per rank on 8
 devices, above the default ``--min_tokens_per_rank=256``, so the balanced prefill balances.
 
+A workdir trained with ``--tensor_size=t`` (each expert's hidden width split over t devices) is
+served on a (data, expert, tensor) mesh with the same t; ``--tensor_size`` chooses another (the
+weights are the same, split over that many devices, and so are the predictions), and the report
+says which it served with. ``--planner``, ``--max_fanout``, ``--transfer_chunks`` and
+``--ranks_per_domain`` choose how the balanced prefill runs, as in experiments.train.
+
 Each prompt file is one prompt (its bytes are the tokens, as in training). The prompts are padded
-into one batch, at the end of each row and with empty rows up to a multiple of the devices, and
+into one batch, at the end of each row and with empty rows up to a multiple of the devices that
+split the tokens (all but the tensor axis's), and
 the token mask routes the padding to no expert: it adds no load, takes no buffer row and changes
 no prediction. For each mode (``--balance=both``: balanced, then plain EP, on the same batch) the
 run prints per MoE layer the max/mean rank load before and after balancing, dropped pairs,
@@ -32,6 +39,7 @@ Problems with the flags, the workdir (missing, not a training run, no checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -45,6 +53,7 @@ from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, sta
 from experiments.serve.config import OUTPUT_FILE, ServeConfig
 from experiments.serve.prompts import Prompt, as_text, pad_batch, read_prompts
 from experiments.serve.report import report
+from experiments.train.config import balancer_options, execution_of, mesh_sizes
 from experiments.walltime import median_seconds
 
 _VALUES = cli.define_flags(ServeConfig, {"capacity_factor": cli.parse_capacity_factor})
@@ -111,16 +120,6 @@ def _engine():
     return engine
 
 
-def mesh_shape(num_devices: int, ep_size: int, num_experts: int) -> tuple[int, int]:
-    """(data, ep) sizes for ``num_devices``; ValueError when the EP size does not fit."""
-    ep = ep_size or num_devices
-    if num_devices % ep:
-        raise ValueError(f"--ep_size={ep} does not divide the {num_devices} devices")
-    if num_experts % ep:
-        raise ValueError(f"the model's {num_experts} experts are not divisible by the EP size {ep}")
-    return num_devices // ep, ep
-
-
 def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: bool) -> dict:
     """Prefills ``prompts`` in every mode of ``cfg``, then decodes; the results (see the module
     doc; every process returns them)."""
@@ -128,26 +127,41 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
     import numpy as np
 
     import ultraep_jax as uep
-    from experiments.train.trainer import make_mesh
+    from experiments.train.trainer import TENSOR_AXIS, make_mesh
+    from models.moe_lm import MoESettings
 
     engine = _engine()
     model_cfg = train_cfg.model
     devices = jax.device_count()
-    data_size, ep = mesh_shape(devices, cfg.ep_size, model_cfg.num_experts)
-    mesh = make_mesh(data_size, ep, 1)
+    data_size, ep, tensor = mesh_sizes(
+        devices,
+        ep_size=cfg.ep_size,
+        tensor_size=cfg.tensor_size or train_cfg.tensor_size,
+        num_experts=model_cfg.num_experts,
+        d_ff=model_cfg.d_ff,
+        ranks_per_domain=cfg.ranks_per_domain,
+        transfer_chunks=cfg.transfer_chunks,
+    )
+    mesh = make_mesh(data_size, ep, tensor)
+    token_devices = data_size * ep  # the tensor ranks of an EP rank see the same tokens
+    plain = MoESettings(
+        tensor_axis=TENSOR_AXIS if tensor > 1 else None,
+        execution=execution_of(cfg.planner, cfg.transfer_chunks),
+    )
     calibration = None
     if pinned:
-        rows = model_cfg.top_k * sum(len(p.tokens) for p in prompts) // devices
-        calibration = concurrency_check(rows, model_cfg.d_model, model_cfg.d_ff)
-    state, step = engine.restore(train_cfg, workdir, mesh)
-    tokens, mask, lengths = pad_batch(prompts, devices)
+        rows = model_cfg.top_k * sum(len(p.tokens) for p in prompts) // token_devices
+        calibration = concurrency_check(rows, model_cfg.d_model, model_cfg.d_ff // tensor)
+    state, step = engine.restore(train_cfg, workdir, mesh, plain)
+    tokens, mask, lengths = pad_batch(prompts, token_devices)
     B, T = tokens.shape
-    per_rank = B * T // devices
+    per_rank = B * T // token_devices
     balancer = uep.BalancerConfig(
         slots_per_rank=cfg.slots_per_rank or train_cfg.slots_per_rank,
         min_tokens_per_replica=cfg.min_tokens_per_replica,
         balance_eps=cfg.balance_eps,
         min_tokens_per_rank=cfg.min_tokens_per_rank,
+        **balancer_options(cfg.max_fanout, cfg.ranks_per_domain),
     )
     args = (
         engine.on_mesh(mesh, tokens, split=True),
@@ -156,15 +170,13 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
     )
     real = int(lengths.sum())
     runs = {}
+    cf = cfg.capacity_factor
     for mode in cfg.modes:
         balanced = mode == "ultraep"
-        model = engine.build(
-            train_cfg,
-            mesh,
-            state,
-            balancer if balanced else None,
-            cfg.capacity_factor if balanced else None,
-        )
+        settings = plain
+        if balanced:
+            settings = dataclasses.replace(plain, balancer=balancer, capacity_factor=cf)
+        model = engine.build(train_cfg, mesh, state, settings)
         prefill = engine.prefill_step(model, mesh)
         start = time.perf_counter()
         ids, logp, stats = jax.device_get(jax.block_until_ready(prefill(*args)))
@@ -195,7 +207,9 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
         },
         "devices": devices,
         "device": str(jax.devices()[0].device_kind),
-        "mesh": {"data": data_size, "expert": ep},
+        "mesh": {"data": data_size, "expert": ep, "tensor": tensor},
+        "tensor_size": {"served": tensor, "trained": train_cfg.tensor_size},
+        "execution": {"planner": cfg.planner, "transfer_chunks": cfg.transfer_chunks},
         "pinned_ranks": FLAGS.pinned_ranks,
         "batch": [B, T],
         "prompt_tokens": real,
@@ -204,6 +218,8 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
             "min_tokens_per_replica": balancer.min_tokens_per_replica,
             "balance_eps": balancer.balance_eps,
             "min_tokens_per_rank": balancer.min_tokens_per_rank,
+            "max_fanout": balancer.max_fanout,
+            "ranks_per_domain": balancer.ranks_per_domain,
         },
         "tokens_per_rank": per_rank,
         # The balanced prefill compiled plain EP (too few tokens per rank to pay).
@@ -212,7 +228,7 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
     }
     if calibration is not None:
         result["calibration"] = calibration
-    result["decode"], continuations = _decode(cfg, train_cfg, mesh, state, prompts, balancer)
+    result["decode"], continuations = _decode(cfg, train_cfg, mesh, state, prompts, balancer, plain)
     result["prompts"] = [
         {
             "file": str(p.path),
@@ -226,20 +242,22 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
     return result
 
 
-def _decode(cfg, train_cfg, mesh, state, prompts, balancer) -> tuple[dict, list[str]]:
-    """``cfg.new_tokens`` greedy decode steps on the fallback path: (figures, continuations)."""
+def _decode(cfg, train_cfg, mesh, state, prompts, balancer, plain) -> tuple[dict, list[str]]:
+    """``cfg.new_tokens`` greedy decode steps on the fallback path (``plain``'s tensor axis and
+    execution): (figures, continuations)."""
     import jax
 
     engine = _engine()
     if not cfg.new_tokens:
         return {"steps": 0}, [""] * len(prompts)
-    devices = mesh.size
+    devices = mesh.shape["data"] * mesh.shape["expert"]  # those that split the tokens
     longest = max(len(p.tokens) for p in prompts)
     window = min(train_cfg.model.max_seq_len, longest + cfg.new_tokens)
     tokens, _, lengths = pad_batch(prompts, devices, length=window)
     per_rank = tokens.size // devices
     use = balancer if "ultraep" in cfg.modes else None
-    model = engine.build(train_cfg, mesh, state, engine.decode_balancer(use, per_rank), None)
+    settings = dataclasses.replace(plain, balancer=engine.decode_balancer(use, per_rank))
+    model = engine.build(train_cfg, mesh, state, settings)
     generate = engine.greedy_step(model, mesh, cfg.new_tokens)
     args = (engine.on_mesh(mesh, tokens, split=False), engine.on_mesh(mesh, lengths, split=False))
     start = time.perf_counter()

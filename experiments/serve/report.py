@@ -19,6 +19,32 @@ def _clock_note(res: dict) -> str:
     )
 
 
+def _mesh_text(res: dict) -> str:
+    """``EP=8 x data=1``, and ``x tensor=t`` where a tensor axis splits the experts."""
+    mesh = res["mesh"]
+    text = f"EP={mesh['expert']} x data={mesh['data']}"
+    return text + (f" x tensor={mesh['tensor']}" if mesh.get("tensor", 1) > 1 else "")
+
+
+def _tensor_note(res: dict) -> str:
+    """How a workdir trained with a tensor axis is served: with its own size, or another."""
+    sizes = res.get("tensor_size")
+    if not sizes or sizes["served"] == sizes["trained"] == 1:
+        return ""
+    served, trained = sizes["served"], sizes["trained"]
+    split = "whole on each EP rank" if served == 1 else f"split over {served} devices"
+    if served == trained:
+        return (
+            f"each expert's hidden width {split}, as trained (the workdir's --tensor_size="
+            f"{trained}; --tensor_size chooses another)"
+        )
+    return (
+        f"note: trained with --tensor_size={trained}, served with --tensor_size={served}: the "
+        f"same weights, each expert's hidden width {split}: the same predictions, to float "
+        "rounding"
+    )
+
+
 def report(res: dict) -> str:
     """The readable report of `run`'s results."""
     m = res["model"]
@@ -28,10 +54,12 @@ def report(res: dict) -> str:
         f"prefill of {n} prompts ({res['prompt_tokens']} tokens; batch padded to {B} x {T}, "
         f"{B * T - res['prompt_tokens']} padding tokens masked) with the step-"
         f"{res['checkpoint_step']} checkpoint of {res['workdir']}: {m['num_layers']} layers, "
-        f"D={m['d_model']}, E={m['num_experts']} top-{m['top_k']}, EP={res['mesh']['expert']} x "
-        f"data={res['mesh']['data']} on {res['devices']} {res['device']} devices"
+        f"D={m['d_model']}, E={m['num_experts']} top-{m['top_k']}, {_mesh_text(res)} on "
+        f"{res['devices']} {res['device']} devices"
         + (" (pinned processes)" if res["pinned_ranks"] else "")
     ]
+    if _tensor_note(res):
+        lines.append(_tensor_note(res))
     if "calibration" in res:
         lines.append(concurrency_line(res["calibration"]))
     clock = "busiest rank's " if res["pinned_ranks"] else ""

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from experiments.cli import AUTO, check_capacity_factor, flag_text
 from experiments.cli import parse_capacity_factor as parse_capacity_factor  # the flag's parser
 from models.moe_lm import ModelConfig, check_positive_ints
-from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK
+from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK, BalancerConfig, Execution
 
 # ``capacity_factor``'s default, AUTO, is resolved on construction by `auto_capacity_factor`.
 #: The receive buffer of a balanced run, as a multiple of the mean routed load: room for the
@@ -103,6 +103,69 @@ def default_workdir(preset: str | None, model_values: Mapping[str, object]) -> s
     return f"runs/{name}"
 
 
+def execution_of(planner: str, transfer_chunks: int) -> Execution:
+    """The `uep.Execution` of ``--planner`` and ``--transfer_chunks`` (the library's checks, its
+    one-line errors naming the flag)."""
+    try:
+        return Execution(planner=planner, transfer_chunks=transfer_chunks)
+    except (TypeError, ValueError) as err:
+        raise type(err)(str(err).replace("Execution: ", "--", 1)) from None
+
+
+def balancer_options(max_fanout: int, ranks_per_domain: int) -> dict:
+    """The `uep.BalancerConfig` keywords of ``--max_fanout`` and ``--ranks_per_domain`` (0: one
+    domain, None), checked by the library (its one-line errors naming the flag)."""
+    if isinstance(ranks_per_domain, int) and not isinstance(ranks_per_domain, bool):
+        if ranks_per_domain < 0:
+            raise ValueError(
+                f"--ranks_per_domain must be >= 0 (0: one domain), got {ranks_per_domain}"
+            )
+        ranks_per_domain = ranks_per_domain or None
+    options = {"max_fanout": max_fanout, "ranks_per_domain": ranks_per_domain}
+    try:
+        BalancerConfig(**options)
+    except (TypeError, ValueError) as err:
+        raise type(err)(str(err).replace("BalancerConfig.", "--", 1)) from None
+    return options
+
+
+def mesh_sizes(
+    num_devices: int,
+    *,
+    ep_size: int,
+    tensor_size: int,
+    num_experts: int,
+    d_ff: int,
+    ranks_per_domain: int = 0,
+    transfer_chunks: int = 1,
+) -> tuple[int, int, int]:
+    """(data, ep, tensor) mesh sizes for ``num_devices`` (train's and serve's): ``ep_size`` 0
+    takes every device the tensor axis leaves; raises ValueError (one line naming the flag and
+    what fits) for sizes that do not divide the devices, the experts or the hidden width."""
+    tensor = tensor_size
+    if num_devices % tensor:
+        raise ValueError(f"--tensor_size={tensor} does not divide the {num_devices} devices")
+    if d_ff % tensor:
+        raise ValueError(f"--d_ff={d_ff} is not divisible by --tensor_size={tensor}")
+    token_devices = num_devices // tensor
+    ep = ep_size or token_devices
+    if token_devices % ep:
+        raise ValueError(_ep_size_error(ep, num_devices, tensor, num_experts))
+    if num_experts % ep:
+        raise ValueError(f"--num_experts={num_experts} is not divisible by the EP size {ep}")
+    if ranks_per_domain and ep % ranks_per_domain:
+        raise ValueError(
+            f"--ranks_per_domain={ranks_per_domain} does not divide the EP size {ep} (a fast "
+            "domain is that many consecutive ranks of the expert axis)"
+        )
+    if transfer_chunks > d_ff // tensor:
+        raise ValueError(
+            f"--transfer_chunks={transfer_chunks} exceeds the {d_ff // tensor} hidden columns of "
+            "an expert on a device (--d_ff / --tensor_size): a chunk is at least one column"
+        )
+    return token_devices // ep, ep, tensor
+
+
 def _ep_size_error(ep: int, num_devices: int, tensor: int, num_experts: int) -> str:
     """The one line for an ``--ep_size`` that does not divide the devices the data and expert
     axes share (``num_devices`` / ``tensor``), with the values that do (and divide the
@@ -159,6 +222,19 @@ class TrainConfig:
       tensor_size: devices on a "tensor" axis that splits each expert's hidden width d_ff (expert
         tensor parallelism: `uep.ExpertParallel`'s tensor_axis); the mesh is then (data, expert,
         tensor), the tokens the same on each tensor rank. 1: no tensor axis.
+      planner: the planner of the balanced layers: auto (the native FFI handler on CPU, and on
+        CUDA where it was built; the planner written in JAX elsewhere), native, or portable (the
+        same plans, bit for bit).
+      max_fanout: the relay bound of the replica weight transfer: an expert's master sends its
+        weights to at most this many replicas, and each replica forwards them to at most this
+        many more (0: no bound; the plans are the same for every value).
+      transfer_chunks: the replica weights move as this many transfers of d_ff / n hidden
+        columns each, so that XLA may overlap the transfer with the experts' matmuls (1: one
+        transfer; at most --d_ff / --tensor_size).
+      ranks_per_domain: EP ranks joined by fast links (the GPUs of one node), each domain that
+        many consecutive ranks of the expert axis: the planner prefers targets near each expert
+        and the replica weights cross the slow links once per domain that needs them; must
+        divide the EP size. 0: one domain.
       checkpoint_every: checkpoint interval (steps).
       eval_every: eval interval (steps).
       print_every: progress line interval (steps).
@@ -191,6 +267,10 @@ class TrainConfig:
     seed: int = 0
     ep_size: int = 0
     tensor_size: int = 1
+    planner: str = Execution.planner
+    max_fanout: int = BalancerConfig.max_fanout
+    transfer_chunks: int = Execution.transfer_chunks
+    ranks_per_domain: int = 0
     checkpoint_every: int = 50
     eval_every: int = 50
     print_every: int = 10
@@ -205,6 +285,8 @@ class TrainConfig:
         check_positive_ints(self, _POSITIVE, "--")
         if self.slots_per_rank < 0 or self.ep_size < 0 or self.min_tokens_per_rank < 0:
             raise ValueError("--slots_per_rank, --ep_size and --min_tokens_per_rank must be >= 0")
+        execution_of(self.planner, self.transfer_chunks)
+        balancer_options(self.max_fanout, self.ranks_per_domain)
         check_profile_steps(self.profile_steps, self.steps)
         if self.balance == "ultraep" and self.slots_per_rank == 0:
             # Balancing would plan nothing, and the 1.05x buffer sized for it would drop pairs.
@@ -254,25 +336,22 @@ class TrainConfig:
         return cls(model=model, **{k: v for k, v in values.items() if k in own})
 
     def check_devices(self, num_devices: int) -> tuple[int, int, int]:
-        """(data, ep, tensor) mesh shape for ``num_devices``; raises ValueError when they do not
-        fit."""
-        tensor = self.tensor_size
-        if num_devices % tensor:
-            raise ValueError(f"--tensor_size={tensor} does not divide the {num_devices} devices")
-        if self.model.d_ff % tensor:
-            raise ValueError(f"--d_ff={self.model.d_ff} is not divisible by --tensor_size={tensor}")
-        token_devices = num_devices // tensor
-        ep = self.ep_size or token_devices
-        num_experts = self.model.num_experts
-        if token_devices % ep:
-            raise ValueError(_ep_size_error(ep, num_devices, tensor, num_experts))
-        if num_experts % ep:
-            raise ValueError(f"--num_experts={num_experts} is not divisible by the EP size {ep}")
+        """(data, ep, tensor) mesh shape for ``num_devices`` (`mesh_sizes`); raises ValueError
+        when they do not fit, or the batch does not split over them."""
+        sizes = mesh_sizes(
+            num_devices,
+            ep_size=self.ep_size,
+            tensor_size=self.tensor_size,
+            num_experts=self.model.num_experts,
+            d_ff=self.model.d_ff,
+            ranks_per_domain=self.ranks_per_domain,
+            transfer_chunks=self.transfer_chunks,
+        )
         if self.batch_size % num_devices:
             raise ValueError(
                 f"--batch_size={self.batch_size} is not divisible by the {num_devices} devices"
             )
-        return token_devices // ep, ep, tensor
+        return sizes
 
     def check_process(self, local_devices: int) -> None:
         """Raises ValueError (one line) when this process, holding ``local_devices`` devices,

@@ -23,7 +23,7 @@ from experiments.concurrency import concurrency_check, concurrency_line
 from experiments.output_files import write_json
 from experiments.train import data, plot, summary
 from experiments.train.checkpoints import Checkpoints
-from experiments.train.config import IDEAL_NOTE, TrainConfig
+from experiments.train.config import IDEAL_NOTE, TrainConfig, balancer_options, execution_of
 from experiments.train.step_profile import StepProfile
 from experiments.train.stop import StopRequest, in_worker_thread
 from experiments.train.workdir import (
@@ -41,9 +41,9 @@ from experiments.train.workdir import (
     open_workdir,
     workdir_contents,
 )
-from models.moe_lm import MoELM, next_token_loss
+from models.moe_lm import MoELM, MoESettings, next_token_loss
 
-__all__ = ["RunError", "build_model", "make_mesh", "place_on_mesh", "run"]
+__all__ = ["RunError", "build_model", "make_mesh", "moe_settings", "place_on_mesh", "run"]
 
 #: The mesh axis that splits the experts' hidden width with ``--tensor_size`` > 1.
 TENSOR_AXIS = "tensor"
@@ -58,9 +58,11 @@ def make_mesh(data_size: int, ep_size: int, tensor_size: int) -> jax.sharding.Me
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def build_model(cfg: TrainConfig, mesh) -> MoELM:
-    """The model of ``cfg`` with every parameter on ``mesh`` (experts split over "expert", their
-    hidden width over "tensor" when the mesh has that axis)."""
+def moe_settings(cfg: TrainConfig, mesh) -> MoESettings:
+    """How the run's MoE layers run on ``mesh`` (`MoESettings`): balanced with ``cfg``'s
+    balancer flags (``--slots_per_rank`` ... ``--max_fanout``, ``--ranks_per_domain``), plain,
+    or the force-balanced ideal; ``cfg``'s buffer; the experts' hidden width over "tensor" when
+    the mesh has that axis; ``--planner`` and ``--transfer_chunks``."""
     balancer = None
     if cfg.balance == "ultraep":
         balancer = uep.BalancerConfig(
@@ -70,16 +72,21 @@ def build_model(cfg: TrainConfig, mesh) -> MoELM:
             min_tokens_per_replica=cfg.min_tokens_per_replica,
             balance_eps=cfg.balance_eps,
             min_tokens_per_rank=cfg.min_tokens_per_rank,
+            **balancer_options(cfg.max_fanout, cfg.ranks_per_domain),
         )
-    model = MoELM(
-        cfg.model,
-        mesh,
+    return MoESettings(
         balancer,
         cfg.capacity_factor,
         force_balanced=cfg.balance == "ideal",
         tensor_axis=TENSOR_AXIS if TENSOR_AXIS in mesh.axis_names else None,
-        rngs=nnx.Rngs(cfg.seed),
+        execution=execution_of(cfg.planner, cfg.transfer_chunks),
     )
+
+
+def build_model(cfg: TrainConfig, mesh) -> MoELM:
+    """The model of ``cfg`` (`moe_settings`) with every parameter on ``mesh`` (experts split over
+    "expert", their hidden width over "tensor" when the mesh has that axis)."""
+    model = MoELM(cfg.model, mesh, moe_settings(cfg, mesh), rngs=nnx.Rngs(cfg.seed))
     place_on_mesh(model, mesh)
     return model
 

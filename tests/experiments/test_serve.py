@@ -26,6 +26,7 @@ from experiments.serve.prompts import Prompt, pad_batch
 from experiments.serve.report import report
 from experiments.train import trainer
 from experiments.train.config import TrainConfig
+from models.moe_lm import MoESettings
 from tests.xla_settings import program_env
 
 # End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
@@ -90,6 +91,18 @@ def _serve(*args, timeout=600) -> subprocess.CompletedProcess:
     )
 
 
+#: How the module's served run runs its layers: a tensor axis the workdir was not trained with
+#: (served on data 1 x expert 4 x tensor 2; `test_predictions_equal_each_prompt_alone` checks its
+#: predictions against the plain mesh's) and a choice of each execution flag.
+SERVE_CHOICES = (
+    "--tensor_size=2",
+    "--planner=portable",
+    "--max_fanout=1",
+    "--transfer_chunks=2",
+    "--ranks_per_domain=2",
+)
+
+
 @pytest.fixture(scope="module")
 def served(workdir, prompt_dir, tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("out") / "serve.json"
@@ -100,6 +113,7 @@ def served(workdir, prompt_dir, tmp_path_factory) -> tuple[dict, str]:
         "--repeats=1",
         "--new_tokens=3",
         "--min_tokens_per_rank=0",  # a few tokens per rank: balance anyway
+        *SERVE_CHOICES,
         f"--output={out}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -121,10 +135,31 @@ def test_balanced_and_plain_predict_the_same(served):
     B, T = res["batch"]
     real = sum(len(t) for t in PROMPTS.values())
     assert res["prompt_tokens"] == real and T == max(len(t) for t in PROMPTS.values())
-    assert B % 8 == 0 and bal["masked"] == [B * T - real] * TINY["num_layers"]
+    assert B % 4 == 0 and bal["masked"] == [B * T - real] * TINY["num_layers"]
     assert "next-token predictions the same for 3 of 3 prompts" in stdout
     assert "tokens/s" in stdout and "max/mean before" in stdout
-    assert res["fallback"] is False and "note:" not in stdout
+    assert res["fallback"] is False and "below --min_tokens_per_rank" not in stdout
+
+
+def test_a_workdir_serves_with_another_tensor_size_and_the_execution_flags(served):
+    """The workdir (trained with --tensor_size=1) served on a tensor axis of 2, and the report
+    says so; --planner, --max_fanout, --transfer_chunks and --ranks_per_domain reach the balanced
+    prefill (the same predictions as plain EP: `test_balanced_and_plain_predict_the_same`)."""
+    res, stdout = served
+    assert res["mesh"] == {"data": 1, "expert": 4, "tensor": 2}
+    assert res["tensor_size"] == {"served": 2, "trained": 1}
+    assert "EP=4 x data=1 x tensor=2 on 8 cpu devices" in stdout
+    note = "note: trained with --tensor_size=1, served with --tensor_size=2: the same weights, "
+    assert note + "each expert's hidden width split over 2 devices" in stdout
+    assert res["execution"] == {"planner": "portable", "transfer_chunks": 2}
+    assert (res["balancer"]["max_fanout"], res["balancer"]["ranks_per_domain"]) == (1, 2)
+    as_trained = report({**res, "tensor_size": {"served": 2, "trained": 2}})
+    assert "each expert's hidden width split over 2 devices, as trained (the workdir's " in (
+        as_trained
+    )
+    plain = {**res, "mesh": {"data": 1, "expert": 8, "tensor": 1}}
+    text = report({**plain, "tensor_size": {"served": 1, "trained": 1}})
+    assert "EP=8 x data=1 on 8" in text and "tensor" not in text
 
 
 def test_report_on_the_fallback_and_without_decode(served):
@@ -182,7 +217,7 @@ def test_predictions_equal_each_prompt_alone(served, workdir):
     mesh = trainer.make_mesh(1, 8, 1)  # the mesh experiments.serve builds on 8 devices
     state, step = engine.restore(train_cfg, workdir, mesh)
     assert step == TINY["steps"] == res["checkpoint_step"]
-    model = engine.build(train_cfg, mesh, state, None, None)
+    model = engine.build(train_cfg, mesh, state, MoESettings())
     by_file = {pathlib.Path(p["file"]).name: p for p in res["prompts"]}
     for name, text in PROMPTS.items():
         tokens = np.tile(np.frombuffer(text, np.uint8).astype(np.int32), (8, 1))
@@ -251,15 +286,19 @@ def test_decode_compiles_the_fallback(workdir):
     fallback = engine.decode_balancer(balancer, per_rank)
     assert fallback.min_tokens_per_rank == per_rank + 1 and not fallback.applies(per_rank)
     assert engine.decode_balancer(None, per_rank) is None
-    decode = engine.greedy_step(engine.build(train_cfg, mesh, state, fallback, None), mesh, 2)
+    decode = engine.greedy_step(
+        engine.build(train_cfg, mesh, state, MoESettings(fallback)), mesh, 2
+    )
     args = (engine.on_mesh(mesh, tokens, split=False), engine.on_mesh(mesh, lengths, split=False))
     assert "ultraep_plan" not in decode.func.lower(*decode.args, *args).as_text()
-    prefill = engine.prefill_step(engine.build(train_cfg, mesh, state, balancer, 1.05), mesh)
     mask = engine.on_mesh(mesh, np.ones_like(tokens, bool), split=True)
-    text = prefill.func.lower(
-        *prefill.args, engine.on_mesh(mesh, tokens, split=True), mask, args[1]
-    )
-    assert "ultraep_plan" in text.as_text()
+    texts = {}
+    for planner in ("native", "portable"):  # --planner: the FFI call, or the planner in JAX
+        settings = MoESettings(balancer, 1.05, execution=uep.Execution(planner=planner))
+        prefill = engine.prefill_step(engine.build(train_cfg, mesh, state, settings), mesh)
+        split = engine.on_mesh(mesh, tokens, split=True)
+        texts[planner] = prefill.func.lower(*prefill.args, split, mask, args[1]).as_text()
+    assert "ultraep_plan" in texts["native"] and "ultraep_plan" not in texts["portable"]
 
 
 @pytest.mark.parametrize(
@@ -273,6 +312,11 @@ def test_decode_compiles_the_fallback(workdir):
         ({"capacity_factor": 0.0}, "--capacity_factor must be a finite number > 0, got 0.0"),
         ({"capacity_factor": float("inf")}, "--capacity_factor must be a finite number > 0"),
         ({"balance_eps": -0.5}, "--balance_eps must be finite and >= 0, got -0.5"),
+        ({"tensor_size": -1}, "--tensor_size must be an int >= 0, got -1"),
+        ({"planner": "fast"}, r"--planner must be one of \('auto', 'native', 'portable'\)"),
+        ({"transfer_chunks": 0}, "--transfer_chunks must be a positive int, got 0"),
+        ({"max_fanout": -1}, "--max_fanout must be an int >= 0, got -1"),
+        ({"ranks_per_domain": -1}, r"--ranks_per_domain must be >= 0 \(0: one domain\), got -1"),
     ],
 )
 def test_bad_config_raises_one_line(kwargs, match):

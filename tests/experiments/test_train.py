@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from absl import flags
 
+import ultraep_jax as uep
 from experiments import cli
 from experiments.train import plot, stop, trainer
 from experiments.train.config import (
@@ -124,10 +125,16 @@ def test_loss_decreases_and_outputs_are_written(tmp_path):
     assert config == summary["config"] and config["capacity_factor"] == BALANCED_CAPACITY_FACTOR
 
 
+#: The execution flags, none at its default: the balanced run of
+#: `test_balancing_does_not_change_the_loss` takes them (the same math whatever they are).
+EXECUTION_CHOICES = {"planner": "portable", "max_fanout": 1, "transfer_chunks": 2}
+EXECUTION_CHOICES["ranks_per_domain"] = 2
+
+
 def test_balancing_does_not_change_the_loss(tmp_path):
     # Defaults: dropless worst-case buffers without balancing, 1.05 x the mean with it.
     plain = _run(tmp_path, "none", balance="none", steps=4)
-    balanced = _run(tmp_path, "ultraep", balance="ultraep", steps=4)
+    balanced = _run(tmp_path, "ultraep", balance="ultraep", steps=4, **EXECUTION_CHOICES)
     assert _summary(tmp_path / "none")["config"]["capacity_factor"] is None
     assert _summary(tmp_path / "ultraep")["config"]["capacity_factor"] == 1.05
     assert sum(sum(r["replicas"]) for r in balanced) > 0  # replicas really were used
@@ -178,6 +185,46 @@ def test_tensor_size_2_trains_the_mixtral_preset_with_the_same_loss(tmp_path):
 def test_bad_tensor_size_is_one_line(values, message):
     with pytest.raises(ValueError, match=re.escape(message)) as err:
         TrainConfig.from_flat({"workdir": "w", **values}).check_devices(8)
+    assert "\n" not in str(err.value)
+
+
+def test_the_execution_flags_reach_every_layer():
+    """--planner, --max_fanout, --transfer_chunks and --ranks_per_domain: flags of the run that
+    reach each MoE layer through one `MoESettings` (the programs could not choose them)."""
+    cfg = _config("w", **EXECUTION_CHOICES)
+    mesh = trainer.make_mesh(*cfg.check_devices(8))
+    settings = trainer.moe_settings(cfg, mesh)
+    assert (settings.balancer.max_fanout, settings.balancer.ranks_per_domain) == (1, 2)
+    assert (settings.execution.planner, settings.execution.transfer_chunks) == ("portable", 2)
+    assert settings.capacity_factor == 1.05 and not settings.force_balanced
+    (block,) = trainer.build_model(cfg, mesh).blocks
+    assert block.moe.ep.balancer == settings.balancer
+    assert block.moe.ep.execution.planner == "portable"
+    ideal = trainer.moe_settings(_config("w", balance="ideal"), mesh)
+    assert ideal.balancer is None and ideal.force_balanced and ideal.execution == uep.Execution()
+    assert ideal.execution.planner == TrainConfig().planner == "auto"
+    tensor = _config("w", tensor_size=2)
+    assert trainer.moe_settings(tensor, trainer.make_mesh(*tensor.check_devices(8))).tensor_axis
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            {"planner": "fast"},
+            "--planner must be one of ('auto', 'native', 'portable'), got 'fast'",
+        ),
+        ({"transfer_chunks": 0}, "--transfer_chunks must be a positive int, got 0"),
+        ({"max_fanout": -1}, "--max_fanout must be an int >= 0, got -1"),
+        ({"ranks_per_domain": -1}, "--ranks_per_domain must be >= 0 (0: one domain), got -1"),
+        ({"ranks_per_domain": 3}, "--ranks_per_domain=3 does not divide the EP size 8"),
+        ({"transfer_chunks": 33}, "--transfer_chunks=33 exceeds the 32 hidden columns"),
+        ({"transfer_chunks": 17, "tensor_size": 2}, "exceeds the 16 hidden columns of an expert"),
+    ],
+)
+def test_bad_execution_flags_are_one_line(values, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        _config("w", **values).check_devices(8)
     assert "\n" not in str(err.value)
 
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import ultraep_jax as uep
-from models.moe_lm import ModelConfig, MoELM, next_token_loss
+from models.moe_lm import ModelConfig, MoELM, MoESettings, next_token_loss
 from models.presets import PRESETS, preset
 from tests.helpers import expert_mesh
 
@@ -35,10 +35,12 @@ SMALL = ModelConfig(
 )
 
 
-def _balancer(cfg, slots=2):
-    return uep.BalancerConfig(
+def _balanced(cfg, slots=2) -> MoESettings:
+    """Balanced, dropless layers on the 8-device expert mesh."""
+    balancer = uep.BalancerConfig(
         cfg.num_experts, 8, slots_per_rank=slots, min_tokens_per_replica=1, min_tokens_per_rank=0
     )
+    return MoESettings(balancer)
 
 
 def _batch(seed=0, batch=8, seq=16):
@@ -57,10 +59,10 @@ def _loss_and_grads(model, batch):
     return value, stats, grads
 
 
-def _unrolled_copy(scanned: MoELM, mesh, balancer) -> MoELM:
+def _unrolled_copy(scanned: MoELM, mesh, settings: MoESettings) -> MoELM:
     """The same model with its blocks as a list, holding the scanned model's parameters."""
     cfg = dataclasses.replace(scanned.cfg, scan_layers=False)
-    unrolled = MoELM(cfg, mesh, balancer, None, rngs=nnx.Rngs(1))
+    unrolled = MoELM(cfg, mesh, settings, rngs=nnx.Rngs(1))
     stacked = nnx.state(scanned.blocks)
     for i, block in enumerate(unrolled.blocks):
         nnx.update(block, jax.tree.map(lambda a, i=i: a[i], stacked))
@@ -80,9 +82,9 @@ def scanned_and_unrolled():
     cfg = dataclasses.replace(
         SMALL, router="sigmoid", num_groups=2, top_groups=1, shared_d_ff=8, bias_rate=0.5
     )
-    mesh, balancer = expert_mesh(), _balancer(cfg)
-    scanned = MoELM(cfg, mesh, balancer, None, rngs=nnx.Rngs(0))
-    unrolled = _unrolled_copy(scanned, mesh, balancer)
+    mesh, settings = expert_mesh(), _balanced(cfg)
+    scanned = MoELM(cfg, mesh, settings, rngs=nnx.Rngs(0))
+    unrolled = _unrolled_copy(scanned, mesh, settings)
     batch = _batch()
     return cfg, scanned, _loss_and_grads(scanned, batch), _loss_and_grads(unrolled, batch)
 
@@ -110,8 +112,8 @@ def test_remat_changes_nothing():
     # The plain model is the scanned model of `scanned_and_unrolled` (same config and
     # initialisation), so only the remat model compiles here.
     cfg, _, (loss_p, _, grads_p), _ = scanned_and_unrolled()
-    mesh, balancer = expert_mesh(), _balancer(cfg)
-    remat = MoELM(dataclasses.replace(cfg, remat=True), mesh, balancer, None, rngs=nnx.Rngs(0))
+    mesh, settings = expert_mesh(), _balanced(cfg)
+    remat = MoELM(dataclasses.replace(cfg, remat=True), mesh, settings, rngs=nnx.Rngs(0))
     loss_r, _, grads_r = _loss_and_grads(remat, _batch())
     np.testing.assert_allclose(loss_p, loss_r, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_r), strict=True):
@@ -119,7 +121,7 @@ def test_remat_changes_nothing():
 
 
 def test_stacked_expert_weights_keep_the_layer_axis_whole():
-    model = MoELM(SMALL, expert_mesh(), None, None, rngs=nnx.Rngs(0))
+    model = MoELM(SMALL, expert_mesh(), rngs=nnx.Rngs(0))
     w = model.blocks.moe.w_gate[...]
     assert w.shape == (SMALL.num_layers, SMALL.num_experts, SMALL.d_model, SMALL.d_ff)
     assert tuple(w.sharding.spec)[:2] == (None, "expert")
@@ -128,14 +130,33 @@ def test_stacked_expert_weights_keep_the_layer_axis_whole():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_build_and_step(name):
     cfg = dataclasses.replace(preset(name).model, num_layers=1, max_seq_len=16)
-    model = MoELM(
-        cfg, expert_mesh(), _balancer(cfg, preset(name).slots_per_rank), None, rngs=nnx.Rngs(0)
-    )
+    settings = _balanced(cfg, preset(name).slots_per_rank)
+    model = MoELM(cfg, expert_mesh(), settings, rngs=nnx.Rngs(0))
     loss, stats, _ = _loss_and_grads(model, _batch(2))
     assert np.isfinite(float(loss)) and int(jnp.sum(stats.dropped)) == 0
     np.testing.assert_array_equal(
         np.asarray(stats.expert_load).sum(-1), 8 * 16 * cfg.top_k * np.ones(1)
     )
+
+
+def test_the_settings_reach_every_layer_as_given():
+    """One `MoESettings` carries every choice of the layers (the planner, the relay bound, the
+    fast domains, the transfer chunks, the buffer): each block's layer holds them, none dropped
+    on the way; the arguments threaded one by one before are a one-line TypeError."""
+    cfg = dataclasses.replace(SMALL, scan_layers=False)
+    balancer = uep.BalancerConfig(slots_per_rank=1, max_fanout=1, ranks_per_domain=4)
+    execution = uep.Execution(planner="portable", transfer_chunks=2)
+    settings = MoESettings(balancer, 1.5, execution=execution)
+    model = MoELM(cfg, expert_mesh(), settings, rngs=nnx.Rngs(0))
+    for block in model.blocks:
+        ep = block.moe.ep
+        assert (ep.balancer.max_fanout, ep.balancer.ranks_per_domain) == (1, 4)
+        assert (ep.balancer.slots_per_rank, ep.capacity_factor) == (1, 1.5)
+        assert (ep.execution.planner, ep.execution.transfer_chunks) == ("portable", 2)
+    with pytest.raises(TypeError, match="^MoELM: settings must be a MoESettings, got Balancer"):
+        MoELM(cfg, expert_mesh(), balancer, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="MoESettings.execution must be a uep.Execution"):
+        MoESettings(execution="portable")
 
 
 def test_router_bias_steps_from_the_loads():
