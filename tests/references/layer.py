@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from tests.references.moe import HIGHEST, reference_moe
@@ -14,6 +17,8 @@ EXPERT_NAMES = ("w_gate", "w_up", "w_down")
 SHARED_NAMES = ("shared_gate", "shared_up", "shared_down")
 
 
+# Compiled (see `reference_moe`); the router's settings and `shared` decide the program.
+@functools.partial(jax.jit, static_argnames=("router", "shared"))
 def reference_layer(x, params, experts, router: Router, *, keep=None, shared: bool = False):
     """float32 [B, L, D]: the dense MoE of ``x`` [B, L, D] for the choice ``experts`` [T, k]
     (T = B x L) with ``router``'s weights from the logits ``x @ params["router_kernel"]``

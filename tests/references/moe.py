@@ -3,6 +3,8 @@ reference's matmuls."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -12,6 +14,8 @@ from ultraep_jax.base.activations import ACTIVATIONS
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+# Compiled: called op by op, each operation (and each of its gradient's) compiles on its own.
+@functools.partial(jax.jit, static_argnames="activation")
 def reference_moe(
     x, experts, weights, params, keep=None, *, mask=None, activation="silu", shared=None
 ):

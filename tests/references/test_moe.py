@@ -13,9 +13,6 @@ import pytest
 
 from tests.references.moe import reference_moe
 
-#: The reference as one compiled program per case (op by op, each of its operations compiles alone).
-_reference_moe = jax.jit(reference_moe, static_argnames="activation")
-
 #: The activations in float64, written from their definitions.
 ACT64 = {
     "silu": lambda z: z / (1.0 + math.exp(-z)),
@@ -91,7 +88,7 @@ HAND_SHARED = ([[1.0], [1.0]], [[1.0], [0.0]], [[1.0, -1.0]])
 )
 def test_hand_case(options, want):
     args = (np.asarray(HAND_X), np.asarray(HAND_EXPERTS), np.asarray(HAND_WEIGHTS), HAND_PARAMS)
-    got = np.asarray(_reference_moe(*args, activation="relu", **options))
+    got = np.asarray(reference_moe(*args, activation="relu", **options))
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(loop_moe(*args, activation="relu", **options), want)
@@ -129,7 +126,7 @@ def test_random_cases_equal_the_loop(activation, with_masks, with_shared):
         "mask": mask if with_masks else None,
         "shared": shared if with_shared else None,
     }
-    got = _reference_moe(x, experts, weights, params, activation=activation, **options)
+    got = reference_moe(x, experts, weights, params, activation=activation, **options)
     assert got.shape == x.shape and got.dtype == jnp.float32
     T = x.shape[0] * x.shape[1]
     flat = {
