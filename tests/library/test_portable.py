@@ -7,6 +7,7 @@ tests/experiments/test_portable_workloads.py.)"""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -221,6 +222,34 @@ def test_balanced_training_step_exports_for_tpu_and_rocm(platform):
     assert "triton" not in text and "mosaic" not in text.lower()  # no CUDA-only kernel
     assert test_moe.RAGGED_OP.search(text)  # JAX's own ragged_all_to_all
     assert "ragged_dot" in text
+
+
+def test_readme_layer_on_cpu_devices_exports_for_tpu_with_default_checks():
+    """The README's layer on `jax.make_mesh`'s CPU devices: its step plans natively when lowered
+    for the CPU and portably when exported for TPU (its "auto" planner was resolved to the native
+    handler when the layer was built, and the export ended in an error)."""
+    mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    layer = uep.MoE(
+        d_model=8,
+        d_ff=8,
+        num_experts=8,
+        top_k=2,
+        mesh=mesh,
+        balancer=uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=8),
+        capacity_factor=1.05,
+        rngs=nnx.Rngs(0),
+    )
+    graph, params = nnx.split(layer)
+
+    @jax.jit
+    def step(params, x):
+        return jax.grad(lambda p: jnp.mean(nnx.merge(graph, p)(x)[0] ** 2))(params)
+
+    x = jax.ShapeDtypeStruct((64, 32, 8), jnp.float32)  # enough tokens to balance (not compiled)
+    calls = re.compile(r"custom_call @(\w+)")
+    assert "ultraep_plan" in calls.findall(step.lower(params, x).as_text())
+    exported = jax.export.export(step, platforms=["tpu"])(params, x)  # every check on
+    assert calls.findall(exported.mlir_module()) == []
 
 
 @pytest.mark.parametrize(

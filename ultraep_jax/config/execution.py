@@ -9,9 +9,11 @@ import dataclasses
 from ultraep_jax._ops import check_positive_int
 from ultraep_jax.base.activations import ACTIVATIONS
 
-#: What "auto" is on each platform (`jax.lax.platform_dependent` keywords): on a mesh of CPU
-#: devices it is resolved when the configuration is built (only that branch is traced); on any
-#: other mesh when the computation is lowered (`comm.by_backend`, `experts.registry`). XLA:CPU
+#: What "auto" is on each platform (`jax.lax.platform_dependent` keywords). The planner's is
+#: resolved when the computation is lowered, on every mesh (`planning.planner.plan`: only that
+#: planner is traced); the others' on a mesh of CPU devices when the configuration is built (only
+#: that branch is traced), on any other mesh when the computation is lowered
+#: (`comm.by_backend`, `experts.registry`). XLA:CPU
 #: cannot compile `ragged_all_to_all`. The kernel "cuda" is JAX's Mosaic GPU kernels on Hopper
 #: where the shapes suit them, else XLA's `ragged_dot` (not the Pallas Triton backend, which JAX
 #: 0.12 deprecates); TPU and ROCm run JAX's own
@@ -88,9 +90,12 @@ class Execution:
             check_platform(self.comm_backend, platform)
         if platform != "cpu":
             return self
+        # The planner's "auto" stays: `planning.planner.plan` resolves it when the step is
+        # lowered, by the platform it is lowered for (one planner traced either way), so a step
+        # built on CPU devices and exported for TPU plans portably there.
         resolved = {
             name: table.get(platform, table["default"])
             for name, table in AUTO.items()
-            if getattr(self, name) == "auto"
+            if getattr(self, name) == "auto" and name != "planner"
         }
         return dataclasses.replace(self, **resolved)

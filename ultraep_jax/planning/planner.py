@@ -23,6 +23,8 @@ from ultraep_jax.config.execution import AUTO, PLANNERS
 from ultraep_jax.planning import native as _native
 from ultraep_jax.planning import portable as _portable
 
+_log = logging.getLogger("ultraep_jax")
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +50,6 @@ class Plan:
     def num_replicas(self) -> jax.Array:
         """int32 []: replica instances in the plan (filled slots)."""
         return jnp.sum(self.slot_expert >= 0, axis=(-2, -1), dtype=jnp.int32)
-
-
-_log = logging.getLogger("ultraep_jax")
 
 
 def _check_loads(loads, config: BalancerConfig):
@@ -118,10 +117,10 @@ def plan(
             lanes emulated in loops (slower than the default; it is there to test that code).
             Opt-in until it has been timed and checked on a GPU. Native planner only.
         planner: one of `PLANNERS`. "auto" (default) follows the platform the computation is
-            lowered for (`jax.lax.platform_dependent`, so an export for TPU from a CPU process
-            plans portably): the native handler on CPU, and on CUDA where the CUDA handler was
-            built (`native.has_cuda_handler`); the portable planner elsewhere (TPU, ROCm, CUDA
-            without the handler). Both give the same plan bit for bit.
+            lowered for (only that planner is traced and compiled; an export for TPU from a CPU
+            process plans portably): the native handler on CPU, and on CUDA where the CUDA
+            handler was built (`native.has_cuda_handler`); the portable planner elsewhere (TPU,
+            ROCm, CUDA without the handler). Both give the same plan bit for bit.
 
     Returns:
         The `Plan`. The planner is a pure, deterministic function of ``loads``. Every plan is valid
@@ -151,32 +150,20 @@ def plan(
             "plan: parallel=True is a form of the native planner; the portable planner has "
             "none (use planner='native' or 'auto')"
         )
-    native = functools.partial(_ffi_plan, config=config, cap=cap, parallel=parallel)
-    portable = functools.partial(_portable_plan, config=config, cap=cap)
-    refused = functools.partial(_refused_plan, config=config)
-    axes = varying_axes(loads)
-    impls = {
-        name: _varying(impl, axes)
-        for name, impl in (("native", native), ("portable", portable), ("refused", refused))
-    }
+    params = dict(config=config, cap=cap, parallel=parallel, planner=planner, batch_dims=0)
     if planner == "portable":
-        return impls["portable"](loads)
-    # Chosen by the platform the computation is lowered for: "auto" by `AUTO`, "native" the
-    # handler where one exists and one line of ours elsewhere (never XLA's error for an
-    # unregistered custom call).
-    fallback = "portable" if planner == "auto" else "refused"
-    rule = dict(AUTO["planner"]) if planner == "auto" else {"cpu": "native", "cuda": "native"}
-    rule["default"] = fallback
-    if not _native.has_cuda_handler():
-        rule["cuda"] = fallback
-    _log.info("ultraep_jax plan: planner by lowering platform: %s", rule)
-    return jax.lax.platform_dependent(loads, **{p: impls[name] for p, name in rule.items()})
+        impl = _varying(_impl(params, "portable"), varying_axes(loads))
+        return impl(loads)
+    # "auto" and "native" are chosen when the computation is lowered, by the platform it is
+    # lowered for (`_plan_lowering`): only the chosen planner is traced and compiled.
+    plan_ = Plan(*_plan_p.bind(loads, **params))
+    return jax.tree.map(lambda a: vary(a, varying_axes(loads)), plan_)
 
 
 def _varying(impl, axes):
     """``impl`` with its plan typed as varying over ``axes`` (the loads'): inside a shard_map
-    the plan varies as the loads do, whichever planner made it. The FFI call's outputs lose that
-    type and the portable planner's keep it, and the branches of "auto" must agree."""
+    the plan varies as the loads do, whichever planner made it (the FFI call's outputs lose that
+    type and the portable planner's keep it)."""
     return lambda loads: jax.tree.map(lambda a: vary(a, axes), impl(loads))
 
 
@@ -213,37 +200,80 @@ def check_native_planner(planner: str, platform: str | None) -> None:
         raise ValueError(_native_refusal(why))
 
 
-# The native planner's branch for a platform without its handler: a primitive whose lowering
-# raises `_native_refusal`, so that a step lowered for such a platform (`jax.export` for TPU from
-# a CPU host) ends in one line of ours rather than XLA's error for an unregistered custom call.
-# It is only ever lowered where it refuses; tracing, vmap and shard_map see its output types.
-_no_native_p = jax.extend.core.Primitive("ultraep_no_native_planner")
-_no_native_p.multiple_results = True
-_no_native_p.def_abstract_eval(
-    lambda loads, *, shapes: [jax.core.ShapedArray(shape, jnp.int32) for shape in shapes]
-)
+def platform_planner(planner: str, platform: str) -> str:
+    """The planner ("native" or "portable") that ``planner`` ("auto" or "native") runs on
+    devices of ``platform``; raises `_native_refusal`'s line for "native" where this install has
+    no handler. "auto" follows `AUTO`, but for CUDA without the CUDA handler."""
+    why = _no_native_handler(platform)
+    if planner == "native":
+        if why is not None:
+            raise ValueError(_native_refusal(why))
+        return "native"
+    chosen = AUTO["planner"].get(platform, AUTO["planner"]["default"])
+    return "portable" if why is not None else chosen
 
 
-def _no_native_lowering(ctx, loads, *, shapes):
-    platforms = ctx.module_context.platforms
-    raise ValueError(_native_refusal(_no_native_handler(platforms[0]) or "no handler"))
+def _impl(params: dict, name: str):
+    """The planner ``name`` ("native" or "portable") as a function of the loads [*batch, R, E],
+    vmapped over ``params["batch_dims"]`` leading axes."""
+    config, cap = params["config"], params["cap"]
+    if name == "native":
+        fn = functools.partial(_ffi_plan, config=config, cap=cap, parallel=params["parallel"])
+    else:
+        fn = functools.partial(_portable_plan, config=config, cap=cap)
+    for _ in range(params["batch_dims"]):
+        fn = jax.vmap(fn)
+    return fn
 
 
-def _no_native_batch(args, dims, *, shapes):
-    (loads,), (dim,) = args, dims
-    n = loads.shape[dim]
-    out = _no_native_p.bind(loads, shapes=tuple((n, *shape) for shape in shapes))
-    return out, [0] * len(shapes)
+# "auto" and "native" as one primitive whose lowering picks the planner for the platform it is
+# lowered for, so that a step traced once plans natively on CPU and CUDA and portably on TPU and
+# ROCm (`jax.export` for TPU from a CPU host included), and only that planner is traced (at
+# lowering) and compiled. The plan is integer-valued: no derivative rule is needed.
+_plan_p = jax.extend.core.Primitive("plan_for_platform")
+_plan_p.multiple_results = True
 
 
-jax.interpreters.mlir.register_lowering(_no_native_p, _no_native_lowering)
-jax.interpreters.batching.primitive_batchers[_no_native_p] = _no_native_batch
-
-
-def _refused_plan(loads, config: BalancerConfig) -> Plan:
-    """A `Plan`'s types from `_no_native_p` (its lowering refuses; see above)."""
+def _plan_shapes(loads_shape, config: BalancerConfig):
+    batch = tuple(loads_shape[:-2])
     R, E, S = config.ep_size, config.num_experts, config.slots_per_rank
-    return Plan(*_no_native_p.bind(loads, shapes=((R, S), (R, S), (E,), (R,))))
+    return [(*batch, *shape) for shape in ((R, S), (R, S), (E,), (R,))]
+
+
+def _plan_abstract_eval(loads, **params):
+    return [jax.core.ShapedArray(s, jnp.int32) for s in _plan_shapes(loads.shape, params["config"])]
+
+
+def _plan_lowering(ctx, loads, **params):
+    platforms = ctx.module_context.platforms
+    names = {p: platform_planner(params["planner"], p) for p in platforms}
+    _log.info("ultraep_jax plan: planner %r lowered as %s", params["planner"], names)
+    impls = {p: _impl(params, name) for p, name in names.items()}
+    if len(impls) == 1:  # the usual case: one platform, one planner traced
+        (fn,) = impls.values()
+    else:  # an export for several platforms: each its own, chosen when the program runs
+        fn = lambda l: jax.lax.platform_dependent(l, **impls)  # noqa: E731
+    return jax.interpreters.mlir.lower_fun(
+        lambda l: list(jax.tree.leaves(fn(l))), multiple_results=True
+    )(ctx, loads)
+
+
+def _plan_batch(args, dims, **params):
+    (loads,), (dim,) = args, dims
+    loads = jnp.moveaxis(loads, dim, 0)
+    params = dict(params, batch_dims=params["batch_dims"] + 1)
+    return _plan_p.bind(loads, **params), [0] * 4
+
+
+@functools.cache
+def _plan_jit(**params):
+    return jax.jit(lambda loads: _plan_p.bind(loads, **params))
+
+
+_plan_p.def_abstract_eval(_plan_abstract_eval)
+_plan_p.def_impl(lambda loads, **params: _plan_jit(**params)(loads))
+jax.interpreters.mlir.register_lowering(_plan_p, _plan_lowering)
+jax.interpreters.batching.primitive_batchers[_plan_p] = _plan_batch
 
 
 def _portable_plan(loads, config: BalancerConfig, cap: int) -> Plan:
