@@ -232,6 +232,8 @@ def _impl(params: dict, name: str):
 # lowering) and compiled. The plan is integer-valued: no derivative rule is needed.
 _plan_p = jax.extend.core.Primitive("plan_for_platform")
 _plan_p.multiple_results = True
+#: The planner as a jaxpr shows it ("auto" and "native"; tests count its calls).
+PLAN_PRIMITIVE = _plan_p
 
 
 def _plan_shapes(loads_shape, config: BalancerConfig):
