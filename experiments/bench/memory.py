@@ -1,0 +1,443 @@
+r"""Memory per device of the MoE layer's training step at DeepSeek-V3's shape, compiled, never run.
+
+    python -m experiments.bench.memory          # D=7168 F=2048 E=256 top-8, 4096 tokens/rank, bf16
+    python -m experiments.bench.memory --ep_sizes=8 --modes=balanced,ideal --d_model=1792
+    python -m experiments.bench.memory --json_out=experiments/results/memory.json \
+        --table_out=experiments/results/memory.txt
+
+For each EP size R (R simulated CPU devices: the program asks XLA's host platform for the largest
+R before JAX starts its backend) and each layer below, jits the training step of one `uep.MoE`
+call (the loss mean(y^2) with its gradient w.r.t. x and every parameter), lowers and compiles it
+for abstract inputs (`jax.ShapeDtypeStruct`s with the layer's shardings, the layer made by
+`nnx.eval_shape`: nothing is allocated and nothing runs), and reads XLA's memory analysis of the
+compiled program, per device: temporaries, arguments, outputs, generated code. Layers (`MODES`):
+
+  balanced  the default `BalancerConfig` (always balancing), receive buffers of
+            --balanced_factor (1.05) x the pairs a rank routes
+  dropless  plain EP, no balancer, ``capacity_factor=None``: R x the pairs, nothing dropped
+            whatever the routing
+  plain     plain EP at --plain_factor (1.25) x the pairs (drops past them)
+  ideal     the force-balanced ideal (``balancer=None, force_balanced=True``) at
+            --balanced_factor, the buffer a perfect balancer costing nothing would need
+
+A compiled program has static shapes, so the routing does not matter here; the buffers the layer
+sizes do. The receive buffer per rank is `MoE.capacity` rows x D x the dtype's bytes
+(`receive_buffer_bytes`); the table gives its share of the temporaries. On CPU the token exchange
+is the portable fixed-size all-to-all (XLA:CPU cannot compile ``ragged_all_to_all``), whose
+blocks hold R x min(pairs, capacity) rows (`exchange_block_bytes`) in every layer; a GPU's
+``ragged_all_to_all`` has no such block. The figures are XLA:CPU's program: its dtype handling
+and the CPU expert kernel hold float32 copies a GPU's program may not, so compare the layers
+with each other, not with a GPU's bytes.
+
+Prints the table and writes ``--json_out`` (default runs/memory/memory.json) with the
+provenance (machine, commit, command, date) and, with ``--table_out``, the table as text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import resource
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ultraep_jax as uep
+from experiments import cli
+from experiments.devices import force_cpu_devices
+from experiments.output_files import check_output_path, write_json
+from experiments.program import run_main
+from experiments.stepmodel.calibration import provenance
+
+#: The layers compiled, by name, in the table's order.
+MODES = ("balanced", "dropless", "plain", "ideal")
+#: The EP sizes of the default sweep.
+EP_SIZES = (8, 16, 32, 64)
+DTYPES = ("bfloat16", "float32")
+#: Where the program writes its JSON by default (the committed one only when the flag names it).
+JSON_OUT = f"{cli.run_folder('memory')}/memory.json"
+#: XLA's memory analysis fields read, by the name the record gives them.
+FIELDS = {
+    "temp_bytes": "temp_size_in_bytes",
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "generated_code_bytes": "generated_code_size_in_bytes",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """The layer shape compiled at every EP size and mode (default: DeepSeek-V3's MoE layer).
+
+    Attributes:
+      d_model: D, the token width.
+      d_ff: F, each routed expert's hidden width.
+      num_experts: E, routed experts; divisible by every EP size.
+      top_k: experts per token.
+      tokens_per_rank: T, tokens on each device (x is [R, T, D], one sequence per device).
+      dtype: x's and the parameters' dtype, bfloat16 or float32 (router math is float32).
+      balanced_factor: receive buffer of the balanced layer and the ideal, x the pairs a rank
+        routes (T x top_k).
+      plain_factor: receive buffer of the capped plain layer, x the pairs a rank routes.
+      slots_per_rank: S, spare expert slots per rank of the balanced layer.
+    """
+
+    d_model: int = 7168
+    d_ff: int = 2048
+    num_experts: int = 256
+    top_k: int = 8
+    tokens_per_rank: int = 4096
+    dtype: str = "bfloat16"
+    balanced_factor: float = 1.05
+    plain_factor: float = 1.25
+    slots_per_rank: int = 2
+
+    def __post_init__(self):
+        for name in ("d_model", "d_ff", "num_experts", "top_k", "tokens_per_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"--top_k={self.top_k} exceeds --num_experts={self.num_experts}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("balanced_factor", "plain_factor"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"--{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.slots_per_rank < 1:
+            raise ValueError(f"--slots_per_rank must be >= 1, got {self.slots_per_rank}")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one element of x and of the parameters."""
+        return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def pairs_per_rank(self) -> int:
+        """(token, choice) pairs each rank routes: T x top_k."""
+        return self.tokens_per_rank * self.top_k
+
+
+def check_ep_size(config: MemoryConfig, ep_size: int) -> None:
+    """Raises ValueError (one line) when ``ep_size`` does not divide E or is < 1."""
+    if ep_size < 1 or config.num_experts % ep_size:
+        raise ValueError(f"EP size {ep_size} does not divide --num_experts={config.num_experts}")
+
+
+def layer_options(config: MemoryConfig, mode: str, ep_size: int) -> dict:
+    """The `uep.MoE` keywords that make ``mode`` (`MODES`) at ``ep_size``: balancer, capacity
+    factor and the ideal's switch."""
+    if mode == "balanced":
+        # min_tokens_per_rank=0: balance at any batch, as the benchmarks measuring balancing do.
+        balancer = uep.BalancerConfig(
+            num_experts=config.num_experts,
+            ep_size=ep_size,
+            slots_per_rank=config.slots_per_rank,
+            min_tokens_per_rank=0,
+        )
+        return {"balancer": balancer, "capacity_factor": config.balanced_factor}
+    if mode == "dropless":
+        return {"balancer": None, "capacity_factor": None}
+    if mode == "plain":
+        return {"balancer": None, "capacity_factor": config.plain_factor}
+    if mode == "ideal":
+        return {"balancer": None, "capacity_factor": config.balanced_factor, "force_balanced": True}
+    raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+
+
+def abstract_layer(config: MemoryConfig, mode: str, mesh) -> uep.MoE:
+    """``mode``'s layer on ``mesh`` with abstract parameters (`nnx.eval_shape`: none allocated)."""
+    dtype = jnp.dtype(config.dtype)
+    shape = (config.d_model, config.d_ff, config.num_experts, config.top_k)
+    options = layer_options(config, mode, mesh.size)
+    return nnx.eval_shape(
+        lambda: uep.MoE(*shape, mesh, param_dtype=dtype, rngs=nnx.Rngs(0), **options)
+    )
+
+
+def _with_shardings(layer: uep.MoE, state):
+    """``state``'s leaves as `jax.ShapeDtypeStruct`s on the layer's shardings: the experts'
+    weights split over the EP axis (`ExpertParallel.weight_shardings`), every other variable
+    replicated, as `MoE` places them."""
+    split = dict(zip(("w_gate", "w_up", "w_down"), layer.ep.weight_shardings, strict=True))
+    replicated = NamedSharding(layer.mesh, P())
+
+    def typed(path, leaf):
+        sharding = split.get(str(getattr(path[0], "key", path[0])), replicated)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(typed, state)
+
+
+def training_step(layer: uep.MoE):
+    """(jitted step(params, rest, x) -> ((loss, stats), (d params, d x)), params, rest): the
+    layer's training step, its parameters and other state split off as abstract arrays."""
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def loss(params, rest, x):
+        y, stats = nnx.merge(graphdef, params, rest)(x)
+        return jnp.mean(jnp.square(y), dtype=jnp.float32), stats
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))
+    return step, _with_shardings(layer, params), _with_shardings(layer, rest)
+
+
+def receive_buffer_bytes(config: MemoryConfig, capacity_rows: int) -> int:
+    """Bytes of one rank's receive buffer: ``capacity_rows`` (`MoE.capacity`) x D x the dtype's
+    bytes."""
+    return capacity_rows * config.d_model * config.itemsize
+
+
+def exchange_block_bytes(config: MemoryConfig, ep_size: int, capacity_rows: int) -> int:
+    """Bytes of one block of the portable (CPU) token exchange: R x min(pairs, capacity) rows of D
+    (`comm.portable` moves ``R * max_chunk`` rows; the dispatch bounds its chunk by both)."""
+    return ep_size * min(config.pairs_per_rank, capacity_rows) * config.d_model * config.itemsize
+
+
+def replica_block_bytes(config: MemoryConfig, ep_size: int, mode: str) -> int:
+    """Bytes of one block of the balanced layer's replica weight transfer: R x S rows of one
+    expert's weights (3 x D x F) (`replicas.transfer`'s hops build their operand of ``R * S``
+    rows); 0 for the other layers (no replicas)."""
+    if mode != "balanced":
+        return 0
+    expert = 3 * config.d_model * config.d_ff * config.itemsize
+    return ep_size * config.slots_per_rank * expert
+
+
+def measure(config: MemoryConfig, mode: str, mesh) -> dict:
+    """XLA's memory analysis per device of ``mode``'s training step on ``mesh`` (one axis,
+    "expert"), compiled for abstract inputs, with the layer's buffer sizes.
+
+    Returns a dict: ``temp_bytes``, ``argument_bytes``, ``output_bytes``, ``alias_bytes``,
+    ``generated_code_bytes`` (`FIELDS`), ``capacity_rows``, ``receive_buffer_bytes``,
+    ``receive_share`` (of the temporaries), ``exchange_block_bytes``, ``replica_block_bytes``,
+    ``compile_s``.
+
+    Raises:
+      ValueError: one line when the EP size does not divide E or XLA gives no analysis.
+    """
+    R = mesh.size
+    check_ep_size(config, R)
+    layer = abstract_layer(config, mode, mesh)
+    step, params, rest = training_step(layer)
+    T, D = config.tokens_per_rank, config.d_model
+    x = jax.ShapeDtypeStruct(
+        (R, T, D), jnp.dtype(config.dtype), sharding=NamedSharding(mesh, P(mesh.axis_names[0]))
+    )
+    start = time.perf_counter()
+    analysis = step.lower(params, rest, x).compile().memory_analysis()
+    compile_s = time.perf_counter() - start
+    if analysis is None:
+        raise ValueError(f"XLA gave no memory analysis for {mode} at EP{R}")
+    out = {name: int(getattr(analysis, field)) for name, field in FIELDS.items()}
+    capacity = layer.capacity(T)
+    receive = receive_buffer_bytes(config, capacity)
+    out.update(
+        capacity_rows=capacity,
+        receive_buffer_bytes=receive,
+        receive_share=receive / out["temp_bytes"],
+        exchange_block_bytes=exchange_block_bytes(config, R, capacity),
+        replica_block_bytes=replica_block_bytes(config, R, mode),
+        compile_s=compile_s,
+    )
+    return out
+
+
+def expert_mesh(ep_size: int):
+    """A mesh ("expert",) of the first ``ep_size`` devices, its axis in Auto mode (the layer
+    splits the work with shard_map itself)."""
+    devices = jax.devices()
+    if len(devices) < ep_size:
+        raise ValueError(f"EP{ep_size} needs {ep_size} devices, found {len(devices)}")
+    return jax.make_mesh(
+        (ep_size,), ("expert",), axis_types=(AxisType.Auto,), devices=devices[:ep_size]
+    )
+
+
+def sweep(config: MemoryConfig, ep_sizes, modes, report=print) -> list[dict]:
+    """One row per (EP size, mode): ``ep_size``, ``mode`` and `measure`'s fields, with
+    ``temp_vs_ideal`` where the ideal was compiled at that EP size; ``report`` gets a line per
+    compile."""
+    rows = []
+    for ep_size in ep_sizes:
+        mesh = expert_mesh(ep_size)
+        at_r = []
+        for mode in modes:
+            row = {"ep_size": ep_size, "mode": mode, **measure(config, mode, mesh)}
+            at_r.append(row)
+            report(
+                f"EP{ep_size} {mode}: temporaries {row['temp_bytes'] / 2**30:.2f} GiB "
+                f"(compiled in {row['compile_s']:.1f} s)"
+            )
+        ideal = next((r["temp_bytes"] for r in at_r if r["mode"] == "ideal"), None)
+        for row in at_r:
+            row["temp_vs_ideal"] = row["temp_bytes"] / ideal if ideal else None
+        rows += at_r
+    return rows
+
+
+def per_buffer_row(rows: list[dict], config: MemoryConfig) -> dict[int, float | None]:
+    """{EP size: temporaries that one more receive-buffer row adds, in rows of D (x D x the
+    dtype's bytes)}: the slope between plain dropless and plain at --plain_factor, two programs
+    that differ in their buffer alone; None where either is missing."""
+    out = {}
+    for ep_size in sorted({r["ep_size"] for r in rows}):
+        by_mode = {r["mode"]: r for r in rows if r["ep_size"] == ep_size}
+        if {"dropless", "plain"} <= set(by_mode):
+            big, small = by_mode["dropless"], by_mode["plain"]
+            extra_rows = big["capacity_rows"] - small["capacity_rows"]
+            row_bytes = config.d_model * config.itemsize
+            slope = (big["temp_bytes"] - small["temp_bytes"]) / (extra_rows * row_bytes)
+            out[ep_size] = slope if extra_rows > 0 else None
+        else:
+            out[ep_size] = None
+    return out
+
+
+def balanced_excess(rows: list[dict]) -> dict[int, tuple[int, int]]:
+    """{EP size: (balanced temporaries - the ideal's, one replica block), bytes} where both
+    layers were compiled."""
+    out = {}
+    for ep_size in sorted({r["ep_size"] for r in rows}):
+        by_mode = {r["mode"]: r for r in rows if r["ep_size"] == ep_size}
+        if {"balanced", "ideal"} <= set(by_mode):
+            bal = by_mode["balanced"]
+            excess = bal["temp_bytes"] - by_mode["ideal"]["temp_bytes"]
+            out[ep_size] = (excess, bal["replica_block_bytes"])
+    return out
+
+
+MODE_NAMES = {
+    "balanced": "balanced@{balanced_factor:g}",
+    "dropless": "plain dropless",
+    "plain": "plain@{plain_factor:g}",
+    "ideal": "ideal@{balanced_factor:g}",
+}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def table(rows: list[dict], config: MemoryConfig) -> list[str]:
+    """The report's lines: a header naming the shape, one line per (EP size, mode), and the
+    temporaries per receive-buffer row."""
+    c = config
+    lines = [
+        f"MoE layer training step (loss, d/dx, d/dparams), XLA's memory analysis per device, "
+        f"compiled for simulated CPU devices, never run: D={c.d_model} F={c.d_ff} "
+        f"E={c.num_experts} top-{c.top_k}, {c.tokens_per_rank} tokens/rank, {c.dtype}, "
+        f"S={c.slots_per_rank} (balanced)",
+        f"{'EP':>4} {'layer':>15} {'rows':>8} {'temp GiB':>9} {'/ideal':>7} {'args GiB':>9} "
+        f"{'out GiB':>8} {'code':>5} {'recv GiB':>9} {'recv %':>7} {'a2a blk':>8} "
+        f"{'repl blk':>9}",
+    ]
+    for r in rows:
+        name = MODE_NAMES[r["mode"]].format(**dataclasses.asdict(c))
+        ratio = f"{r['temp_vs_ideal']:.3f}" if r["temp_vs_ideal"] else "-"
+        code = _gib(r["generated_code_bytes"]) if r["generated_code_bytes"] else "-"
+        lines.append(
+            f"{r['ep_size']:>4} {name:>15} {r['capacity_rows']:>8} {_gib(r['temp_bytes']):>9} "
+            f"{ratio:>7} {_gib(r['argument_bytes']):>9} {_gib(r['output_bytes']):>8} "
+            f"{code:>5} {_gib(r['receive_buffer_bytes']):>9} {r['receive_share']:>7.1%} "
+            f"{_gib(r['exchange_block_bytes']):>8} {_gib(r['replica_block_bytes']):>9}"
+        )
+    excess = balanced_excess(rows)
+    if excess:
+        text = ", ".join(
+            f"EP{r} {e / 2**30:+.2f} GiB ({e / block:+.1f} repl blk)"
+            for r, (e, block) in excess.items()
+        )
+        lines.append(f"balanced temporaries over the ideal's: {text}")
+    slopes = per_buffer_row(rows, c)
+    known = {r: s for r, s in slopes.items() if s is not None}
+    lines += [
+        "rows: receive-buffer rows per rank (MoE.capacity); recv: rows x D x dtype bytes; "
+        "recv %: of the temporaries; a2a blk: one block of the portable (CPU) token exchange, "
+        "R x min(pairs, rows) x D x dtype bytes (a GPU's ragged all-to-all has none); "
+        "repl blk: one block of the replica weight transfer, R x S x 3 x D x F x dtype bytes; "
+        "code: generated code (XLA:CPU reports 0: -); GiB = 2**30 bytes.",
+    ]
+    if known:
+        text = ", ".join(f"EP{r} {s:.1f}" for r, s in known.items())
+        lines.append(
+            "temporaries per receive-buffer row (plain dropless against plain capped), in rows of "
+            f"D x dtype bytes: {text}"
+        )
+    return lines
+
+
+def main(argv):
+    """Compiles every (EP size, mode), prints the table, writes the JSON (and the text)."""
+    if len(argv) > 1:
+        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    f = flags.FLAGS
+    try:
+        config = MemoryConfig(**_CONFIG())
+        ep_sizes = [int(e) for e in f.ep_sizes]
+        for ep_size in ep_sizes:
+            check_ep_size(config, ep_size)
+        if f.json_out:
+            check_output_path(f.json_out, "--json_out")
+        if f.table_out:
+            check_output_path(f.table_out, "--table_out")
+        force_cpu_devices(max(ep_sizes), cpu_only=True)
+        rows = sweep(config, ep_sizes, list(f.modes), report=lambda s: print(s, flush=True))
+    except ValueError as err:
+        _fail(err)
+    lines = table(rows, config)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    lines.append(f"(this process's peak resident memory while compiling: {peak_mib:,.0f} MiB)")
+    print("\n" + "\n".join(lines))
+    record = {
+        "provenance": provenance("experiments.bench.memory"),
+        "config": dataclasses.asdict(config),
+        "ep_sizes": ep_sizes,
+        "modes": list(f.modes),
+        "rows": rows,
+        "temp_per_buffer_row": {str(r): s for r, s in per_buffer_row(rows, config).items()},
+        "peak_rss_mib": peak_mib,
+    }
+    write_json(f.json_out, record)
+    if f.table_out:
+        path = pathlib.Path(f.table_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+    written = [path for path in (f.json_out, f.table_out) if path]
+    if written:
+        print(f"wrote {' and '.join(written)}")
+
+
+def _fail(err) -> None:
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _define_flags():
+    """The program's flags (defined when it runs, not on import: tests import this module beside
+    programs with flags of the same names)."""
+    global _CONFIG
+    _CONFIG = cli.define_flags(MemoryConfig)
+    flags.DEFINE_list("ep_sizes", [str(r) for r in EP_SIZES], "EP sizes R to compile for.")
+    flags.DEFINE_list("modes", list(MODES), f"Layers to compile: some of {', '.join(MODES)}.")
+    flags.DEFINE_string("json_out", JSON_OUT, "The rows as JSON ('' for none).")
+    flags.DEFINE_string("table_out", "", "Also write the table here as text ('' for none).")
+    flags.register_validator(
+        "ep_sizes", lambda v: bool(v) and all(e.isdigit() and int(e) > 0 for e in v),
+        "must be positive integers",
+    )  # fmt: skip
+    flags.register_validator(
+        "modes", lambda v: bool(v) and set(v) <= set(MODES), f"must name some of {MODES}"
+    )
+
+
+if __name__ == "__main__":
+    _define_flags()
+    run_main(main)
