@@ -22,6 +22,7 @@ _HOMES = {
     "ACTIVATIONS": "ultraep_jax.base.activations",
     "TENSOR_AXIS_NAMES": "ultraep_jax.config",
     "BalancerConfig": "ultraep_jax.config",
+    "ClampedSwiGLU": "ultraep_jax.base.activations",
     "Execution": "ultraep_jax.config",
     "ExpertParallel": "ultraep_jax.config",
     "force_balanced": "ultraep_jax.ideal",
@@ -38,6 +39,7 @@ _HOMES = {
     "RouterBias": "ultraep_jax.layer",
     "SigmoidTopK": "ultraep_jax.routers",
     "SoftmaxTopK": "ultraep_jax.routers",
+    "TopKSoftmax": "ultraep_jax.routers",
     "update_bias": "ultraep_jax.routers",
 }
 

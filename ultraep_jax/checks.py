@@ -12,6 +12,9 @@ import numpy as np
 
 from ultraep_jax.config import ExpertParallel
 
+#: The routed experts' parameters in the order ``params`` lists them (the biases optional).
+PARAM_NAMES = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+
 
 def check_dtype(caller: str, name: str, a, want=jnp.floating) -> None:
     """Raises (one line naming the value) unless ``a``'s dtype is of the kind ``want``
@@ -26,13 +29,14 @@ def _check_arrays(caller: str, x, experts, weights, params, ep, token_mask) -> N
     [..., K], token_mask [...] (x's leading shape)."""
     if not isinstance(ep, ExpertParallel):
         raise TypeError(f"{caller}: ep must be an ExpertParallel, got {type(ep).__name__}")
-    if not isinstance(params, (tuple, list)) or len(params) != 3:
+    if not isinstance(params, (tuple, list)) or len(params) not in (3, 6):
         raise ValueError(
             f"{caller}: params must be (w_gate, w_up, w_down), got {type(params).__name__}"
             + (f" of {len(params)}" if isinstance(params, (tuple, list)) else "")
+            + " (with the experts' biases: (w_gate, w_up, w_down, b_gate, b_up, b_down))"
         )
     named = {"x": x, "experts": experts, "weights": weights}
-    named.update(zip(("w_gate", "w_up", "w_down"), params, strict=True))
+    named.update(zip(PARAM_NAMES, params, strict=False))
     if token_mask is not None:
         named["token_mask"] = token_mask
     for name, a in named.items():
@@ -65,8 +69,9 @@ def _check_arrays(caller: str, x, experts, weights, params, ep, token_mask) -> N
 
 
 def _check_weights(caller: str, params, num_experts: int, d_model: int, where: str) -> None:
-    """w_gate, w_up [E', D, F] and w_down [E', F, D] with E' = ``num_experts``."""
-    w_gate, w_up, w_down = params
+    """w_gate, w_up [E', D, F] and w_down [E', F, D] with E' = ``num_experts``, and the biases
+    b_gate, b_up [E', F] and b_down [E', D] if given; all of one dtype."""
+    w_gate, w_up, w_down = params[:3]
     E, D, F = num_experts, d_model, w_gate.shape[-1]
     if (w_gate.shape, w_up.shape, w_down.shape) != ((E, D, F), (E, D, F), (E, F, D)):
         raise ValueError(
@@ -74,10 +79,17 @@ def _check_weights(caller: str, params, num_experts: int, d_model: int, where: s
             f"[{where}, F, D]; got {tuple(w_gate.shape)}, {tuple(w_up.shape)}, "
             f"{tuple(w_down.shape)}"
         )
+    shapes = tuple(tuple(b.shape) for b in params[3:])
+    if shapes and shapes != ((E, F), (E, F), (E, D)):
+        raise ValueError(
+            f"{caller}: expert biases must be b_gate, b_up [{where}={E}, F={F}] and b_down "
+            f"[{where}, D={D}]; got {', '.join(str(s) for s in shapes)}"
+        )
     if len({w.dtype for w in params}) != 1:
+        *rest, last = PARAM_NAMES[: len(params)]
+        names = f"{', '.join(rest)} and {last}"
         raise TypeError(
-            f"{caller}: w_gate, w_up and w_down must have one dtype, got "
-            f"{', '.join(str(w.dtype) for w in params)}"
+            f"{caller}: {names} must have one dtype, got {', '.join(str(w.dtype) for w in params)}"
         )
 
 

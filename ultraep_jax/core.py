@@ -40,7 +40,7 @@ def routed_experts_local(
     x: jax.Array,
     experts: jax.Array,
     weights: jax.Array,
-    params: tuple[jax.Array, jax.Array, jax.Array],
+    params: tuple[jax.Array, ...],
     ep: ExpertParallel,
     token_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats]:
@@ -59,7 +59,10 @@ def routed_experts_local(
       weights: [..., K], each choice's weight.
       params: this device's expert weights: (w_gate [E_m, D, F_t], w_up [E_m, D, F_t], w_down
         [E_m, F_t, D]) with E_m = E / R (R = ``ep.ep_size``; all E without an EP axis) and F_t =
-        F / ``ep.tensor_size`` hidden columns.
+        F / ``ep.tensor_size`` hidden columns, optionally followed by the experts' biases
+        (b_gate, b_up [E_m, F_t], b_down [E_m, D]; split as ``ep.bias_specs`` says): an expert
+        then computes ``glu(x @ w_gate + b_gate, x @ w_up + b_up) @ w_down + b_down``, the down
+        bias added once over the tensor ranks.
       ep: the configuration (`ExpertParallel`).
       token_mask: bool [...] (x's leading shape), True for a real token, or None (all real). A
         masked token is routed nowhere: it is in no load, plan or capacity, its output is 0 and
@@ -103,6 +106,7 @@ def _pipeline(x_TD, experts_TK, weights_TK, mask_T, params, ep: ExpertParallel, 
     experts_N = pair_experts(experts_TK, ep.num_experts, mask_T)
     masked = jnp.int32(0) if mask_T is None else T - jnp.sum(mask_T, dtype=jnp.int32)
     x_TD, weights_TK = _split_over_tensor((x_TD, weights_TK), ep)
+    params = _down_bias_once(params, ep)
 
     with jax.named_scope("plan"):
         loads_RE, masked_R, plan = _plan(experts_N, masked, ep, balancer, capacity)
@@ -161,6 +165,18 @@ def _split_over_tensor(arrays: tuple, ep: ExpertParallel) -> tuple:
     if ep.tensor_axis is None:
         return arrays
     return tuple(vary(a, (ep.tensor_axis,)) for a in arrays)
+
+
+def _down_bias_once(params: tuple, ep: ExpertParallel) -> tuple:
+    """``params`` with the down bias (if any) zero on every tensor rank but the first: each
+    tensor rank's expert outputs are partial sums over its F slice, summed over the tensor axis
+    after the combine (`_summed_over_tensor`), so the bias enters that sum once. Its gradient is
+    the first rank's; the others' zeros add nothing to it."""
+    if ep.tensor_axis is None or len(params) == 3:
+        return params
+    b_down = params[5]
+    first = jax.lax.axis_index(ep.tensor_axis) == 0
+    return (*params[:5], jnp.where(first, b_down, jnp.zeros_like(b_down)))
 
 
 def _summed_over_tensor(y_TD, ep: ExpertParallel) -> jax.Array:

@@ -18,7 +18,7 @@ from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.experts.dense import dense_glu
 from ultraep_jax.ideal import force_balanced
 from ultraep_jax.over_mesh import routed_experts
-from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, router_logits, update_bias
+from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, TopKSoftmax, router_logits, update_bias
 from ultraep_jax.sharding import place, with_auto_axes
 from ultraep_jax.stats import MoEStats
 
@@ -33,8 +33,10 @@ def _checked_router(router, top_k: int, num_experts: int):
     if top_k > num_experts:
         raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")
     router = SoftmaxTopK(top_k) if router is None else router
-    if not isinstance(router, (SoftmaxTopK, SigmoidTopK)):
-        raise TypeError(f"MoE: router must be SoftmaxTopK or SigmoidTopK, got {router!r}")
+    if not isinstance(router, (SoftmaxTopK, TopKSoftmax, SigmoidTopK)):
+        raise TypeError(
+            f"MoE: router must be SoftmaxTopK, TopKSoftmax or SigmoidTopK, got {router!r}"
+        )
     if router.top_k != top_k:
         raise ValueError(f"MoE: router.top_k={router.top_k} differs from top_k={top_k}")
     router.check_experts(num_experts)
@@ -66,8 +68,19 @@ class MoE(nnx.Module):
       mesh, balancer, capacity_factor: see `ExpertParallel` (the layer keeps one as
         ``self.ep``).
       router: a router of `ultraep_jax.routers` with this ``top_k`` (default
-        ``SoftmaxTopK(top_k)``). With `SigmoidTopK` the layer keeps a `RouterBias`
-        ``router_bias`` [E]; call `update_router_bias` with each step's stats to move it.
+        ``SoftmaxTopK(top_k)``; `TopKSoftmax` is gpt-oss's). With `SigmoidTopK` the layer keeps
+        a `RouterBias` ``router_bias`` [E]; call `update_router_bias` with each step's stats to
+        move it.
+      router_logit_bias: the router's logits are ``x @ router_kernel + router_logit_bias``, a
+        trained parameter [E] (replicated, initialised to 0) that moves both the choice and the
+        weights (gpt-oss's router, a Linear with a bias; unlike `RouterBias`, which only steers
+        `SigmoidTopK`'s choice and is no parameter). Default False.
+      expert_bias: every routed expert has biases, ``b_gate``, ``b_up`` [E, F] and ``b_down``
+        [E, D] (initialised to 0), and computes ``glu(x @ w_gate + b_gate, x @ w_up + b_up) @
+        w_down + b_down`` (gpt-oss's experts; the down bias weighted by the routing weight as the
+        rest of the expert's output). They are split as the weights are
+        (`ExpertParallel.bias_specs`), and a replica carries its expert's biases as it carries
+        the weights. Default False.
       shared_d_ff: hidden width of an always-on SwiGLU expert every token goes through beside
         the routed ones (DeepSeek's shared expert; 0: none). Its weights are replicated and it
         runs outside the expert exchange, so XLA may overlap the two.
@@ -82,13 +95,16 @@ class MoE(nnx.Module):
       **ep_options: more `ExpertParallel` keywords, with its defaults: ``expert_axis``,
         ``token_axes``, ``tensor_axis`` (the axis splitting the experts' hidden width),
         ``execution`` (an `Execution`) or its fields as keywords:
-        ``activation`` ("silu", "gelu", "gelu_tanh", "relu"; the shared expert uses it too),
+        ``activation`` ("silu", "gelu", "gelu_tanh", "relu", or a `ClampedSwiGLU`: gpt-oss's
+        clamped unit; the shared expert uses it too),
         ``comm_backend``, ``expert_kernel`` and ``transfer_chunks`` (at most ``d_ff``).
 
     Parameters: ``router_kernel`` [D, E] (replicated); ``w_gate``, ``w_up`` [E, D, F] and
     ``w_down`` [E, F, D], split over the EP axis (and F over the ``tensor_axis``, if any:
     `ExpertParallel.weight_specs`); with shared experts ``shared_gate``,
-    ``shared_up`` [D, F_s] and ``shared_down`` [F_s, D] (replicated).
+    ``shared_up`` [D, F_s] and ``shared_down`` [F_s, D] (replicated); with the options above
+    ``shared_expert_gate`` [D, 1] and ``router_logit_bias`` [E] (replicated), and ``b_gate``,
+    ``b_up`` [E, F] and ``b_down`` [E, D] (`ExpertParallel.bias_specs`).
 
     Calling it on x [batch, seq, D] (optionally with ``token_mask`` bool [batch, seq], True for
     a real token) returns ``(y, stats)``: y [batch, seq, D] (0 at masked tokens, which are
@@ -106,7 +122,9 @@ class MoE(nnx.Module):
         balancer: BalancerConfig | None = None,
         capacity_factor: float | None = 1.25,
         *,
-        router: SoftmaxTopK | SigmoidTopK | None = None,
+        router: SoftmaxTopK | TopKSoftmax | SigmoidTopK | None = None,
+        router_logit_bias: bool = False,
+        expert_bias: bool = False,
         shared_d_ff: int = 0,
         shared_expert_gate: bool = False,
         force_balanced: bool = False,
@@ -123,8 +141,15 @@ class MoE(nnx.Module):
         num_experts = self.ep.num_experts
         router = _checked_router(router, top_k, num_experts)
         shared_d_ff = check_positive_int("MoE", "shared_d_ff", shared_d_ff, minimum=0)
-        if not isinstance(shared_expert_gate, (bool, np.bool_)):
-            raise TypeError(f"MoE: shared_expert_gate must be a bool, got {shared_expert_gate!r}")
+        flags = dict(
+            router_logit_bias=router_logit_bias,
+            expert_bias=expert_bias,
+            shared_expert_gate=shared_expert_gate,
+        )
+        for name, value in flags.items():
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"MoE: {name} must be a bool, got {value!r}")
+        self.router_logit_biased, self.expert_biased = bool(router_logit_bias), bool(expert_bias)
         if shared_expert_gate and not shared_d_ff:
             raise ValueError("MoE: shared_expert_gate=True gates a shared expert: set shared_d_ff")
         self.shared_expert_gated = bool(shared_expert_gate)
@@ -141,9 +166,9 @@ class MoE(nnx.Module):
         self._init_params(rngs, param_dtype)
 
     def _init_params(self, rngs: nnx.Rngs, param_dtype) -> None:
-        """The router kernel, the experts (split over the EP and tensor axes), the router bias
-        and the shared expert's weights when the configuration has them (see the class
-        docstring)."""
+        """The router kernel, the experts (split over the EP and tensor axes), and when the
+        configuration has them the router bias, the router's logit bias, the experts' biases and
+        the shared expert's weights (see the class docstring)."""
 
         def param(scale, shape, sharding):
             init = jax.nn.initializers.normal(scale)
@@ -160,6 +185,13 @@ class MoE(nnx.Module):
         self.w_down = param(F**-0.5, (E, F, D), down)
         if self.router.uses_bias:
             self.router_bias = RouterBias(place(jnp.zeros((E,), jnp.float32), replicated))
+        if self.router_logit_biased:
+            self.router_logit_bias = nnx.Param(place(jnp.zeros((E,), param_dtype), replicated))
+        if self.expert_biased:
+            b_gate, b_up, b_down = self.ep.bias_shardings
+            self.b_gate = nnx.Param(place(jnp.zeros((E, F), param_dtype), b_gate))
+            self.b_up = nnx.Param(place(jnp.zeros((E, F), param_dtype), b_up))
+            self.b_down = nnx.Param(place(jnp.zeros((E, D), param_dtype), b_down))
         if self.shared_d_ff:
             Fs = self.shared_d_ff
             self.shared_gate = param(D**-0.5, (D, Fs), replicated)
@@ -197,13 +229,17 @@ class MoE(nnx.Module):
                 f"{tuple(getattr(token_mask, 'shape', ()))}"
             )
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if self.expert_biased:
+            experts += (self.b_gate[...], self.b_up[...], self.b_down[...])
         bias = self.router_bias[...] if self.router.uses_bias else None
         shared = None
         if self.shared_d_ff:
             shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
             if self.shared_expert_gated:
                 shared += (self.shared_expert_gate[...],)
-        kernel = self.router_kernel[...]
+        kernel = (self.router_kernel[...],)
+        if self.router_logit_biased:
+            kernel += (self.router_logit_bias[...],)
         statics = (self.ep, self.router, self.force_balanced)
         return with_auto_axes(_forward, statics, x, token_mask, kernel, bias, experts, shared)
 
@@ -224,8 +260,8 @@ class MoE(nnx.Module):
 def _forward(ep, router, ideal, x, token_mask, router_kernel, bias, experts, shared):
     B, L, D = x.shape
     mask_T = None if token_mask is None else token_mask.reshape(-1)
-    with jax.named_scope("route"):
-        routing = router(router_logits(x.reshape(-1, D), router_kernel), bias, mask_T)
+    with jax.named_scope("route"):  # router_kernel: (kernel,) or (kernel, logit bias)
+        routing = router(router_logits(x.reshape(-1, D), *router_kernel), bias, mask_T)
     shape = (B, L, router.top_k)
     ids, weights = routing.experts.reshape(shape), routing.weights.reshape(shape)
     if ideal:

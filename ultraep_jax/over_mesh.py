@@ -28,7 +28,7 @@ def routed_experts(
     x: jax.Array,
     experts: jax.Array,
     weights: jax.Array,
-    params: tuple[jax.Array, jax.Array, jax.Array],
+    params: tuple[jax.Array, ...],
     ep: ExpertParallel,
     token_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats]:
@@ -46,7 +46,11 @@ def routed_experts(
         weight of a pair that reaches no expert is selected out, never multiplied by zero: NaN
         or inf there reaches neither y nor a gradient.
       params: (w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]), of one dtype (placed by
-        ``ep.weight_specs``; F divisible by the tensor axis's size with a ``tensor_axis``).
+        ``ep.weight_specs``; F divisible by the tensor axis's size with a ``tensor_axis``),
+        optionally followed by the experts' biases (b_gate [E, F], b_up [E, F], b_down [E, D],
+        of the same dtype, placed by ``ep.bias_specs``): expert e then computes
+        ``glu(x @ w_gate[e] + b_gate[e], x @ w_up[e] + b_up[e]) @ w_down[e] + b_down[e]``
+        (gpt-oss's experts), and a replica carries its expert's biases with its weights.
       ep: where and how the experts run.
       token_mask: bool [...] (x's leading shape), True for a real token; None: all real. Masked
         tokens (padding) are routed nowhere: in no load, plan or capacity, 0 in y and in every
@@ -84,17 +88,18 @@ def _moe_call(ep: ExpertParallel, pad: int, x, experts, weights, token_mask, *pa
         _padded(weights.reshape(T, K), pad, 0),
     )
     mask = None if mask is None else _padded(mask.reshape(T), pad, False)
-    token, weight_specs = ep.token_spec, ep.weight_specs
+    token, n = ep.token_spec, len(params)
+    param_specs = ep.weight_specs + (ep.bias_specs if n > 3 else ())
     args = [place(a, NamedSharding(ep.mesh, token)) for a in tokens]
-    args += [place(w, s) for w, s in zip(params, ep.weight_shardings, strict=True)]
+    args += [place(w, NamedSharding(ep.mesh, s)) for w, s in zip(params, param_specs, strict=True)]
     if mask is not None:
         args.append(place(mask, NamedSharding(ep.mesh, token)))
 
     def shard(x, experts, weights, *rest):
-        params, mask = tuple(rest[:3]), (rest[3] if len(rest) > 3 else None)
+        params, mask = tuple(rest[:n]), (rest[n] if len(rest) > n else None)
         return routed_experts_local(x, experts, weights, params, ep, mask)
 
-    in_specs = (token,) * 3 + weight_specs + ((token,) if mask is not None else ())
+    in_specs = (token,) * 3 + param_specs + ((token,) if mask is not None else ())
     # The stats are typed invariant over the token axes (`core`), so they leave as they are.
     y, stats = jax.shard_map(shard, mesh=ep.mesh, in_specs=in_specs, out_specs=(token, P()))(*args)
     if pad:

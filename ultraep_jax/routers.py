@@ -2,10 +2,13 @@
 
 A router is a small frozen dataclass called as ``router(logits_TE, bias_E, mask_T)`` that
 returns a `Routing` (``mask_T``: bool [T], True for a real token, or None; padding tokens count
-in neither loss). Two are provided:
+in neither loss). Three are provided:
 
 - `SoftmaxTopK`: softmax over the experts, the top k, weights optionally renormalised to sum 1
   (Mixtral, Qwen-MoE, Switch).
+- `TopKSoftmax`: the top k logits, then a softmax over those k (gpt-oss). The same experts and,
+  up to rounding, the same weights as ``SoftmaxTopK(renormalize=True)``, computed in gpt-oss's
+  order (the logits not chosen get no gradient at all).
 - `SigmoidTopK`: DeepSeek-V3. Sigmoid scores; the choice is made on scores plus a per-expert
   bias (aux-loss-free balancing: `update_bias` nudges the bias from the exact loads the layer
   reports), optionally limited to the best groups of experts; the weights are the chosen scores
@@ -98,6 +101,41 @@ class SoftmaxTopK:
         if self.renormalize:
             weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
         experts_TK = experts_TK.astype(jnp.int32)
+        return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK, mask_T))
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKSoftmax:
+    """Top-k-then-softmax routing (gpt-oss): the k largest logits, their weights a softmax over
+    those k (so they sum to 1). The losses are `SoftmaxTopK`'s: the aux loss's scores are the
+    softmax over all the experts.
+
+    Attributes:
+      top_k: K, experts per token (an int >= 1; NumPy integers accepted).
+    """
+
+    top_k: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "top_k", check_positive_int("TopKSoftmax", "top_k", self.top_k))
+
+    uses_bias = False
+
+    def check_experts(self, num_experts: int) -> None:
+        """Raises ValueError (one line) unless this router can choose among ``num_experts``."""
+        if self.top_k > num_experts:
+            raise ValueError(f"TopKSoftmax: top_k={self.top_k} exceeds num_experts={num_experts}")
+
+    def __call__(
+        self, logits_TE: jax.Array, bias_E: jax.Array | None = None, mask_T: jax.Array | None = None
+    ) -> Routing:
+        del bias_E
+        self.check_experts(logits_TE.shape[-1])
+        logits_TE = logits_TE.astype(jnp.float32)
+        chosen_TK, experts_TK = jax.lax.top_k(logits_TE, self.top_k)
+        weights_TK = jax.nn.softmax(chosen_TK, axis=-1)
+        experts_TK = experts_TK.astype(jnp.int32)
+        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
         return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK, mask_T))
 
 
@@ -201,6 +239,10 @@ def update_bias(bias_E: jax.Array, expert_load_E: jax.Array, rate: float) -> jax
     return bias_E + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
-def router_logits(x_TD: jax.Array, router_kernel_DE: jax.Array) -> jax.Array:
-    """float32 [T, E]: the router's logits, computed in float32."""
-    return jnp.dot(x_TD.astype(jnp.float32), router_kernel_DE.astype(jnp.float32))
+def router_logits(
+    x_TD: jax.Array, router_kernel_DE: jax.Array, logit_bias_E: jax.Array | None = None
+) -> jax.Array:
+    """float32 [T, E]: the router's logits ``x @ kernel (+ logit_bias)``, computed in float32
+    (``logit_bias_E`` [E]: a trained bias, such as gpt-oss's router's; None: none)."""
+    logits_TE = jnp.dot(x_TD.astype(jnp.float32), router_kernel_DE.astype(jnp.float32))
+    return logits_TE if logit_bias_E is None else logits_TE + logit_bias_E.astype(jnp.float32)

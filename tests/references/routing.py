@@ -3,7 +3,8 @@ picks (NumPy float64), and the differentiable parts on a fixed choice (plain jnp
 the normalised scores and the two router losses.
 
 Softmax top-k picks the k largest logits (softmax is monotone) and weighs each choice by its
-probability, renormalised over the k choices or not. DeepSeek-V3 sigmoid routing picks on
+probability, renormalised over the k choices or not; top-k-then-softmax (gpt-oss) picks the same
+and weighs each choice by the softmax of the k chosen logits. DeepSeek-V3 sigmoid routing picks on
 sigmoid scores plus the bias, among the experts of the ``top_groups`` groups whose two best biased
 scores sum highest, and weighs each choice by its unbiased score normalised over the k, times
 ``scale``.
@@ -22,7 +23,7 @@ import numpy as np
 class Router:
     """A router as the reference sees it."""
 
-    kind: str  # "softmax" or "sigmoid"
+    kind: str  # "softmax", "topk_softmax" or "sigmoid"
     top_k: int
     renormalize: bool = True
     num_groups: int = 1
@@ -42,7 +43,7 @@ def select_experts(logits, router: Router, bias=None):
     T, n = logits.shape
     k = router.top_k
     margin = math.inf
-    if router.kind == "softmax":
+    if router.kind in ("softmax", "topk_softmax"):
         key = logits  # softmax is monotone
     else:
         key = _sigmoid64(logits) + (0.0 if bias is None else np.asarray(bias, np.float64))
@@ -69,8 +70,9 @@ def select_experts(logits, router: Router, bias=None):
 
 
 def router_probs(logits, router: Router):
-    """[T, E] the normalised scores the aux loss averages: softmax, or sigmoid / row sum."""
-    if router.kind == "softmax":
+    """[T, E] the normalised scores the aux loss averages: softmax (of every logit, for both
+    softmax routers), or sigmoid / row sum."""
+    if router.kind in ("softmax", "topk_softmax"):
         ex = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
         return ex / jnp.sum(ex, axis=-1, keepdims=True)
     s = 1.0 / (1.0 + jnp.exp(-logits))
@@ -79,8 +81,12 @@ def router_probs(logits, router: Router):
 
 def router_weights(logits, experts, router: Router):
     """[T, k] the weights of the fixed choices ``experts``: chosen softmax probabilities
-    (renormalised or not), or chosen unbiased sigmoid scores (normalised to 1 or not), times
-    ``scale``."""
+    (renormalised or not), the softmax of the chosen logits alone ("topk_softmax"), or chosen
+    unbiased sigmoid scores (normalised to 1 or not), times ``scale``."""
+    if router.kind == "topk_softmax":
+        chosen = jnp.take_along_axis(logits, experts, axis=-1)
+        ex = jnp.exp(chosen - jnp.max(chosen, axis=-1, keepdims=True))
+        return ex / jnp.sum(ex, axis=-1, keepdims=True)
     if router.kind == "softmax":
         w = jnp.take_along_axis(router_probs(logits, router), experts, axis=-1)
         return w / jnp.sum(w, axis=-1, keepdims=True) if router.renormalize else w

@@ -1,12 +1,17 @@
-"""The gated experts' activations, by name (static and hashable, so they key compiled code)."""
+"""The gated experts' activations (static and hashable, so they key compiled code): a name of
+`ACTIVATIONS`, ``act(gate) * up``, or `ClampedSwiGLU`, gpt-oss's clamped gated unit; `glu` and
+`glu_with_grads` compute either from a row's gate and up projections."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+
+from ultraep_jax._ops import check_finite
 
 
 @jax.custom_jvp
@@ -37,13 +42,62 @@ ACTIVATIONS = {
 }
 
 
-def activation_fn(name: str):
-    """The elementwise function of the activation ``name``; raises one line for an unknown name."""
-    if not isinstance(name, str) or name not in ACTIVATIONS:
-        raise ValueError(f"MoE: activation must be one of {tuple(ACTIVATIONS)}, got {name!r}")
-    return ACTIVATIONS[name]
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's gated unit: with ``g = min(gate, limit)`` and ``u = clip(up, -limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha * g)`` (transformers' ``GptOssExperts``, whose config calls
+    the two ``swiglu_limit`` and ``swiglu_alpha``). A clamped input passes no gradient (one at
+    the bound itself does, as PyTorch's ``clamp``).
+
+    Attributes:
+      limit: the clamp bound, finite > 0 (7.0 in the released gpt-oss models).
+      alpha: the sigmoid's slope, finite > 0 (1.702).
+    """
+
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __post_init__(self):
+        for name in ("limit", "alpha"):
+            value = check_finite("ClampedSwiGLU", name, getattr(self, name), positive=True)
+            object.__setattr__(self, name, value)
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """The unit, elementwise, on gate and up of one shape."""
+        # Selects, not jnp.clip: the gradient passes where the input is inside the bounds, the
+        # bounds included (jnp.minimum would split it at a tie).
+        g = jnp.where(gate <= self.limit, gate, self.limit)
+        u = jnp.where(jnp.abs(up) <= self.limit, up, jnp.clip(up, -self.limit, self.limit))
+        return (u + 1) * g * jax.nn.sigmoid(self.alpha * g)
 
 
-def value_and_slope(name: str, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(act(x), act'(x)), elementwise, for the activation ``name``."""
-    return jax.jvp(ACTIVATIONS[name], (x,), (jnp.ones_like(x),))
+def check_activation(activation, caller: str = "MoE") -> None:
+    """Raises ValueError (one line prefixed by ``caller``) unless ``activation`` is a name of
+    `ACTIVATIONS` or a `ClampedSwiGLU`."""
+    if isinstance(activation, ClampedSwiGLU):
+        return
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{caller}: activation must be one of {tuple(ACTIVATIONS)} or a ClampedSwiGLU, "
+            f"got {activation!r}"
+        )
+
+
+def glu(activation, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The gated unit's output, elementwise: ``act(gate) * up`` for a name of `ACTIVATIONS`, the
+    clamped unit for a `ClampedSwiGLU`."""
+    if isinstance(activation, ClampedSwiGLU):
+        return activation(gate, up)
+    return ACTIVATIONS[activation](gate) * up
+
+
+def glu_with_grads(
+    activation, gate: jax.Array, up: jax.Array, dh: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(h, d_gate, d_up), elementwise: `glu` and its gradients w.r.t. gate and up for the output
+    cotangent ``dh`` (a hand-written backward pass's)."""
+    if isinstance(activation, ClampedSwiGLU):
+        h, vjp = jax.vjp(activation, gate, up)
+        return (h, *vjp(dh.astype(h.dtype)))
+    act, d_act = jax.jvp(ACTIVATIONS[activation], (gate,), (jnp.ones_like(gate),))
+    return act * up, dh * up * d_act, dh * act

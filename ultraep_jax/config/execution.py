@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from ultraep_jax._ops import check_positive_int
-from ultraep_jax.base.activations import ACTIVATIONS
+from ultraep_jax.base.activations import ClampedSwiGLU, check_activation
 
 #: What "auto" is on each platform (`jax.lax.platform_dependent` keywords). The planner's is
 #: resolved when the computation is lowered, on every mesh (`planning.planner.plan`: only that
@@ -61,7 +61,8 @@ class Execution:
         hidden columns each, and each chunk's slot matmuls read only that chunk, so XLA may
         overlap transfer and compute (`replicas.streaming`; ffi/TRANSFER.md). 1: one transfer.
       activation: the experts' gated activation, a name of `ACTIVATIONS`: "silu" (SwiGLU,
-        default), "gelu" (GeGLU, exact GELU), "gelu_tanh", "relu" (ReGLU).
+        default), "gelu" (GeGLU, exact GELU), "gelu_tanh", "relu" (ReGLU); or a
+        `ClampedSwiGLU` (gpt-oss's clamped unit, its limit and alpha as settings).
       planner: one of `PLANNERS`: "auto" (the native FFI handler on CPU, and on CUDA where the
         CUDA handler was built; the portable planner on TPU, ROCm and CUDA without the handler;
         chosen for the platform the step is lowered for), "native" or "portable" (the same plans,
@@ -71,13 +72,13 @@ class Execution:
     comm_backend: str = "auto"
     expert_kernel: str = "auto"
     transfer_chunks: int = 1
-    activation: str = "silu"
+    activation: str | ClampedSwiGLU = "silu"
     planner: str = "auto"
 
     def __post_init__(self):
         _check_name("comm_backend", self.comm_backend, BACKENDS)
         _check_name("expert_kernel", self.expert_kernel, KERNELS)
-        _check_name("activation", self.activation, ACTIVATIONS)
+        check_activation(self.activation, "Execution")
         _check_name("planner", self.planner, PLANNERS)
         chunks = check_positive_int("Execution", "transfer_chunks", self.transfer_chunks)
         object.__setattr__(self, "transfer_chunks", chunks)

@@ -50,8 +50,9 @@ class ExpertParallel:
         parallelism, as Megatron's and MaxText's EP x TP), or None (default): the expert weights
         are whole on each EP rank. With it, w_gate and w_up [E, D, F] are split
         ``P(expert_axis, None, tensor_axis)`` and w_down [E, F, D] ``P(expert_axis,
-        tensor_axis, None)`` (`weight_specs`); the tensor ranks of an EP rank see the same
-        tokens and run the same plan, each computes its F slice of every expert it holds (a
+        tensor_axis, None)`` (`weight_specs`; the experts' biases, if any: `bias_specs`); the
+        tensor ranks of an EP rank see the same tokens and run the same plan, each computes its
+        F slice of every expert it holds (a
         replica slot receiving only the master's slice of the same tensor index, its gradient
         returning the same way), and the partial outputs are summed over the tensor axis. It
         must be an axis of the mesh other than the EP axis and not a token axis; F must be
@@ -301,6 +302,22 @@ class ExpertParallel:
     def weight_shardings(self) -> tuple[NamedSharding, NamedSharding, NamedSharding]:
         """Where (w_gate, w_up, w_down) live (`weight_specs`)."""
         return tuple(NamedSharding(self.mesh, spec) for spec in self.weight_specs)
+
+    @property
+    def bias_specs(self) -> tuple[P, P, P]:
+        """The partitions of the experts' biases (b_gate [E, F], b_up [E, F], b_down [E, D]): E
+        over the EP axis and, with a ``tensor_axis``, the gate and up biases' F over it, as their
+        weights' (the down bias whole on every tensor rank: it is added once, after the sum over
+        the tensor axis)."""
+        if self.tensor_axis is None:
+            return (self.expert_spec,) * 3
+        e = self.expert_axis if self.has_ep_axis else None
+        return P(e, self.tensor_axis), P(e, self.tensor_axis), P(e)
+
+    @property
+    def bias_shardings(self) -> tuple[NamedSharding, NamedSharding, NamedSharding]:
+        """Where (b_gate, b_up, b_down) live (`bias_specs`)."""
+        return tuple(NamedSharding(self.mesh, spec) for spec in self.bias_specs)
 
 
 def _auto_axes_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:

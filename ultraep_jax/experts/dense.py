@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from ultraep_jax.base.activations import activation_fn
+from ultraep_jax.base.activations import check_activation, glu
 
 
 def dense_glu(
@@ -12,10 +12,11 @@ def dense_glu(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
-    activation: str = "silu",
+    activation="silu",
 ) -> jax.Array:
-    """[..., D]: one gated expert on every token: ``(act(x @ w_gate) * (x @ w_up)) @ w_down``
-    with w_gate, w_up [D, F] and w_down [F, D] (a shared expert)."""
-    act = activation_fn(activation)
-    h = act(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
+    """[..., D]: one gated expert on every token: ``glu(x @ w_gate, x @ w_up) @ w_down`` with
+    w_gate, w_up [D, F] and w_down [F, D] (a shared expert; ``glu``: `activations.glu` of
+    ``activation``, for a name ``act(gate) * up``)."""
+    check_activation(activation)
+    h = glu(activation, x @ w_gate.astype(x.dtype), x @ w_up.astype(x.dtype))
     return h @ w_down.astype(x.dtype)

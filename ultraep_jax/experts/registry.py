@@ -1,5 +1,5 @@
 """The expert kernels' registry: gated feed-forward networks (SwiGLU by default; `activations`)
-applied to rows grouped by expert.
+applied to rows grouped by expert, with or without biases.
 
 Every kernel runs rows through the groups of one or more weight stacks, laid out one after the
 other from row 0 (a rank's masters, then its slots). `_KERNELS` maps each kernel's name
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ultraep_jax._ops import exclusive_cumsum
-from ultraep_jax.base.activations import activation_fn
+from ultraep_jax.base.activations import check_activation, glu
 from ultraep_jax.config.execution import AUTO, KERNELS
 from ultraep_jax.experts.tiled import tiled_glu_parts
 
@@ -61,22 +61,42 @@ def _tiled(rows, stacks, starts, group_sizes, activation):
     return tiled_glu_parts(rows, parts, starts[first:last], sizes, activation=activation)
 
 
+def _row_biases(biases, sizes, num_rows: int) -> tuple:
+    """Each row's group's biases ([C, ...] per bias; zeros for rows in no group, whose outputs
+    are zero), the rows grouped from row 0 by ``sizes``; None stays None."""
+    group_C = jnp.searchsorted(
+        jnp.cumsum(sizes), jnp.arange(num_rows, dtype=jnp.int32), side="right"
+    )
+    return tuple(
+        None if b is None else jnp.take(b, group_C, axis=0, mode="fill", fill_value=0)
+        for b in biases
+    )
+
+
+def _plus(a, bias):
+    """``a`` plus ``bias`` in a's dtype (nothing when None)."""
+    return a if bias is None else a + bias.astype(a.dtype)
+
+
 def _by_matmul(grouped):
     """The experts as three calls of ``grouped`` (``ragged_dot(lhs, rhs, group_sizes)``
-    semantics) per stack, so that one stack's work does not wait for another's weights."""
+    semantics) per stack, so that one stack's work does not wait for another's weights; a
+    stack's biases are each row's group's, added to the products."""
 
     def run(rows, stacks, starts, group_sizes, activation):
-        act = activation_fn(activation)
         out = None
-        for (w_gate, w_up, w_down), first, last in stacks:
+        for stack, first, last in stacks:
+            (w_gate, w_up, w_down), biases = stack[:3], stack[3:] or (None, None, None)
             sizes = group_sizes[first:last]
             # Grouped matmuls know no row offset: rotate the stack's first row to row 0 and back
             # (a dynamic roll, whose transpose is another roll; a gather would transpose to a
             # slow scatter-add).
             shifted = jnp.roll(rows, -starts[first], axis=0) if first else rows
-            gate = grouped(shifted, w_gate, sizes)
-            up = grouped(shifted, w_up, sizes)
-            part = grouped(act(gate) * up, w_down, sizes).astype(rows.dtype)
+            b_gate, b_up, b_down = _row_biases(biases, sizes, rows.shape[0])
+            gate = _plus(grouped(shifted, w_gate, sizes), b_gate)
+            up = _plus(grouped(shifted, w_up, sizes), b_up)
+            part = _plus(grouped(glu(activation, gate, up), w_down, sizes), b_down)
+            part = part.astype(rows.dtype)
             part = jnp.roll(part, starts[first], axis=0) if first else part
             out = part if out is None else out + part
         return out
@@ -104,19 +124,23 @@ def fuses_stacks(kernel: str) -> bool:
 
 def grouped_glu(
     rows: jax.Array,
-    stacks: list[tuple[jax.Array, jax.Array, jax.Array] | None],
+    stacks: list[tuple[jax.Array | None, ...] | None],
     group_sizes: jax.Array,
     kernel: str = "auto",
-    activation: str = "silu",
+    activation="silu",
 ) -> jax.Array:
-    """[C, D]: ``(act(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for each row's group g.
+    """[C, D]: ``glu(x @ w_gate[g] + b_gate[g], x @ w_up[g] + b_up[g]) @ w_down[g] + b_down[g]``
+    for each row's group g (``glu``: `activations.glu` of ``activation``, for a name
+    ``act(gate) * up``; a bias 0 where the stack has none).
 
     Args:
       rows: [C, D], grouped from row 0: the first ``group_sizes[0]`` rows belong to group 0, and
         so on; rows in no group give zeros.
       stacks: the groups' weights, stack after stack, each (w_gate, w_up [G_i, D, F], w_down
-        [G_i, F, D]); None for a stack run elsewhere (its rows give zeros here), whose G_i is
-        what ``group_sizes`` leaves after the given stacks (at most one None, first or last).
+        [G_i, F, D]), optionally followed by its biases (b_gate, b_up [G_i, F], b_down [G_i, D]
+        or None: no down bias); None for a stack run elsewhere (its rows give zeros here), whose
+        G_i is what ``group_sizes`` leaves after the given stacks (at most one None, first or
+        last).
       group_sizes: int32 [G], G = sum of the G_i.
       kernel: one of `config.execution.KERNELS`: "tiled" (`tiled`: a loop over row tiles whose cost
         tracks the rows present; all stacks in one loop), "ragged_dot" (`jax.lax.ragged_dot`; a
@@ -128,9 +152,10 @@ def grouped_glu(
         chosen per platform at lowering time. The matmul kernels run each
         stack as its own calls, so that the masters' work does not wait for the replica weights to
         arrive.
-      activation: a name of `activations.ACTIVATIONS` (default "silu": SwiGLU).
+      activation: a name of `activations.ACTIVATIONS` (default "silu": SwiGLU) or an
+        `activations.ClampedSwiGLU`.
     """
-    activation_fn(activation)
+    check_activation(activation)
     if kernel not in KERNELS:
         raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
     sizes = group_sizes.astype(jnp.int32)
@@ -152,18 +177,19 @@ def grouped_glu(
 
 def local_experts(
     rows: jax.Array,
-    masters: tuple[jax.Array, jax.Array, jax.Array],
-    replicas: tuple[jax.Array, jax.Array, jax.Array] | None,
+    masters: tuple[jax.Array, ...],
+    replicas: tuple[jax.Array, ...] | None,
     group_sizes: jax.Array,
     kernel: str = "auto",
-    activation: str = "silu",
+    activation="silu",
 ) -> jax.Array:
     """[C, D]: every received row through its local instance: the E_m masters' groups first,
     then the S replica slots' groups (`grouped_glu` of the two stacks).
 
     Args:
       rows: [C, D], grouped by local instance from row 0.
-      masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts.
+      masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts,
+        optionally followed by their biases (`grouped_glu`).
       replicas: the same for the S slots ([S, ...]), or None when there are no slots.
       group_sizes: int32 [E_m + S].
       kernel, activation: see `grouped_glu`.

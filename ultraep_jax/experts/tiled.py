@@ -22,9 +22,11 @@ which cost a training call at D=64, F=128 with two empty slots 5 % of its time.
 Groups are given by explicit row ranges ``[start[g], start[g] + size[g])`` so that one buffer can
 be split between two calls (master experts, then replica slots) without shifting rows.
 
-The activation is named (`ACTIVATIONS`) so that it is static and hashable; the backward pass
-takes its elementwise derivative by forward-mode differentiation, so any elementwise activation
-works with the same loop.
+The activation is static and hashable (a name of `ACTIVATIONS` or a `ClampedSwiGLU`); the backward
+pass takes its elementwise derivatives by automatic differentiation (`activations.glu_with_grads`),
+so any elementwise gated unit works with the same loop. A stack may carry biases (gpt-oss's
+experts): the gate and up biases are added to a tile's one gate|up product, the down bias to its
+output, and their gradients are summed in the same loop as the weights'.
 
 Shapes: C rows, D model width, F hidden width, G groups, m = rows of a tile.
 """
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax._vma import vary, varying_axes
-from ultraep_jax.base.activations import ACTIVATIONS, activation_fn, value_and_slope
+from ultraep_jax.base.activations import check_activation, glu, glu_with_grads
 
 
 def default_tile(num_rows: int) -> int:
@@ -110,20 +112,34 @@ def _part_offsets(parts) -> np.ndarray:
     return np.cumsum([0] + [part[0].shape[0] for part in parts])
 
 
+def _row(part, g):
+    """Group ``g``'s slice of every tensor of ``part`` (None stays None)."""
+    return tuple(None if w is None else w[g] for w in part)
+
+
 def _group_weights(parts, g):
-    """(w_gate|w_up [D, 2F], w_down [F, D]) of group ``g`` (traced int32 []) counted over all
-    parts: gate and up side by side, so that a tile runs one matmul for both."""
+    """(w_gate|w_up [D, 2F], w_down [F, D], b_gate|b_up [2F] or None, b_down [D] or None) of
+    group ``g`` (traced int32 []) counted over all parts: gate and up side by side, so that a
+    tile runs one matmul for both."""
     if len(parts) == 1:
-        wg, wu, wd = (w[g] for w in parts[0])
+        group = _row(parts[0], g)
     else:
         offsets = _part_offsets(parts)
         which = jnp.sum(g >= offsets[1:-1]).astype(jnp.int32)
         branches = [
-            functools.partial(lambda part, o: tuple(w[g - o] for w in part), part, int(o))
+            functools.partial(lambda part, o: _row(part, g - o), part, int(o))
             for part, o in zip(parts, offsets, strict=False)
         ]
-        wg, wu, wd = jax.lax.switch(which, branches)
-    return jnp.concatenate([wg, wu], axis=1), wd
+        group = jax.lax.switch(which, branches)
+    wg, wu, wd = group[:3]
+    bg, bu, bd = group[3:] or (None, None, None)
+    bgu = None if bg is None else jnp.concatenate([bg, bu])
+    return jnp.concatenate([wg, wu], axis=1), wd, bgu, bd
+
+
+def _plus(a, bias):
+    """float32 ``a`` [m, n] plus ``bias`` [n] (nothing when None)."""
+    return a if bias is None else a + bias.astype(jnp.float32)
 
 
 def _forward(x, parts, group_start, group_size, tile, activation):
@@ -134,14 +150,14 @@ def _forward(x, parts, group_start, group_size, tile, activation):
     # make the rank running a replica slot wait for its expert's master rank to finish the master
     # group first (a training step measured 37 ms of such waiting on each of two pinned ranks).
     def group(g, out):
-        wgu, wd = _group_weights(parts, g)
+        wgu, wd, bgu, bd = _group_weights(parts, g)
         F = wd.shape[0]
 
         def tile_fn(offset, mask, out):
             rows = jax.lax.dynamic_slice_in_dim(x, offset, tile, axis=0)
-            gate_up = _dot(rows, wgu, (1, 0))
-            h = (ACTIVATIONS[activation](gate_up[:, :F]) * gate_up[:, F:]).astype(x.dtype)
-            y = _dot(h, wd, (1, 0)).astype(out.dtype)
+            gate_up = _plus(_dot(rows, wgu, (1, 0)), bgu)
+            h = glu(activation, gate_up[:, :F], gate_up[:, F:]).astype(x.dtype)
+            y = _plus(_dot(h, wd, (1, 0)), bd).astype(out.dtype)
             if mask is not None:
                 y = jnp.where(mask, y, jax.lax.dynamic_slice_in_dim(out, offset, tile, axis=0))
             return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
@@ -161,14 +177,27 @@ def _glu_fwd(x, parts, group_start, group_size, tile, activation):
     return out, (x, parts, group_start, group_size)
 
 
-def _split_parts(grad_gu, grad_d, offsets):
-    """Per part, (w_gate, w_up, w_down) gradients from every group's [G, D, 2F] gate|up and
-    [G, F, D] down gradients."""
-    F = grad_d.shape[1]
+def _split_parts(grads, offsets, F: int):
+    """Per part, the (w_gate, w_up, w_down[, b_gate, b_up, b_down]) gradients from every group's
+    [G, D, 2F] gate|up and [G, F, D] down gradients, then, with biases, the [G, 2F] gate|up and
+    [G, D] (or None) down bias gradients."""
+    grad_gu, grad_d, *biases = grads
+
+    def part(a, b):
+        weights = (grad_gu[a:b, :, :F], grad_gu[a:b, :, F:], grad_d[a:b])
+        if not biases:
+            return weights
+        grad_bgu, grad_bd = biases
+        return (*weights, grad_bgu[a:b, :F], grad_bgu[a:b, F:], _slice(grad_bd, a, b))
+
     return tuple(
-        (grad_gu[a:b, :, :F], grad_gu[a:b, :, F:], grad_d[a:b])
-        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+        part(a, b) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
     )
+
+
+def _slice(a, start: int, stop: int):
+    """``a[start:stop]``, None for None."""
+    return None if a is None else a[start:stop]
 
 
 def _grads(x, dy_all, parts, group_start, group_size, tile, activation):
@@ -180,53 +209,58 @@ def _grads(x, dy_all, parts, group_start, group_size, tile, activation):
 
     def group(g, carry):
         dx, grads = carry
-        wgu, wd = _group_weights(parts, g)
+        wgu, wd, bgu, bd = _group_weights(parts, g)
         F = wd.shape[0]
 
         def tile_fn(offset, mask, acc):
-            dx, g_gu, g_d = acc
+            dx, g_gu, g_d, *g_b = acc
             rows = jax.lax.dynamic_slice_in_dim(x, offset, tile, axis=0)
             dy = jax.lax.dynamic_slice_in_dim(dy_all, offset, tile, axis=0)
             if mask is not None:
                 # Rows the tile does not add contribute nothing, even if they hold inf or NaN
                 # (another group's rows, or buffer rows in no group): 0 * inf would be NaN.
                 rows, dy = jnp.where(mask, rows, 0), jnp.where(mask, dy, 0)
-            gate_up = _dot(rows, wgu, (1, 0))  # [m, 2F]
-            gate, up = gate_up[:, :F], gate_up[:, F:]
-            act, d_act = value_and_slope(activation, gate)
-            h = (act * up).astype(dtype)
+            gate_up = _plus(_dot(rows, wgu, (1, 0)), bgu)  # [m, 2F]
             dh = _dot(dy, wd, (1, 1))  # [m, F]
-            d_gate = dh * up * d_act
-            d_gate_up = jnp.concatenate([d_gate, dh * act], axis=1).astype(dtype)  # [m, 2F]
+            h, d_gate, d_up = glu_with_grads(activation, gate_up[:, :F], gate_up[:, F:], dh)
+            h = h.astype(dtype)
+            d_gate_up = jnp.concatenate([d_gate, d_up], axis=1).astype(dtype)  # [m, 2F]
             d_rows = _dot(d_gate_up, wgu, (1, 1))
             old = jax.lax.dynamic_slice_in_dim(dx, offset, tile, axis=0)
             dx = jax.lax.dynamic_update_slice_in_dim(dx, old + d_rows, offset, axis=0)
-            return dx, g_gu + _dot(rows, d_gate_up, (0, 0)), g_d + _dot(h, dy, (0, 0))
+            acc = (dx, g_gu + _dot(rows, d_gate_up, (0, 0)), g_d + _dot(h, dy, (0, 0)))
+            if not g_b:
+                return acc
+            # A bias's gradient: its output's cotangent summed over the tile's rows.
+            g_bgu = g_b[0] + jnp.sum(d_gate_up.astype(f32), axis=0)
+            g_bd = None if g_b[1] is None else g_b[1] + jnp.sum(dy.astype(f32), axis=0)
+            return (*acc, g_bgu, g_bd)
 
-        wg = parts[0][0]
-        zero_gu = vary(jnp.zeros((wg.shape[1], 2 * wg.shape[2]), f32), axes)
-        zero_d = vary(jnp.zeros(parts[0][2].shape[1:], f32), axes)
-        dx, g_gu, g_d = _over_tiles(
-            g, group_start, group_size, C, tile, tile_fn, (dx, zero_gu, zero_d)
+        zero = tuple(None if a is None else vary(jnp.zeros(a.shape[1:], f32), axes) for a in grads)
+        dx, *group_grads = _over_tiles(g, group_start, group_size, C, tile, tile_fn, (dx, *zero))
+        grads = tuple(
+            None if a is None else a.at[g].set(b) for a, b in zip(grads, group_grads, strict=True)
         )
-        grad_gu, grad_d = grads
-        return dx, (grad_gu.at[g].set(g_gu), grad_d.at[g].set(g_d))
+        return dx, grads
 
     C, D = x.shape
     G, F = int(offsets[-1]), parts[0][2].shape[1]
     dx = vary(jnp.zeros((C, D), f32), axes)
     # Every part's groups in one stack, split once at the end: one in-place update per group.
-    zeros = tuple(vary(jnp.zeros(s, f32), axes) for s in ((G, D, 2 * F), (G, F, D)))
+    shapes = [(G, D, 2 * F), (G, F, D)]
+    if len(parts[0]) > 3:  # biases: gate|up [G, 2F], and down [G, D] unless the parts have none
+        shapes += [(G, 2 * F), None if parts[0][5] is None else (G, D)]
+    zeros = tuple(None if s is None else vary(jnp.zeros(s, f32), axes) for s in shapes)
     dx, grads = _over_groups(group_size, group, (dx, zeros))
-    return dx, _split_parts(*grads, offsets)
+    return dx, _split_parts(grads, offsets, F)
 
 
 def _glu_bwd(tile, activation, res, d_out):
     x, parts, group_start, group_size = res
     dx, grads = _grads(x, d_out, parts, group_start, group_size, tile, activation)
     grads = tuple(
-        tuple(g.astype(w.dtype) for g, w in zip(part_grads, part, strict=True))
-        for part_grads, part in zip(grads, parts, strict=True)
+        tuple(None if w is None else g.astype(w.dtype) for g, w in zip(pg, part, strict=True))
+        for pg, part in zip(grads, parts, strict=True)
     )
     return dx.astype(x.dtype), grads, None, None
 
@@ -240,23 +274,27 @@ def tiled_glu_parts(
     group_start: jax.Array,
     group_size: jax.Array,
     tile: int | None = None,
-    activation: str = "silu",
+    activation="silu",
 ) -> jax.Array:
-    """[C, D]: ``(act(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]`` for the rows of each group g,
-    zeros for rows in no group, with the groups' weights in consecutive parts.
+    """[C, D]: ``glu(x @ w_gate[g] + b_gate[g], x @ w_up[g] + b_up[g]) @ w_down[g] + b_down[g]``
+    for the rows of each group g (``glu``: `activations.glu`; the biases 0 where a part has
+    none), zeros for rows in no group, with the groups' weights in consecutive parts.
 
     Args:
       rows: [C, D].
-      parts: a sequence of weight stacks (w_gate, w_up [G_i, D, F], w_down [G_i, F, D]) whose
-        groups follow each other (a rank's masters, then its replica slots, without
-        concatenating them): group g of ``group_start`` is the first part's group g while g < G_0,
-        and so on.
+      parts: a sequence of weight stacks (w_gate, w_up [G_i, D, F], w_down [G_i, F, D]), each
+        optionally followed by its biases (b_gate, b_up [G_i, F], b_down [G_i, D] or None), every
+        part alike, whose groups follow each other (a rank's masters, then its replica slots,
+        without concatenating them): group g of ``group_start`` is the first part's group g while
+        g < G_0, and so on.
       group_start, group_size: int32 [sum G_i]: group g holds rows ``[start, start + size)``;
         groups must not overlap and must lie inside ``[0, C)``.
       tile: rows per full tile (static; at most C); default `default_tile(C)`.
-      activation: a name of `ACTIVATIONS` (static).
+      activation: a name of `ACTIVATIONS` or a `ClampedSwiGLU` (static).
     """
-    activation_fn(activation)
+    check_activation(activation)
+    if len({tuple(w is None for w in part) + (len(part),) for part in parts}) > 1:
+        raise ValueError("tiled_glu_parts: every part must carry the same biases")
     tile = default_tile(rows.shape[0]) if tile is None else tile
     tile = max(1, min(tile, rows.shape[0]))  # a full tile must fit in the buffer
     # One varying type for every operand, so that the custom VJP's cotangents match its inputs;
@@ -264,7 +302,11 @@ def tiled_glu_parts(
     leaves = [rows, *jax.tree.leaves(parts)]
     axes = frozenset().union(*(varying_axes(a) for a in leaves))
     # A part of no groups takes no rows (its gradient is zero without being computed).
-    parts = tuple(tuple(vary(w, axes) for w in part) for part in parts if part[0].shape[0])
+    parts = tuple(
+        tuple(None if w is None else vary(w, axes) for w in part)
+        for part in parts
+        if part[0].shape[0]
+    )
     if not parts or rows.shape[0] == 0:  # no weights, or no rows for a tile to read
         return jnp.zeros_like(rows)
     start = vary(group_start.astype(jnp.int32), axes)
@@ -280,7 +322,7 @@ def tiled_glu(
     group_start: jax.Array,
     group_size: jax.Array,
     tile: int | None = None,
-    activation: str = "silu",
+    activation="silu",
 ) -> jax.Array:
     """`tiled_glu_parts` with one weight stack: w_gate, w_up [G, D, F]; w_down [G, F, D]."""
     parts = [(w_gate, w_up, w_down)]

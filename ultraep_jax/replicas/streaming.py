@@ -5,7 +5,9 @@ the sum over column chunks Fc of ``(act(x @ w_gate[:, Fc]) * (x @ w_up[:, Fc])) 
 (the activation is elementwise). With
 ``chunks = n > 1`` the slots' weights move as n transfers, one per chunk (each through the relay
 schedule), and each chunk's slot matmuls read only that chunk, so XLA may run chunk c's matmuls
-while chunk c + 1 is still in flight (ffi/TRANSFER.md, "Streamed transfer").
+while chunk c + 1 is still in flight (ffi/TRANSFER.md, "Streamed transfer"). Experts with biases
+(gpt-oss) split the gate and up biases with their columns; the down bias, added to the sum,
+travels with the first chunk only.
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ def hidden_chunks(d_ff: int, chunks: int) -> list[slice]:
     return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def weight_chunk(weights: tuple, cols: slice) -> tuple:
-    """(w_gate[..., cols], w_up[..., cols], w_down[:, cols, :]) of SwiGLU weights [G, D, F] x 2
-    and [G, F, D]."""
-    w_gate, w_up, w_down = weights
-    return w_gate[..., cols], w_up[..., cols], w_down[:, cols, :]
+def weight_chunk(weights: tuple, cols: slice, first: bool = True) -> tuple:
+    """(w_gate[..., cols], w_up[..., cols], w_down[:, cols, :]) of gated-expert weights [G, D, F]
+    x 2 and [G, F, D]; with biases (b_gate, b_up [G, F], b_down [G, D]) also (b_gate[:, cols],
+    b_up[:, cols], b_down), b_down None unless this is the ``first`` chunk (it is added once to
+    the chunks' sum)."""
+    w_gate, w_up, w_down = weights[:3]
+    chunk = (w_gate[..., cols], w_up[..., cols], w_down[:, cols, :])
+    if len(weights) == 3:
+        return chunk
+    b_gate, b_up, b_down = weights[3:]
+    return (*chunk, b_gate[:, cols], b_up[:, cols], b_down if first else None)
 
 
 def experts_with_replicas(
@@ -50,7 +58,7 @@ def experts_with_replicas(
     domain_size: int | None = None,
     axis_name: str,
     backend: str,
-    activation: str = "silu",
+    activation="silu",
     schedule: relay.RelaySchedule | None = None,
 ) -> jax.Array:
     """[C, D]: every received row through its local instance, the slot experts' weights fetched
@@ -58,7 +66,9 @@ def experts_with_replicas(
 
     Args:
       rows: [C, D], grouped by local instance from row 0 (E_m masters, then S slots).
-      masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts.
+      masters: (w_gate, w_up [E_m, D, F], w_down [E_m, F, D]), this rank's master experts,
+        optionally followed by their biases (b_gate, b_up [E_m, F], b_down [E_m, D]), which the
+        slots receive with the weights (and whose gradients return with theirs).
       slot_expert_RS: int32 [R, S], the plan's slots.
       group_sizes: int32 [E_m + S].
       kernel, activation: see `experts.registry.grouped_glu`.
@@ -78,7 +88,7 @@ def experts_with_replicas(
         # Named so that a profile tells the transfer (and, transposed, its gradient) apart.
         with jax.named_scope("replica_transfer"):
             fetched = transfer.fetch_replica_experts(
-                weights,
+                tuple(w for w in weights if w is not None),  # a chunk's absent down bias
                 slot_expert_RS,
                 axis_name=axis_name,
                 backend=backend,
@@ -86,7 +96,8 @@ def experts_with_replicas(
                 domain_size=domain_size,
                 schedule=schedule,
             )
-        return checkpoint_name(fetched, remat.REPLICAS)
+        got = iter(checkpoint_name(fetched, remat.REPLICAS))
+        return tuple(None if w is None else next(got) for w in weights)
 
     active = transfer.active_slots(slot_expert_RS) > 0
     if chunks == 1 and fuses_stacks(kernel):
@@ -106,7 +117,7 @@ def _fused(run, masters, fetch, active) -> jax.Array:
 def _no_fetch(fetch, masters) -> tuple:
     """Zeros of the shapes and types `fetch` returns for ``masters``."""
     shapes = jax.eval_shape(fetch, masters)
-    return tuple(vary(jnp.zeros(s.shape, s.dtype), varying_axes(s)) for s in shapes)
+    return jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype), varying_axes(s)), shapes)
 
 
 def _masters_then_slots(run, rows, masters, fetch, active, chunks: int) -> jax.Array:
@@ -126,7 +137,7 @@ def _slots(run, masters, fetch, chunks: int) -> jax.Array:
     """float32 [C, D]: the slot groups' rows, the weights fetched and run chunk by chunk of the
     hidden width (partial sums in float32, whatever the rows' dtype)."""
     out = None
-    for cols in hidden_chunks(masters[0].shape[-1], chunks):
-        part = run([None, fetch(weight_chunk(masters, cols))]).astype(jnp.float32)
+    for c, cols in enumerate(hidden_chunks(masters[0].shape[-1], chunks)):
+        part = run([None, fetch(weight_chunk(masters, cols, first=c == 0))]).astype(jnp.float32)
         out = part if out is None else out + part
     return out

@@ -174,7 +174,8 @@ def fetch_replica_experts(
     tensors.
 
     Args:
-      masters: this rank's master weights, each [E_m, ...] (for SwiGLU: w_gate, w_up, w_down).
+      masters: this rank's master weights, each [E_m, ...] (gated experts: w_gate, w_up, w_down,
+        and their biases if any).
       slot_expert_RS: int32 [R, S], the plan's slots (identical on every rank of the EP group).
       axis_name: the EP mesh axis.
       backend: "portable" (the dense exchange), "ragged" (`ragged_all_to_all`), or "auto":
