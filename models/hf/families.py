@@ -53,6 +53,9 @@ class Family:
       router_module: the router's module name in the block.
       expert_names: the (gate, up, down) names of the per-expert tensors of checkpoints
         (``experts.<e>.<name>.weight``), or None where checkpoints hold the fused tensors.
+      gpt_oss: gpt-oss's block: a router with a logit bias, experts with biases and the clamped
+        gated unit (``swiglu_limit``, ``swiglu_alpha``), and its own fused layout (gate and up
+        interleaved, ``experts.gate_up_proj`` [E, D, 2F] applied as ``x @ W``).
     """
 
     model_type: str
@@ -67,6 +70,7 @@ class Family:
     checkpoint_block: str = "mlp"
     router_module: str = "gate"
     expert_names: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
+    gpt_oss: bool = False
 
 
 _SPARSE_STEP = {"decoder_sparse_step": 1, "mlp_only_layers": []}
@@ -151,6 +155,17 @@ FAMILIES: dict[str, Family] = {
                 "first_k_dense_replace": 1,
             },
         ),
+        Family(
+            "gpt_oss",
+            "GptOssMLP",
+            "topk_softmax",
+            ("num_local_experts",),
+            "intermediate_size",
+            defaults={"hidden_act": "silu", "swiglu_limit": 7.0, "swiglu_alpha": 1.702},
+            router_module="router",
+            expert_names=None,
+            gpt_oss=True,
+        ),
     )
 }
 
@@ -192,8 +207,10 @@ def _activation(config: Mapping, fam: Family) -> str:
 def _router(config: Mapping, fam: Family, top_k: int):
     """The layer's router for the family's rule."""
     renormalize = fam.renormalize
-    if renormalize is None:
+    if renormalize is None and fam.router != "topk_softmax":
         renormalize = bool(value(config, fam, "norm_topk_prob"))
+    if fam.router == "topk_softmax":
+        return uep.TopKSoftmax(top_k)
     if fam.router == "softmax":
         return uep.SoftmaxTopK(top_k, renormalize=renormalize)
     return uep.SigmoidTopK(
@@ -207,8 +224,9 @@ def _router(config: Mapping, fam: Family, top_k: int):
 
 def moe_kwargs(config: Mapping, family: str | None = None) -> dict:
     """`uep.MoE`'s arguments that a Hugging Face config.json (a plain dict) implies: ``d_model``,
-    ``d_ff``, ``num_experts``, ``top_k``, ``router``, ``shared_d_ff``, ``shared_expert_gate`` and
-    ``activation``. Add the mesh, balancer, capacity and ``rngs``:
+    ``d_ff``, ``num_experts``, ``top_k``, ``router``, ``shared_d_ff``, ``shared_expert_gate``,
+    ``activation`` (gpt-oss: a `uep.ClampedSwiGLU`), ``router_logit_bias`` and ``expert_bias``.
+    Add the mesh, balancer, capacity and ``rngs``:
     ``uep.MoE(mesh=mesh, balancer=..., rngs=nnx.Rngs(0), **moe_kwargs(config))``.
     ``family``: see `family_of`."""
     fam = family_of(config, family)
@@ -222,7 +240,12 @@ def moe_kwargs(config: Mapping, family: str | None = None) -> dict:
         shared_d_ff=0,
         shared_expert_gate=False,
         activation=_activation(config, fam),
+        router_logit_bias=fam.gpt_oss,
+        expert_bias=fam.gpt_oss,
     )
+    if fam.gpt_oss:  # hidden_act names no activation of its experts
+        limit, alpha = value(config, fam, "swiglu_limit"), value(config, fam, "swiglu_alpha")
+        kwargs["activation"] = uep.ClampedSwiGLU(limit=limit, alpha=alpha)
     if fam.shared == "gated":
         kwargs["shared_d_ff"] = value(config, fam, "shared_expert_intermediate_size")
         kwargs["shared_expert_gate"] = True

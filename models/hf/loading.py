@@ -31,6 +31,8 @@ from models.hf.mapping import (
 
 #: The expert variables, in the order of `uep.ExpertParallel.weight_shardings`.
 EXPERT_VARIABLES = ("w_gate", "w_up", "w_down")
+#: The expert biases, in the order of `uep.ExpertParallel.bias_shardings`.
+EXPERT_BIASES = ("b_gate", "b_up", "b_down")
 
 
 class SafetensorsCheckpoint:
@@ -110,14 +112,16 @@ def _reader(source):
 
 
 def variable_sharding(layer, name: str) -> jax.sharding.Sharding:
-    """Where the layer keeps variable ``name``: the experts split as
-    `uep.ExpertParallel.weight_shardings` says, the rest replicated (a built layer's own
-    sharding is used where it has one)."""
+    """Where the layer keeps variable ``name``: the experts and their biases split as
+    `uep.ExpertParallel.weight_shardings` and ``bias_shardings`` say, the rest replicated (a
+    built layer's own sharding is used where it has one)."""
     value = getattr(layer, name).get_value()
     if isinstance(value, jax.Array):
         return value.sharding
     if name in EXPERT_VARIABLES:
         return layer.ep.weight_shardings[EXPERT_VARIABLES.index(name)]
+    if name in EXPERT_BIASES:
+        return layer.ep.bias_shardings[EXPERT_BIASES.index(name)]
     return NamedSharding(layer.mesh, P())
 
 

@@ -9,7 +9,12 @@ Two layouts of the block's tensors:
   fused, ``experts.gate_up_proj`` [E, 2F, D] (rows :F the gate, F: the up) and
   ``experts.down_proj`` [E, D, F].
 
-Both apply a weight as ``x @ W.T``; the layer holds ``router_kernel`` [D, E], ``w_gate``,
+gpt-oss has one layout for both: ``router.weight`` [E, D] with ``router.bias`` [E],
+``experts.gate_up_proj`` [E, D, 2F] applied as ``x @ W`` with gate and up interleaved (columns
+0, 2, ... the gate), ``gate_up_proj_bias`` [E, 2F] likewise, ``down_proj`` [E, F, D] and
+``down_proj_bias`` [E, D] (the layer's ``router_logit_bias``, ``b_gate``, ``b_up``, ``b_down``).
+
+The others apply a weight as ``x @ W.T``; the layer holds ``router_kernel`` [D, E], ``w_gate``,
 ``w_up`` [E, D, F], ``w_down`` [E, F, D], ``shared_gate``, ``shared_up`` [D, F_s],
 ``shared_down`` [F_s, D], ``shared_expert_gate`` [D, 1] and the router's choice bias
 ``router_bias`` [E] (DeepSeek-V3's ``e_score_correction_bias``). Each layer variable is one
@@ -70,6 +75,10 @@ def layer_shapes(config: Mapping, family: str | None = None) -> dict[str, tuple[
         shapes |= {"shared_gate": (D, Fs), "shared_up": (D, Fs), "shared_down": (Fs, D)}
     if kw["shared_expert_gate"]:
         shapes["shared_expert_gate"] = (D, 1)
+    if kw["router_logit_bias"]:
+        shapes["router_logit_bias"] = (E,)
+    if kw["expert_bias"]:
+        shapes |= {"b_gate": (E, F), "b_up": (E, F), "b_down": (E, D)}
     return shapes
 
 
@@ -83,6 +92,16 @@ def pieces(config: Mapping, layout: str, family: str | None = None) -> dict[str,
     out = {"router_kernel": Piece(f"{fam.router_module}.weight", transpose=True)}
     if "router_bias" in shapes:
         out["router_bias"] = Piece(f"{fam.router_module}.e_score_correction_bias")
+    if fam.gpt_oss:  # one layout: gate and up interleaved along 2F, applied as x @ W
+        return out | {
+            "router_logit_bias": Piece(f"{fam.router_module}.bias"),
+            "w_gate": Piece("experts.gate_up_proj", start=0, step=2),
+            "w_up": Piece("experts.gate_up_proj", start=1, step=2),
+            "w_down": Piece("experts.down_proj"),
+            "b_gate": Piece("experts.gate_up_proj_bias", start=0, step=2),
+            "b_up": Piece("experts.gate_up_proj_bias", start=1, step=2),
+            "b_down": Piece("experts.down_proj_bias"),
+        }
     if layout == "checkpoint" and fam.expert_names is not None:
         gate, up, down = (f"experts.{{e}}.{n}.weight" for n in fam.expert_names)
         out |= {
