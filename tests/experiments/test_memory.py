@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from experiments.bench import memory
+from experiments.bench import memory, memory_report
 
 
 def test_memory_sweep_fields_and_buffers():
@@ -40,7 +40,7 @@ def test_memory_sweep_fields_and_buffers():
     assert dropless["temp_bytes"] > by_mode["plain"]["temp_bytes"]
     assert by_mode["ideal"]["temp_vs_ideal"] == 1.0
     assert balanced["replica_block_bytes"] == R * 2 * 3 * 16 * 8 * 2
-    assert len(memory.table(rows, config)) == 2 + len(rows) + 3
+    assert len(memory_report.table(rows, config)) == 2 + len(rows) + 3
 
 
 def test_config_errors_are_one_line():
