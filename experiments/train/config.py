@@ -16,6 +16,7 @@ from experiments.cli import AUTO, check_capacity_factor, flag_text
 from experiments.cli import parse_capacity_factor as parse_capacity_factor  # the flag's parser
 from models.moe_lm import ModelConfig, check_positive_ints
 from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK, BalancerConfig, Execution
+from ultraep_jax.tools import check_int
 
 # ``capacity_factor``'s default, AUTO, is resolved on construction by `auto_capacity_factor`.
 #: The receive buffer of a balanced run, as a multiple of the mean routed load: room for the
@@ -33,7 +34,6 @@ SCHEDULE_FIELDS = ("steps", "checkpoint_every", "eval_every", "print_every", "pr
 _POSITIVE = (
     "steps",
     "max_corpus_bytes",
-    "eval_batches",
     "batch_size",
     "seq_len",
     "tensor_size",
@@ -203,7 +203,7 @@ class TrainConfig:
         files).
       max_corpus_bytes: corpus size cap.
       eval_fraction: held-out tail of the corpus.
-      eval_batches: batches per evaluation.
+      eval_batches: batches per evaluation (0: no evaluation).
       batch_size: global batch (sequences).
       seq_len: sequence length (bytes); at most ``max_seq_len``.
       model: the model's shape; each of its fields is a flag of its own.
@@ -283,6 +283,7 @@ class TrainConfig:
                 f"unknown --balance={self.balance!r}; expected one of {', '.join(BALANCE_MODES)}"
             )
         check_positive_ints(self, _POSITIVE, "--")
+        object.__setattr__(self, "eval_batches", check_int("--eval_batches", self.eval_batches, 0))
         if self.slots_per_rank < 0 or self.ep_size < 0 or self.min_tokens_per_rank < 0:
             raise ValueError("--slots_per_rank, --ep_size and --min_tokens_per_rank must be >= 0")
         execution_of(self.planner, self.transfer_chunks)

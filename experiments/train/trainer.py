@@ -270,7 +270,7 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration)
         if profiled:  # traced: slower, left out of the summary's median too
             record["profiled"] = True
             profile.ended(step, elapsed)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps):
             record["eval_loss"] = float(np.mean([float(eval_step(model, b)) for b in eval_set]))
         if lead:
             append_json_line(metrics, record)
