@@ -18,12 +18,17 @@ from experiments.bench import step, step_report
 from experiments.train.config import TrainConfig
 from experiments.train.data import corpus_files, default_corpus_root, load_corpus, split_corpus
 from models.presets import preset
+from tests.experiments.program_runs import run_each
 from tests.xla_settings import program_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY_MODEL = {"d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 32, "num_experts": 8}
 TINY = " ".join(f"--{k}={v}" for k, v in TINY_MODEL.items())
 TINY += " --seq_len=32 --min_tokens_per_replica=2 --min_tokens_per_rank=0"
+# No evaluation (the benchmark's runs evaluate once, after the last step; its report reads no
+# evaluation): a later flag wins over the benchmark's --eval_batches=1, and each run's processes
+# compile no evaluation step.
+TINY += " --eval_batches=0"
 
 
 def _bench(args, timeout=900):
@@ -131,25 +136,66 @@ def test_ratios_are_medians_of_per_round_ratios():
     assert "balanced_pct_of_ideal" not in step_report.round_ratios([{"plain": _run(1)}])
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--modes=ideal,fast"], "unknown mode fast; expected some of ideal, balanced"),
-        (["--train_cases=relu"], "unknown case relu; expected some of softmax, sigmoid, skewed"),
-        (["--train_flags=--balance=none"], "sets --balance=none, which the benchmark sets"),
-        (["--train_flags=--data=a.txt"], "sets --data=a.txt, which the benchmark sets"),
-        (["--train_cases=skewed", "--data=a.txt"], "--data conflicts with case skewed, which"),
-        (["--train_cases=softmax,skewed", "--data=a.txt"], "--data conflicts with case skewed"),
-        (["--rounds=0"], "must be >= 1"),
-        ([f"--pinned_ranks={len(os.sched_getaffinity(0)) + 1}"], "cores this process may use"),
-    ],
-)
-def test_bad_input_is_one_line(args, message, tmp_path):
+#: Command lines that end with one ``error:`` line, and a part of it, by id
+#: (`test_bad_input_is_one_line`).
+BAD_INPUT = {
+    "modes": (["--modes=ideal,fast"], "unknown mode fast; expected some of ideal, balanced"),
+    "case": (
+        ["--train_cases=relu"],
+        "unknown case relu; expected some of softmax, sigmoid, skewed",
+    ),
+    "balance": (["--train_flags=--balance=none"], "sets --balance=none, which the benchmark sets"),
+    "data": (["--train_flags=--data=a.txt"], "sets --data=a.txt, which the benchmark sets"),
+    "skewed_data": (
+        ["--train_cases=skewed", "--data=a.txt"],
+        "--data conflicts with case skewed, which",
+    ),
+    "cases_data": (
+        ["--train_cases=softmax,skewed", "--data=a.txt"],
+        "--data conflicts with case skewed",
+    ),
+    "rounds": (["--rounds=0"], "must be >= 1"),
+    "cores": ([f"--pinned_ranks={len(os.sched_getaffinity(0)) + 1}"], "cores this process may use"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory) -> dict:
+    """``{id: (run, run_dir)}``: what `python -m experiments.bench.step` printed and exited with
+    for each command line of `BAD_INPUT` (`program_runs.run_each`'s record) and its empty
+    ``--run_dir``. All in one process: each line goes through the program's own flag parsing
+    and ``main`` as when run alone, and a test of a one-line error pays no JAX start of its own
+    (one such line runs as a program of its own:
+    `test_a_bad_input_ends_the_program_in_one_line`)."""
+    base = tmp_path_factory.mktemp("bad_input")
+    dirs = {name: base / name for name in BAD_INPUT}
+    for folder in dirs.values():
+        folder.mkdir()
+    argvs = [[*args, f"--run_dir={dirs[name]}"] for name, (args, _) in BAD_INPUT.items()]
+    runs = run_each("experiments.bench.step", argvs)
+    return {name: (run, dirs[name]) for name, run in zip(BAD_INPUT, runs, strict=True)}
+
+
+def _one_error_line(code, stderr, message, run_dir):
+    assert code == 2, stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
+    assert not any(run_dir.iterdir())
+
+
+@pytest.mark.xdist_group("test_bench_step_bad_input")
+@pytest.mark.parametrize("name", BAD_INPUT)
+def test_bad_input_is_one_line(bad_input_runs, name):
+    run, run_dir = bad_input_runs[name]
+    _one_error_line(run["code"], run["stderr"], BAD_INPUT[name][1], run_dir)
+
+
+def test_a_bad_input_ends_the_program_in_one_line(tmp_path):
+    """`BAD_INPUT`'s ``--rounds=0`` as a program of its own (absl's ``app.run`` around the
+    parse, the process's exit); the others run in one process (`bad_input_runs`)."""
+    args, message = BAD_INPUT["rounds"]
     proc = _bench([*args, f"--run_dir={tmp_path}"], timeout=120)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
-    assert not any(tmp_path.iterdir())
+    _one_error_line(proc.returncode, proc.stderr, message, tmp_path)
 
 
 def _train_commands(*argvs: list[str]) -> list[dict[str, list[str]]]:
@@ -333,14 +379,20 @@ def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
     assert report["flop_shares"] == pytest.approx(step.flop_shares(tiny, 32))
     assert (report["calibration"] is not None) == bool(pinned)
     assert report["command"].endswith(f"--run_dir={tmp_path}") and "--rounds=1" in report["command"]
-    # --report_only reads the same runs back: the same figures, nothing trained.
+    # --report_only reads the same runs back: the same figures, nothing trained; a round that
+    # is not there is an error. Both in one process (`program_runs.run_each`).
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("summary.json")}
     (tmp_path / "bench_step.json").unlink()
-    again = _bench([*args, "--report_only", f"--train_flags={TINY}", f"--run_dir={tmp_path}"])
-    assert again.returncode == 0, again.stderr[-3000:]
+    again, missing = run_each(
+        "experiments.bench.step",
+        [
+            [*args, "--report_only", f"--train_flags={TINY}", f"--run_dir={tmp_path}"],
+            ["--report_only", "--rounds=2", f"--run_dir={tmp_path}"],
+        ],
+    )
+    assert again["code"] == 0, again["stderr"][-3000:]
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("summary.json")} == before
     reread = json.loads((tmp_path / "bench_step.json").read_text())
     assert reread["cases"]["softmax"]["modes"] == case["modes"]
     assert reread["cases"]["softmax"]["gap_to_ideal_ms"] == case["gap_to_ideal_ms"]
-    missing = _bench(["--report_only", "--rounds=2", f"--run_dir={tmp_path}"], timeout=120)
-    assert missing.returncode == 1 and "no finished run in" in missing.stderr
+    assert missing["code"] == 1 and "no finished run in" in missing["stderr"]
