@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from flax import nnx
 
 import ultraep_jax as uep
 from experiments import cli
@@ -27,6 +28,7 @@ from experiments.serve.report import report
 from experiments.train import trainer
 from experiments.train.config import TrainConfig
 from models.moe_lm import MoESettings
+from tests.experiments.program_runs import run_each
 from tests.xla_settings import program_env
 
 # End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.
@@ -51,7 +53,7 @@ TINY = {
     "slots_per_rank": 2,
     "min_tokens_per_replica": 2,
     "max_corpus_bytes": 100_000,
-    "eval_batches": 1,
+    "eval_batches": 0,  # no evaluation: no test here reads one
     "learning_rate": 1e-2,
     "checkpoint_every": 4,
     "eval_every": 4,
@@ -180,14 +182,14 @@ def test_report_on_the_fallback_and_without_decode(served):
     assert text.count("next ultraep: ") == len(PROMPTS)
 
 
-def test_help_leads_with_usage_and_examples():
-    proc = _serve("--help", timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
+def test_help_leads_with_usage_and_examples(input_runs):
+    run = input_runs["help"]
+    assert run["code"] == 0, run["stderr"][-2000:]
+    lines = run["stdout"].splitlines()
     assert lines[0].startswith("usage: python -m experiments.serve --workdir=DIR --prompts=FILES")
     examples = [line for line in lines if line.startswith("  python -m experiments.serve")]
-    assert len(examples) == 3 and "``" not in proc.stdout
-    assert "--prompts" in proc.stdout and "--new_tokens" in proc.stdout
+    assert len(examples) == 3 and "``" not in run["stdout"]
+    assert "--prompts" in run["stdout"] and "--new_tokens" in run["stdout"]
 
 
 def test_shipped_prompts_balance_with_the_default_model():
@@ -219,9 +221,12 @@ def test_predictions_equal_each_prompt_alone(served, workdir):
     assert step == TINY["steps"] == res["checkpoint_step"]
     model = engine.build(train_cfg, mesh, state, MoESettings())
     by_file = {pathlib.Path(p["file"]).name: p for p in res["prompts"]}
+    # One program per prompt length: called as it is, the model ran each operation as a program
+    # of its own (about 60 compiled per length).
+    logits_of = nnx.jit(lambda model, tokens: model(tokens)[0])
     for name, text in PROMPTS.items():
         tokens = np.tile(np.frombuffer(text, np.uint8).astype(np.int32), (8, 1))
-        logits, _ = model(engine.on_mesh(mesh, tokens, split=True))
+        logits = logits_of(model, engine.on_mesh(mesh, tokens, split=True))
         last = np.asarray(logits, np.float64)[0, -1]
         logp = last - np.log(np.sum(np.exp(last - last.max()))) - last.max()
         got = by_file[name]
@@ -241,37 +246,64 @@ def test_pad_batch_by_hand():
         pad_batch(prompts, 4, length=2)
 
 
-def _one_error_line(proc, *needles):
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+@pytest.fixture(scope="module")
+def input_runs(workdir, prompt_dir, tmp_path_factory) -> dict:
+    """What `python -m experiments.serve` printed and exited with for ``--help`` and for each
+    unusable input of the tests below (`program_runs.run_each`'s records, by name), all in one
+    process: each command line goes through the program's own flag parsing and ``main`` as when
+    run alone, and a test of a one-line error pays no JAX start of its own (one such input runs
+    as a program of its own: `test_missing_workdir`). ``paths``: the files and folders they
+    name."""
+    base = tmp_path_factory.mktemp("inputs")
+    paths = {"no_run": base / "no_run", "empty": base / "empty.txt", "long": base / "long.txt"}
+    paths["no_run"].mkdir()
+    paths["empty"].write_bytes(b"")
+    paths["long"].write_bytes(b"x" * (MAX_SEQ_LEN + 1))
+    paths["afile"] = base / "afile"
+    paths["afile"].write_text("x")
+    paths["under_a_file"], paths["a_folder"] = paths["afile"] / "serve.json", base
+    argvs = {
+        "help": ["--help"],
+        "no_run": [f"--workdir={paths['no_run']}", f"--prompts={prompt_dir}"],
+        "empty": [f"--workdir={workdir}", f"--prompts={paths['empty']}"],
+        "long": [f"--workdir={workdir}", f"--prompts={paths['long']}"],
+    }
+    for where in ("under_a_file", "a_folder"):
+        argvs[where] = [f"--workdir={workdir}", f"--prompts={prompt_dir}"]
+        argvs[where].append(f"--output={paths[where]}")
+    runs = dict(zip(argvs, run_each("experiments.serve", list(argvs.values())), strict=True))
+    return {**runs, "paths": paths}
+
+
+def _one_error_line(code, stderr, *needles):
+    assert code == 2, (code, stderr[-2000:])
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
 
 
 def test_missing_workdir(tmp_path, prompt_dir):
+    """A missing workdir, as a program of its own (absl's ``app.run``, the process's exit)."""
     missing = tmp_path / "nothing"
     proc = _serve(f"--workdir={missing}", f"--prompts={prompt_dir}")
-    _one_error_line(proc, f"--workdir={missing}", "does not exist")
+    _one_error_line(proc.returncode, proc.stderr, f"--workdir={missing}", "does not exist")
 
 
-def test_workdir_without_a_run(tmp_path, prompt_dir):
-    proc = _serve(f"--workdir={tmp_path}", f"--prompts={prompt_dir}")
-    _one_error_line(proc, "config.json", "not a folder written by experiments.train")
+def test_workdir_without_a_run(input_runs):
+    run, message = input_runs["no_run"], "not a folder written by experiments.train"
+    _one_error_line(run["code"], run["stderr"], "config.json", message)
 
 
-def test_empty_prompt_file(tmp_path, workdir):
-    empty = tmp_path / "empty.txt"
-    empty.write_bytes(b"")
-    proc = _serve(f"--workdir={workdir}", f"--prompts={empty}")
-    _one_error_line(proc, str(empty), "is empty")
+def test_empty_prompt_file(input_runs):
+    run, empty = input_runs["empty"], input_runs["paths"]["empty"]
+    _one_error_line(run["code"], run["stderr"], str(empty), "is empty")
 
 
-def test_prompt_longer_than_max_seq_len(tmp_path, workdir):
-    long = tmp_path / "long.txt"
-    long.write_bytes(b"x" * (MAX_SEQ_LEN + 1))
-    proc = _serve(f"--workdir={workdir}", f"--prompts={long}")
-    _one_error_line(proc, str(long), f"{MAX_SEQ_LEN + 1} tokens", f"max_seq_len={MAX_SEQ_LEN}")
+def test_prompt_longer_than_max_seq_len(input_runs):
+    run, long = input_runs["long"], input_runs["paths"]["long"]
+    needles = (str(long), f"{MAX_SEQ_LEN + 1} tokens", f"max_seq_len={MAX_SEQ_LEN}")
+    _one_error_line(run["code"], run["stderr"], *needles)
 
 
 def test_decode_compiles_the_fallback(workdir):
@@ -349,16 +381,13 @@ def test_default_prompts_are_the_shipped_ones():
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "a_folder"])
-def test_unwritable_output_fails_before_the_prefill(tmp_path, workdir, prompt_dir, where):
+def test_unwritable_output_fails_before_the_prefill(input_runs, where):
     """An --output under an existing file ran the whole prefill, then died with a 56-line
     FileExistsError."""
-    afile = tmp_path / "afile"
-    afile.write_text("x")
-    output = afile / "serve.json" if where == "under_a_file" else tmp_path
-    proc = _serve(f"--workdir={workdir}", f"--prompts={prompt_dir}", f"--output={output}")
-    _one_error_line(proc, f"--output={output}")
-    assert "prefill" not in proc.stdout and "Traceback" not in proc.stderr
-    assert afile.read_text() == "x"
+    run, output = input_runs[where], input_runs["paths"][where]
+    _one_error_line(run["code"], run["stderr"], f"--output={output}")
+    assert "prefill" not in run["stdout"] and "Traceback" not in run["stderr"]
+    assert input_runs["paths"]["afile"].read_text() == "x"
 
 
 def test_check_output_path(tmp_path):
