@@ -40,8 +40,10 @@ def run_each(main, **kwargs):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 main(program.parse_flags([sys.argv[0], *argv]))
-            except SystemExit as stop:
-                code = stop.code if isinstance(stop.code, int) else (stop.code is not None)
+            except SystemExit as stop:  # as the interpreter ends with sys.exit(code)
+                code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+                if stop.code is not None and not isinstance(stop.code, int):
+                    print(stop.code, file=sys.stderr)
             except BaseException:
                 traceback.print_exc()
                 code = "exception"
