@@ -45,16 +45,15 @@ def library_modules() -> dict[str, pathlib.Path]:
     return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
 
 
-def lazy_homes(path: pathlib.Path) -> list[str]:
-    """The modules named by a module-level ``_HOMES = {name: module}`` table (the root package's
-    public names, imported on first use): the module depends on them as if it imported them."""
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "_HOMES" for t in node.targets
-        ):
-            table = ast.literal_eval(node.value)
-            return [f"{PACKAGE}.{k}" if v is None else v for k, v in table.items()]
-    return []
+def imported_homes(path: pathlib.Path) -> dict[str, str]:
+    """Each name the file at ``path`` imports with ``from module import name`` (anywhere in it:
+    the root package imports Flax's names on first use, in a function), with its module."""
+    return {
+        alias.asname or alias.name: node.module
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
 
 
 def library_graph() -> dict[str, set[str]]:
@@ -64,7 +63,7 @@ def library_graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         edges = set()
-        for imported in imported_names(path) + lazy_homes(path):
+        for imported in imported_names(path):
             while imported and imported not in modules:
                 imported = imported.rpartition(".")[0]
             if imported and imported != name:
@@ -183,7 +182,7 @@ def test_library_graph_sees_the_known_edges():
     graph = library_graph()
     assert "ultraep_jax.base.layout" in graph["ultraep_jax.config.balancer"]
     assert "ultraep_jax.dispatch.reroute" in graph["ultraep_jax.dispatch.counts"]
-    assert "ultraep_jax.layer" in graph["ultraep_jax"]  # the lazy public names
+    assert "ultraep_jax.layer" in graph["ultraep_jax"]  # MoE, imported on first use
 
 
 def test_library_modules_import_one_way():
@@ -205,10 +204,14 @@ def test_public_names_resolve_to_their_homes():
 
     # with force_balanced, TopKSoftmax and ClampedSwiGLU (gpt-oss)
     assert len(ultraep_jax.__all__) == len(set(ultraep_jax.__all__)) == 22
-    homes = lazy_homes(ROOT / PACKAGE / "__init__.py")
-    for name, home in zip(ultraep_jax.__all__, homes, strict=True):
-        module = importlib.import_module(home)
-        expected = module if home == f"{PACKAGE}.{name}" else getattr(module, name)
+    homes = imported_homes(ROOT / PACKAGE / "__init__.py")
+    modules = library_modules()
+    for name in ultraep_jax.__all__:
+        home = homes[name]  # every public name is imported from its home, by name
+        if f"{home}.{name}" in modules:  # a submodule (remat, dispatch.reroute)
+            expected = importlib.import_module(f"{home}.{name}")
+        else:
+            expected = getattr(importlib.import_module(home), name)
         assert getattr(ultraep_jax, name) is expected, name
         assert name in dir(ultraep_jax)
 

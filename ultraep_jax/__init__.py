@@ -14,55 +14,70 @@ exchanges), `replicas` (the replica weights), `experts` (the kernels); `config` 
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
-#: The public names, listed here once (`__all__` is this table's keys), each with the module it
-#: lives in (None: a submodule of that name). They are imported when first used, so that importing
-#: part of the package (such as `ultraep_jax.config`) loads neither Flax nor any kernel module.
-_HOMES = {
-    "ACTIVATIONS": "ultraep_jax.base.activations",
-    "TENSOR_AXIS_NAMES": "ultraep_jax.config",
-    "BalancerConfig": "ultraep_jax.config",
-    "ClampedSwiGLU": "ultraep_jax.base.activations",
-    "Execution": "ultraep_jax.config",
-    "ExpertParallel": "ultraep_jax.config",
-    "force_balanced": "ultraep_jax.ideal",
-    "MoE": "ultraep_jax.layer",
-    "MoEStats": "ultraep_jax.stats",
-    "Plan": "ultraep_jax.planning.planner",
-    "imbalance": "ultraep_jax.stats",
-    "plan": "ultraep_jax.planning.planner",
-    "remat": None,
-    "reroute": "ultraep_jax.dispatch",
-    "routed_experts": "ultraep_jax.over_mesh",
-    "routed_experts_local": "ultraep_jax.core",
-    "Routing": "ultraep_jax.routers",
-    "RouterBias": "ultraep_jax.layer",
-    "SigmoidTopK": "ultraep_jax.routers",
-    "SoftmaxTopK": "ultraep_jax.routers",
-    "TopKSoftmax": "ultraep_jax.routers",
-    "update_bias": "ultraep_jax.routers",
-}
+from ultraep_jax import remat
+from ultraep_jax.base.activations import ACTIVATIONS, ClampedSwiGLU
+from ultraep_jax.config import TENSOR_AXIS_NAMES, BalancerConfig, Execution, ExpertParallel
+from ultraep_jax.core import routed_experts_local
+from ultraep_jax.dispatch import reroute
+from ultraep_jax.ideal import force_balanced
+from ultraep_jax.over_mesh import routed_experts
+from ultraep_jax.planning.plan_type import Plan
+from ultraep_jax.planning.planner import plan
+from ultraep_jax.routers import Routing, SigmoidTopK, SoftmaxTopK, TopKSoftmax, update_bias
+from ultraep_jax.stats import MoEStats, imbalance
+
+if TYPE_CHECKING:  # imported on first use (`__getattr__`); here for type checkers and editors
+    from ultraep_jax.layer import MoE, RouterBias
 
 
 def __getattr__(name: str):
-    """The public name ``name``, imported from its home (`_HOMES`) on first use; any other name
-    is a submodule's."""
-    home = _HOMES.get(name)
-    try:
-        value = importlib.import_module(f"ultraep_jax.{name}" if home is None else home)
-    except ModuleNotFoundError as e:
-        if e.name != f"ultraep_jax.{name}":
-            raise
-        raise AttributeError(f"module 'ultraep_jax' has no attribute {name!r}") from None
-    if home is not None:
-        value = getattr(value, name)
+    """`MoE` and `RouterBias`, imported on first use: their module loads Flax (LAZY_MS), which a
+    program that uses the configuration or the functions alone need not load. Any other name is
+    a submodule's."""
+    if name in ("MoE", "RouterBias"):
+        from ultraep_jax import layer
+
+        value = getattr(layer, name)
+    else:
+        try:
+            value = importlib.import_module(f"ultraep_jax.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"ultraep_jax.{name}":
+                raise
+            raise AttributeError(f"module 'ultraep_jax' has no attribute {name!r}") from None
     globals()[name] = value
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_HOMES))
+    return sorted(set(globals()) | set(__all__))
 
 
-__all__ = list(_HOMES)
+#: The public names, listed once.
+__all__ = [
+    "ACTIVATIONS",
+    "TENSOR_AXIS_NAMES",
+    "BalancerConfig",
+    "ClampedSwiGLU",
+    "Execution",
+    "ExpertParallel",
+    "force_balanced",
+    "MoE",
+    "MoEStats",
+    "Plan",
+    "imbalance",
+    "plan",
+    "remat",
+    "reroute",
+    "routed_experts",
+    "routed_experts_local",
+    "Routing",
+    "RouterBias",
+    "SigmoidTopK",
+    "SoftmaxTopK",
+    "TopKSoftmax",
+    "update_bias",
+]
 __version__ = "0.1.0"

@@ -30,7 +30,6 @@ from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.dispatch import combine, from_groups, plan_dispatch, to_groups
 from ultraep_jax.experts.registry import local_experts
 from ultraep_jax.planning.loads import gathered_loads, masters_only_plan, pair_experts
-from ultraep_jax.planning.planner import check_native_planner
 from ultraep_jax.planning.planner import plan as make_plan
 from ultraep_jax.replicas import relay, streaming
 from ultraep_jax.stats import MoEStats
@@ -210,7 +209,6 @@ def _plan(experts_N, masked, ep: ExpertParallel, balancer: BalancerConfig | None
     if balancer is None:
         plan = masters_only_plan(loads_RE)
     else:
-        check_native_planner(ep.execution.planner, ep.platform)
         plan = make_plan(loads_RE, balancer, capacity=capacity, planner=ep.execution.planner)
     # The FFI result carries no sharding type: it is identical across the EP group but differs
     # between EP groups, so it varies over whatever the loads vary over.

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ultraep_jax._ops import check_positive_int
+from ultraep_jax.base.arguments import check_positive_int
 from ultraep_jax.checks import check_chunks, check_dtype
 from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.experts.dense import dense_glu

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ultraep_jax._ops import check_finite, check_positive_int
+from ultraep_jax.base.arguments import check_finite, check_positive_int
 from ultraep_jax.planning.loads import expert_loads
 
 

@@ -1,8 +1,8 @@
 """What the programs around the library (experiments/, models/: benchmarks, the simulator, the
-replay, the GPU runbook) use from inside it, in one table: each name is re-exported from its home
-here, so that a program never reaches into a private or internal module and a move inside the
-library changes this table, not the programs. Names are imported when first used (importing this
-module loads no kernel, Pallas or Flax module).
+replay, the GPU runbook) use from inside it: each name is imported here from its home, so that a
+program never reaches into a private or internal module and a move inside the library changes
+these imports, not the programs. Importing this module loads no Pallas, Mosaic or Flax module
+(the kernel modules import Pallas when a kernel is traced).
 
 Argument checks   `check_int` (one-line TypeError/ValueError naming the value)
 Layout            `Layout` (the instance layout of an EP group)
@@ -23,50 +23,46 @@ These are the stages' own functions: their docstrings (at their homes) say what 
 give; they may change with the layer they serve, and the CHANGELOG says when.
 """
 
-import importlib
+from ultraep_jax.base.arguments import check_int
+from ultraep_jax.base.layout import Layout
+from ultraep_jax.comm import ragged_exchange
+from ultraep_jax.comm.exchange import Exchange
+from ultraep_jax.dispatch import combine, from_groups, group_counts, plan_dispatch, to_groups
+from ultraep_jax.experts.gmm_mgpu import MgpuTiles, grouped_matmul_mgpu
+from ultraep_jax.experts.gmm_pallas import grouped_matmul
+from ultraep_jax.experts.registry import grouped_glu, local_experts
+from ultraep_jax.oracle import exact_plan_exists, random_cases
+from ultraep_jax.planning.loads import masters_only_plan
+from ultraep_jax.planning.native import cpu_library, has_cuda_handler, library_path
+from ultraep_jax.replicas.relay import hop_copies, relay_schedule, send_copies, static_hops
+from ultraep_jax.replicas.streaming import experts_with_replicas
+from ultraep_jax.replicas.transfer import fetch_replica_experts
 
-#: Each name, with the module it lives in.
-_HOMES = {
-    "check_int": "ultraep_jax._ops",
-    "Layout": "ultraep_jax.base.layout",
-    "cpu_library": "ultraep_jax.planning.native",
-    "has_cuda_handler": "ultraep_jax.planning.native",
-    "library_path": "ultraep_jax.planning.native",
-    "exact_plan_exists": "ultraep_jax.oracle",
-    "random_cases": "ultraep_jax.oracle",
-    "masters_only_plan": "ultraep_jax.planning.loads",
-    "group_counts": "ultraep_jax.dispatch",
-    "plan_dispatch": "ultraep_jax.dispatch",
-    "to_groups": "ultraep_jax.dispatch",
-    "from_groups": "ultraep_jax.dispatch",
-    "combine": "ultraep_jax.dispatch",
-    "Exchange": "ultraep_jax.comm.exchange",
-    "ragged_exchange": "ultraep_jax.comm",
-    "relay_schedule": "ultraep_jax.replicas.relay",
-    "static_hops": "ultraep_jax.replicas.relay",
-    "send_copies": "ultraep_jax.replicas.relay",
-    "hop_copies": "ultraep_jax.replicas.relay",
-    "fetch_replica_experts": "ultraep_jax.replicas.transfer",
-    "experts_with_replicas": "ultraep_jax.replicas.streaming",
-    "local_experts": "ultraep_jax.experts.registry",
-    "grouped_glu": "ultraep_jax.experts.registry",
-    "grouped_matmul": "ultraep_jax.experts.gmm_pallas",
-    "grouped_matmul_mgpu": "ultraep_jax.experts.gmm_mgpu",
-    "MgpuTiles": "ultraep_jax.experts.gmm_mgpu",
-}
-
-
-def __getattr__(name: str):
-    """The name ``name``, imported from its home (`_HOMES`) on first use."""
-    if name not in _HOMES:
-        raise AttributeError(f"module 'ultraep_jax.tools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_HOMES))
-
-
-__all__ = list(_HOMES)
+__all__ = [
+    "check_int",
+    "Layout",
+    "cpu_library",
+    "has_cuda_handler",
+    "library_path",
+    "exact_plan_exists",
+    "random_cases",
+    "masters_only_plan",
+    "group_counts",
+    "plan_dispatch",
+    "to_groups",
+    "from_groups",
+    "combine",
+    "Exchange",
+    "ragged_exchange",
+    "relay_schedule",
+    "static_hops",
+    "send_copies",
+    "hop_copies",
+    "fetch_replica_experts",
+    "experts_with_replicas",
+    "local_experts",
+    "grouped_glu",
+    "grouped_matmul",
+    "grouped_matmul_mgpu",
+    "MgpuTiles",
+]

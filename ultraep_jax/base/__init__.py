@@ -4,4 +4,6 @@ run one way: `config` and every stage import `base`, never each other in a circl
 layout.py       `Layout`: the instance layout of an EP group (expert e's master on rank
                 e // E_m, masters then slots); `check_divisible`
 activations.py  `ACTIVATIONS`: the gated experts' activations, by name
+arguments.py    `check_int`, `check_positive_int`, `check_finite`: one-line checks of the
+                values a user gives
 """

@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax._ops import check_finite
+from ultraep_jax.base.arguments import check_finite
 
 
 @jax.custom_jvp

@@ -1,5 +1,6 @@
 """Communication over the EP axis: one entry point for ragged row exchange, whatever the backend
-(one file each: `portable`, `ragged`), used by the token exchange and the replica transfer.
+(one file each: "portable" is `padded.padded_all_to_all`, "ragged" is
+`ragged.ragged_all_to_all`), used by the token exchange and the replica transfer.
 
 An `Exchange` (`comm.exchange`) holds every size and offset of one ragged all-to-all for
 the whole EP group, so the return trip is `Exchange.reversed` and each call passes one argument.
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ultraep_jax._vma import vary, varying_axes
-from ultraep_jax.comm import portable, ragged
+from ultraep_jax.comm import padded, ragged
 from ultraep_jax.comm.exchange import Exchange
 from ultraep_jax.config.execution import AUTO, BACKENDS
 
@@ -25,7 +26,7 @@ __all__ = [
 
 # Each backend's `ragged_all_to_all`-like exchange (operand, output, exchange, *, axis_name), by
 # the names of `config.execution.BACKENDS`.
-EXCHANGES = {"portable": portable.ragged_exchange, "ragged": ragged.ragged_exchange}
+EXCHANGES = {"portable": padded.padded_all_to_all, "ragged": ragged.ragged_all_to_all}
 
 
 def by_backend(backend: str, impls: dict, *args):

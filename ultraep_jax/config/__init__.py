@@ -1,6 +1,6 @@
 """The configuration: what the planner may do (`BalancerConfig`), where routed experts run
-(`ExpertParallel`: mesh, axes, sizes, capacity) and how (`Execution`: kernel, communication
-backend, transfer chunks, activation). Importing it loads no kernel or collective module."""
+(`ExpertParallel`: mesh, axes, sizes, capacity) and how (`Execution`: planner, kernel,
+communication backend, transfer chunks, activation). Importing it loads no kernel or collective module."""
 
 from ultraep_jax.config.balancer import (
     DEFAULT_MIN_TOKENS_PER_RANK,

@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from ultraep_jax._ops import INT64_MAX, check_int
+from ultraep_jax.base.arguments import INT64_MAX, check_int
 from ultraep_jax.base.layout import Layout, check_divisible
 
 # Every integer field reaches the native planner as an int64 FFI attribute.

@@ -1,13 +1,13 @@
-"""`Execution`: how the routed experts run (expert kernel, communication backend, transfer chunks,
-activation), and the names each choice may take. Names only: no kernel or collective is imported
+"""`Execution`: how the routed experts run (planner, expert kernel, communication backend,
+transfer chunks, activation), and the names each choice may take. Names only: no kernel or collective is imported
 here (`experts.registry` and `comm` map the names to code)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from ultraep_jax._ops import check_positive_int
 from ultraep_jax.base.activations import ClampedSwiGLU, check_activation
+from ultraep_jax.base.arguments import check_positive_int
 
 #: What "auto" is on each platform (`jax.lax.platform_dependent` keywords). The planner's is
 #: resolved when the computation is lowered, on every mesh (`planning.planner.plan`: only that
@@ -42,9 +42,11 @@ def check_platform(comm_backend: str, platform: str | None) -> None:
         )
 
 
-def _check_name(name: str, value, allowed) -> None:
+def check_name(name: str, value, allowed, owner: str = "Execution") -> None:
+    """Raises ValueError (one line, ``owner: name must be one of ...``) unless ``value`` is one
+    of the names ``allowed`` (`BACKENDS`, `KERNELS`, `PLANNERS`)."""
     if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"Execution: {name} must be one of {tuple(allowed)}, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be one of {tuple(allowed)}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +78,10 @@ class Execution:
     planner: str = "auto"
 
     def __post_init__(self):
-        _check_name("comm_backend", self.comm_backend, BACKENDS)
-        _check_name("expert_kernel", self.expert_kernel, KERNELS)
+        check_name("comm_backend", self.comm_backend, BACKENDS)
+        check_name("expert_kernel", self.expert_kernel, KERNELS)
         check_activation(self.activation, "Execution")
-        _check_name("planner", self.planner, PLANNERS)
+        check_name("planner", self.planner, PLANNERS)
         chunks = check_positive_int("Execution", "transfer_chunks", self.transfer_chunks)
         object.__setattr__(self, "transfer_chunks", chunks)
 

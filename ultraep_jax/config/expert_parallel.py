@@ -1,6 +1,6 @@
 """`ExpertParallel`: where routed experts run (the mesh, its axes, the sizes, the receive buffer),
-with its `Execution` (how: kernel, communication backend, transfer chunks, activation) resolved
-for the mesh's platform once. Frozen and hashable: it keys compiled code."""
+with its `Execution` (how: planner, kernel, communication backend, transfer chunks, activation)
+checked against the mesh's platform once. Frozen and hashable: it keys compiled code."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ultraep_jax._ops import check_finite, check_positive_int
+from ultraep_jax.base.arguments import check_finite, check_positive_int
 from ultraep_jax.base.layout import check_divisible
 from ultraep_jax.config.balancer import BalancerConfig
 from ultraep_jax.config.execution import Execution
@@ -163,8 +163,8 @@ class ExpertParallel:
 
     def _resolved_execution(self, how: tuple) -> Execution:
         """``execution`` with the keywords in ``how`` (comm_backend, expert_kernel,
-        transfer_chunks, activation; None: as ``execution`` says) set, for the mesh's
-        platform."""
+        transfer_chunks, activation, planner; None: as ``execution`` says) set, for the mesh's
+        platform (`Execution.on`)."""
         if not isinstance(self.execution, Execution):
             raise TypeError(
                 "ExpertParallel: execution must be an Execution, got "

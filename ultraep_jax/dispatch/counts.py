@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from ultraep_jax._ops import exclusive_cumsum
 from ultraep_jax.base.layout import Layout
 from ultraep_jax.dispatch import reroute
-from ultraep_jax.planning.planner import Plan
+from ultraep_jax.planning.plan_type import Plan
 
 
 def rank_group_counts(assign_RI: jax.Array, layout: Layout) -> jax.Array:

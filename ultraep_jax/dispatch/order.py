@@ -17,7 +17,7 @@ from ultraep_jax._ops import exclusive_cumsum
 from ultraep_jax.base.layout import Layout
 from ultraep_jax.comm.exchange import Exchange
 from ultraep_jax.dispatch.counts import group_counts
-from ultraep_jax.planning.planner import Plan
+from ultraep_jax.planning.plan_type import Plan
 
 
 @jax.tree_util.register_dataclass

@@ -28,8 +28,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ultraep_jax._ops import check_int
 from ultraep_jax._vma import vary, varying_axes
+from ultraep_jax.base.arguments import check_int
 
 
 class _Cfg(NamedTuple):

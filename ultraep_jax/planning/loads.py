@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ultraep_jax.base.layout import Layout
-from ultraep_jax.planning.planner import Plan
+from ultraep_jax.planning.plan_type import Plan
 
 
 def pair_experts(

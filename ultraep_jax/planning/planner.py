@@ -15,41 +15,16 @@ import jax.interpreters.mlir
 import jax.numpy as jnp
 import numpy as np
 
-from ultraep_jax._ops import INT64_MAX, check_int
 from ultraep_jax._vma import vary, varying_axes
+from ultraep_jax.base.arguments import INT64_MAX, check_int
 from ultraep_jax.base.layout import check_divisible
 from ultraep_jax.config.balancer import BalancerConfig
-from ultraep_jax.config.execution import AUTO, PLANNERS
+from ultraep_jax.config.execution import AUTO, PLANNERS, check_name
 from ultraep_jax.planning import native as _native
 from ultraep_jax.planning import portable as _portable
+from ultraep_jax.planning.plan_type import Plan
 
 _log = logging.getLogger("ultraep_jax")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A balancing plan for one load matrix (a pytree; leading batch axes appear under `vmap`).
-
-    Attributes:
-        slot_expert: int32 [R, S], the logical expert held in each spare slot, -1 when empty.
-        slot_quota: int32 [R, S], tokens that replica processes (0 when empty).
-        master_quota: int32 [E], tokens each expert's master keeps.
-        rank_load: int32 [R], tokens each rank processes after balancing.
-
-    For every expert, ``master_quota[e]`` plus the quotas of its replicas equals
-    ``sum_r loads[r, e]``.
-    """
-
-    slot_expert: jax.Array
-    slot_quota: jax.Array
-    master_quota: jax.Array
-    rank_load: jax.Array
-
-    @property
-    def num_replicas(self) -> jax.Array:
-        """int32 []: replica instances in the plan (filled slots)."""
-        return jnp.sum(self.slot_expert >= 0, axis=(-2, -1), dtype=jnp.int32)
 
 
 def _check_loads(loads, config: BalancerConfig):
@@ -143,8 +118,7 @@ def plan(
     cap = _check_capacity(capacity)
     if not isinstance(parallel, bool):
         raise TypeError(f"plan: parallel must be a bool, got {type(parallel).__name__}")
-    if not isinstance(planner, str) or planner not in PLANNERS:
-        raise ValueError(f"plan: planner must be one of {PLANNERS}, got {planner!r}")
+    check_name("planner", planner, PLANNERS, owner="plan")
     if parallel and planner == "portable":
         raise ValueError(
             "plan: parallel=True is a form of the native planner; the portable planner has "
@@ -155,7 +129,11 @@ def plan(
         impl = _varying(_impl(params, "portable"), varying_axes(loads))
         return impl(loads)
     # "auto" and "native" are chosen when the computation is lowered, by the platform it is
-    # lowered for (`_plan_lowering`): only the chosen planner is traced and compiled.
+    # lowered for (`_plan_lowering`): only the chosen planner is traced and compiled. Where the
+    # mesh traced on names its devices' platform (inside a shard_map), "native" without a handler
+    # there is refused now, before lowering would.
+    if (platform := _traced_platform()) is not None:
+        platform_planner(planner, platform)
     plan_ = Plan(*_plan_p.bind(loads, **params))
     return jax.tree.map(lambda a: vary(a, varying_axes(loads)), plan_)
 
@@ -190,20 +168,14 @@ def _native_refusal(why: str) -> str:
     )
 
 
-def check_native_planner(planner: str, platform: str | None) -> None:
-    """Raises one line when ``planner`` is "native" for devices of ``platform`` that have no
-    native handler in this install: CUDA GPUs without the CUDA handler (built only when nvcc was
-    on the PATH at install time), or a platform with none (TPU, ROCm), so that such a step never
-    reaches XLA's error for an unregistered custom call."""
-    why = _no_native_handler(platform) if planner == "native" else None
-    if why is not None:
-        raise ValueError(_native_refusal(why))
-
-
 def platform_planner(planner: str, platform: str) -> str:
     """The planner ("native" or "portable") that ``planner`` ("auto" or "native") runs on
     devices of ``platform``; raises `_native_refusal`'s line for "native" where this install has
-    no handler. "auto" follows `AUTO`, but for CUDA without the CUDA handler."""
+    no handler (CUDA without the CUDA handler, built only when nvcc was on the PATH at install
+    time; TPU, ROCm), so that such a step never reaches XLA's error for an unregistered custom
+    call. "auto" follows `AUTO`, but for CUDA without the CUDA handler. The one rule of the
+    planner choice: `plan` asks it for the platform it is traced on (when the mesh says) and the
+    lowering for each platform it is lowered for."""
     why = _no_native_handler(platform)
     if planner == "native":
         if why is not None:
@@ -211,6 +183,13 @@ def platform_planner(planner: str, platform: str) -> str:
         return "native"
     chosen = AUTO["planner"].get(platform, AUTO["planner"]["default"])
     return "portable" if why is not None else chosen
+
+
+def _traced_platform() -> str | None:
+    """The platform of the devices of the mesh being traced on (`jax.sharding.get_abstract_mesh`:
+    a shard_map's, or one set with `jax.set_mesh`), or None when no mesh says."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None)
 
 
 def _impl(params: dict, name: str):

@@ -1,4 +1,5 @@
-"""Portable backend: `ragged_all_to_all` semantics built from a fixed-size `all_to_all`.
+"""The "portable" backend: `ragged_all_to_all` semantics built from a fixed-size (padded)
+`all_to_all`.
 
 Runs on every platform (XLA:CPU cannot compile `ragged_all_to_all`) and is what the tests use.
 It moves ``R * max_chunk`` rows per rank whatever the real sizes are, so GPUs use
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 from ultraep_jax.comm.exchange import Exchange
 
 
-def ragged_exchange(operand, output, exchange: Exchange, *, axis_name: str):
+def padded_all_to_all(operand, output, exchange: Exchange, *, axis_name: str):
     """Same contract as `jax.lax.ragged_all_to_all` over ``axis_name``, with the sizes and
     offsets of ``exchange``: ``operand`` [send_rows, ...] in, ``output`` [recv_rows, ...] with the
     received rows written in, out. Moves ``R * exchange.max_chunk`` rows per rank."""
