@@ -33,9 +33,9 @@ if TYPE_CHECKING:  # imported on first use (`__getattr__`); here for type checke
 
 
 def __getattr__(name: str):
-    """`MoE` and `RouterBias`, imported on first use: their module loads Flax (LAZY_MS), which a
-    program that uses the configuration or the functions alone need not load. Any other name is
-    a submodule's."""
+    """`MoE` and `RouterBias`, imported on first use: their module loads Flax (0.4-0.5 s of
+    import, against 60-70 ms for every other module of the package), which a program that uses
+    the configuration or the functions alone need not load. Any other name is a submodule's."""
     if name in ("MoE", "RouterBias"):
         from ultraep_jax import layer
 
