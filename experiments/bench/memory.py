@@ -198,7 +198,7 @@ def receive_buffer_bytes(config: MemoryConfig, capacity_rows: int) -> int:
 
 def exchange_block_bytes(config: MemoryConfig, ep_size: int, capacity_rows: int) -> int:
     """Bytes of one block of the portable (CPU) token exchange: R x min(pairs, capacity) rows of D
-    (`comm.portable` moves ``R * max_chunk`` rows; the dispatch bounds its chunk by both)."""
+    (`comm.padded` moves ``R * max_chunk`` rows; the dispatch bounds its chunk by both)."""
     return ep_size * min(config.pairs_per_rank, capacity_rows) * config.d_model * config.itemsize
 
 
