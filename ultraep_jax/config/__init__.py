@@ -1,6 +1,7 @@
 """The configuration: what the planner may do (`BalancerConfig`), where routed experts run
 (`ExpertParallel`: mesh, axes, sizes, capacity) and how (`Execution`: planner, kernel,
-communication backend, transfer chunks, activation). Importing it loads no kernel or collective module."""
+communication backend, transfer chunks, activation). Its modules import no kernel or collective
+(the package's `__init__`, which an import of this runs first, loads the stages; not Flax)."""
 
 from ultraep_jax.config.balancer import (
     DEFAULT_MIN_TOKENS_PER_RANK,

@@ -1,6 +1,6 @@
 """`Execution`: how the routed experts run (planner, expert kernel, communication backend,
-transfer chunks, activation), and the names each choice may take. Names only: no kernel or collective is imported
-here (`experts.registry` and `comm` map the names to code)."""
+transfer chunks, activation), and the names each choice may take. Names only: no kernel or
+collective is imported here (`experts.registry` and `comm` map the names to code)."""
 
 from __future__ import annotations
 
