@@ -32,7 +32,7 @@ import tempfile
 
 from absl import flags
 
-from experiments.program import run_main
+from experiments.lab.program import run_main
 
 _D, _E, _K, _F = 16, 8, 2, 8  # the block's width, experts, top-k, expert width
 _BATCH, _SEQ = 8, 8  # 64 tokens: the batch splits over 8 devices

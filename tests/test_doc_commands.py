@@ -45,7 +45,7 @@ COMMITTED = ("docs/", "experiments/results/")
 _RUNNER = """
 import json, runpy, sys
 from absl import app, flags
-from experiments import program
+from experiments.lab import program
 module, argvs = sys.argv[1], json.loads(sys.argv[2])
 
 def parse_only(main, **kwargs):

@@ -2,7 +2,8 @@
 one way (the graph of its modules, and of its parts: subpackages and top-level modules, has no
 cycle); each public name is found where it is listed; experiments/ and models/ import only what
 the library exports (`ultraep_jax`, `ultraep_jax.config`, `ultraep_jax.tools`), nothing private
-and nothing from tests/."""
+and nothing from tests/; experiments/ is one shared part (`experiments.lab`) and programs that
+are leaves over it: no program imports another, the shared part imports none."""
 
 from __future__ import annotations
 
@@ -216,37 +217,86 @@ def test_public_names_resolve_to_their_homes():
         assert name in dir(ultraep_jax)
 
 
+#: experiments/'s shared part: what several programs use. Every other part of experiments/ (a
+#: subpackage or a top-level module: bench, gpu, planner, replay, serve, sim, stepmodel_programs,
+#: train, hf_fixtures) is a program, a leaf over it.
+LAB = "experiments.lab"
+
+
+def experiments_part(module: str) -> str:
+    """The part of experiments/ a module belongs to: a program (``experiments.sim``,
+    ``experiments.hf_fixtures``) or the shared part's own parts (``experiments.lab.stepmodel``,
+    ``experiments.lab.cli``)."""
+    depth = 3 if module == LAB or module.startswith(LAB + ".") else 2
+    return ".".join(module.split(".")[:depth])
+
+
 def experiments_parts_graph() -> dict[str, set[str]]:
-    """The import graph of experiments/'s parts (``experiments.sim``, ``experiments.stepmodel``,
-    a top-level module ``experiments.cli``, ...): part -> the other parts it imports."""
+    """The import graph of experiments/'s parts (`experiments_part`): part -> the other parts it
+    imports."""
     graph: dict[str, set[str]] = {}
     for path in sorted((ROOT / "experiments").rglob("*.py")):
-        edges = graph.setdefault(part(module_name(path)), set())
+        own = experiments_part(module_name(path))
+        edges = graph.setdefault(own, set())
         for name in imported_names(path):
             if name.startswith("experiments."):
-                edges.add(part(name))
-        edges.discard(part(module_name(path)))
+                edges.add(experiments_part(name))
+        edges.discard(own)
     return graph
 
 
+def is_program(part_name: str) -> bool:
+    """Whether a part of experiments/ is a program (anything outside `LAB` but the package)."""
+    return part_name not in ("experiments", LAB) and not part_name.startswith(LAB + ".")
+
+
+def program_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The edges that break the leaves rule: a program importing another program, or the shared
+    part importing a program."""
+    return sorted(f"{a} -> {b}" for a, edges in graph.items() for b in edges if is_program(b))
+
+
+def test_program_violations_sees_a_program_importing_another():
+    assert program_violations({"experiments.serve": {"experiments.lab.training"}}) == []
+    assert program_violations({"experiments.serve": {"experiments.train"}}) == [
+        "experiments.serve -> experiments.train"
+    ]
+    assert program_violations({"experiments.lab.loads": {"experiments.sim"}}) == [
+        "experiments.lab.loads -> experiments.sim"
+    ]
+    assert experiments_part("experiments.lab.training.config.TrainConfig") == (
+        "experiments.lab.training"
+    )
+    assert experiments_part("experiments.stepmodel_programs.wholestep") == (
+        "experiments.stepmodel_programs"
+    )
+
+
+def test_programs_are_leaves_over_the_lab():
+    """Each program imports experiments.lab (and models/, ultraep_jax), never another program;
+    experiments.lab imports no program."""
+    graph = experiments_parts_graph()
+    programs = sorted(p for p in graph if is_program(p))
+    assert {"experiments.train", "experiments.serve", "experiments.sim"} <= set(programs)
+    assert "experiments.lab.training" in graph["experiments.serve"]  # the scan sees the edges
+    assert not program_violations(graph), "import experiments.lab instead: " + "; ".join(
+        program_violations(graph)
+    )
+
+
 def test_step_model_is_the_model_alone():
-    """experiments/stepmodel/ has no flags and no ``main`` and imports no program: not its
-    programs (experiments.stepmodel_programs), nor sim, replay, bench or planner."""
-    programs = {"stepmodel_programs", "sim", "replay", "bench", "planner", "train", "serve", "gpu"}
-    for path in sorted((ROOT / "experiments" / "stepmodel").glob("*.py")):
+    """experiments/lab/stepmodel/ has no flags and no ``main`` and imports no program (its
+    programs, experiments.stepmodel_programs, nor sim, replay, bench or planner)."""
+    for path in sorted((ROOT / "experiments" / "lab" / "stepmodel").glob("*.py")):
         names = imported_names(path)
         assert "absl.flags" not in names and "absl.app" not in names, path
-        assert not any(
-            n.split(".")[:2][-1] in programs for n in names if n.startswith("experiments.")
-        ), (
-            path,
-            names,
-        )
+        programs = [n for n in names if n.startswith("experiments.")]
+        assert not any(is_program(experiments_part(n)) for n in programs), (path, names)
         tree = ast.parse(path.read_text())
         assert not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), path
 
 
 def test_experiments_parts_import_one_way():
     graph = experiments_parts_graph()
-    assert "experiments.stepmodel" in graph["experiments.sim"]  # the scan sees the edges
+    assert "experiments.lab.stepmodel" in graph["experiments.sim"]  # the scan sees the edges
     assert cycle(graph) is None, cycle(graph)

@@ -1,6 +1,6 @@
 """The house's size rules, read from the source: no file in experiments/ over `MAX_FILE_LINES`
-lines; no function in ultraep_jax/ or ffi/ over `MAX_FUNCTION_LINES` lines of code (Python by
-ast, its docstring not counted; C++ and CUDA by a scan of the braces)."""
+lines; no function in ultraep_jax/, ffi/ or experiments/ over `MAX_FUNCTION_LINES` lines of code
+(Python by ast, its docstring not counted; C++ and CUDA by a scan of the braces)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,16 @@ def test_no_experiments_file_is_over_the_limit():
         if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
     }
     assert not long, f"split these by job (over {MAX_FILE_LINES} lines): {long}"
+
+
+def test_no_experiments_function_is_over_the_limit():
+    long = {
+        f"{p.relative_to(ROOT)}:{name}": n
+        for p in sorted((ROOT / "experiments").rglob("*.py"))
+        for name, n in python_function_lines(p.read_text()).items()
+        if n > MAX_FUNCTION_LINES
+    }
+    assert not long, f"split these into named helpers (over {MAX_FUNCTION_LINES} lines): {long}"
 
 
 def test_no_library_function_is_over_the_limit():

@@ -28,15 +28,15 @@ from absl import flags
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments import cli
 from experiments.bench import (
     breakeven_report,
     moe,  # its flags: the layer's shape, the balancer, the skew
 )
-from experiments.concurrency import concurrency_check, concurrency_line
-from experiments.output_files import write_json
-from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
-from experiments.program import run_main
+from experiments.lab import cli
+from experiments.lab.concurrency import concurrency_check, concurrency_line
+from experiments.lab.output_files import write_json
+from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.lab.program import run_main
 
 _TOKENS = flags.DEFINE_list(
     "tokens",

@@ -11,10 +11,10 @@ and prints the median seconds and each depth's ratio to the shallowest.
 
 from __future__ import annotations
 
-from experiments import cli
-from experiments.devices import force_cpu_devices
-from experiments.output_files import write_json
-from experiments.program import run_main
+from experiments.lab import cli
+from experiments.lab.devices import force_cpu_devices
+from experiments.lab.output_files import write_json
+from experiments.lab.program import run_main
 
 force_cpu_devices(8, cpu_only=True)
 

@@ -17,10 +17,10 @@ Prints the median seconds per stage and each variant's total against "off".
 
 from __future__ import annotations
 
-from experiments import cli
-from experiments.devices import force_cpu_devices
-from experiments.output_files import write_json
-from experiments.program import run_main
+from experiments.lab import cli
+from experiments.lab.devices import force_cpu_devices
+from experiments.lab.output_files import write_json
+from experiments.lab.program import run_main
 
 force_cpu_devices(8, cpu_only=True)
 

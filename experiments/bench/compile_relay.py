@@ -5,7 +5,7 @@
 
 For each EP size R and fan-out f, lowers and compiles, fresh each repeat (jax's compilation cache
 off), the schedule of one plan's slots [R, S] (``plain``), of a batch [N, R, S] under `jax.vmap`
-(``vmap``, what `experiments.batched.batched_schedule` compiles) and under `jax.lax.map`
+(``vmap``, what `experiments.lab.batched.batched_schedule` compiles) and under `jax.lax.map`
 (``lax.map``), the three alternating within each round. Prints the median seconds of lowering and
 of compiling each.
 """
@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from experiments import cli
-from experiments.output_files import write_json
-from experiments.program import run_main
+from experiments.lab import cli
+from experiments.lab.output_files import write_json
+from experiments.lab.program import run_main
 from ultraep_jax import tools
 
 _EP_SIZES = flags.DEFINE_list("ep_sizes", ["8", "64"], "EP sizes R.")

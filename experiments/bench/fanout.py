@@ -3,7 +3,7 @@
         python -m experiments.bench.fanout                  # every trace, EP size and mode
         python -m experiments.bench.fanout --traces=deepseek-r1 --ep=64 --json_out=/tmp/f.json
 
-Each layer of each trace is turned into a load matrix (`experiments.loads.workloads`, the
+Each layer of each trace is turned into a load matrix (`experiments.lab.loads.workloads`, the
 trace's own top-k, ``--tokens_per_rank`` tokens per rank) and planned by the real planner
 (`ultraep_jax.plan`, the FFI custom call, ``--slots_per_rank`` spare slots, at ``--balance_eps``
 and in exact mode, ``balance_eps=0``). The plan's replica transfer sends each replica its
@@ -13,7 +13,7 @@ reported as its distribution over layers (median, p90, max), with the largest fa
 expert, the transfer's modelled length (each hop as long as its busiest link, in copies) and its
 hops beside it.
 
-Modelled by the step model (`experiments.stepmodel`), stated in the output: one copy is an
+Modelled by the step model (`experiments.lab.stepmodel`), stated in the output: one copy is an
 expert of the anchor's model (DeepSeek-V3, bf16; `stepmodel.shapes.ANCHOR`) over ``--link_gbps``
 per rank and direction; the expert compute beside it is the forward pass of one rank's mean rows
 (``tokens_per_rank`` x its top-k) at ``--gpu_tflops``. Qwen1.5-MoE's 60 experts divide no
@@ -29,13 +29,13 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import cli
-from experiments.batched import batched_planner
-from experiments.loads import ranks, traces, workloads
-from experiments.output_files import write_json
-from experiments.program import run_main
-from experiments.stepmodel import calibration, layer, links, shapes
-from experiments.summaries import summary
+from experiments.lab import cli
+from experiments.lab.batched import batched_planner
+from experiments.lab.loads import ranks, traces, workloads
+from experiments.lab.output_files import write_json
+from experiments.lab.program import run_main
+from experiments.lab.stepmodel import calibration, layer, links, shapes
+from experiments.lab.summaries import summary
 
 _TRACES = flags.DEFINE_list("traces", list(traces.TRACE_NAMES), "Traces to measure.")
 _EP = flags.DEFINE_list("ep", ["32", "64", "128"], "EP sizes (DeepSeek-R1 and Switch).")

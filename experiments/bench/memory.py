@@ -50,12 +50,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from experiments import cli
 from experiments.bench.memory_report import per_buffer_row, table
-from experiments.devices import force_cpu_devices
-from experiments.output_files import check_output_path, write_json
-from experiments.program import run_main
-from experiments.stepmodel.calibration import provenance
+from experiments.lab import cli
+from experiments.lab.devices import force_cpu_devices
+from experiments.lab.output_files import check_output_path, write_json
+from experiments.lab.program import run_main
+from experiments.lab.stepmodel.calibration import provenance
 
 #: The layers compiled, by name, in the table's order.
 MODES = ("balanced", "dropless", "plain", "ideal")

@@ -24,11 +24,11 @@ pinned ranks (two ranks with one hot expert each would be balanced already).
 
 from __future__ import annotations
 
-from experiments.concurrency import concurrency_check, concurrency_line
-from experiments.devices import force_cpu_devices
-from experiments.output_files import write_json
-from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
-from experiments.program import run_main
+from experiments.lab.concurrency import concurrency_check, concurrency_line
+from experiments.lab.devices import force_cpu_devices
+from experiments.lab.output_files import write_json
+from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.lab.program import run_main
 
 force_cpu_devices(8, cpu_only=True)  # before JAX starts a backend (pinned ranks: 1 each)
 
@@ -46,8 +46,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from experiments import cli
-from experiments.loads import ranks
+from experiments.lab import cli
+from experiments.lab.loads import ranks
 
 _D = flags.DEFINE_integer("d_model", 64, "Token width D.")
 _F = flags.DEFINE_integer("d_ff", 128, "Expert hidden width F.")

@@ -53,19 +53,19 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments import cli
 from experiments.bench import (
     breakeven,  # the layer's shape and sweep flags (--tokens, --modes)
     moe,
     step_rest,
 )
 from experiments.bench.rates_file import PARTS, merged
-from experiments.concurrency import concurrency_check, concurrency_line
-from experiments.output_files import write_json
-from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
-from experiments.program import run_main
-from experiments.stepmodel import calibration
-from experiments.walltime import median_seconds, seconds_per_plan
+from experiments.lab import cli
+from experiments.lab.concurrency import concurrency_check, concurrency_line
+from experiments.lab.output_files import write_json
+from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.lab.program import run_main
+from experiments.lab.stepmodel import calibration
+from experiments.lab.walltime import median_seconds, seconds_per_plan
 from models.presets import PRESETS
 from ultraep_jax import tools
 

@@ -37,7 +37,7 @@ max/mean rank load before -> after (mean over steps), the loss at the same steps
 the median of per-round ratios; the largest |loss| difference between balanced and plain (the
 same math: 0 up to rounding); the experts' share of the step's FLOPs; the calibration line.
 With ``--profile_steps=N`` (default 3) each run's last N steps are traced on every rank
-(`experiments.train` ``--profile_steps``) and split into terms (`experiments.step_terms`:
+(`experiments.train` ``--profile_steps``) and split into terms (`experiments.lab.step_terms`:
 planner, bookkeeping, replica transfer, exchange, experts, rest; the mean of the ranks): the
 report prints each mode's terms and its gap to the ideal by term. Writes
 ``<run_dir>/bench_step.json`` and ``<run_dir>/bench_step.png`` (per case, each mode's profiled
@@ -67,17 +67,17 @@ from experiments.bench.step_report import (
     plot,
     print_case,
 )
-from experiments.output_files import write_json
-from experiments.program import run_main
-from experiments.records import read_metrics
-from experiments.stepmodel.layer import expert_fwd_flops
-from experiments.train.config import (
+from experiments.lab.output_files import write_json
+from experiments.lab.program import run_main
+from experiments.lab.records import read_metrics
+from experiments.lab.stepmodel.layer import expert_fwd_flops
+from experiments.lab.training.config import (
     IDEAL_NOTE,
     MODEL_FIELDS,
     check_profile_devices,
     check_profile_steps,
 )
-from experiments.train.data import default_corpus_root
+from experiments.lab.training.data import default_corpus_root
 from models.moe_lm import ModelConfig
 from models.presets import PRESETS
 

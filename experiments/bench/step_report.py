@@ -1,7 +1,7 @@
 """The whole-step benchmark's report (`experiments.bench.step`): each mode's figures over its
 rounds, the ratios, the loss check, the step split into its terms, the table and the picture.
 
-A run's ``terms`` are its ranks' profiles of its last steps (`experiments.step_terms`), seconds
+A run's ``terms`` are its ranks' profiles of its last steps (`experiments.lab.step_terms`), seconds
 per step by term, averaged over the ranks: which rank is the busiest changes from step to step
 with the load, and a rank's collectives include its wait for the busiest, so the mean rank's
 terms sum to the step and the imbalance shows as time in collectives (mostly the exchange's).
@@ -14,9 +14,9 @@ import statistics
 
 import numpy as np
 
-from experiments.concurrency import concurrency_line
-from experiments.step_terms import TERMS
-from experiments.stepmodel.step_ratios import RATIOS
+from experiments.lab.concurrency import concurrency_line
+from experiments.lab.step_terms import TERMS
+from experiments.lab.stepmodel.step_ratios import RATIOS
 
 
 def logged_steps(steps: int) -> list[str]:

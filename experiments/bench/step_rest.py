@@ -25,8 +25,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from experiments.train import summary, trainer
-from experiments.train.config import TrainConfig
+from experiments.lab.training import build, layer_stats
+from experiments.lab.training.config import TrainConfig
 from models.moe_lm import ModelConfig
 
 
@@ -47,14 +47,14 @@ class WithoutRoutedExperts(nnx.Module):
 
 def rest_model(model_cfg: ModelConfig, batch_size: int, seq_len: int, seed: int = 0):
     """(model, optimizer, batch): the trainer's model of ``model_cfg`` (plain EP over every
-    device, as `trainer.build_model` places it) with each block's layer swapped for
+    device, as `build.build_model` places it) with each block's layer swapped for
     `WithoutRoutedExperts`, its AdamW optimizer, and a random batch int32 [B, S + 1] split over
     the devices as the trainer splits it."""
     cfg = TrainConfig(
         balance="none", batch_size=batch_size, seq_len=seq_len, model=model_cfg, seed=seed
     )
-    mesh = trainer.make_mesh(1, jax.device_count(), 1)
-    model = trainer.build_model(cfg, mesh)
+    mesh = build.make_mesh(1, jax.device_count(), 1)
+    model = build.build_model(cfg, mesh)
     rows = np.random.default_rng(seed).integers(
         0, model_cfg.vocab_size, size=(batch_size, seq_len + 1), dtype=np.int32
     )
@@ -69,22 +69,22 @@ def rest_model(model_cfg: ModelConfig, batch_size: int, seq_len: int, seed: int 
         _, stats = block.moe(x)  # once, outside the step: the stats' shapes
         block.moe = WithoutRoutedExperts(block.moe, stats)
     optimizer = nnx.Optimizer(model, optax.adamw(cfg.learning_rate), wrt=nnx.Param)
-    trainer.place_on_mesh(optimizer, mesh)
+    build.place_on_mesh(optimizer, mesh)
     return model, optimizer, batch
 
 
 def rest_seconds(model_cfg: ModelConfig, batch_size: int, seq_len: int, repeats: int) -> dict:
     """The rest's step on this run's ranks (every process runs it): ``seconds`` (median over
     ``repeats`` steps after one that compiles) and ``samples``, each timed as the trainer times
-    a step (the jitted step, the loss read back, `summary.layer_record` of the stats)."""
+    a step (the jitted step, the loss read back, `layer_stats.layer_record` of the stats)."""
     model, optimizer, batch = rest_model(model_cfg, batch_size, seq_len)
-    step = nnx.jit(trainer._train_step)
+    step = nnx.jit(build.train_step)
     samples = []
     for i in range(repeats + 1):
         begin = time.perf_counter()
         loss, stats = step(model, optimizer, batch)
         float(loss)
-        summary.layer_record(stats)
+        layer_stats.layer_record(stats)
         if i:  # the first compiles
             samples.append(time.perf_counter() - begin)
     return {"seconds": float(np.median(samples)), "samples": samples}

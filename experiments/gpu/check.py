@@ -68,8 +68,8 @@ from experiments.gpu import exchange_run
 from experiments.gpu import gmm as gpu_gmm
 from experiments.gpu import moe as gpu_moe
 from experiments.gpu import planner as gpu_planner
-from experiments.output_files import write_json
-from experiments.program import run_main
+from experiments.lab.output_files import write_json
+from experiments.lab.program import run_main
 from ultraep_jax import tools
 
 _OUT = flags.DEFINE_string("out", None, "Folder for gpu_results.json and the HLO dump (created).")

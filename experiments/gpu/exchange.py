@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments.stepmodel.shapes import ANCHOR
-from experiments.walltime import median_seconds
+from experiments.lab.stepmodel.shapes import ANCHOR
+from experiments.lab.walltime import median_seconds
 from ultraep_jax.tools import Exchange, fetch_replica_experts, ragged_exchange
 
 AXIS = "expert"
@@ -72,7 +72,7 @@ class ExchangeSetup:
         return math.ceil(self.capacity_factor * self.rows)
 
 
-#: The anchor's setup (`experiments.stepmodel.shapes.ANCHOR`: DeepSeek-V3 at EP64, 8192 tokens x
+#: The anchor's setup (`experiments.lab.stepmodel.shapes.ANCHOR`: DeepSeek-V3 at EP64, 8192 tokens x
 #: top-8 per rank, bf16, 256 / 64 = 4 experts per rank, 2 slots).
 DEEPSEEK_V3 = ExchangeSetup(
     ANCHOR.pairs_per_rank,

@@ -31,8 +31,8 @@ from experiments.gpu.exchange import (
     time_tokens,
     time_weights,
 )
-from experiments.output_files import write_json
-from experiments.walltime import median_seconds
+from experiments.lab.output_files import write_json
+from experiments.lab.walltime import median_seconds
 from ultraep_jax import tools
 
 

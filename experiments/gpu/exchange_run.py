@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 from experiments.gpu.exchange import DRY, ExchangeSetup
-from experiments.output_files import write_json
+from experiments.lab.output_files import write_json
 
 #: XLA flag variants the section compares by default: name -> flags (space-separated).
 VARIANTS = {

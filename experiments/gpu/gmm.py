@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.stepmodel.shapes import ANCHOR
-from experiments.walltime import median_seconds
+from experiments.lab.stepmodel.shapes import ANCHOR
+from experiments.lab.walltime import median_seconds
 from ultraep_jax import tools
 
 
 def _adaptive_median_seconds(fn, repeats: int, inner: int) -> float:
-    """`experiments.walltime.median_seconds`, with fewer samples for calls slower than 20 ms."""
+    """`experiments.lab.walltime.median_seconds`, with fewer samples for calls slower than 20 ms."""
     start = time.perf_counter()
     jax.block_until_ready(fn())
     once = time.perf_counter() - start

@@ -18,8 +18,8 @@ import numpy as np
 
 import ultraep_jax as uep
 from experiments.gpu import hlo_schedule
-from experiments.output_files import write_json
-from experiments.walltime import median_seconds
+from experiments.lab.output_files import write_json
+from experiments.lab.walltime import median_seconds
 
 _INTERESTING = re.compile(
     r"^(custom-call|all-to-all|ragged-all-to-all|all-gather|all-reduce|collective-permute"

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.batched import batched_planner
-from experiments.loads import workloads
-from experiments.stepmodel.shapes import ANCHOR
-from experiments.walltime import median_seconds, time_batched_plan
+from experiments.lab.batched import batched_planner
+from experiments.lab.loads import workloads
+from experiments.lab.stepmodel.shapes import ANCHOR
+from experiments.lab.walltime import median_seconds, time_batched_plan
 from ultraep_jax import tools
 
 
@@ -178,14 +178,10 @@ def cuda_bench(
     return outs, times[:iters]
 
 
-def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
-    """(a) the CUDA planner's plans, with either kernel, equal the CPU handler's; (b) time per plan
-    at the anchor's setup with either kernel (``repeats`` samples; batches of ``plan_batch`` plans).
-    ``dry``: the checks on CPU only (the parallel form's host emulation against the core)."""
-    if not tools.has_cuda_handler() and not dry:
-        return {"status": "skipped: the CUDA planner handler is not built into this install"}
-    out = {"check": {}, "time": {}}
-    ok = True
+def _check_cases(device, dry: bool) -> dict:
+    """(a) Each case's plans through JAX (plain and parallel form) and, on a GPU, through the
+    CUDA hook (both kernels), each against the CPU handler's: {case: {check: equal}}."""
+    check = {}
     for name, (cfg, loads) in planner_cases(dry).items():
         want = _cpu_plans(cfg, loads)
         got = _plan_arrays(batched_planner(cfg)(jax.device_put(loads, device)))
@@ -197,34 +193,29 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
             row["hook_equal"] = all(map(np.array_equal, want, plans))
             plans, _ = cuda_bench(cfg, loads, 0, parallel=True)
             row["hook_parallel_equal"] = all(map(np.array_equal, want, plans))
-        ok &= all(v for k, v in row.items() if k.endswith("_equal"))
-        out["check"][name] = row
+        check[name] = row
         print(f"  planner {name}: {row}", flush=True)
-    if not dry:
-        # Invalid input: a negative load gives -1 everywhere (the CPU handler raises instead).
-        cfg = uep.BalancerConfig(64, 8, 2, min_tokens_per_replica=16)
-        bad = random_loads(np.random.default_rng(5), 4, 8, 64)
-        bad[1, 3, 7] = -5
-        for parallel in (False, True):
-            plans, _ = cuda_bench(cfg, bad, 0, parallel=parallel)
-            neg = all(np.all(p[1] == -1) for p in plans)
-            neg &= all(np.all(p[0] >= 0) for p in plans[3:])
-            out["check"][f"negative_load_gives_minus_one{'_parallel' * parallel}"] = neg
-            ok &= bool(neg)
-    out["status"] = "ok" if ok else "MISMATCH"
-    if dry:
-        return out
+    return check
 
-    # (b) Time at the anchor's setup.
-    R, E, S = ANCHOR.ep, ANCHOR.shape.num_experts, ANCHOR.slots_per_rank
-    cfg = uep.BalancerConfig(E, R, S)
-    base = reference_loads(R, E, ANCHOR.tokens_per_rank, 6)
-    t = out["time"]
-    targets = "/".join(f"{x:g}" for x in ANCHOR.zipf_targets)
-    t["setup"] = (
-        f"EP{R}/E{E}/S{S}, rank_zipf_loads {ANCHOR.tokens_per_rank} tokens x "
-        f"top-{ANCHOR.shape.top_k}, targets {targets}"
-    )
+
+def _check_negative_loads() -> dict:
+    """Invalid input on the GPU: a negative load gives -1 everywhere (the CPU handler raises
+    instead), with either kernel."""
+    cfg = uep.BalancerConfig(64, 8, 2, min_tokens_per_replica=16)
+    bad = random_loads(np.random.default_rng(5), 4, 8, 64)
+    bad[1, 3, 7] = -5
+    check = {}
+    for parallel in (False, True):
+        plans, _ = cuda_bench(cfg, bad, 0, parallel=parallel)
+        neg = all(np.all(p[1] == -1) for p in plans)
+        neg &= all(np.all(p[0] >= 0) for p in plans[3:])
+        check[f"negative_load_gives_minus_one{'_parallel' * parallel}"] = neg
+    return check
+
+
+def _time_kernels(cfg, base, repeats: int, plan_batch: int, t: dict) -> None:
+    """(b) Each CUDA kernel's time per plan (CUDA events): single plans of three targets and one
+    batch of ``plan_batch``, into ``t``."""
     reps = max(repeats, 50)
     for kernel, parallel in (("core", False), ("parallel", True)):
         singles = []
@@ -241,21 +232,27 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
             flush=True,
         )
 
+
+def _plan_chain(cfg, n: int):
+    """A jitted chain of ``n`` dependent plans of one matrix: the sum of their rank 0 loads."""
+
+    def f(loads):
+        def body(_, carry):
+            x, acc = carry
+            p = uep.plan(x, cfg)
+            bump = (p.rank_load[0] < 0).astype(jnp.int32)  # always 0; XLA cannot know
+            return x + bump, acc + p.rank_load[0]
+
+        return jax.lax.fori_loop(0, n, body, (loads, jnp.int32(0)), unroll=True)[1]
+
+    return jax.jit(f)
+
+
+def _time_jax(cfg, base, device, repeats: int, plan_batch: int, t: dict) -> None:
+    """(b) ``uep.plan``'s time through JAX: per plan in a chain (64 less 8 plans), one plan's
+    wall time and per plan in a batch of ``plan_batch``, into ``t``."""
     one = jax.device_put(base[0], device)
-
-    def chain(n):
-        def f(loads):
-            def body(_, carry):
-                x, acc = carry
-                p = uep.plan(x, cfg)
-                bump = (p.rank_load[0] < 0).astype(jnp.int32)  # always 0; XLA cannot know
-                return x + bump, acc + p.rank_load[0]
-
-            return jax.lax.fori_loop(0, n, body, (loads, jnp.int32(0)), unroll=True)[1]
-
-        return jax.jit(f)
-
-    c64, c8 = chain(64), chain(8)
+    c64, c8 = _plan_chain(cfg, 64), _plan_chain(cfg, 8)
     t64 = median_seconds(lambda: c64(one), repeats)
     t8 = median_seconds(lambda: c8(one), repeats)
     t["jax_chain_us_per_plan"] = 1e6 * (t64 - t8) / 56
@@ -264,6 +261,36 @@ def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
     loads = base[np.arange(plan_batch) % 6]
     seconds = time_batched_plan(loads, cfg, repeats, device)
     t["jax_batched_us_per_plan"] = 1e6 * seconds / plan_batch
+
+
+def section_planner(device, dry: bool, repeats: int, plan_batch: int) -> dict:
+    """(a) the CUDA planner's plans, with either kernel, equal the CPU handler's; (b) time per plan
+    at the anchor's setup with either kernel (``repeats`` samples; batches of ``plan_batch`` plans).
+    ``dry``: the checks on CPU only (the parallel form's host emulation against the core)."""
+    if not tools.has_cuda_handler() and not dry:
+        return {"status": "skipped: the CUDA planner handler is not built into this install"}
+    out = {"check": _check_cases(device, dry), "time": {}}
+    if not dry:
+        out["check"] |= _check_negative_loads()
+    ok = all(
+        all(v for k, v in row.items() if k.endswith("_equal")) if isinstance(row, dict) else row
+        for row in out["check"].values()
+    )
+    out["status"] = "ok" if ok else "MISMATCH"
+    if dry:
+        return out
+
+    # (b) Time at the anchor's setup.
+    R, E, S = ANCHOR.ep, ANCHOR.shape.num_experts, ANCHOR.slots_per_rank
+    cfg = uep.BalancerConfig(E, R, S)
+    base = reference_loads(R, E, ANCHOR.tokens_per_rank, 6)
+    targets = "/".join(f"{x:g}" for x in ANCHOR.zipf_targets)
+    out["time"]["setup"] = (
+        f"EP{R}/E{E}/S{S}, rank_zipf_loads {ANCHOR.tokens_per_rank} tokens x "
+        f"top-{ANCHOR.shape.top_k}, targets {targets}"
+    )
+    _time_kernels(cfg, base, repeats, plan_batch, out["time"])
+    _time_jax(cfg, base, device, repeats, plan_batch, out["time"])
     return out
 
 

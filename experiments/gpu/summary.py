@@ -21,8 +21,8 @@ import sys
 
 from absl import flags
 
-from experiments.program import run_main
-from experiments.stepmodel import calibration, layer, shapes
+from experiments.lab.program import run_main
+from experiments.lab.stepmodel import calibration, layer, shapes
 
 _DIR = flags.DEFINE_string("dir", None, "The run_all.sh output folder.", required=True)
 
@@ -243,7 +243,7 @@ def gmm_bar(folder: str, cmds: dict) -> list[str]:
 
 
 def model_lines(folder: str, cluster: str = "hgx-h100") -> list[str]:
-    """The step model (`experiments.stepmodel`) fed this run's fastest grouped matmul: the
+    """The step model (`experiments.lab.stepmodel`) fed this run's fastest grouped matmul: the
     anchor's force-balanced layer (forward + backward) on ``cluster``, by term."""
     best = best_gmm(folder)
     if not best:

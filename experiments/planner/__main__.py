@@ -2,8 +2,8 @@
 
 from absl import flags
 
+from experiments.lab.program import run_main
 from experiments.planner import main
-from experiments.program import run_main
 
 flags.adopt_module_key_flags(main)  # --help lists the benchmark's flags
 

@@ -1,7 +1,7 @@
 """The planner benchmark's baseline table: none, eplb_periodic, eplb_exact, eplb_plus and ultraep
-(`experiments.loads.baselines`) on the same load matrices: every trace, rank-level Zipf 1.5 / 2 /
-3, expert-level Zipf and a drifting stream; final max/mean (mean, p95, worst), replicas, placements
-moved per re-plan, and planning time per matrix; per trace, whether ultraep is the best
+(`experiments.lab.loads.baselines`) on the same load matrices: every trace, rank-level Zipf 1.5 / 2
+/ 3, expert-level Zipf and a drifting stream; final max/mean (mean, p95, worst), replicas,
+placements moved per re-plan, and planning time per matrix; per trace, whether ultraep is the best
 replication-only planner, within 0.02 of eplb_exact, and faster than it."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import baselines, drift, policies
+from experiments.lab.loads import baselines, drift, policies
+from experiments.lab.stepmodel.shapes import ANCHOR
+from experiments.lab.walltime import time_batched_plan
 from experiments.planner import setup
-from experiments.stepmodel.shapes import ANCHOR
-from experiments.walltime import time_batched_plan
 
 #: The rows of each workload, in table order.
 ORDER = policies.names(without=("exact",))

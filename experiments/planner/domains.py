@@ -26,7 +26,7 @@ The variants live in this file (a copy of the planner's attempts and threshold s
 Python, which reproduces `ultraep_jax.plan` bit for bit: with no variant the plan of one domain,
 with ``fit`` the plan with ``ranks_per_domain = d``; both checked on every layer it plans).
 
-Loads: each layer as `experiments.planner` builds it (`experiments.loads.workloads`, the trace's
+Loads: each layer as `experiments.planner` builds it (`experiments.lab.loads.workloads`, the trace's
 own top-k, ``--tokens_per_rank`` tokens per rank, seed 0), every ``--stride``-th layer.
 Figures per case: slow-link copies per layer (median, p90, total over the layers) and the final
 max/mean rank load (mean and worst over the layers).
@@ -40,12 +40,12 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import cli
-from experiments.batched import batched_planner
-from experiments.loads import traces, workloads
-from experiments.output_files import write_json
-from experiments.program import run_main
-from experiments.stepmodel import shapes
+from experiments.lab import cli
+from experiments.lab.batched import batched_planner
+from experiments.lab.loads import traces, workloads
+from experiments.lab.output_files import write_json
+from experiments.lab.program import run_main
+from experiments.lab.stepmodel import shapes
 
 _CASES = flags.DEFINE_list(
     "cases",

@@ -78,6 +78,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from experiments.program import run_main
+    from experiments.lab.program import run_main
 
     run_main(main)

@@ -5,10 +5,10 @@
         python -m experiments.planner --train_loads=/tmp/run/loads.jsonl   # a training run
 
 Quality: final max/mean rank load and replicas on the UltraEP reference setup (the step model's
-``ANCHOR``, `experiments/stepmodel/shapes.toml`: EP64, DeepSeek-V3's experts, rank-level Zipf at
+``ANCHOR``, `experiments/lab/stepmodel/shapes.toml`: EP64, DeepSeek-V3's experts, rank-level Zipf at
 its initial loads)
 and on every layer of the real traces (``--traces_dir``, default
-`experiments.loads.traces.default_traces_dir()`); exact mode (``balance_eps=0``) next to
+`experiments.lab.loads.traces.default_traces_dir()`); exact mode (``balance_eps=0``) next to
 ``--balance_eps`` on the UltraEP setup and DeepSeek-R1 EP32/EP64; optionally the per-layer loads a
 training run recorded with ``--profile_loads`` (``--train_loads``). Time: one `jax.jit` of
 `jax.vmap(plan)` over a batch of load matrices (so dispatch is amortised), median over repeats,
@@ -26,14 +26,14 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import records
-from experiments.batched import batched_planner
-from experiments.loads import workloads
-from experiments.output_files import write_json
+from experiments.lab import records
+from experiments.lab.batched import batched_planner
+from experiments.lab.loads import workloads
+from experiments.lab.output_files import write_json
+from experiments.lab.stepmodel.shapes import ANCHOR
+from experiments.lab.walltime import time_batched_plan
 from experiments.planner import baselines as planner_baselines
 from experiments.planner import setup
-from experiments.stepmodel.shapes import ANCHOR
-from experiments.walltime import time_batched_plan
 
 flags.adopt_module_key_flags(setup)  # --help lists the benchmark's flags
 

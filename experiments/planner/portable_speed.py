@@ -6,7 +6,8 @@ At EP32/E256/S2 and EP64/E256/S2 (rank-level Zipf loads at initial max/mean 2, t
 per rank; the default balancer: F=1024, eps=0.01): the time per plan of `jit(vmap(plan))` over
 ``--batch`` load matrices, as the README's C++ figure is measured, and of one jitted call on one
 matrix; each as a ratio to the C++ core (`planner="native"`) timed the same way in this run. The
-plans are checked equal first. Medians over ``--repeats`` (`experiments.walltime.median_seconds`).
+plans are checked equal first. Medians over ``--repeats``
+(`experiments.lab.walltime.median_seconds`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
-from experiments.loads import workloads
-from experiments.walltime import median_seconds
+from experiments.lab.loads import workloads
+from experiments.lab.walltime import median_seconds
 
 BATCH = flags.DEFINE_integer("batch", 64, "load matrices per batched call")
 REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per figure (median)")

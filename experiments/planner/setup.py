@@ -13,9 +13,9 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import cli
-from experiments.loads import traces, workloads
-from experiments.stepmodel.shapes import ANCHOR
+from experiments.lab import cli
+from experiments.lab.loads import traces, workloads
+from experiments.lab.stepmodel.shapes import ANCHOR
 
 SEEDS = flags.DEFINE_integer("seeds", 10, "Seeds per generated setup.")
 BALANCER = cli.define_balancer_flags()

@@ -12,7 +12,7 @@ examples:
 
 from absl import flags
 
-from experiments.program import run_main
+from experiments.lab.program import run_main
 from experiments.replay import main
 
 flags.adopt_module_key_flags(main)  # --help lists the replay's flags

@@ -15,7 +15,7 @@ experts (forward and backward for ``--mode=train``, forward only for ``--mode=pr
 serves more tokens). Measured: those three, per rank; the step's time for each is the busiest
 rank's. Modelled: the token all-to-alls and the replica weight transfer (and the gradients'
 return in training) from their exact bytes per rank at ``--link_gbps`` per direction, charged by
-the step model's one rule (`experiments.stepmodel.layer`: the transfer beside the all-to-all of
+the step model's one rule (`experiments.lab.stepmodel.layer`: the transfer beside the all-to-all of
 its pass, what outlasts it exposed; `replay.cell`). The force-balanced ideal is plain EP with
 every rank at the mean rows (same kernel, E_m groups, the layer's buffer), timed the same way.
 
@@ -25,7 +25,7 @@ DeepSeek-V3 expert, so the exchanges are far smaller relative to compute than on
 It is not an end-to-end throughput. ``--transfer_model`` also charges each layer at a real
 model's bytes against its compute on a stated GPU (`replay.real_ratio`). ``--calibration_out``
 writes the experts' fitted cost per row and per group with its provenance
-(`experiments.stepmodel.calibration`), for ``python -m experiments.sim --calibration``.
+(`experiments.lab.stepmodel.calibration`), for ``python -m experiments.sim --calibration``.
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ import os
 import jax
 from absl import app, flags
 
-from experiments import cli
-from experiments.loads import traces
-from experiments.output_files import write_json
-from experiments.pinned_ranks import keep_freed_memory
+from experiments.lab import cli
+from experiments.lab.loads import traces
+from experiments.lab.output_files import write_json
+from experiments.lab.pinned_ranks import keep_freed_memory
+from experiments.lab.stepmodel import calibration as stepcal
+from experiments.lab.stepmodel import shapes
 from experiments.replay import cell as replay_cell
 from experiments.replay import real_ratio, report
 from experiments.replay import timing as replay_timing
-from experiments.stepmodel import calibration as stepcal
-from experiments.stepmodel import shapes
 
 #: Layer shape presets: the anchor's real shape (a GPU), and one scaled so that the default
 #: replay runs on a 2-core CPU in minutes: rows per rank are the anchor's pairs per rank divided
@@ -211,12 +211,8 @@ flags.register_validator(
 )
 
 
-def main(argv):
-    """Replays every (workload, EP size, mode) cell and prints its table and the headline."""
-    del argv
-    if _CORE.value >= 0:
-        os.sched_setaffinity(0, {_CORE.value})  # before JAX starts its threads
-    keep_freed_memory()
+def _settings() -> replay_cell.Settings:
+    """Every cell's settings, from the flags (``--shape``'s preset where a flag is unset)."""
     preset = _SHAPES[_SHAPE.value]
     shape = replay_timing.Shape(
         d_model=_D.value or preset["d_model"],
@@ -224,7 +220,7 @@ def main(argv):
         dtype=_DTYPE.value or preset["dtype"],
         kernel=_KERNEL.value,
     )
-    settings = replay_cell.Settings(
+    return replay_cell.Settings(
         shape=shape,
         pairs={
             "train": _PAIRS.value or preset["pairs"],
@@ -243,7 +239,7 @@ def main(argv):
         zipf_experts=_E.value,
         zipf_top_k=_K.value,
         target=(
-            real_ratio.TargetModel.of(
+            real_ratio.TargetLayer.of(
                 _TARGETS[_TRANSFER_MODEL.value], _GPU.value, _GPU_TFLOPS.value, _LINK.value
             )
             if _TRANSFER_MODEL.value
@@ -251,27 +247,20 @@ def main(argv):
         ),
         timed=_EXPERTS.value == "timed",
     )
-    if not settings.timed and _CALIBRATION.value:
-        raise app.UsageError("--calibration_out needs --experts=timed (it fits timed ranks)")
-    modes = replay_timing.MODES if _MODE.value == "both" else (_MODE.value,)
+
+
+def _clock_name(timed: bool) -> str:
+    """What the expert times are measured with (or that nothing is timed)."""
+    if not timed:
+        return "none: expert time = rows / mean rows (--experts=rows), nothing timed"
     on_cpu = jax.default_backend() == "cpu"
-    clock_name = (
-        f"process CPU time, pinned to core {_CORE.value}"
-        if on_cpu and _CORE.value >= 0
-        else "process CPU time"
-        if on_cpu
-        else "wall time"
-    )
-    if not settings.timed:
-        clock_name = "none: expert time = rows / mean rows (--experts=rows), nothing timed"
-    print(
-        f"Per-rank replay on {jax.devices()[0].device_kind} ({jax.default_backend()}), clock: "
-        f"{clock_name}; shape D={shape.d_model} F={shape.d_ff} {shape.dtype}, kernel "
-        f"{shape.kernel}; pairs per rank {settings.pairs}; {settings.slots} slots per rank, "
-        f"capacity factor {settings.capacity_factor}; modelled links {settings.link_gbps:g} GB/s "
-        f"per rank and direction",
-        flush=True,
-    )
+    if on_cpu and _CORE.value >= 0:
+        return f"process CPU time, pinned to core {_CORE.value}"
+    return "process CPU time" if on_cpu else "wall time"
+
+
+def _run_cells(settings: replay_cell.Settings, modes) -> list[dict]:
+    """Replays every (workload, EP size, mode) cell, printing each cell's table."""
     cells = []
     for workload in _WORKLOADS.value:
         for ep_flag in dict.fromkeys(int(s) for s in _EP.value):
@@ -284,6 +273,30 @@ def main(argv):
                 cell = replay_cell.replay_cell(workload, ep, mode, samples, settings)
                 cells.append(cell)
                 print("\n".join(report.cell_table(cell)), flush=True)
+    return cells
+
+
+def main(argv):
+    """Replays every (workload, EP size, mode) cell and prints its table and the headline."""
+    del argv
+    if _CORE.value >= 0:
+        os.sched_setaffinity(0, {_CORE.value})  # before JAX starts its threads
+    keep_freed_memory()
+    settings = _settings()
+    shape = settings.shape
+    if not settings.timed and _CALIBRATION.value:
+        raise app.UsageError("--calibration_out needs --experts=timed (it fits timed ranks)")
+    modes = replay_timing.MODES if _MODE.value == "both" else (_MODE.value,)
+    clock_name = _clock_name(settings.timed)
+    print(
+        f"Per-rank replay on {jax.devices()[0].device_kind} ({jax.default_backend()}), clock: "
+        f"{clock_name}; shape D={shape.d_model} F={shape.d_ff} {shape.dtype}, kernel "
+        f"{shape.kernel}; pairs per rank {settings.pairs}; {settings.slots} slots per rank, "
+        f"capacity factor {settings.capacity_factor}; modelled links {settings.link_gbps:g} GB/s "
+        f"per rank and direction",
+        flush=True,
+    )
+    cells = _run_cells(settings, modes)
     print("\n* modelled from exact bytes per rank (not timed)\n")
     print("\n".join(report.headline(cells)))
     if _CALIBRATION.value:

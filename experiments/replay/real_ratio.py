@@ -27,12 +27,12 @@ import dataclasses
 
 import numpy as np
 
-from experiments.stepmodel import layer, links, shapes
+from experiments.lab.stepmodel import layer, links, shapes
 
 
 @dataclasses.dataclass(frozen=True)
-class TargetModel:
-    """The model and GPU the layer is charged at.
+class TargetLayer:
+    """The target's expert layer and GPU the replayed layer is charged at.
 
     Attributes:
       name: the target shape's name.
@@ -56,10 +56,10 @@ class TargetModel:
     def __post_init__(self):
         for field in ("d_model", "d_ff", "itemsize"):
             if getattr(self, field) < 1:
-                raise ValueError(f"TargetModel.{field}={getattr(self, field)} must be >= 1")
+                raise ValueError(f"TargetLayer.{field}={getattr(self, field)} must be >= 1")
         for field in ("gpu_tflops", "link_gbps"):
             if not getattr(self, field) > 0:
-                raise ValueError(f"TargetModel.{field}={getattr(self, field)} must be > 0")
+                raise ValueError(f"TargetLayer.{field}={getattr(self, field)} must be > 0")
 
     @classmethod
     def of(cls, setup: shapes.Setup, gpu: str, gpu_tflops: float, link_gbps: float):
@@ -96,11 +96,11 @@ def layer_at_target(
     token_rows_RR: np.ndarray,
     transfer_copies: float,
     replayed_pairs: int,
-    target: TargetModel,
+    target: TargetLayer,
     mode: str,
 ) -> layer.LayerTime:
     """One layer of one policy at the target's ratios (see the module docstring), by the step
-    model's rule (`experiments.stepmodel.layer.layer_terms`).
+    model's rule (`experiments.lab.stepmodel.layer.layer_terms`).
 
     Args:
       experts_s, ideal_experts_s: the policy's and the ideal's busiest-rank expert seconds as

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments.stepmodel import calibration as stepcal
-from experiments.stepmodel.shapes import ExpertShape
+from experiments.lab.stepmodel import calibration as stepcal
+from experiments.lab.stepmodel.shapes import ExpertShape
 
 
 def cell_table(cell: dict) -> list[str]:
@@ -81,8 +81,8 @@ def headline(cells: list[dict]) -> list[str]:
         f"{cells[0]['device'] if cells else '?'} (experts), and with the planner and the "
         "dispatch bookkeeping (compute). Modelled: step = compute + the token all-to-alls + "
         "the replica transfer that outlasts the all-to-all of its pass (the step model's rule, "
-        "experiments.stepmodel.layer), at this shape's bytes, which are far smaller relative to "
-        "compute than a real model's (use --transfer_model). Noise floor = the ideal's own "
+        "experiments.lab.stepmodel.layer), at this shape's bytes, which are far smaller relative "
+        "to compute than a real model's (use --transfer_model). Noise floor = the ideal's own "
         "ranks timed again as a policy (what noise alone takes off a busiest rank); balancer % "
         "experts = (planner + bookkeeping) / expert time, (added) = less none's bookkeeping. "
         "Not an end-to-end throughput:"
@@ -131,7 +131,7 @@ def headline(cells: list[dict]) -> list[str]:
 
 
 def calibration(cells: list[dict], settings, clock_name: str) -> dict:
-    """The calibration file's content (`experiments.stepmodel.calibration.calibration_file`):
+    """The calibration file's content (`experiments.lab.stepmodel.calibration.calibration_file`):
     per mode the experts' costs fitted over every timed rank, and the replay's measured ultraep
     figures; ``settings``: the run's `experiments.replay.cell.Settings`."""
     fits = {}

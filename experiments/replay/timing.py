@@ -4,7 +4,7 @@ kernels, on one device, one rank at a time.
 Three parts of a rank's work are timed separately:
   planner      `uep.plan` on the all-gathered load matrix, with the layer's capacity (every rank
                computes the same plan): per plan, inside one jitted `vmap` over copies
-               (`experiments.walltime.seconds_per_plan`, called by `replay.cell`)
+               (`experiments.lab.walltime.seconds_per_plan`, called by `replay.cell`)
   bookkeeping  the rank's dispatch arithmetic (`dispatch.plan_dispatch`) and its gathers: the send
                buffer, the received rows regrouped by local group and back, the weighted combine
                (forward; forward and backward in training)
@@ -12,7 +12,7 @@ Three parts of a rank's work are timed separately:
                its slot groups (forward; forward and backward in training)
 One compiled program per shape (buffer rows, masters, slots) serves every rank: group sizes,
 pairs and plans are runtime values. Nothing here crosses between ranks: the exchanges are
-modelled (`experiments.stepmodel.links`).
+modelled (`experiments.lab.stepmodel.links`).
 
 Clock: on a CPU, the CPU time of this process (pin it to one core: XLA:CPU then runs the work on
 that core, and other processes sharing the core do not count); elsewhere, wall time.
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.lab.stepmodel import shapes
 from experiments.replay.work import RankWork
-from experiments.stepmodel import shapes
 from ultraep_jax import tools
 
 MODES = ("train", "prefill")

@@ -1,11 +1,11 @@
 """What every rank of an EP group does for one load matrix under each balancing policy, for
 `experiments.replay`: the load matrices (trace layers or generated), each rank's received
 rows per local group, the token rows each rank exchanges with each peer and the expert weights
-it sends (what those exchanges cost is the step model's, `experiments.stepmodel.links`).
+it sends (what those exchanges cost is the step model's, `experiments.lab.stepmodel.links`).
 
 ultraep, exact mode and none are computed as the layer computes them: `ultraep_jax.plan` (with
 the layer's receive capacity) and `ultraep_jax.dispatch.group_counts`, the arithmetic
-`dispatch.plan_dispatch` runs on every rank. The EPLB baselines (`experiments.loads.baselines`)
+`dispatch.plan_dispatch` runs on every rank. The EPLB baselines (`experiments.lab.loads.baselines`)
 re-lay out the experts, so their rows and groups come from their placements: each instance is one
 group of the rank that holds it, processing its even share of the expert's tokens.
 
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import baselines, policies, ranks, traces, workloads
+from experiments.lab.loads import baselines, policies, ranks, traces, workloads
 from ultraep_jax.tools import group_counts, masters_only_plan
 
 #: The policies compared, in table order (the force-balanced ideal is reported beside them).

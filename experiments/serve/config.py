@@ -6,8 +6,8 @@ import dataclasses
 import math
 import pathlib
 
-from experiments.cli import check_capacity_factor
-from experiments.train.config import (
+from experiments.lab.cli import check_capacity_factor
+from experiments.lab.training.config import (
     BALANCED_CAPACITY_FACTOR,
     TrainConfig,
     balancer_options,

@@ -21,10 +21,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from experiments.train.checkpoints import Checkpoints
-from experiments.train.config import MODEL_FIELDS, TrainConfig
-from experiments.train.trainer import TENSOR_AXIS, place_on_mesh
-from experiments.train.workdir import CHECKPOINT_DIR, CONFIG_FILE, RunError
+from experiments.lab.training.build import TENSOR_AXIS, place_on_mesh
+from experiments.lab.training.checkpoints import Checkpoints
+from experiments.lab.training.config import MODEL_FIELDS, TrainConfig
+from experiments.lab.training.workdir import CHECKPOINT_DIR, CONFIG_FILE, RunError
 from models.moe_lm import MoELM, MoESettings
 
 

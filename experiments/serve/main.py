@@ -45,16 +45,16 @@ import time
 
 from absl import flags, logging
 
-from experiments import cli
-from experiments.concurrency import concurrency_check
-from experiments.devices import force_cpu_devices
-from experiments.output_files import check_output_path, write_json
-from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.lab import cli
+from experiments.lab.concurrency import concurrency_check
+from experiments.lab.devices import force_cpu_devices
+from experiments.lab.output_files import check_output_path, write_json
+from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.lab.training.config import balancer_options, execution_of, mesh_sizes
+from experiments.lab.walltime import median_seconds
 from experiments.serve.config import OUTPUT_FILE, ServeConfig
 from experiments.serve.prompts import Prompt, as_text, pad_batch, read_prompts
 from experiments.serve.report import report
-from experiments.train.config import balancer_options, execution_of, mesh_sizes
-from experiments.walltime import median_seconds
 
 _VALUES = cli.define_flags(ServeConfig, {"capacity_factor": cli.parse_capacity_factor})
 flags.DEFINE_integer(
@@ -120,21 +120,16 @@ def _engine():
     return engine
 
 
-def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: bool) -> dict:
-    """Prefills ``prompts`` in every mode of ``cfg``, then decodes; the results (see the module
-    doc; every process returns them)."""
+def _serve_mesh(cfg: ServeConfig, train_cfg):
+    """(mesh, (data, expert, tensor) sizes) the prefill runs on: ``cfg``'s EP and tensor sizes
+    over every device (the trained tensor size by default)."""
     import jax
-    import numpy as np
 
-    import ultraep_jax as uep
-    from experiments.train.trainer import TENSOR_AXIS, make_mesh
-    from models.moe_lm import MoESettings
+    from experiments.lab.training.build import make_mesh
 
-    engine = _engine()
     model_cfg = train_cfg.model
-    devices = jax.device_count()
-    data_size, ep, tensor = mesh_sizes(
-        devices,
+    sizes = mesh_sizes(
+        jax.device_count(),
         ep_size=cfg.ep_size,
         tensor_size=cfg.tensor_size or train_cfg.tensor_size,
         num_experts=model_cfg.num_experts,
@@ -142,7 +137,113 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
         ranks_per_domain=cfg.ranks_per_domain,
         transfer_chunks=cfg.transfer_chunks,
     )
-    mesh = make_mesh(data_size, ep, tensor)
+    return make_mesh(*sizes), sizes
+
+
+def _balancer(cfg: ServeConfig, train_cfg):
+    """The balanced prefill's `uep.BalancerConfig` (the trained slots per rank by default)."""
+    import ultraep_jax as uep
+
+    return uep.BalancerConfig(
+        slots_per_rank=cfg.slots_per_rank or train_cfg.slots_per_rank,
+        min_tokens_per_replica=cfg.min_tokens_per_replica,
+        balance_eps=cfg.balance_eps,
+        min_tokens_per_rank=cfg.min_tokens_per_rank,
+        **balancer_options(cfg.max_fanout, cfg.ranks_per_domain),
+    )
+
+
+def _prefill_run(model, mesh, args, repeats: int, num_prompts: int, real: int) -> dict:
+    """One mode's prefill of ``args`` (tokens, mask, lengths on ``mesh``): its first call's
+    seconds (compiling), the median of ``repeats`` more, the next token and its log-probability
+    of each of the ``num_prompts`` prompts (``real`` tokens in all), and the layers' stats."""
+    import jax
+    import numpy as np
+
+    prefill = _engine().prefill_step(model, mesh)
+    start = time.perf_counter()
+    ids, logp, stats = jax.device_get(jax.block_until_ready(prefill(*args)))
+    compile_s = time.perf_counter() - start
+    seconds = median_seconds(lambda prefill=prefill: prefill(*args), repeats)
+    return {
+        "compile_s": compile_s,
+        "prefill_ms": seconds * 1e3,
+        "tokens_per_s": real / seconds,
+        "next_token": ids[:num_prompts].tolist(),
+        "next_logprob": logp[:num_prompts].tolist(),
+        "imbalance_before": np.asarray(stats.imbalance_before).tolist(),
+        "imbalance_after": np.asarray(stats.imbalance_after).tolist(),
+        "dropped": np.asarray(stats.dropped).tolist(),
+        "replicas": np.asarray(stats.replicas).tolist(),
+        "masked": np.asarray(stats.masked).tolist(),
+    }
+
+
+def _balancer_record(balancer) -> dict:
+    """The balancer's fields as the result records them."""
+    return {
+        "slots_per_rank": balancer.slots_per_rank,
+        "min_tokens_per_replica": balancer.min_tokens_per_replica,
+        "balance_eps": balancer.balance_eps,
+        "min_tokens_per_rank": balancer.min_tokens_per_rank,
+        "max_fanout": balancer.max_fanout,
+        "ranks_per_domain": balancer.ranks_per_domain,
+    }
+
+
+def _model_record(model_cfg) -> dict:
+    """The served model's shape as the result records it."""
+    return {
+        "d_model": model_cfg.d_model,
+        "num_layers": model_cfg.num_layers,
+        "num_experts": model_cfg.num_experts,
+        "top_k": model_cfg.top_k,
+        "max_seq_len": model_cfg.max_seq_len,
+    }
+
+
+def _prompt_records(prompts: list[Prompt], runs: dict, continuations: list[str]) -> list[dict]:
+    """Each prompt's file, length, next token and log-probability per mode, and continuation."""
+    return [
+        {
+            "file": str(p.path),
+            "tokens": len(p.tokens),
+            "next_token": {m: as_text([r["next_token"][i]]) for m, r in runs.items()},
+            "next_logprob": {m: r["next_logprob"][i] for m, r in runs.items()},
+            "continuation": continuations[i],
+        }
+        for i, p in enumerate(prompts)
+    ]
+
+
+def _mode_run(mode: str, cfg: ServeConfig, train_cfg, served, args, prompts, real: int) -> dict:
+    """One mode's prefill (`_prefill_run`) of the model built for it: plain, or balanced with
+    ``cfg``'s buffer. ``served``: (mesh, restored state, plain settings, balancer)."""
+    mesh, state, plain, balancer = served
+    balanced = mode == "ultraep"
+    settings = plain
+    if balanced:
+        settings = dataclasses.replace(
+            plain, balancer=balancer, capacity_factor=cfg.capacity_factor
+        )
+    model = _engine().build(train_cfg, mesh, state, settings)
+    return {
+        "capacity_factor": cfg.capacity_factor if balanced else None,
+        **_prefill_run(model, mesh, args, cfg.repeats, len(prompts), real),
+    }
+
+
+def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: bool) -> dict:
+    """Prefills ``prompts`` in every mode of ``cfg``, then decodes; the results (see the module
+    doc; every process returns them)."""
+    import jax
+
+    from experiments.lab.training.build import TENSOR_AXIS
+    from models.moe_lm import MoESettings
+
+    engine = _engine()
+    model_cfg = train_cfg.model
+    mesh, (data_size, ep, tensor) = _serve_mesh(cfg, train_cfg)
     token_devices = data_size * ep  # the tensor ranks of an EP rank see the same tokens
     plain = MoESettings(
         tensor_axis=TENSOR_AXIS if tensor > 1 else None,
@@ -156,56 +257,22 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
     tokens, mask, lengths = pad_batch(prompts, token_devices)
     B, T = tokens.shape
     per_rank = B * T // token_devices
-    balancer = uep.BalancerConfig(
-        slots_per_rank=cfg.slots_per_rank or train_cfg.slots_per_rank,
-        min_tokens_per_replica=cfg.min_tokens_per_replica,
-        balance_eps=cfg.balance_eps,
-        min_tokens_per_rank=cfg.min_tokens_per_rank,
-        **balancer_options(cfg.max_fanout, cfg.ranks_per_domain),
-    )
+    balancer = _balancer(cfg, train_cfg)
     args = (
         engine.on_mesh(mesh, tokens, split=True),
         engine.on_mesh(mesh, mask, split=True),
         engine.on_mesh(mesh, lengths, split=False),
     )
     real = int(lengths.sum())
-    runs = {}
-    cf = cfg.capacity_factor
-    for mode in cfg.modes:
-        balanced = mode == "ultraep"
-        settings = plain
-        if balanced:
-            settings = dataclasses.replace(plain, balancer=balancer, capacity_factor=cf)
-        model = engine.build(train_cfg, mesh, state, settings)
-        prefill = engine.prefill_step(model, mesh)
-        start = time.perf_counter()
-        ids, logp, stats = jax.device_get(jax.block_until_ready(prefill(*args)))
-        compile_s = time.perf_counter() - start
-        seconds = median_seconds(lambda prefill=prefill: prefill(*args), cfg.repeats)
-        runs[mode] = {
-            "capacity_factor": cfg.capacity_factor if balanced else None,
-            "compile_s": compile_s,
-            "prefill_ms": seconds * 1e3,
-            "tokens_per_s": real / seconds,
-            "next_token": ids[: len(prompts)].tolist(),
-            "next_logprob": logp[: len(prompts)].tolist(),
-            "imbalance_before": np.asarray(stats.imbalance_before).tolist(),
-            "imbalance_after": np.asarray(stats.imbalance_after).tolist(),
-            "dropped": np.asarray(stats.dropped).tolist(),
-            "replicas": np.asarray(stats.replicas).tolist(),
-            "masked": np.asarray(stats.masked).tolist(),
-        }
+    runs = {
+        mode: _mode_run(mode, cfg, train_cfg, (mesh, state, plain, balancer), args, prompts, real)
+        for mode in cfg.modes
+    }
     result = {
         "workdir": str(workdir),
         "checkpoint_step": step,
-        "model": {
-            "d_model": model_cfg.d_model,
-            "num_layers": model_cfg.num_layers,
-            "num_experts": model_cfg.num_experts,
-            "top_k": model_cfg.top_k,
-            "max_seq_len": model_cfg.max_seq_len,
-        },
-        "devices": devices,
+        "model": _model_record(model_cfg),
+        "devices": jax.device_count(),
         "device": str(jax.devices()[0].device_kind),
         "mesh": {"data": data_size, "expert": ep, "tensor": tensor},
         "tensor_size": {"served": tensor, "trained": train_cfg.tensor_size},
@@ -213,14 +280,7 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
         "pinned_ranks": FLAGS.pinned_ranks,
         "batch": [B, T],
         "prompt_tokens": real,
-        "balancer": {
-            "slots_per_rank": balancer.slots_per_rank,
-            "min_tokens_per_replica": balancer.min_tokens_per_replica,
-            "balance_eps": balancer.balance_eps,
-            "min_tokens_per_rank": balancer.min_tokens_per_rank,
-            "max_fanout": balancer.max_fanout,
-            "ranks_per_domain": balancer.ranks_per_domain,
-        },
+        "balancer": _balancer_record(balancer),
         "tokens_per_rank": per_rank,
         # The balanced prefill compiled plain EP (too few tokens per rank to pay).
         "fallback": "ultraep" in cfg.modes and not balancer.applies(per_rank),
@@ -229,16 +289,7 @@ def run(cfg: ServeConfig, workdir, train_cfg, prompts: list[Prompt], pinned: boo
     if calibration is not None:
         result["calibration"] = calibration
     result["decode"], continuations = _decode(cfg, train_cfg, mesh, state, prompts, balancer, plain)
-    result["prompts"] = [
-        {
-            "file": str(p.path),
-            "tokens": len(p.tokens),
-            "next_token": {m: as_text([r["next_token"][i]]) for m, r in runs.items()},
-            "next_logprob": {m: r["next_logprob"][i] for m, r in runs.items()},
-            "continuation": continuations[i],
-        }
-        for i, p in enumerate(prompts)
-    ]
+    result["prompts"] = _prompt_records(prompts, runs, continuations)
     return result
 
 

@@ -8,8 +8,8 @@ import pathlib
 
 import numpy as np
 
-from experiments.train import data
-from experiments.train.workdir import RunError
+from experiments.lab.training import data
+from experiments.lab.training.workdir import RunError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,8 @@ its own, without flags, so that tests can import it."""
 
 from __future__ import annotations
 
-from experiments.concurrency import concurrency_line
-from experiments.program import fallback_note
+from experiments.lab.concurrency import concurrency_line
+from experiments.lab.program import fallback_note
 
 MODE_NAMES = {"ultraep": "balanced (ultraep)", "none": "plain EP (none)"}
 
@@ -45,6 +45,62 @@ def _tensor_note(res: dict) -> str:
     )
 
 
+def _mode_lines(mode: str, r: dict, clock: str) -> list[str]:
+    """One mode's prefill line and its per-layer table."""
+    cf = r["capacity_factor"]
+    lines = [
+        f"\n{MODE_NAMES[mode]}, capacity {'dropless' if cf is None else f'{cf:g}'}: prefill "
+        f"{r['prefill_ms']:.2f} ms ({clock}median), {r['tokens_per_s']:,.0f} tokens/s, "
+        f"compile {r['compile_s']:.1f} s",
+        f"{'layer':>7} {'max/mean before':>16} {'after':>7} {'dropped':>8} {'replicas':>9} "
+        f"{'masked':>7}",
+    ]
+    for i in range(len(r["dropped"])):
+        lines.append(
+            f"{i:7d} {r['imbalance_before'][i]:16.3f} {r['imbalance_after'][i]:7.3f} "
+            f"{r['dropped'][i]:8d} {r['replicas'][i]:9d} {r['masked'][i]:7d}"
+        )
+    return lines
+
+
+def _comparison_lines(res: dict, n: int) -> list[str]:
+    """Balanced against plain (when both ran): the time ratio, and how many of the ``n``
+    prompts' next-token predictions agree."""
+    bal, plain = res["runs"]["ultraep"], res["runs"]["none"]
+    same = sum(a == b for a, b in zip(bal["next_token"], plain["next_token"], strict=True))
+    diff = max(abs(a - b) for a, b in zip(bal["next_logprob"], plain["next_logprob"], strict=True))
+    # On the fallback both modes ran plain EP: a ratio of two identical programs says nothing.
+    timing = (
+        "balanced / plain prefill time: not compared (the balanced prefill ran plain EP)"
+        if res["fallback"]
+        else f"balanced / plain prefill time: {bal['prefill_ms'] / plain['prefill_ms']:.3f}"
+    )
+    lines = [
+        f"\n{timing}; next-token predictions the same for {same} of {n} prompts (largest "
+        f"log-probability difference {diff:.2g})"
+    ]
+    if not res["fallback"] and _clock_note(res):
+        lines.append(_clock_note(res))
+    return lines
+
+
+def _decode_lines(res: dict) -> list[str]:
+    """The greedy decode's line (when it ran) and each prompt's next tokens and continuation."""
+    dec = res["decode"]
+    lines = []
+    if dec["steps"]:
+        lines.append(
+            f"\ngreedy continuations: {dec['steps']} decode steps on the {dec['path']} path "
+            f"({dec['tokens_per_rank']} tokens per rank per step: no KV cache, each step runs the "
+            f"{dec['window'][1]}-token window), {dec['seconds_with_compile']:.1f} s with compile"
+        )
+    for p in res["prompts"]:
+        nxt = " / ".join(f"{m}: {t!r}" for m, t in p["next_token"].items())
+        continues = f"; continues {p['continuation']!r}" if dec["steps"] else ""
+        lines.append(f"  {p['file']} ({p['tokens']} tokens): next {nxt}{continues}")
+    return lines
+
+
 def report(res: dict) -> str:
     """The readable report of `run`'s results."""
     m = res["model"]
@@ -68,49 +124,8 @@ def report(res: dict) -> str:
         subject = "the balanced prefill runs"
         lines.append(fallback_note(res["tokens_per_rank"], threshold, subject))
     for mode, r in res["runs"].items():
-        cf = r["capacity_factor"]
-        lines.append(
-            f"\n{MODE_NAMES[mode]}, capacity {'dropless' if cf is None else f'{cf:g}'}: prefill "
-            f"{r['prefill_ms']:.2f} ms ({clock}median), {r['tokens_per_s']:,.0f} tokens/s, "
-            f"compile {r['compile_s']:.1f} s"
-        )
-        lines.append(
-            f"{'layer':>7} {'max/mean before':>16} {'after':>7} {'dropped':>8} {'replicas':>9} "
-            f"{'masked':>7}"
-        )
-        for i in range(len(r["dropped"])):
-            lines.append(
-                f"{i:7d} {r['imbalance_before'][i]:16.3f} {r['imbalance_after'][i]:7.3f} "
-                f"{r['dropped'][i]:8d} {r['replicas'][i]:9d} {r['masked'][i]:7d}"
-            )
-    runs = res["runs"]
-    if len(runs) == 2:
-        bal, plain = runs["ultraep"], runs["none"]
-        same = sum(a == b for a, b in zip(bal["next_token"], plain["next_token"], strict=True))
-        diff = max(
-            abs(a - b) for a, b in zip(bal["next_logprob"], plain["next_logprob"], strict=True)
-        )
-        # On the fallback both modes ran plain EP: a ratio of two identical programs says nothing.
-        timing = (
-            "balanced / plain prefill time: not compared (the balanced prefill ran plain EP)"
-            if res["fallback"]
-            else f"balanced / plain prefill time: {bal['prefill_ms'] / plain['prefill_ms']:.3f}"
-        )
-        lines.append(
-            f"\n{timing}; next-token predictions the same for {same} of {n} prompts (largest "
-            f"log-probability difference {diff:.2g})"
-        )
-        if not res["fallback"] and _clock_note(res):
-            lines.append(_clock_note(res))
-    dec = res["decode"]
-    if dec["steps"]:
-        lines.append(
-            f"\ngreedy continuations: {dec['steps']} decode steps on the {dec['path']} path "
-            f"({dec['tokens_per_rank']} tokens per rank per step: no KV cache, each step runs the "
-            f"{dec['window'][1]}-token window), {dec['seconds_with_compile']:.1f} s with compile"
-        )
-    for p in res["prompts"]:
-        nxt = " / ".join(f"{m}: {t!r}" for m, t in p["next_token"].items())
-        continues = f"; continues {p['continuation']!r}" if dec["steps"] else ""
-        lines.append(f"  {p['file']} ({p['tokens']} tokens): next {nxt}{continues}")
+        lines += _mode_lines(mode, r, clock)
+    if len(res["runs"]) == 2:
+        lines += _comparison_lines(res, n)
+    lines += _decode_lines(res)
     return "\n".join(lines)

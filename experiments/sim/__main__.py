@@ -2,7 +2,7 @@
 
 from absl import flags
 
-from experiments.program import run_main
+from experiments.lab.program import run_main
 from experiments.sim import main
 
 flags.adopt_module_key_flags(main)  # --help lists the simulator's flags

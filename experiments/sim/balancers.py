@@ -4,9 +4,10 @@ A balancer (``BalancerFn``) takes a batch of load streams ``int32 [n, M, R, E]``
 microbatches of one layer in one DP group, oldest first), a ``BalancerConfig`` and the streams'
 histories ``int32 [n, H, R, E]`` (earlier matrices of the same layer, for balancers that plan from
 the past), and returns per stream and microbatch a :class:`Costed`: the balancer's
-`experiments.loads.baselines.Balanced` layout and quotas, the weight copies it sends and the
-planner time on the critical path. Each balancer is its policy's `experiments.loads.policies.run`
-(the one runner from a name to its plans; the EPLB baselines are `experiments.loads.baselines`):
+`experiments.lab.loads.baselines.Balanced` layout and quotas, the weight copies it sends and the
+planner time on the critical path. Each balancer is its policy's
+`experiments.lab.loads.policies.run` (the one runner from a name to its plans; the EPLB baselines
+are `experiments.lab.loads.baselines`):
 
   * ``none`` -- masters only: nothing moves, no planner.
   * ``eplb_exact`` / ``eplb_plus`` -- plan on the exact load of every layer and microbatch, so
@@ -29,9 +30,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import policies
-from experiments.loads.baselines import Balanced
-from experiments.walltime import time_batched_plan
+from experiments.lab.loads import policies
+from experiments.lab.loads.baselines import Balanced
+from experiments.lab.walltime import time_batched_plan
 
 #: The balancers in table order.
 BASELINE_ORDER = policies.names(without=("exact",))
@@ -125,9 +126,9 @@ _PLAN_SECONDS: dict = {}
 
 
 def measure_plan_seconds(sample: np.ndarray, cfg: uep.BalancerConfig, batch: int = 256) -> float:
-    """CPU-measured planner time per plan: `experiments.walltime.time_batched_plan` over ``batch``
-    matrices (``sample`` [N, R, E] tiled), median of 5, divided by ``batch``. Cached per config
-    (the first sample seen is timed)."""
+    """CPU-measured planner time per plan: `experiments.lab.walltime.time_batched_plan` over
+    ``batch`` matrices (``sample`` [N, R, E] tiled), median of 5, divided by ``batch``. Cached per
+    config (the first sample seen is timed)."""
     if cfg not in _PLAN_SECONDS:
         tiled = np.resize(sample, (batch,) + sample.shape[1:])
         _PLAN_SECONDS[cfg] = time_batched_plan(tiled, cfg, repeats=5) / batch

@@ -9,10 +9,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.loads import ranks, workloads
-from experiments.sim.balancers import BalancerFn, Costed
-from experiments.sim.streams import Sampling, layer_samples, workload_label, workload_streams
-from experiments.stepmodel.layer import (
+from experiments.lab.loads import ranks, workloads
+from experiments.lab.stepmodel.layer import (
     CostParams,
     LayerTime,
     copy_seconds,
@@ -24,11 +22,20 @@ from experiments.stepmodel.layer import (
     rank_expert_seconds,
     replica_bytes,
 )
-from experiments.stepmodel.links import transfer_copy_times
-from experiments.stepmodel.shapes import CLUSTERS, MODELS, SCENARIOS, Cluster, ModelShape, Scenario
+from experiments.lab.stepmodel.links import transfer_copy_times
+from experiments.lab.stepmodel.shapes import (
+    CLUSTERS,
+    MODELS,
+    SCENARIOS,
+    Cluster,
+    ModelShape,
+    Scenario,
+)
+from experiments.sim.balancers import BalancerFn, Costed
+from experiments.sim.streams import Sampling, layer_samples, workload_label, workload_streams
 
 
-def step_seconds(
+def slowest_group_step(
     results: Sequence[Sequence[Costed]],
     groups: int,
     model: ModelShape,
@@ -113,7 +120,7 @@ def simulate_cell(
 
     Rows are keyed by baseline name; balancers that move weights get a second row
     ``"<name> (direct)"`` (the first uses relay with ``params.relay_fanout``). ``traces_dir``:
-    where the ``trace`` workload reads (default `experiments.loads.traces.default_traces_dir`).
+    where the ``trace`` workload reads (default `experiments.lab.loads.traces.default_traces_dir`).
     """
     cluster = CLUSTERS[scenario.cluster]
     ep = scenario.ep_size(model)
@@ -129,7 +136,7 @@ def simulate_cell(
 
     def step(results, relay: bool):
         fanout = params.relay_fanout if relay else None
-        return step_seconds(results, groups, model, ep, cluster, params, fanout)
+        return slowest_group_step(results, groups, model, ep, cluster, params, fanout)
 
     rows = {}
     for name, fn in balancers.items():

@@ -9,13 +9,13 @@ import time
 import jax
 from absl import flags
 
-from experiments import cli
-from experiments.output_files import write_json
+from experiments.lab import cli
+from experiments.lab.output_files import write_json
+from experiments.lab.stepmodel.calibration import Calibration, ExpertCost
+from experiments.lab.stepmodel.layer import CostParams
+from experiments.lab.stepmodel.shapes import MODELS, SCENARIOS
 from experiments.sim import balancers, cell, report
 from experiments.sim.streams import Sampling
-from experiments.stepmodel.calibration import Calibration, ExpertCost
-from experiments.stepmodel.layer import CostParams
-from experiments.stepmodel.shapes import MODELS, SCENARIOS
 
 _MODELS = flags.DEFINE_list("models", list(MODELS), f"Model shapes: {', '.join(MODELS)}.")
 _SCENARIOS = flags.DEFINE_list("scenarios", list(SCENARIOS), f"Layouts: {', '.join(SCENARIOS)}.")
@@ -135,7 +135,7 @@ def main(argv):
     cfg_kwargs = _BALANCER()
     chosen = balancers.make_balancers(_BASELINES.value, _TIMING_BATCH.value)
     print("\n".join(report.assumptions(params, cfg_kwargs, sampling)))
-    print(f"Baselines: {', '.join(chosen)} (experiments.loads.baselines)")
+    print(f"Baselines: {', '.join(chosen)} (experiments.lab.loads.baselines)")
     print(f"Planner timed on: {jax.devices()[0].device_kind} (CPU), not a GPU\n")
     cells = cell.run_all(
         _MODELS.value,

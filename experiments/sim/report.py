@@ -6,15 +6,28 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from experiments.sim.streams import TOPK_DRAWS, Sampling
-from experiments.stepmodel.layer import CostParams
-from experiments.stepmodel.shapes import CLUSTERS, MODELS, SCENARIOS
+from experiments.lab.loads.traces import TOPK_DRAWS
+from experiments.lab.stepmodel.layer import CostParams
+from experiments.lab.stepmodel.shapes import CLUSTERS, MODELS, SCENARIOS
+from experiments.sim.streams import Sampling
 
 
 def assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> list[str]:
     """Every assumption of the model, one line each, printed before the table."""
-    lines, rates = ["Assumptions", "-----------"], params.calibration
-    lines.append("Models (published configs; D = hidden, F = routed expert FFN):")
+    return [
+        "Assumptions",
+        "-----------",
+        *_model_assumptions(),
+        *_hardware_assumptions(),
+        *_calibration_assumption(params),
+        *_cost_assumptions(params),
+        *_plan_assumptions(params, cfg_kwargs, sampling),
+    ]
+
+
+def _model_assumptions() -> list[str]:
+    """The model shapes and the traces that stand in for their routing."""
+    lines = ["Models (published configs; D = hidden, F = routed expert FFN):"]
     for m in MODELS.values():
         lines.append(
             f"  {m.name:17s} {m.source}: D={m.hidden} F={m.expert_ffn} E={m.num_experts} "
@@ -35,7 +48,12 @@ def assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> 
         "(seeded). DP group g, microbatch m reads run g*M+m; model layer l reads trace layer "
         "l*layers/moe_layers."
     )
-    lines.append("Hardware (nominal, per GPU; sources in experiments/stepmodel/shapes.toml):")
+    return lines
+
+
+def _hardware_assumptions() -> list[str]:
+    """The clusters' nominal rates and the layouts."""
+    lines = ["Hardware (nominal, per GPU; sources in experiments/lab/stepmodel/shapes.toml):"]
     for c in CLUSTERS.values():
         lines.append(
             f"  {c.name:12s} {c.gpu}: BF16 dense peak {c.peak_bf16_tflops:g} TFLOPS, NVLink "
@@ -45,8 +63,13 @@ def assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> 
     lines.append("Layouts:")
     for s in SCENARIOS.values():
         lines.append(f"  {s.name:11s} {s.note}")
-    lines += [
-        *_calibration_assumption(params),
+    return lines
+
+
+def _cost_assumptions(params: CostParams) -> list[str]:
+    """How compute, links, the all-to-alls, their overlap and a replica's copy are charged."""
+    rates = params.calibration
+    return [
         (
             f"Compute: every GEMM (experts, attention, dense, LM head) at "
             f"{rates.gemm_efficiency:.0%} of the dense BF16 peak (H100/H200 BF16 GEMMs reach "
@@ -89,16 +112,22 @@ def assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> 
             "NVLink/IB time), and the hops run one after another (a relay forwards a copy only "
             "once it has all of it; no chunk pipelining, no per-hop latency)."
         ),
+    ]
+
+
+def _plan_assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> list[str]:
+    """The balancers' configs and planners, the sampled sizes and the ideal."""
+    return [
         (
             f"Balancer config: {dict(cfg_kwargs)}; none = masters only; ultraep = "
             "ultraep_jax.plan on the exact load of every layer and microbatch, its time per plan "
             "CPU-measured on this machine (one jit(vmap(plan)) batch, median, per plan) -- "
             "UltraEP's GPU kernel takes 0.067-0.078 ms per layer. eplb_exact / eplb_plus "
-            "(experiments.loads.baselines, NumPy) also plan on the exact load, so their "
+            "(experiments.lab.loads.baselines, NumPy) also plan on the exact load, so their "
             "CPU-measured wall time per call is on the critical path too; every expert keeps a "
             "home rank (its optimizer state), and each rank a layout puts it on elsewhere gets one "
             "weight copy plus one gradient return per layer and microbatch, a second instance on "
-            "the same rank none (experiments.loads.policies.weight_copies; eplb_exact's full "
+            "the same rank none (experiments.lab.loads.policies.weight_copies; eplb_exact's full "
             "re-layout: all off-home instances; eplb_plus: its replicas). eplb_periodic plans off "
             f"the critical path on the {sampling.history} earlier load matrices of the same layer "
             "(trace: other iterations / serving runs; generated Zipf: other seeds, i.e. popularity "
@@ -123,7 +152,6 @@ def assumptions(params: CostParams, cfg_kwargs: Mapping, sampling: Sampling) -> 
             "per-rank load seen (activation memory of the dispatch buffer)."
         ),
     ]
-    return lines
 
 
 def _calibration_assumption(params: CostParams) -> list[str]:
@@ -247,6 +275,76 @@ def regime_table(cells: Sequence[dict]) -> list[str]:
     return lines
 
 
+def _gap_shares(rows) -> np.ndarray:
+    """[3] % of the step lost to residual imbalance, planner and exposed transfer, averaged over
+    the (cell, row) ``rows``."""
+    gaps = np.zeros(3)  # residual imbalance, planner, exposed transfer (share of step)
+    for c, r in rows:
+        t, step = r["terms_s"], r["step_s"]
+        gaps += np.array(
+            [
+                (step - c["ideal_step_s"] - t["plan"] - t["transfer_exposed"]) / step,
+                t["plan"] / step,
+                t["transfer_exposed"] / step,
+            ]
+        )
+    return 100.0 * gaps / len(rows)
+
+
+def _pct_with_gpu_planner(rows, gpu_plan_ms: float) -> float:
+    """The mean % of the ideal of ``rows`` (the same steps) with UltraEP's GPU planner time in
+    place of our CPU-measured one."""
+    return float(
+        np.mean(
+            [
+                100.0
+                * c["ideal_step_s"]
+                / (r["step_s"] + (gpu_plan_ms - r["plan_ms"]) * 1e-3 * c["planned_layers"])
+                for c, r in rows
+            ]
+        )
+    )
+
+
+def _best_other_lines(cells, name: str, rows, pct: float) -> list[str]:
+    """The best other baseline against ``name`` (``pct`` % of the ideal): why it trails."""
+    lines = []
+    others = {
+        n: [c["rows"][n] for c in cells if n in c["rows"]]
+        for n in dict.fromkeys(n for c in cells for n in c["rows"])
+        if n not in (name, "none") and not n.endswith("(direct)")
+    }
+    if others:
+        best = max(others, key=lambda n: np.mean([r["pct_ideal"] for r in others[n]]))
+        b = others[best]
+        b_pct = float(np.mean([r["pct_ideal"] for r in b]))
+        b_xfer = 100.0 * float(np.mean([r["terms_s"]["transfer_exposed"] / r["step_s"] for r in b]))
+        b_plan = 100.0 * float(np.mean([r["terms_s"]["plan"] / r["step_s"] for r in b]))
+        lines.append(
+            f"Against the best other baseline, {best} ({b_pct:.1f} %), ultraep gains "
+            f"{pct - b_pct:.1f} points: {best} ends at max/mean "
+            f"{np.mean([r['final_imbalance'] for r in b]):.3f}, moves "
+            f"{np.mean([r['replicas'] for r in b]):.0f} copies per layer (ultraep "
+            f"{np.mean([r['replicas'] for _, r in rows]):.0f}), and loses {b_plan:.1f} % of its "
+            f"step to its planner and {b_xfer:.1f} % to exposed transfer."
+        )
+    return lines
+
+
+def _relay_lines(direct) -> list[str]:
+    """Relay against direct: the largest gain and how many cells tie."""
+    lines = []
+    if direct:
+        gap, cell = max(direct, key=lambda dc: dc[0])
+        equal = sum(abs(d) < 0.05 for d, _ in direct)
+        lines.append(
+            f"Relay vs direct: relay gains at most {gap:.1f} points ({cell['model']} "
+            f"{cell['scenario']} {cell['workload']}); in {equal} of {len(direct)} cells the copies "
+            "finish inside the dispatch all-to-all they overlap, so the two are equal."
+        )
+    return lines
+
+
 def verdict(cells: Sequence[dict], name: str = "ultraep", gpu_plan_ms: float = 0.078) -> list[str]:
     """Where our average lands against UltraEP's 94.3 % / 1.49x, and why (from the numbers)."""
     rows = [(c, c["rows"][name]) for c in cells if name in c["rows"]]
@@ -258,28 +356,8 @@ def verdict(cells: Sequence[dict], name: str = "ultraep", gpu_plan_ms: float = 0
     final = float(np.mean([r["final_imbalance"] for _, r in rows]))
     expert_share = 100.0 * float(np.mean([c["expert_share"] for c, _ in rows]))
     a2a_share = 100.0 * float(np.mean([c["a2a_share"] for c, _ in rows]))
-    gaps = np.zeros(3)  # residual imbalance, planner, exposed transfer (share of step)
-    for c, r in rows:
-        t, step = r["terms_s"], r["step_s"]
-        gaps += np.array(
-            [
-                (step - c["ideal_step_s"] - t["plan"] - t["transfer_exposed"]) / step,
-                t["plan"] / step,
-                t["transfer_exposed"] / step,
-            ]
-        )
-    gaps = 100.0 * gaps / len(rows)
-    # The same steps with UltraEP's GPU planner time in place of our CPU-measured one.
-    pct_gpu = float(
-        np.mean(
-            [
-                100.0
-                * c["ideal_step_s"]
-                / (r["step_s"] + (gpu_plan_ms - r["plan_ms"]) * 1e-3 * c["planned_layers"])
-                for c, r in rows
-            ]
-        )
-    )
+    gaps = _gap_shares(rows)
+    pct_gpu = _pct_with_gpu_planner(rows, gpu_plan_ms)
     direct = [
         (r["pct_ideal"] - c["rows"][f"{name} (direct)"]["pct_ideal"], c)
         for c, r in rows
@@ -315,31 +393,6 @@ def verdict(cells: Sequence[dict], name: str = "ultraep", gpu_plan_ms: float = 0
             "UltraEP's 1.30-4.01."
         ),
     ]
-    others = {
-        n: [c["rows"][n] for c in cells if n in c["rows"]]
-        for n in dict.fromkeys(n for c in cells for n in c["rows"])
-        if n not in (name, "none") and not n.endswith("(direct)")
-    }
-    if others:
-        best = max(others, key=lambda n: np.mean([r["pct_ideal"] for r in others[n]]))
-        b = others[best]
-        b_pct = float(np.mean([r["pct_ideal"] for r in b]))
-        b_xfer = 100.0 * float(np.mean([r["terms_s"]["transfer_exposed"] / r["step_s"] for r in b]))
-        b_plan = 100.0 * float(np.mean([r["terms_s"]["plan"] / r["step_s"] for r in b]))
-        lines.append(
-            f"Against the best other baseline, {best} ({b_pct:.1f} %), ultraep gains "
-            f"{pct - b_pct:.1f} points: {best} ends at max/mean "
-            f"{np.mean([r['final_imbalance'] for r in b]):.3f}, moves "
-            f"{np.mean([r['replicas'] for r in b]):.0f} copies per layer (ultraep "
-            f"{np.mean([r['replicas'] for _, r in rows]):.0f}), and loses {b_plan:.1f} % of its "
-            f"step to its planner and {b_xfer:.1f} % to exposed transfer."
-        )
-    if direct:
-        gap, cell = max(direct, key=lambda dc: dc[0])
-        equal = sum(abs(d) < 0.05 for d, _ in direct)
-        lines.append(
-            f"Relay vs direct: relay gains at most {gap:.1f} points ({cell['model']} "
-            f"{cell['scenario']} {cell['workload']}); in {equal} of {len(direct)} cells the copies "
-            "finish inside the dispatch all-to-all they overlap, so the two are equal."
-        )
+    lines += _best_other_lines(cells, name, rows, pct)
+    lines += _relay_lines(direct)
     return lines

@@ -9,78 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
 from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.loads import drift, traces, workloads
-from experiments.stepmodel.layer import CostParams
-from experiments.stepmodel.shapes import ModelShape
-
-#: Tokens drawn to turn a top-1 trace row into top-k expert shares.
-TOPK_DRAWS = 16384
-
-
-#: The HarMoEny file each of its traces is read from as runs, and the layers kept of it.
-HARMOENY_RUNS = {
-    "switch-base-128": ("expert_freq_switch128_datasets.csv", traces.SWITCH_ENCODER_LAYERS),
-    "qwen1.5-moe": ("expert_freq_qwen_policy_datasets.csv", None),
-}
-
-
-@functools.cache
-def trace_runs(trace: str, traces_dir: str | None = None) -> tuple[np.ndarray, ...]:
-    """A trace as runs of per-layer counts, each ``[layers, E]``.
-
-    deepseek-r1: one run per file (12 serving runs x 58 MoE layers). switch-base-128: one run per
-    (dataset, iteration) of ``expert_freq_switch128_datasets.csv`` (4 x 30 runs), encoder layers
-    0-5 only (see `traces.SWITCH_ENCODER_LAYERS`). qwen1.5-moe: one run per (dataset, iteration)
-    of ``expert_freq_qwen_policy_datasets.csv`` (4 x 20 runs x 12 layers). ``traces_dir`` is the
-    folder holding the trace folders (default `traces.default_traces_dir`); FileNotFoundError
-    when the trace is not there.
-    """
-    base = traces.default_traces_dir() if traces_dir is None else pathlib.Path(traces_dir)
-    root = base / trace
-    if not root.is_dir():
-        raise FileNotFoundError(f"trace folder not found: {root} (see --traces_dir)")
-    if trace == "deepseek-r1":
-        return tuple(traces.deepseek_trace_expert_counts(p) for p in sorted(root.glob("*.json")))
-    file, kept = HARMOENY_RUNS[trace]
-    runs: dict = {}
-    for meta, counts in traces.harmoeny_trace_rows(root / file):
-        if kept is None or meta["layer"] < kept:
-            runs.setdefault((meta["dataset"], meta["iteration"]), {})[meta["layer"]] = counts
-    return tuple(
-        np.stack([layers[k] for k in sorted(layers)]) for _, layers in sorted(runs.items())
-    )
-
-
-def topk_counts(counts, top_k: int, draws: int, seed: int) -> np.ndarray:
-    """Expert pair counts of ``draws`` tokens that each pick ``top_k`` distinct experts.
-
-    Each token draws its experts without replacement with probabilities proportional to
-    ``counts`` (Gumbel top-k), so no expert exceeds ``1 / top_k`` of the pairs, as in a real
-    top-k router; a top-1 trace scaled naively to top-k could put more than one token's worth of
-    choices on one expert. Returns int64 ``[E]`` summing to ``draws * top_k``.
-    """
-    counts = np.asarray(counts, dtype=np.float64)
-    log_p = np.log(np.maximum(counts / counts.sum(), 1e-300))
-    gumbel = np.random.default_rng(seed).gumbel(size=(draws, counts.size))
-    picks = np.argpartition(-(log_p + gumbel), top_k - 1, axis=1)[:, :top_k]
-    return np.bincount(picks.ravel(), minlength=counts.size).astype(np.int64)
-
-
-@functools.cache
-def trace_layer_counts(
-    trace: str, run: int, layer: int, top_k: int, traces_dir: str | None = None
-) -> np.ndarray:
-    """Counts of one trace (run, layer) for a ``top_k`` router (``topk_counts`` when the traced
-    model routed to fewer experts than ``top_k``)."""
-    counts = trace_runs(trace, traces_dir)[run][layer]
-    if traces.TRACE_TOP_K[trace] >= top_k:
-        return counts
-    return topk_counts(counts, top_k, TOPK_DRAWS, seed=run * 1000 + layer)
+from experiments.lab.loads import drift, workloads
+from experiments.lab.loads.traces import trace_layer_counts, trace_runs
+from experiments.lab.stepmodel.layer import CostParams
+from experiments.lab.stepmodel.shapes import ModelShape
 
 
 @functools.cache
@@ -147,7 +83,7 @@ def workload_streams(
     with exponent X; both drawn cyclically from a pool of ``sampling.zipf_pool`` seeded matrices
     (each seed has its own hot ranks, so the history says nothing about the present).
     ``traces_dir``: the folder holding the trace folders (default:
-    `experiments.loads.traces.default_traces_dir`).
+    `experiments.lab.loads.traces.default_traces_dir`).
     """
     shape = (groups * len(layers), sampling.microbatches + sampling.history, ep, model.num_experts)
     if workload == "trace":

@@ -1,4 +1,4 @@
-"""The programs that print figures from the step model (`experiments.stepmodel`), each with its
+"""The programs that print figures from the step model (`experiments.lab.stepmodel`), each with its
 flags and ``main``; the model imports none of them.
 
   pinned        the model of this machine's two pinned ranks from measured rates

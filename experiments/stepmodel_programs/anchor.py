@@ -12,7 +12,7 @@ initial max/mean (1.51 / 2.01 / 3.03):
            and both slots, the replica transfer as long as the most copies of one expert (sent
            directly by its master), its planner at its published GPU time
   ours     `uep.plan` on rank-level Zipf loads generated to that initial max/mean
-           (`experiments.loads.workloads.rank_zipf_loads`), the busiest rank's own groups, the
+           (`experiments.lab.loads.workloads.rank_zipf_loads`), the busiest rank's own groups, the
            relayed transfer (`links.relay_copies`), our planner at its GPU time
 
 each charged by `layer.layer_time`'s one rule in every MoE layer of a training step, against the
@@ -35,11 +35,11 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments.loads import policies, workloads
-from experiments.program import run_main
-from experiments.stepmodel import calibration as cal
-from experiments.stepmodel import layer, links
-from experiments.stepmodel.shapes import ANCHOR, CLUSTERS, SCENARIOS
+from experiments.lab.loads import policies, workloads
+from experiments.lab.program import run_main
+from experiments.lab.stepmodel import calibration as cal
+from experiments.lab.stepmodel import layer, links
+from experiments.lab.stepmodel.shapes import ANCHOR, CLUSTERS, SCENARIOS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ def layer_of(load: Load, corner: Corner, balanced: bool, scenario) -> layer.Laye
     )
 
 
-def step_seconds(load: Load, corner: Corner, balanced: bool, scenario) -> float:
+def anchor_step_seconds(load: Load, corner: Corner, balanced: bool, scenario) -> float:
     """A training step's seconds: every MoE layer at ``load`` (`layer_of`), plus the dense
     layers and the LM head."""
     model, cluster = ANCHOR.shape, CLUSTERS[scenario.cluster]
@@ -132,7 +132,7 @@ def ideal_seconds(corner: Corner, scenario) -> float:
     em = ANCHOR.experts_per_rank
     mean = np.full(em, ANCHOR.pairs_per_rank / em)
     ideal = Load(mean, mean, 0.0, (0.0, 0.0), 0)
-    return step_seconds(ideal, corner, False, scenario)
+    return anchor_step_seconds(ideal, corner, False, scenario)
 
 
 def published_load(i: int) -> Load:
@@ -185,8 +185,8 @@ def figures(loads: list[Load], scenario) -> dict:
 
     def at(corner):
         ideal = ideal_seconds(corner, scenario)
-        steps = [step_seconds(x, corner, True, scenario) for x in loads]
-        nones = [step_seconds(x, corner, False, scenario) for x in loads]
+        steps = [anchor_step_seconds(x, corner, True, scenario) for x in loads]
+        nones = [anchor_step_seconds(x, corner, False, scenario) for x in loads]
         pct = 100.0 * float(np.mean([ideal / s for s in steps]))
         return pct, float(np.mean([n / s for n, s in zip(nones, steps, strict=True)]))
 

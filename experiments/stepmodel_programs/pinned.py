@@ -36,9 +36,9 @@ import re
 
 from absl import flags
 
-from experiments.program import run_main
-from experiments.stepmodel.calibration import Calibration
-from experiments.stepmodel.cpu_rates import layer_seconds, read_calibration
+from experiments.lab.program import run_main
+from experiments.lab.stepmodel.calibration import Calibration
+from experiments.lab.stepmodel.cpu_rates import layer_seconds, read_calibration
 
 #: The layer benchmark's runs in experiments/results.
 MOE_GLOB = "bench_pinned_*.txt"

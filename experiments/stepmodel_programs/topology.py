@@ -6,7 +6,7 @@
     python -m experiments.stepmodel_programs.topology --traces=deepseek-r1 --ep_sizes=64 --stride=8
 
 Loads: every (run, layer) of each real trace, made into an EP-R load matrix as the simulator
-makes them (`experiments.sim.streams`: the trace's counts for the model's top-k, scaled to
+makes them (`experiments.lab.loads.traces`: the trace's counts for the model's top-k, scaled to
 ``tokens_per_rank`` x top-k pairs per rank and split over the source ranks at random, seeded),
 planned by the library planner (``BalancerConfig`` at its defaults, or the balancer flags).
 Each trace is charged at the model shape the step model maps it to (`shapes.toml`: the first
@@ -52,11 +52,11 @@ import time
 
 from absl import flags
 
-from experiments import cli
-from experiments.output_files import write_json
-from experiments.program import run_main
-from experiments.stepmodel.calibration import Calibration, provenance
-from experiments.stepmodel.layer import CostParams
+from experiments.lab import cli
+from experiments.lab.output_files import write_json
+from experiments.lab.program import run_main
+from experiments.lab.stepmodel.calibration import Calibration, provenance
+from experiments.lab.stepmodel.layer import CostParams
 from experiments.stepmodel_programs.topology_cells import TOPOLOGIES, TRACES, Run, evaluate
 from experiments.stepmodel_programs.topology_report import plot, regime_table, table
 
@@ -92,7 +92,7 @@ def main(argv):
     cfg_kwargs = _BALANCER()
     rows = evaluate(run, cfg_kwargs, params, f.traces_dir)
     text = [
-        "Modelled, not measured: the step model (experiments/stepmodel) on the library's plans "
+        "Modelled, not measured: the step model (experiments/lab/stepmodel) on the library's plans "
         "(none and blind: one domain; aware: ranks_per_domain=d, its targets chosen by domain) "
         f"and relay schedules; BalancerConfig({cfg_kwargs}), max_fanout={run.max_fanout}, "
         f"{params.tokens_per_rank} tokens per rank, links at nominal x "

@@ -12,13 +12,12 @@ import time
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.batched import batched_schedule
-from experiments.loads import policies, ranks, workloads
-from experiments.sim import streams
-from experiments.stepmodel import layer, links
-from experiments.stepmodel.layer import CostParams
-from experiments.stepmodel.shapes import CLUSTERS, MODELS, TRACE_MODELS, Cluster, ModelShape
-from experiments.summaries import summary
+from experiments.lab.batched import batched_schedule
+from experiments.lab.loads import policies, ranks, traces, workloads
+from experiments.lab.stepmodel import layer, links
+from experiments.lab.stepmodel.layer import CostParams
+from experiments.lab.stepmodel.shapes import CLUSTERS, MODELS, TRACE_MODELS, Cluster, ModelShape
+from experiments.lab.summaries import summary
 
 #: The traces, in table order.
 TRACES = ("deepseek-r1", "qwen1.5-moe", "switch-base-128")
@@ -83,14 +82,14 @@ def padded_experts(num_experts: int, ep: int) -> int | None:
 
 def trace_loads(trace, model, ep, experts, tokens, *, stride=1, seed=0, traces_dir=None):
     """``(labels, loads)``: every ``stride``-th (run, layer) of ``trace`` as an int32 load
-    matrix ``[N, R, experts]`` the simulator's way (`streams.trace_layer_counts`,
+    matrix ``[N, R, experts]`` the simulator's way (`traces.trace_layer_counts`,
     `workloads.loads_from_expert_counts`); experts beyond the trace's own (padding) carry no
     load."""
     labels, loads = [], []
-    runs = streams.trace_runs(trace, traces_dir)
+    runs = traces.trace_runs(trace, traces_dir)
     items = [(r, li) for r, run in enumerate(runs) for li in range(run.shape[0])][::stride]
     for run, li in items:
-        counts = streams.trace_layer_counts(trace, run, li, model.top_k, traces_dir)
+        counts = traces.trace_layer_counts(trace, run, li, model.top_k, traces_dir)
         counts = np.concatenate([counts, np.zeros(experts - counts.size, counts.dtype)])
         draw = int(np.random.SeedSequence([seed, run, li]).generate_state(1)[0])
         labels.append(f"run{run:03d}/layer{li:02d}")

@@ -1,4 +1,4 @@
-"""The step model's whole training step (`experiments.stepmodel.cpu_step`) beside the steps
+"""The step model's whole training step (`experiments.lab.stepmodel.cpu_step`) beside the steps
 `python -m experiments.bench.step --pinned_ranks=2` measured, then projected, as a model, to
 EP32 and EP64 with the imbalance of the real load traces.
 
@@ -11,9 +11,9 @@ step, `experiments.bench.rates`; nothing fitted to a step).
 Then the projection, a model and no measurement: the bench's EP2 rank (T tokens, top-2, D=128,
 F=512, E/R = 4 masters, its measured rest) on this machine's CPU rates, with only each MoE
 layer's max/mean rank load taken from the traces at EP32 and EP64: plain the home ranks' loads
-(`experiments.loads.ranks.home_rank_loads`) of each trace layer's load matrix
-(`experiments.loads.workloads.loads_from_expert_counts` at the traced model's top-k), balanced
-`uep.plan`'s (`experiments.loads.policies.ultraep_balanced`, the trainer's planner settings) on
+(`experiments.lab.loads.ranks.home_rank_loads`) of each trace layer's load matrix
+(`experiments.lab.loads.workloads.loads_from_expert_counts` at the traced model's top-k), balanced
+`uep.plan`'s (`experiments.lab.loads.policies.ultraep_balanced`, the trainer's planner settings) on
 the same matrix; the model's layers at the mean over the trace's layers (a layer's time is
 linear in its rows). What it holds fixed: the all-to-all at its EP2 bytes and gloo rate (the
 links are not scaled: the portable exchange's R x T x k rows would grow with R, a ragged
@@ -31,11 +31,11 @@ import numpy as np
 from absl import flags
 
 import ultraep_jax as uep
-from experiments.loads import policies, ranks, traces, workloads
-from experiments.program import run_main
-from experiments.sim.streams import trace_layer_counts, trace_runs
-from experiments.stepmodel import cpu_step
-from experiments.train.config import TrainConfig
+from experiments.lab.loads import policies, ranks, traces, workloads
+from experiments.lab.loads.traces import trace_layer_counts, trace_runs
+from experiments.lab.program import run_main
+from experiments.lab.stepmodel import cpu_step
+from experiments.lab.training.config import TrainConfig
 
 #: The bench's figures the report sets beside the model's: ratio name -> how it prints.
 SHOWN = {
@@ -112,9 +112,9 @@ def projection_lines(rates: cpu_step.StepRates, eps, names, runs: int, traces_di
                 lines.append(f"{name:>16} {ep:3d}  (skipped: {E} experts over {ep} ranks)")
                 continue
             imb = trace_imbalances(name, ep, rates.tokens, runs, traces_dir)
-            ideal = cpu_step.step_seconds(rates, "ideal", [1.0] * L, ep)
-            balanced = cpu_step.step_seconds(rates, "balanced", [imb["balanced"]] * L, ep)
-            plain = cpu_step.step_seconds(rates, "plain", [imb["plain"]] * L, ep)
+            ideal = cpu_step.mode_step_seconds(rates, "ideal", [1.0] * L, ep)
+            balanced = cpu_step.mode_step_seconds(rates, "balanced", [imb["balanced"]] * L, ep)
+            plain = cpu_step.mode_step_seconds(rates, "plain", [imb["plain"]] * L, ep)
             lines.append(
                 f"{name:>16} {ep:3d} {imb['layers']:6d} {imb['plain']:6.3f} "
                 f"{imb['balanced']:6.3f} {imb['replicas']:8.1f} {balanced / ideal:14.3f} "

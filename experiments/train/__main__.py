@@ -13,7 +13,7 @@ examples:
 
 from absl import flags
 
-from experiments.program import run_main
+from experiments.lab.program import run_main
 from experiments.train import main
 
 # --helpshort lists the flags of the module run as a program: this one.

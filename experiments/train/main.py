@@ -49,11 +49,11 @@ import sys
 
 from absl import flags, logging
 
-from experiments import cli
-from experiments.devices import force_cpu_devices
-from experiments.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
-from experiments.program import run_main
-from experiments.train.config import MODEL_FIELDS, TrainConfig, default_workdir
+from experiments.lab import cli
+from experiments.lab.devices import force_cpu_devices
+from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.lab.program import run_main
+from experiments.lab.training.config import MODEL_FIELDS, TrainConfig, default_workdir
 from models.presets import PRESETS, preset
 
 # Fields whose flag is text that a parser turns into the value (auto, none or a number).
@@ -133,7 +133,7 @@ def main(argv):
             _start_jax()
             import jax
 
-            from experiments.train import data
+            from experiments.lab.training import data
 
             cfg.check_devices(jax.device_count())
             cfg.check_process(jax.local_device_count())

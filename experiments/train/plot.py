@@ -22,7 +22,7 @@ import pathlib
 
 import numpy as np
 
-from experiments.records import read_metrics
+from experiments.lab.records import read_metrics
 
 __all__ = [
     "left_out_text",
@@ -100,67 +100,60 @@ def marker_indices(num_points: int, num_layers: int, layer: int, per_layer: int 
     return np.arange(layer * every, num_points, every * num_layers)
 
 
-def metrics_figure(records: list[dict]):
-    """The figure of a run's metrics records (a matplotlib ``Figure``, Agg canvas).
-
-    Top panel: train loss vs step (and eval loss where logged). Middle panel: for each layer, the
-    max/mean rank load before balancing (dashed) and after (solid, same color) vs step, with a
-    horizontal line at 1.0 (perfect balance). Bottom panel (when any layer has an after value):
-    the after-balancing lines alone on a y-axis zoomed to their range, each layer with markers of
-    its own shape at points no other layer marks, so that layers balanced to the same value stay
-    visible. The title names the balance mode when the records carry a ``balance`` key.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-
-    steps = np.array([r["step"] for r in records], dtype=np.int64)
-    losses = np.array([float(r["loss"]) for r in records])
-    before = _per_layer(records, "imbalance_before")
-    after = _per_layer(records, "imbalance_after")
-    num_layers = max(before.shape[1], after.shape[1])
-    zoom = bool(np.isfinite(after).any())
-
-    fig = Figure(figsize=(10, 9.5 if zoom else 7.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    if zoom:
-        ax_loss, ax_imb, ax_after = fig.subplots(
-            3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 3, 1.8]}
-        )
-    else:
-        ax_loss, ax_imb = fig.subplots(2, 1, sharex=True)
-
-    ax_loss.plot(steps, losses, color="C0", label="train loss")
+def _loss_panel(ax, steps, losses, records: list[dict]) -> None:
+    """The train loss vs step, and the eval loss where logged."""
+    ax.plot(steps, losses, color="C0", label="train loss")
     eval_steps, eval_losses = _steps_losses(records, "eval_loss")
     if eval_steps.size:
-        ax_loss.plot(eval_steps, eval_losses, "o-", color="C3", markersize=4, label="eval loss")
-    ax_loss.set_ylabel("cross-entropy loss")
-    ax_loss.grid(alpha=0.3)
-    ax_loss.legend(loc="upper right")
+        ax.plot(eval_steps, eval_losses, "o-", color="C3", markersize=4, label="eval loss")
+    ax.set_ylabel("cross-entropy loss")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
 
-    if num_layers:
-        colors = _layer_colors(num_layers)
-        handles = []
-        for layer in range(num_layers):
-            color, marker = colors[layer], _MARKERS[layer % len(_MARKERS)]
-            if layer < before.shape[1]:
-                ax_imb.plot(steps, before[:, layer], "--", color=color, linewidth=1.2)
-            if layer < after.shape[1]:
-                ax_imb.plot(steps, after[:, layer], "-", color=color, linewidth=1.5)
-                if zoom:
-                    ax_after.plot(
-                        steps,
-                        after[:, layer],
-                        "-",
-                        color=color,
-                        linewidth=1.2,
-                        marker=marker,
-                        markersize=5,
-                        markevery=list(marker_indices(len(steps), num_layers, layer)),
-                    )
-            handles.append(
-                Line2D([], [], color=color, marker=marker if zoom else "", label=f"layer {layer}")
+
+def _layer_lines(ax_imb, ax_after, steps, before, after, num_layers: int) -> list:
+    """Each layer's before (dashed) and after (solid) lines, and on ``ax_after`` (when not None)
+    the after lines with markers of the layer's own; the legend handles of the layers."""
+    from matplotlib.lines import Line2D
+
+    colors = _layer_colors(num_layers)
+    handles = []
+    for layer in range(num_layers):
+        color, marker = colors[layer], _MARKERS[layer % len(_MARKERS)]
+        if layer < before.shape[1]:
+            ax_imb.plot(steps, before[:, layer], "--", color=color, linewidth=1.2)
+        if layer < after.shape[1]:
+            ax_imb.plot(steps, after[:, layer], "-", color=color, linewidth=1.5)
+            if ax_after is not None:
+                ax_after.plot(
+                    steps,
+                    after[:, layer],
+                    "-",
+                    color=color,
+                    linewidth=1.2,
+                    marker=marker,
+                    markersize=5,
+                    markevery=list(marker_indices(len(steps), num_layers, layer)),
+                )
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=color,
+                marker=marker if ax_after is not None else "",
+                label=f"layer {layer}",
             )
+        )
+    return handles
+
+
+def _imbalance_panel(ax_imb, ax_after, steps, before, after) -> None:
+    """Max/mean rank load before and after balancing per layer, a line at 1.0 and the legend."""
+    from matplotlib.lines import Line2D
+
+    num_layers = max(before.shape[1], after.shape[1])
+    if num_layers:
+        handles = _layer_lines(ax_imb, ax_after, steps, before, after, num_layers)
         handles += [
             Line2D([], [], color="gray", linestyle="--", label="before balancing"),
             Line2D([], [], color="gray", linestyle="-", label="after balancing"),
@@ -179,14 +172,51 @@ def metrics_figure(records: list[dict]):
     ax_imb.axhline(1.0, color="black", linewidth=0.8)
     ax_imb.set_ylabel("max / mean rank load")
     ax_imb.grid(alpha=0.3)
+
+
+def _zoom_panel(ax, after) -> None:
+    """The after-balancing panel's y-axis zoomed to the lines' range (and 1.0)."""
+    lo = min(1.0, float(np.nanmin(after)))
+    hi = max(1.0, float(np.nanmax(after)))
+    pad = max(0.002, 0.15 * (hi - lo))
+    ax.set_ylim(lo - pad, hi + pad)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("after balancing\n(zoomed)")
+    ax.grid(alpha=0.3)
+
+
+def metrics_figure(records: list[dict]):
+    """The figure of a run's metrics records (a matplotlib ``Figure``, Agg canvas).
+
+    Top panel: train loss vs step (and eval loss where logged). Middle panel: for each layer, the
+    max/mean rank load before balancing (dashed) and after (solid, same color) vs step, with a
+    horizontal line at 1.0 (perfect balance). Bottom panel (when any layer has an after value):
+    the after-balancing lines alone on a y-axis zoomed to their range, each layer with markers of
+    its own shape at points no other layer marks, so that layers balanced to the same value stay
+    visible. The title names the balance mode when the records carry a ``balance`` key.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps = np.array([r["step"] for r in records], dtype=np.int64)
+    losses = np.array([float(r["loss"]) for r in records])
+    before = _per_layer(records, "imbalance_before")
+    after = _per_layer(records, "imbalance_after")
+    zoom = bool(np.isfinite(after).any())
+
+    fig = Figure(figsize=(10, 9.5 if zoom else 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_after = None
     if zoom:
-        lo = min(1.0, float(np.nanmin(after)))
-        hi = max(1.0, float(np.nanmax(after)))
-        pad = max(0.002, 0.15 * (hi - lo))
-        ax_after.set_ylim(lo - pad, hi + pad)
-        ax_after.axhline(1.0, color="black", linewidth=0.8)
-        ax_after.set_ylabel("after balancing\n(zoomed)")
-        ax_after.grid(alpha=0.3)
+        ax_loss, ax_imb, ax_after = fig.subplots(
+            3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 3, 1.8]}
+        )
+    else:
+        ax_loss, ax_imb = fig.subplots(2, 1, sharex=True)
+    _loss_panel(ax_loss, steps, losses, records)
+    _imbalance_panel(ax_imb, ax_after, steps, before, after)
+    if zoom:
+        _zoom_panel(ax_after, after)
     (ax_after if zoom else ax_imb).set_xlabel("step")
 
     modes = _balance_modes(records)

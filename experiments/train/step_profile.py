@@ -1,5 +1,5 @@
 """``--profile_steps=N``: the run's last N steps traced with `jax.profiler` on every process, and
-each process's step split into terms (`experiments.step_terms`) written to
+each process's step split into terms (`experiments.lab.step_terms`) written to
 ``<workdir>/terms_rank<process>.json``. The profiled steps are marked in the metrics and left out
 of the median step time (tracing slows a step a little)."""
 
@@ -11,9 +11,9 @@ import statistics
 
 import jax
 
-from experiments import step_terms
-from experiments.output_files import write_json
-from experiments.train.workdir import TERMS_FILE
+from experiments.lab import step_terms
+from experiments.lab.output_files import write_json
+from experiments.lab.training.workdir import TERMS_FILE
 
 
 def _profiler_options() -> jax.profiler.ProfileOptions:

@@ -1,49 +1,14 @@
-"""What a run reports: the per-step records of ``metrics.jsonl`` and ``loads.jsonl``, the
-progress line, and the figures of ``summary.json``."""
+"""What a run reports: the progress line and the figures of ``summary.json`` (each step's layer
+records: `experiments.lab.training.layer_stats`)."""
 
 from __future__ import annotations
 
 import pathlib
 
-import jax
 import numpy as np
 
-import ultraep_jax as uep
-from experiments.train.config import TrainConfig
+from experiments.lab.training.config import TrainConfig
 from experiments.train.plot import timed_records
-
-
-def layer_record(stats: uep.MoEStats) -> dict:
-    """The per-layer figures of one step's ``metrics.jsonl`` record: max/mean rank load before
-    and after balancing, dropped pairs, replicas and the replica transfer's largest per-rank send
-    in bytes (``stats`` with a leading layer axis)."""
-    stats = jax.device_get(stats)
-    return {
-        "imbalance_before": [round(float(v), 5) for v in stats.imbalance_before],
-        "imbalance_after": [round(float(v), 5) for v in stats.imbalance_after],
-        "dropped": [int(v) for v in stats.dropped],
-        "replicas": [int(v) for v in stats.replicas],
-        "transfer_send_max": [int(v) for v in stats.transfer_send_max],
-    }
-
-
-def load_profile(step: int, stats: uep.MoEStats) -> dict:
-    """Per-layer loads of one step for `<workdir>/loads.jsonl` (the load profiler; ``stats``
-    with a leading layer axis)."""
-    stats = jax.device_get(stats)
-    return {
-        "step": step,
-        "layers": [
-            {
-                "expert_load": np.asarray(stats.expert_load[i]).tolist(),
-                "rank_load_before": np.asarray(stats.rank_load_before[i]).tolist(),
-                "rank_load_after": np.asarray(stats.rank_load_after[i]).tolist(),
-                "replicas": int(stats.replicas[i]),
-                "dropped": int(stats.dropped[i]),
-            }
-            for i in range(len(stats.replicas))
-        ],
-    }
 
 
 def capacity_text(capacity_factor: float | None) -> str:

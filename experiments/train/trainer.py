@@ -1,7 +1,8 @@
 """The training loop: model, data, one jitted train step, metrics, checkpoints, plot.
 
-Its parts live beside it: `experiments.train.workdir` (the run's files), `.checkpoints`, `.stop`
-(SIGINT / SIGTERM) and `.summary` (what each step and the whole run report).
+Its parts: `experiments.lab.training` (the config, data, mesh and model, the run's files and
+checkpoints, each step's layer records, which other programs share) and, beside it, `.stop`
+(SIGINT / SIGTERM) and `.summary` (what the whole run reports).
 """
 
 from __future__ import annotations
@@ -14,19 +15,18 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import ultraep_jax as uep
-from experiments import program, records
-from experiments.concurrency import concurrency_check, concurrency_line
-from experiments.output_files import write_json
-from experiments.train import data, plot, summary
-from experiments.train.checkpoints import Checkpoints
-from experiments.train.config import IDEAL_NOTE, TrainConfig, balancer_options, execution_of
-from experiments.train.step_profile import StepProfile
-from experiments.train.stop import StopRequest, in_worker_thread
-from experiments.train.workdir import (
+from experiments.lab import program, records
+from experiments.lab.concurrency import concurrency_check, concurrency_line
+from experiments.lab.output_files import write_json
+from experiments.lab.training import data
+from experiments.lab.training.build import build_model, make_mesh, place_on_mesh, train_step
+from experiments.lab.training.checkpoints import Checkpoints
+from experiments.lab.training.config import IDEAL_NOTE, TrainConfig
+from experiments.lab.training.layer_stats import layer_record, load_profile
+from experiments.lab.training.workdir import (
     CONFIG_FILE,
     METRICS_FILE,
     PLOT_FILE,
@@ -41,54 +41,12 @@ from experiments.train.workdir import (
     open_workdir,
     workdir_contents,
 )
-from models.moe_lm import MoELM, MoESettings, next_token_loss
+from experiments.train import plot, summary
+from experiments.train.step_profile import StepProfile
+from experiments.train.stop import StopRequest, in_worker_thread
+from models.moe_lm import next_token_loss
 
-__all__ = ["RunError", "build_model", "make_mesh", "moe_settings", "place_on_mesh", "run"]
-
-#: The mesh axis that splits the experts' hidden width with ``--tensor_size`` > 1.
-TENSOR_AXIS = "tensor"
-
-
-def make_mesh(data_size: int, ep_size: int, tensor_size: int) -> jax.sharding.Mesh:
-    """The run's mesh, every axis Auto: (data, expert), and a trailing "tensor" axis when
-    ``tensor_size`` > 1 (neighbouring devices share the tokens of one EP rank)."""
-    shape, names = (data_size, ep_size), ("data", "expert")
-    if tensor_size > 1:
-        shape, names = (*shape, tensor_size), (*names, TENSOR_AXIS)
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
-
-
-def moe_settings(cfg: TrainConfig, mesh) -> MoESettings:
-    """How the run's MoE layers run on ``mesh`` (`MoESettings`): balanced with ``cfg``'s
-    balancer flags (``--slots_per_rank`` ... ``--max_fanout``, ``--ranks_per_domain``), plain,
-    or the force-balanced ideal; ``cfg``'s buffer; the experts' hidden width over "tensor" when
-    the mesh has that axis; ``--planner`` and ``--transfer_chunks``."""
-    balancer = None
-    if cfg.balance == "ultraep":
-        balancer = uep.BalancerConfig(
-            num_experts=cfg.model.num_experts,
-            ep_size=mesh.shape["expert"],
-            slots_per_rank=cfg.slots_per_rank,
-            min_tokens_per_replica=cfg.min_tokens_per_replica,
-            balance_eps=cfg.balance_eps,
-            min_tokens_per_rank=cfg.min_tokens_per_rank,
-            **balancer_options(cfg.max_fanout, cfg.ranks_per_domain),
-        )
-    return MoESettings(
-        balancer,
-        cfg.capacity_factor,
-        force_balanced=cfg.balance == "ideal",
-        tensor_axis=TENSOR_AXIS if TENSOR_AXIS in mesh.axis_names else None,
-        execution=execution_of(cfg.planner, cfg.transfer_chunks),
-    )
-
-
-def build_model(cfg: TrainConfig, mesh) -> MoELM:
-    """The model of ``cfg`` (`moe_settings`) with every parameter on ``mesh`` (experts split over
-    "expert", their hidden width over "tensor" when the mesh has that axis)."""
-    model = MoELM(cfg.model, mesh, moe_settings(cfg, mesh), rngs=nnx.Rngs(cfg.seed))
-    place_on_mesh(model, mesh)
-    return model
+__all__ = ["RunError", "run"]
 
 
 def fallback_note(cfg: TrainConfig, num_devices: int) -> str:
@@ -101,29 +59,9 @@ def fallback_note(cfg: TrainConfig, num_devices: int) -> str:
     return program.fallback_note(per_rank, cfg.min_tokens_per_rank, "the MoE layers run")
 
 
-def place_on_mesh(obj, mesh):
-    """Puts every array of an nnx object on ``mesh``: those already split over it stay, the rest
-    are replicated (so jit sees one device set, also after a checkpoint restore)."""
-    replicated = NamedSharding(mesh, P())
-
-    def on_mesh(a):
-        if isinstance(a.sharding, NamedSharding) and a.sharding.mesh.devices.size == mesh.size:
-            return a
-        return jax.device_put(a, replicated)
-
-    nnx.update(obj, jax.tree.map(on_mesh, nnx.state(obj)))
-
-
 def _mesh_text(mesh) -> str:
     """``data=2 x expert=4`` for a mesh's axes."""
     return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
-
-
-def _train_step(model, optimizer, batch):
-    (loss, stats), grads = nnx.value_and_grad(next_token_loss, has_aux=True)(model, batch)
-    optimizer.update(model, grads)
-    model.update_router_biases(stats)  # DeepSeek-V3's bias step from this step's exact loads
-    return loss, stats
 
 
 def _eval_step(model, batch):
@@ -199,45 +137,41 @@ def run(cfg: TrainConfig, calibrate: bool = False) -> dict:
         stop.restore()
 
 
-def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration) -> dict:
-    latest = checkpoints.latest_step() or 0
-    changed = check_saved_config(workdir, cfg) if latest else []
-    if latest >= cfg.steps:
-        if lead:
-            print(
-                f"{workdir} already holds step {latest} of --steps={cfg.steps}: nothing to "
-                f"train; raise --steps to train further",
-                flush=True,
-            )
-        return {"step": latest, "steps": cfg.steps, "finished": True, "stopped_by": None}
-    files, train_bytes, eval_bytes = corpus
-
-    mesh = make_mesh(*mesh_shape)
-    model = build_model(cfg, mesh)
-    optimizer = nnx.Optimizer(model, optax.adamw(cfg.learning_rate), wrt=nnx.Param)
-    place_on_mesh(optimizer, mesh)
-    start = checkpoints.restore(model, optimizer)
-    metrics = workdir / METRICS_FILE
-    profile = workdir / PROFILE_FILE
+def _nothing_to_train(cfg: TrainConfig, workdir, latest: int, lead: bool) -> dict:
+    """The result of a run whose workdir already holds ``--steps`` (said on the lead process)."""
     if lead:
-        write_json(workdir / CONFIG_FILE, cfg.to_json())
-        keep_records_up_to(metrics, start)
-        keep_records_up_to(profile, start)
-        print(f"workdir {workdir}: {workdir_contents(cfg)}", flush=True)
-        if changed:
-            print(f"note: resuming with changed flags: {', '.join(changed)}", flush=True)
         print(
-            f"{cfg.balance}: {len(files)} files, {train_bytes.size} train bytes, "
-            f"{jax.device_count()} devices as {_mesh_text(mesh)}, "
-            f"capacity factor {summary.capacity_text(cfg.capacity_factor)}, "
-            f"{'resuming after' if start else 'starting at'} step {start}",
+            f"{workdir} already holds step {latest} of --steps={cfg.steps}: nothing to "
+            f"train; raise --steps to train further",
             flush=True,
         )
-        token_devices = mesh.shape["data"] * mesh.shape["expert"]
-        for note in (fallback_note(cfg, token_devices), cfg.balance == "ideal" and IDEAL_NOTE):
-            if note:
-                print(note, flush=True)
+    return {"step": latest, "steps": cfg.steps, "finished": True, "stopped_by": None}
 
+
+def _open_run(cfg: TrainConfig, workdir, mesh, start: int, changed, num_files: int, size: int):
+    """The lead process's start: the config written, records past ``start`` dropped, and the
+    run's first lines (the workdir, changed flags, the data and mesh, the notes)."""
+    write_json(workdir / CONFIG_FILE, cfg.to_json())
+    keep_records_up_to(workdir / METRICS_FILE, start)
+    keep_records_up_to(workdir / PROFILE_FILE, start)
+    print(f"workdir {workdir}: {workdir_contents(cfg)}", flush=True)
+    if changed:
+        print(f"note: resuming with changed flags: {', '.join(changed)}", flush=True)
+    print(
+        f"{cfg.balance}: {num_files} files, {size} train bytes, "
+        f"{jax.device_count()} devices as {_mesh_text(mesh)}, "
+        f"capacity factor {summary.capacity_text(cfg.capacity_factor)}, "
+        f"{'resuming after' if start else 'starting at'} step {start}",
+        flush=True,
+    )
+    token_devices = mesh.shape["data"] * mesh.shape["expert"]
+    for note in (fallback_note(cfg, token_devices), cfg.balance == "ideal" and IDEAL_NOTE):
+        if note:
+            print(note, flush=True)
+
+
+def _batch_placer(mesh):
+    """rows int [B, S + 1] -> the global batch over the mesh's (data, expert) devices."""
     batch_sharding = NamedSharding(mesh, P(("data", "expert")))
 
     def global_batch(rows: np.ndarray) -> jax.Array:
@@ -245,11 +179,62 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration)
         # the processes of one EP rank's tensor ranks take the same rows.
         return jax.make_array_from_callback(rows.shape, batch_sharding, lambda index: rows[index])
 
+    return global_batch
+
+
+def _step_record(cfg: TrainConfig, step: int, start: int, loss, stats, begin: float):
+    """(record, seconds): one step's ``metrics.jsonl`` record, its time counted from ``begin``
+    to its figures read back."""
+    record = {"step": step, "balance": cfg.balance, "loss": float(loss)}
+    record.update(layer_record(stats))
+    elapsed = time.perf_counter() - begin
+    record["step_time"] = round(elapsed, 5)
+    record["tokens_per_s"] = round(cfg.batch_size * cfg.seq_len / elapsed, 1)
+    if step == start + 1:  # its time includes compiling the step: the summary leaves it out
+        record["compiling"] = True
+    return record, elapsed
+
+
+def _log_step(cfg: TrainConfig, workdir, record: dict, stats, start: int) -> None:
+    """The lead process's step: its record (and its loads with --profile_loads) appended, and
+    the progress line every --print_every steps, at the first and at the last."""
+    step = record["step"]
+    append_json_line(workdir / METRICS_FILE, record)
+    if cfg.profile_loads:
+        append_json_line(workdir / PROFILE_FILE, load_profile(step, stats))
+    if step % cfg.print_every == 0 or step == cfg.steps or step == start + 1:
+        print(summary.progress_line(record), flush=True)
+
+
+def _stopped_by(step: int, cfg: TrainConfig, stop) -> str | None:
+    """What ended the run before ``--steps``: this process's signal or another's; None."""
+    if step < cfg.steps and stop.signum is not None:
+        return signal.Signals(stop.signum).name
+    if step < cfg.steps:  # another process was signalled
+        return "signal on another process"
+    return None
+
+
+def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration) -> dict:
+    latest = checkpoints.latest_step() or 0
+    changed = check_saved_config(workdir, cfg) if latest else []
+    if latest >= cfg.steps:
+        return _nothing_to_train(cfg, workdir, latest, lead)
+    files, train_bytes, eval_bytes = corpus
+
+    mesh = make_mesh(*mesh_shape)
+    model = build_model(cfg, mesh)
+    optimizer = nnx.Optimizer(model, optax.adamw(cfg.learning_rate), wrt=nnx.Param)
+    place_on_mesh(optimizer, mesh)
+    start = checkpoints.restore(model, optimizer)
+    if lead:
+        _open_run(cfg, workdir, mesh, start, changed, len(files), train_bytes.size)
+    global_batch = _batch_placer(mesh)
     eval_set = [
         global_batch(b)
         for b in data.eval_batches(eval_bytes, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     ]
-    train_step = nnx.jit(_train_step)
+    jitted_step = nnx.jit(train_step)
     eval_step = nnx.jit(_eval_step)
     step = saved = start
     profile = StepProfile(workdir, cfg.steps, cfg.profile_steps, start)
@@ -259,38 +244,23 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration)
         batch = global_batch(data.train_batch(train_bytes, step - 1, cfg.batch_size, cfg.seq_len))
         profiled = profile.starts(step)
         begin = time.perf_counter()
-        loss, stats = train_step(model, optimizer, batch)
-        record = {"step": step, "balance": cfg.balance, "loss": float(loss)}
-        record.update(summary.layer_record(stats))
-        elapsed = time.perf_counter() - begin
-        record["step_time"] = round(elapsed, 5)
-        record["tokens_per_s"] = round(cfg.batch_size * cfg.seq_len / elapsed, 1)
-        if step == start + 1:  # its time includes compiling the step: the summary leaves it out
-            record["compiling"] = True
+        loss, stats = jitted_step(model, optimizer, batch)
+        record, elapsed = _step_record(cfg, step, start, loss, stats, begin)
         if profiled:  # traced: slower, left out of the summary's median too
             record["profiled"] = True
             profile.ended(step, elapsed)
         if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps):
             record["eval_loss"] = float(np.mean([float(eval_step(model, b)) for b in eval_set]))
         if lead:
-            append_json_line(metrics, record)
-            if cfg.profile_loads:
-                append_json_line(profile, summary.load_profile(step, stats))
-            if step % cfg.print_every == 0 or step == cfg.steps or step == start + 1:
-                print(summary.progress_line(record), flush=True)
+            _log_step(cfg, workdir, record, stats, start)
         if checkpoints.save(step, model, optimizer):
             saved = step
-    profile.finish(lambda: train_step.lower(model, optimizer, batch).compile().as_text())
+    profile.finish(lambda: jitted_step.lower(model, optimizer, batch).compile().as_text())
     if step > saved:  # the last step, or the step a stop request ended on
         checkpoints.save(step, model, optimizer, force=True)
     checkpoints.wait()
-    stopped_by = None
-    if step < cfg.steps and stop.signum is not None:
-        stopped_by = signal.Signals(stop.signum).name
-    elif step < cfg.steps:  # another process was signalled
-        stopped_by = "signal on another process"
     result = {"step": step, "steps": cfg.steps, "finished": step >= cfg.steps}
-    result["stopped_by"] = stopped_by
+    result["stopped_by"] = _stopped_by(step, cfg, stop)
     if not lead:
         return result
     return _report(cfg, workdir, result, start, calibration)

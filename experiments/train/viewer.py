@@ -42,9 +42,9 @@ import sys
 
 from absl import app, flags
 
-from experiments import records
-from experiments.program import run_main
-from experiments.train.workdir import METRICS_FILE, PROFILE_FILE
+from experiments.lab import records
+from experiments.lab.program import run_main
+from experiments.lab.training.workdir import METRICS_FILE, PROFILE_FILE
 
 __all__ = ["build_html", "main", "write_viewer"]
 

@@ -28,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 _RUNNER = """
 import contextlib, io, json, runpy, sys, traceback
 from absl import app, flags
-from experiments import program
+from experiments.lab import program
 module, argvs, out_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 
 def run_each(main, **kwargs):

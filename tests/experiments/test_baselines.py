@@ -1,4 +1,4 @@
-"""Tests for experiments/loads/baselines.py and drift.drifting_stream (fast; hand-computed
+"""Tests for experiments/lab/loads/baselines.py and drift.drifting_stream (fast; hand-computed
 cases)."""
 
 import dataclasses
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from experiments.loads import baselines as b
-from experiments.loads import drift, policies, workloads
+from experiments.lab.loads import baselines as b
+from experiments.lab.loads import drift, policies, workloads
 
 
 def _loads(expert_load, num_ranks=2):

@@ -15,8 +15,13 @@ import pytest
 from absl import flags
 
 from experiments.bench import step, step_report
-from experiments.train.config import TrainConfig
-from experiments.train.data import corpus_files, default_corpus_root, load_corpus, split_corpus
+from experiments.lab.training.config import TrainConfig
+from experiments.lab.training.data import (
+    corpus_files,
+    default_corpus_root,
+    load_corpus,
+    split_corpus,
+)
 from models.presets import preset
 from tests.experiments.program_runs import run_each
 from tests.xla_settings import program_env

@@ -1,4 +1,5 @@
-"""The byte-level corpus (experiments/train/data.py) and the metrics plot and summary (plot.py).
+"""The byte-level corpus (experiments/lab/training/data.py) and the metrics plot and summary
+(experiments/train/plot.py).
 
 Expected values are computed here independently: file lists with os.listdir/sysconfig, batches as
 plain Python slices of the corpus bytes, summary statistics with NumPy over the synthetic records.
@@ -15,8 +16,8 @@ import sysconfig
 import numpy as np
 import pytest
 
-from experiments.records import read_metrics
-from experiments.train import data as D
+from experiments.lab.records import read_metrics
+from experiments.lab.training import data as D
 from experiments.train import plot as P
 from tests.helpers import assert_integer_rule
 

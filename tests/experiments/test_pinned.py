@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.pinned_ranks import _forward_lines, is_rank_library_line, launch_pinned_ranks
+from experiments.lab.pinned_ranks import _forward_lines, is_rank_library_line, launch_pinned_ranks
 from tests.helpers import expert_mesh, fetch_with_grads
 from tests.xla_settings import program_env
 from ultraep_jax.replicas import transfer

@@ -1,7 +1,7 @@
 """The replay's accounting at a real model's ratios (`experiments.replay.real_ratio`, the step
 model's layer rule) against hand-computed numbers, the relay transfer's length
-(`experiments.stepmodel.links`), and the calibration fit (non-negative least squares,
-`experiments.stepmodel.calibration`) against SciPy's."""
+(`experiments.lab.stepmodel.links`), and the calibration fit (non-negative least squares,
+`experiments.lab.stepmodel.calibration`) against SciPy's."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from scipy.optimize import nnls
 
+from experiments.lab.stepmodel import calibration, links, shapes
 from experiments.replay import real_ratio
-from experiments.stepmodel import calibration, links, shapes
 
 # A tiny target whose numbers are easy by hand: 1000 FLOP/s and 1 byte/s.
-TARGET = real_ratio.TargetModel(
+TARGET = real_ratio.TargetLayer(
     name="tiny",
     d_model=4,
     d_ff=2,
@@ -67,7 +67,7 @@ def test_layer_at_target_rejects_a_zero_ideal():
 
 def test_target_model_rejects_bad_rates():
     with pytest.raises(ValueError, match="gpu_tflops=0"):
-        real_ratio.TargetModel("x", 4, 2, 2, {"train": 1}, "g", 0.0, 1.0)
+        real_ratio.TargetLayer("x", 4, 2, 2, {"train": 1}, "g", 0.0, 1.0)
 
 
 def _length(held_RC, num_experts: int, fanout: int) -> float:

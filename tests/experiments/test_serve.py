@@ -18,15 +18,16 @@ import pytest
 from flax import nnx
 
 import ultraep_jax as uep
-from experiments import cli
-from experiments.output_files import check_output_path
-from experiments.program import fallback_note
+from experiments.lab import cli
+from experiments.lab.output_files import check_output_path
+from experiments.lab.program import fallback_note
+from experiments.lab.training import build
+from experiments.lab.training.config import TrainConfig
 from experiments.serve import engine
 from experiments.serve.config import DEFAULT_PROMPTS, ServeConfig
 from experiments.serve.prompts import Prompt, pad_batch
 from experiments.serve.report import report
 from experiments.train import trainer
-from experiments.train.config import TrainConfig
 from models.moe_lm import MoESettings
 from tests.experiments.program_runs import run_each
 from tests.xla_settings import program_env
@@ -216,7 +217,7 @@ def test_predictions_equal_each_prompt_alone(served, workdir):
     what the padded, masked batch predicted, and the continuation starts with it."""
     res, _ = served
     _, train_cfg = engine.read_train_config(str(workdir))
-    mesh = trainer.make_mesh(1, 8, 1)  # the mesh experiments.serve builds on 8 devices
+    mesh = build.make_mesh(1, 8, 1)  # the mesh experiments.serve builds on 8 devices
     state, step = engine.restore(train_cfg, workdir, mesh)
     assert step == TINY["steps"] == res["checkpoint_step"]
     model = engine.build(train_cfg, mesh, state, MoESettings())
@@ -309,7 +310,7 @@ def test_prompt_longer_than_max_seq_len(input_runs):
 def test_decode_compiles_the_fallback(workdir):
     """The decode steps' program has no planner call; the prefill's, balanced, has one."""
     _, train_cfg = engine.read_train_config(str(workdir))
-    mesh = trainer.make_mesh(1, 8, 1)  # the mesh experiments.serve builds on 8 devices
+    mesh = build.make_mesh(1, 8, 1)  # the mesh experiments.serve builds on 8 devices
     state, _ = engine.restore(train_cfg, workdir, mesh)
     balancer = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=2, min_tokens_per_rank=0)
     tokens = np.zeros((8, 16), np.int32)

@@ -13,9 +13,9 @@ import pytest
 from conftest import skip_without_traces
 
 import ultraep_jax as uep
-from experiments.loads import baselines, policies, ranks, traces
+from experiments.lab.loads import baselines, policies, ranks, traces
+from experiments.lab.stepmodel import calibration, layer, links, shapes
 from experiments.sim import balancers, cell, report, streams
-from experiments.stepmodel import calibration, layer, links, shapes
 from tests.xla_settings import program_env
 
 # A tiny model whose FLOPs are easy to count by hand:
@@ -67,7 +67,7 @@ def test_balanced_load_is_100_percent_of_ideal():
     results = balancers.none_balancer(loads[None, None], None)  # 1 stream, 1 microbatch
     assert results[0][0].rank_load.tolist() == [32, 32, 32, 32]
     cluster = shapes.CLUSTERS["hgx-h100"]
-    step, _ = cell.step_seconds(results, 1, TINY, 4, cluster, PARAMS, fanout=2)
+    step, _ = cell.slowest_group_step(results, 1, TINY, 4, cluster, PARAMS, fanout=2)
     # One sampled stream stands for both MoE layers (scaled by moe_layers / sampled = 2).
     ideal = layer.ideal_step_seconds(TINY, 4, cluster, PARAMS, microbatches=1)
     assert step == pytest.approx(ideal, rel=1e-12)
@@ -78,7 +78,7 @@ def test_doubling_one_rank_in_a_compute_bound_setting():
     loads[:, 0:2] *= 2  # rank 0's two masters get twice the tokens: rank loads [64, 32, 32, 32]
     results = balancers.none_balancer(loads[None, None], None)
     assert results[0][0].rank_load.tolist() == [64, 32, 32, 32]
-    step, terms = cell.step_seconds(results, 1, TINY, 4, FAST_LINKS, PARAMS, fanout=2)
+    step, terms = cell.slowest_group_step(results, 1, TINY, 4, FAST_LINKS, PARAMS, fanout=2)
     other = 3 * TOKENS * 14336 / 1e6  # 0.688128 s per layer
     experts = 3 * 64 * 12288 / 1e6  # 2.359296 s per layer (busiest rank: 64 rows)
     assert terms.other == pytest.approx(2 * other)
@@ -240,7 +240,7 @@ def test_layer_samples():
 
 def test_topk_counts_caps_each_expert():
     counts = np.array([1000, 1, 1, 1, 1, 1, 1, 1])
-    out = streams.topk_counts(counts, 4, 2000, seed=0)
+    out = traces.topk_counts(counts, 4, 2000, seed=0)
     assert out.sum() == 2000 * 4
     assert out.max() <= 2000  # at most one choice per token
     assert out[0] == 2000
@@ -286,11 +286,11 @@ def test_traces_dir(tmp_path):
         skip_without_traces("no deepseek-r1 trace")
     (tmp_path / "deepseek-r1").mkdir()
     shutil.copy(source[0], tmp_path / "deepseek-r1" / source[0].name)
-    runs = streams.trace_runs("deepseek-r1", str(tmp_path))
+    runs = traces.trace_runs("deepseek-r1", str(tmp_path))
     assert len(runs) == 1 and runs[0].shape == (58, 256)
-    assert len(streams.trace_runs("deepseek-r1")) == 12  # the default folder holds all of them
+    assert len(traces.trace_runs("deepseek-r1")) == 12  # the default folder holds all of them
     with pytest.raises(FileNotFoundError, match="trace folder not found"):
-        streams.trace_runs("deepseek-r1", str(tmp_path / "nope"))
+        traces.trace_runs("deepseek-r1", str(tmp_path / "nope"))
 
 
 def test_missing_traces_dir_ends_with_one_line(tmp_path):

@@ -1,4 +1,4 @@
-"""The step's split into terms (`experiments.step_terms`): the scope rule, exclusive times of
+"""The step's split into terms (`experiments.lab.step_terms`): the scope rule, exclusive times of
 nested events and the split of hand-made traces against hand-computed sums, and one real
 profile of a jitted function whose scopes are known."""
 
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments import step_terms
+from experiments.lab import step_terms
 
 
 def _line(name: str, op: str, scope: str, root: bool = False) -> str:

@@ -16,9 +16,9 @@ import pathlib
 import numpy as np
 import pytest
 
-from experiments.stepmodel import calibration, cpu_rates, layer, shapes
-from experiments.stepmodel.calibration import Calibration
-from experiments.stepmodel.shapes import ANCHOR
+from experiments.lab.stepmodel import calibration, cpu_rates, layer, shapes
+from experiments.lab.stepmodel.calibration import Calibration
+from experiments.lab.stepmodel.shapes import ANCHOR
 from experiments.stepmodel_programs import anchor, pinned
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -185,8 +185,9 @@ def test_anchor_published_plans_within_their_bands():
 
 
 def test_trace_models_take_their_traces_sizes():
-    """A trace model's experts and top-k are stated once, in experiments.loads.traces (Qwen1.5-MoE
-    config.json: 60 experts, top-4); a model whose experts differ from its trace's is refused."""
+    """A trace model's experts and top-k are stated once, in experiments.lab.loads.traces
+    (Qwen1.5-MoE config.json: 60 experts, top-4); a model whose experts differ from its trace's is
+    refused."""
     qwen = shapes.TRACE_MODELS["qwen1.5-moe-a2.7b"]
     assert (qwen.num_experts, qwen.top_k) == (60, 4)
     row = dataclasses.asdict(shapes.MODELS["glm-4.5-106b"])

@@ -1,4 +1,4 @@
-"""The step model's whole training step (`experiments.stepmodel.cpu_step`) checked against the
+"""The step model's whole training step (`experiments.lab.stepmodel.cpu_step`) checked against the
 steps `python -m experiments.bench.step --pinned_ranks=2` measured (experiments/results/
 bench_step_*.json): fed only with the rates of `python -m experiments.bench.rates`
 (experiments/results/rates_cpu.json: the layer's rates and the rest of the step), it predicts
@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 
 from experiments.bench import rates_file, step_rest
-from experiments.stepmodel import cpu_step
-from experiments.stepmodel.cpu_rates import layer_seconds
-from experiments.train import trainer
-from experiments.train.config import BALANCED_CAPACITY_FACTOR
+from experiments.lab.stepmodel import cpu_step
+from experiments.lab.stepmodel.cpu_rates import layer_seconds
+from experiments.lab.training import build
+from experiments.lab.training.config import BALANCED_CAPACITY_FACTOR
 from models.moe_lm import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -63,8 +63,8 @@ def test_a_model_without_the_imbalance_misses(rates):
     # Every layer at max/mean 1: balancing changes nothing; the check must be able to tell.
     case = json.loads((RESULTS / "bench_step_sigmoid.json").read_text())["cases"]["sigmoid"]
     flat = {m: [1.0] * len(v) for m, v in cpu_step.case_imbalances(case).items()}
-    plain = cpu_step.step_seconds(rates, "plain", flat["plain"])
-    balanced = cpu_step.step_seconds(rates, "balanced", flat["balanced"])
+    plain = cpu_step.mode_step_seconds(rates, "plain", flat["plain"])
+    balanced = cpu_step.mode_step_seconds(rates, "balanced", flat["balanced"])
     measured = 1.0 / case["ratios"]["balanced_x_over_plain"]["median"]
     assert abs(balanced / plain - measured) > TOLERANCE
 
@@ -80,15 +80,15 @@ def test_buffers_are_the_trainers(rates):
 
 def test_step_is_the_rest_plus_each_layer(rates):
     layer = rates.layer
-    got = cpu_step.step_seconds(rates, "plain", [1.2, 1.4])
+    got = cpu_step.mode_step_seconds(rates, "plain", [1.2, 1.4])
     want = rates.rest_s + sum(
         layer_seconds(layer, "train", 2048, 8192, i * 4096, 0, False) for i in (1.2, 1.4)
     )
     assert got == pytest.approx(want)
-    ideal = cpu_step.step_seconds(rates, "ideal", [1.7, 1.9])  # the ideal ignores the loads
+    ideal = cpu_step.mode_step_seconds(rates, "ideal", [1.7, 1.9])  # the ideal ignores the loads
     one = layer_seconds(layer, "train", 2048, 4301, 4096, 0, False)
     assert ideal == pytest.approx(rates.rest_s + 2 * one)
-    balanced = cpu_step.step_seconds(rates, "balanced", [1.0, 1.0])
+    balanced = cpu_step.mode_step_seconds(rates, "balanced", [1.0, 1.0])
     assert balanced - rates.rest_s == pytest.approx(
         2 * layer_seconds(layer, "train", 2048, 4301, 4096, 1, True)
     )
@@ -96,9 +96,9 @@ def test_step_is_the_rest_plus_each_layer(rates):
 
 def test_step_refuses_the_wrong_layer_count_and_mode(rates):
     with pytest.raises(ValueError, match="3 layer imbalances for a 2-layer rest"):
-        cpu_step.step_seconds(rates, "plain", [1.0, 1.0, 1.0])
+        cpu_step.mode_step_seconds(rates, "plain", [1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="unknown mode 'eplb'"):
-        cpu_step.step_seconds(rates, "eplb", [1.0, 1.0])
+        cpu_step.mode_step_seconds(rates, "eplb", [1.0, 1.0])
 
 
 def test_step_rates_need_the_rest(tmp_path):
@@ -145,7 +145,7 @@ def test_rest_model_keeps_the_experts_for_the_optimizer():
     layer = model.blocks[0].moe
     assert isinstance(layer, step_rest.WithoutRoutedExperts)
     before = np.asarray(jax.device_get(layer.layer.w_gate[...]))
-    loss, stats = nnx.jit(trainer._train_step)(model, optimizer, batch)
+    loss, stats = nnx.jit(build.train_step)(model, optimizer, batch)
     assert np.isfinite(float(loss))
     assert int(stats.replicas.sum()) == 0 and stats.imbalance_before.shape == (1,)
     after = np.asarray(jax.device_get(layer.layer.w_gate[...]))

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from conftest import skip_without_traces
 
-from experiments.batched import batched_schedule
-from experiments.loads import traces
-from experiments.stepmodel import layer, links
-from experiments.stepmodel.layer import CostParams
+from experiments.lab.batched import batched_schedule
+from experiments.lab.loads import traces
+from experiments.lab.stepmodel import layer, links
+from experiments.lab.stepmodel.layer import CostParams
 from experiments.stepmodel_programs import topology_cells
 
 # Two domains of two ranks: a copy within a domain takes 0.5 s, across domains 2 s.

@@ -21,16 +21,17 @@ import pytest
 from absl import flags
 
 import ultraep_jax as uep
-from experiments import cli
-from experiments.train import plot, stop, trainer
-from experiments.train.config import (
+from experiments.lab import cli
+from experiments.lab.training import build
+from experiments.lab.training.config import (
     BALANCED_CAPACITY_FACTOR,
     TrainConfig,
     default_workdir,
     parse_capacity_factor,
 )
+from experiments.lab.training.workdir import files_written, workdir_contents
+from experiments.train import plot, stop, trainer
 from experiments.train.step_profile import StepProfile
-from experiments.train.workdir import files_written, workdir_contents
 from models.moe_lm import ModelConfig
 from models.presets import PRESETS
 from tests.experiments.program_runs import run_each
@@ -104,7 +105,7 @@ def default_run(tmp_path_factory) -> pathlib.Path:
     processes (`test_two_processes_match_one`) must reproduce (a step's loss does not depend on
     the steps after it, the evaluations or the checkpoints)."""
     workdir = (tmp_path_factory.mktemp("default") / "run").absolute()
-    trainer.run(_config(workdir, steps=12, eval_every=3, checkpoint_every=6))
+    trainer.run(_config(workdir, steps=12, eval_every=3, checkpoint_every=6, profile_loads=True))
     return workdir
 
 
@@ -120,6 +121,14 @@ def test_loss_decreases_and_outputs_are_written(default_run):
     assert len(last["imbalance_before"]) == SMALL["num_layers"]
     png = (workdir / "metrics.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # --profile_loads: each step's loads, every (token, choice) pair counted once per view
+    loads = [json.loads(line) for line in (workdir / "loads.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in loads] == list(range(1, 13))
+    pairs = SMALL["batch_size"] * SMALL["seq_len"] * SMALL["top_k"]
+    for r in loads:
+        (layer,) = r["layers"]
+        assert sum(layer["expert_load"]) == sum(layer["rank_load_before"]) == pairs
+        assert sum(layer["rank_load_after"]) == pairs  # dropped pairs included
     for r in records:  # balancing keeps its promise wherever there was something to balance
         for before, after in zip(r["imbalance_before"], r["imbalance_after"], strict=True):
             assert after <= before + 1e-6
@@ -220,19 +229,19 @@ def test_the_execution_flags_reach_every_layer():
     """--planner, --max_fanout, --transfer_chunks and --ranks_per_domain: flags of the run that
     reach each MoE layer through one `MoESettings` (the programs could not choose them)."""
     cfg = _config("w", **EXECUTION_CHOICES)
-    mesh = trainer.make_mesh(*cfg.check_devices(8))
-    settings = trainer.moe_settings(cfg, mesh)
+    mesh = build.make_mesh(*cfg.check_devices(8))
+    settings = build.moe_settings(cfg, mesh)
     assert (settings.balancer.max_fanout, settings.balancer.ranks_per_domain) == (1, 2)
     assert (settings.execution.planner, settings.execution.transfer_chunks) == ("portable", 2)
     assert settings.capacity_factor == 1.05 and not settings.force_balanced
-    (block,) = trainer.build_model(cfg, mesh).blocks
+    (block,) = build.build_model(cfg, mesh).blocks
     assert block.moe.ep.balancer == settings.balancer
     assert block.moe.ep.execution.planner == "portable"
-    ideal = trainer.moe_settings(_config("w", balance="ideal"), mesh)
+    ideal = build.moe_settings(_config("w", balance="ideal"), mesh)
     assert ideal.balancer is None and ideal.force_balanced and ideal.execution == uep.Execution()
     assert ideal.execution.planner == TrainConfig().planner == "auto"
     tensor = _config("w", tensor_size=2)
-    assert trainer.moe_settings(tensor, trainer.make_mesh(*tensor.check_devices(8))).tensor_axis
+    assert build.moe_settings(tensor, build.make_mesh(*tensor.check_devices(8))).tensor_axis
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from experiments.records import read_loads
+from experiments.lab.records import read_loads
 from experiments.train import viewer
 
 # End-to-end runs of the programs (seconds to minutes each): `-m "not slow"` skips them.

@@ -1,5 +1,5 @@
-"""Tests for experiments/loads/workloads.py and traces.py (pure NumPy; run with `python -m pytest`
-from the repo root), and for where the real expert-load traces are read from."""
+"""Tests for experiments/lab/loads/workloads.py and traces.py (pure NumPy; run with
+`python -m pytest` from the repo root), and for where the real expert-load traces are read from."""
 
 import itertools
 import json
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.loads import drift, ranks, traces, workloads
+from experiments.lab.loads import drift, ranks, traces, workloads
 from tests.helpers import assert_integer_rule
 
 R, E, T, K = 64, 256, 8192, 8  # UltraEP reference setup

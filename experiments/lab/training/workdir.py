@@ -9,7 +9,7 @@ import pathlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from experiments.train.config import TrainConfig
+    from experiments.lab.training.config import TrainConfig
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"

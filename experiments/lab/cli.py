@@ -316,7 +316,7 @@ def define_json_out() -> flags.FlagHolder:
 def define_traces_dir() -> flags.FlagHolder:
     """``--traces_dir``: the folder of the measured expert-load traces (default: this checkout's,
     `traces.default_traces_dir`)."""
-    from experiments.loads import traces
+    from experiments.lab.loads import traces
 
     return flags.DEFINE_string(
         "traces_dir",

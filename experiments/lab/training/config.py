@@ -12,8 +12,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from experiments.cli import AUTO, check_capacity_factor, flag_text
-from experiments.cli import parse_capacity_factor as parse_capacity_factor  # the flag's parser
+from experiments.lab.cli import AUTO, check_capacity_factor, flag_text
+from experiments.lab.cli import parse_capacity_factor as parse_capacity_factor  # the flag's parser
 from models.moe_lm import ModelConfig, check_positive_ints
 from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK, BalancerConfig, Execution
 from ultraep_jax.tools import check_int
@@ -241,7 +241,7 @@ class TrainConfig:
       profile_loads: record per-step, per-layer expert and rank loads before/after balancing to
         <workdir>/loads.jsonl.
       profile_steps: trace the last this many steps with the JAX profiler on every process and
-        write each process's step split into terms (experiments.step_terms) to
+        write each process's step split into terms (experiments.lab.step_terms) to
         <workdir>/terms_rank<process>.json; those steps are left out of the median step time.
         Only with one device per process (--pinned_ranks, or --num_processes with
         --cpu_devices=1): a process of several devices would add their work up. At most

@@ -8,7 +8,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from experiments.train.workdir import CHECKPOINT_DIR, RunError
+from experiments.lab.training.workdir import CHECKPOINT_DIR, RunError
 
 
 class Checkpoints:

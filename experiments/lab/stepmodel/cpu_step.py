@@ -23,9 +23,9 @@ import dataclasses
 import json
 import math
 
-from experiments.stepmodel.calibration import Calibration
-from experiments.stepmodel.cpu_rates import layer_seconds, read_calibration
-from experiments.stepmodel.step_ratios import RATIOS
+from experiments.lab.stepmodel.calibration import Calibration
+from experiments.lab.stepmodel.cpu_rates import layer_seconds, read_calibration
+from experiments.lab.stepmodel.step_ratios import RATIOS
 
 #: Replicas the balanced layers are charged: the rates time 0 or 1; both committed bench.step
 #: runs made exactly one per layer at every step (their summaries' ``mean_replicas_per_layer``
@@ -101,12 +101,13 @@ def mode_layer_seconds(
     return layer_seconds(rates, "train", tokens, capacity, rows, replicas, balanced)
 
 
-def step_seconds(rates: StepRates, mode: str, imbalances, ep: int | None = None) -> float:
+def mode_step_seconds(rates: StepRates, mode: str, imbalances, ep: int | None = None) -> float:
     """The whole step of ``mode`` at the rest's tokens per rank: rest + one layer per entry of
     ``imbalances`` [L] (each layer's max/mean, `mode_layer_seconds` with ``ep``)."""
     if len(imbalances) != rates.num_layers:
         raise ValueError(
-            f"step_seconds: {len(imbalances)} layer imbalances for a {rates.num_layers}-layer rest"
+            f"mode_step_seconds: {len(imbalances)} layer imbalances for a "
+            f"{rates.num_layers}-layer rest"
         )
     return rates.rest_s + sum(
         mode_layer_seconds(rates.layer, mode, rates.tokens, i, ep) for i in imbalances
@@ -127,7 +128,7 @@ def case_imbalances(case: dict) -> dict[str, list[float]]:
 def predict_case(rates: StepRates, case: dict) -> dict:
     """A bench.step case's modes and `RATIOS` as measured (medians) and as the model predicts
     them: ``{"steps": {mode: (measured s, model s)}, "ratios": {name: (measured, model)}}``."""
-    model = {m: step_seconds(rates, m, imb) for m, imb in case_imbalances(case).items()}
+    model = {m: mode_step_seconds(rates, m, imb) for m, imb in case_imbalances(case).items()}
     steps = {m: (case["modes"][m]["step_time_s"]["median"], model[m]) for m in MODES}
     ratios = {
         name: (case["ratios"][name]["median"], model[a] / model[b] * scale)

@@ -3,18 +3,18 @@
 Every generator here returns ``loads``: an int32 matrix of shape ``[R, E]`` where ``loads[r, e]``
 is the number of (token, choice) pairs on source rank ``r`` that the router sent to expert ``e``.
 ``R`` is the EP size, ``E`` the number of logical experts, and expert ``e``'s master is on its
-home rank (`experiments.loads.ranks.home_ranks`). Each top-k choice counts once, so a source rank
-that holds ``tokens_per_rank`` tokens contributes ``tokens_per_rank * top_k`` pairs and every row
-of a generated matrix sums to exactly that.
+home rank (`experiments.lab.loads.ranks.home_ranks`). Each top-k choice counts once, so a source
+rank that holds ``tokens_per_rank`` tokens contributes ``tokens_per_rank * top_k`` pairs and every
+row of a generated matrix sums to exactly that.
 
 Generated workloads:
   * :func:`rank_zipf_loads` -- UltraEP-style rank-level Zipf, with the exponent solved so the
     initial (master-only) max/mean rank load hits a target such as 1.5 / 2.0 / 3.0
     (:func:`rank_zipf_exponent` says which exponent).
-  * `experiments.loads.drift`: Zipf over experts with a given exponent (``expert_zipf_loads``)
+  * `experiments.lab.loads.drift`: Zipf over experts with a given exponent (``expert_zipf_loads``)
     and a non-stationary stream of them (``drifting_stream``).
 
-Measured workloads (the trace files are read by `experiments.loads.traces`):
+Measured workloads (the trace files are read by `experiments.lab.loads.traces`):
   * :func:`loads_from_expert_counts` -- turns a per-expert count vector into ``loads[R, E]``.
   * :func:`trace_workloads` -- iterates every (file, layer) / CSV row of a trace as ``loads``.
 
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from experiments.loads import ranks, traces
+from experiments.lab.loads import ranks, traces
 from ultraep_jax.tools import check_int
 
 __all__ = [
@@ -274,7 +274,7 @@ def rank_zipf_loads(
 
 
 # --------------------------------------------------------------------------------------------
-# Load matrices from measured traces (the files: experiments.loads.traces)
+# Load matrices from measured traces (the files: experiments.lab.loads.traces)
 # --------------------------------------------------------------------------------------------
 
 
@@ -356,12 +356,12 @@ def trace_workloads(
     ``qwen1.5-moe/expert_freq_qwen_policy_skew/skew0.9/iter07/layer11``.
 
     Args:
-      name: one of `experiments.loads.traces.TRACE_NAMES`.
+      name: one of `experiments.lab.loads.traces.TRACE_NAMES`.
       ep_size: ``R``; must divide the model's expert count (checked before the first item).
       tokens_per_rank, top_k: each matrix holds ``R * tokens_per_rank * top_k`` pairs (the
-        model's own top-k is in `experiments.loads.traces.TRACE_TOP_K`; any value works).
+        model's own top-k is in `experiments.lab.loads.traces.TRACE_TOP_K`; any value works).
       seed: integer seed.
-      traces_dir: the folder holding the trace folders (see `experiments.loads.traces`).
+      traces_dir: the folder holding the trace folders (see `experiments.lab.loads.traces`).
     """
     if name not in traces.TRACE_NAMES:
         raise ValueError(f"unknown trace {name!r}; expected one of {', '.join(traces.TRACE_NAMES)}")

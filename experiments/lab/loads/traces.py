@@ -7,13 +7,16 @@ README names the sources (see :func:`default_traces_dir`):
   * ``qwen1.5-moe`` (60 experts) and ``switch-base-128`` (128 experts) -- HarMoEny's
     expert-frequency CSVs: :func:`harmoeny_trace_rows`.
 
-The traces count tokens per expert only; `experiments.loads.workloads` turns them into load
+A trace read as runs of per-layer counts (`trace_runs`) and one (run, layer) for a top-k router
+(`trace_layer_counts`, `topk_counts`) feeds the simulator and the step model's programs. The
+traces count tokens per expert only; `experiments.lab.loads.workloads` turns them into load
 matrices ``[R, E]`` (``loads_from_expert_counts``, ``trace_workloads``).
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,14 +25,19 @@ import numpy as np
 
 __all__ = [
     "DEEPSEEK_DENSE_LAYERS",
+    "HARMOENY_RUNS",
     "SWITCH_ENCODER_LAYERS",
+    "TOPK_DRAWS",
     "TRACE_NAMES",
     "TRACE_NUM_EXPERTS",
     "TRACE_TOP_K",
     "deepseek_trace_expert_counts",
     "default_traces_dir",
     "harmoeny_trace_rows",
+    "topk_counts",
     "trace_items",
+    "trace_layer_counts",
+    "trace_runs",
     "traces_dir_for",
 ]
 
@@ -58,7 +66,7 @@ def traces_dir_for(checkout: Path) -> Path:
 
 def default_traces_dir() -> Path:
     """The trace folder of this checkout (see :func:`traces_dir_for`)."""
-    return traces_dir_for(Path(__file__).resolve().parents[2])
+    return traces_dir_for(Path(__file__).resolve().parents[3])
 
 
 def _resolve_traces_dir(traces_dir) -> Path:
@@ -163,7 +171,7 @@ def harmoeny_trace_rows(csv_path) -> list[tuple[dict, np.ndarray]]:
 def trace_items(name: str, traces_dir=None) -> Iterator[tuple[str, np.ndarray]]:
     """``(label, counts)`` for every layer / row of the trace ``name``, in a fixed order: int64
     ``[E]`` tokens per expert, labelled by trace, file and layer (see
-    `experiments.loads.workloads.trace_workloads`).
+    `experiments.lab.loads.workloads.trace_workloads`).
 
     ``traces_dir``: the folder holding the trace folders (default :func:`default_traces_dir`).
     FileNotFoundError, before the first item, when it, the trace's folder or its files are missing.
@@ -191,3 +199,68 @@ def _items(name: str, files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
                 f"{name}/{path.stem}/{group}/iter{meta['iteration']:02d}/layer{meta['layer']:02d}"
             )
             yield label, counts
+
+
+#: Tokens drawn to turn a top-1 trace row into top-k expert shares.
+TOPK_DRAWS = 16384
+
+
+#: The HarMoEny file each of its traces is read from as runs, and the layers kept of it.
+HARMOENY_RUNS = {
+    "switch-base-128": ("expert_freq_switch128_datasets.csv", SWITCH_ENCODER_LAYERS),
+    "qwen1.5-moe": ("expert_freq_qwen_policy_datasets.csv", None),
+}
+
+
+@functools.cache
+def trace_runs(trace: str, traces_dir: str | None = None) -> tuple[np.ndarray, ...]:
+    """A trace as runs of per-layer counts, each ``[layers, E]``.
+
+    deepseek-r1: one run per file (12 serving runs x 58 MoE layers). switch-base-128: one run per
+    (dataset, iteration) of ``expert_freq_switch128_datasets.csv`` (4 x 30 runs), encoder layers
+    0-5 only (see `SWITCH_ENCODER_LAYERS`). qwen1.5-moe: one run per (dataset, iteration)
+    of ``expert_freq_qwen_policy_datasets.csv`` (4 x 20 runs x 12 layers). ``traces_dir`` is the
+    folder holding the trace folders (default `default_traces_dir`); FileNotFoundError
+    when the trace is not there.
+    """
+    base = default_traces_dir() if traces_dir is None else Path(traces_dir)
+    root = base / trace
+    if not root.is_dir():
+        raise FileNotFoundError(f"trace folder not found: {root} (see --traces_dir)")
+    if trace == "deepseek-r1":
+        return tuple(deepseek_trace_expert_counts(p) for p in sorted(root.glob("*.json")))
+    file, kept = HARMOENY_RUNS[trace]
+    runs: dict = {}
+    for meta, counts in harmoeny_trace_rows(root / file):
+        if kept is None or meta["layer"] < kept:
+            runs.setdefault((meta["dataset"], meta["iteration"]), {})[meta["layer"]] = counts
+    return tuple(
+        np.stack([layers[k] for k in sorted(layers)]) for _, layers in sorted(runs.items())
+    )
+
+
+def topk_counts(counts, top_k: int, draws: int, seed: int) -> np.ndarray:
+    """Expert pair counts of ``draws`` tokens that each pick ``top_k`` distinct experts.
+
+    Each token draws its experts without replacement with probabilities proportional to
+    ``counts`` (Gumbel top-k), so no expert exceeds ``1 / top_k`` of the pairs, as in a real
+    top-k router; a top-1 trace scaled naively to top-k could put more than one token's worth of
+    choices on one expert. Returns int64 ``[E]`` summing to ``draws * top_k``.
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    log_p = np.log(np.maximum(counts / counts.sum(), 1e-300))
+    gumbel = np.random.default_rng(seed).gumbel(size=(draws, counts.size))
+    picks = np.argpartition(-(log_p + gumbel), top_k - 1, axis=1)[:, :top_k]
+    return np.bincount(picks.ravel(), minlength=counts.size).astype(np.int64)
+
+
+@functools.cache
+def trace_layer_counts(
+    trace: str, run: int, layer: int, top_k: int, traces_dir: str | None = None
+) -> np.ndarray:
+    """Counts of one trace (run, layer) for a ``top_k`` router (``topk_counts`` when the traced
+    model routed to fewer experts than ``top_k``)."""
+    counts = trace_runs(trace, traces_dir)[run][layer]
+    if TRACE_TOP_K[trace] >= top_k:
+        return counts
+    return topk_counts(counts, top_k, TOPK_DRAWS, seed=run * 1000 + layer)

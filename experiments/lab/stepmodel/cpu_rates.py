@@ -13,8 +13,8 @@ import json
 
 import numpy as np
 
-from experiments.stepmodel.calibration import Calibration, Linear, PinnedFit
-from experiments.stepmodel.layer import EXCHANGES, layer_terms
+from experiments.lab.stepmodel.calibration import Calibration, Linear, PinnedFit
+from experiments.lab.stepmodel.layer import EXCHANGES, layer_terms
 
 
 def read_calibration(path) -> Calibration:

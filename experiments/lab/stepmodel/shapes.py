@@ -5,8 +5,8 @@ The figures, with the config files and datasheets they come from, are in ``shape
 this file (the one place they are written); :data:`MODELS`, :data:`CLUSTERS`, :data:`SCENARIOS`
 and :data:`SETUPS` hold them by name, in file order; :data:`TRACE_MODELS` the traced models whose
 expert count fits none of the scenarios (not in :data:`MODELS`, which the simulator runs on
-every scenario). A traced model's experts and top-k are its trace's (`experiments.loads.traces`):
-a model whose experts differ from its trace's is refused.
+every scenario). A traced model's experts and top-k are its trace's
+(`experiments.lab.loads.traces`): a model whose experts differ from its trace's is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 import pathlib
 import tomllib
 
-from experiments.loads import traces
+from experiments.lab.loads import traces
 
 
 @dataclasses.dataclass(frozen=True)

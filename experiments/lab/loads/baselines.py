@@ -18,7 +18,7 @@ Our own implementations, written from the published descriptions of each method 
     (taken on the currently least-loaded rank that still has one) goes to the currently heaviest
     expert by load per instance that the rank does not hold yet; tokens split evenly.
   * ours, the FFI planner ``ultraep_jax.plan``, as a :class:`Balanced`: in
-    `experiments.loads.policies`, with the registry of every policy the programs compare.
+    `experiments.lab.loads.policies`, with the registry of every policy the programs compare.
 
 Every balancer returns a :class:`Balanced`: a physical layout ``[R, C]`` (the logical expert in
 each physical slot of each rank, ``-1`` when empty) and the tokens each instance processes
@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from experiments.loads import ranks
+from experiments.lab.loads import ranks
 
 __all__ = [
     "Balanced",

@@ -1,5 +1,5 @@
 """The ratios a whole training step is judged by: `experiments.bench.step` measures them between
-its modes and the step model (`experiments.stepmodel.cpu_step`) predicts the same ones; here, in
+its modes and the step model (`experiments.lab.stepmodel.cpu_step`) predicts the same ones; here, in
 the model, so that the model imports no program."""
 
 #: The ratios reported: name -> (mode A, mode B, scale): per round, A's step time / B's x scale.

@@ -23,8 +23,8 @@ import sys
 
 import numpy as np
 
-from experiments.stepmodel.links import Links
-from experiments.stepmodel.shapes import Cluster
+from experiments.lab.stepmodel.links import Links
+from experiments.lab.stepmodel.shapes import Cluster
 
 #: The grouped-matmul rate of a GPU when none is measured: JAX's Mosaic GPU kernel on an H100,
 #: bf16, 549-566 TFLOP/s forward at DeepSeek-V3's expert shape (docs/gpu.md).
@@ -118,7 +118,7 @@ class Linear:
 @dataclasses.dataclass(frozen=True)
 class PinnedFit:
     """The layer terms measured on this machine's two pinned CPU ranks (`experiments.bench.rates`'s
-    file, fitted by `experiments.stepmodel.cpu_rates.read_calibration`), each a `Linear` fit.
+    file, fitted by `experiments.lab.stepmodel.cpu_rates.read_calibration`), each a `Linear` fit.
 
     Attributes:
       d_model, top_k, ep, experts_per_rank, capacity_factor: the layer's shape.
@@ -260,7 +260,7 @@ def provenance(program: str) -> dict:
     date and JAX version of this run."""
     import jax
 
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
 
     def git(*args) -> str:
         try:

@@ -1,5 +1,5 @@
 """Expert-level Zipf load matrices, alone and as a drifting stream (pure NumPy, host only): the
-same ``loads [R, E]`` convention, checks and seeding as `experiments.loads.workloads`.
+same ``loads [R, E]`` convention, checks and seeding as `experiments.lab.loads.workloads`.
 
   * :func:`expert_zipf_loads` -- Zipf over experts with a given exponent.
   * :func:`drifting_stream` -- a non-stationary stream ``[steps, R, E]``: expert popularity
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.loads.workloads import _check_layout, _pairs_per_rank, _zipf_weights
+from experiments.lab.loads.workloads import _check_layout, _pairs_per_rank, _zipf_weights
 from ultraep_jax.tools import check_int
 
 

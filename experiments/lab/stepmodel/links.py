@@ -22,9 +22,9 @@ import dataclasses
 
 import numpy as np
 
-from experiments.batched import batched_transfer
-from experiments.loads.ranks import held_off_home
-from experiments.stepmodel.shapes import ExpertShape
+from experiments.lab.batched import batched_transfer
+from experiments.lab.loads.ranks import held_off_home
+from experiments.lab.stepmodel.shapes import ExpertShape
 
 
 @dataclasses.dataclass(frozen=True)

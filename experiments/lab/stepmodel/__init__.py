@@ -13,5 +13,5 @@ alone: no flags, no ``main``; the programs that print its figures (pinned, ancho
                 carry: the replay's expert costs, the pinned ranks' layer terms) and the replay's
                 fit (provenance, the calibration file); the GPU-side estimates' bands
 
-The registry of balancing policies and their runner is `experiments.loads.policies`.
+The registry of balancing policies and their runner is `experiments.lab.loads.policies`.
 """

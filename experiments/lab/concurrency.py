@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from experiments.walltime import median_seconds
+from experiments.lab.walltime import median_seconds
 
 _CHECK_ROWS = 32768
 

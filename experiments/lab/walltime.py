@@ -9,7 +9,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from experiments.batched import batched_planner
+from experiments.lab.batched import batched_planner
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:

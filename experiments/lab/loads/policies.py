@@ -3,7 +3,7 @@ and the one runner from a policy's name to its plans (`run`: a stream of load ma
 per matrix a layout with its quotas, the planning time, whether it moves weights in that layer,
 and the library's plans for ours), which `experiments.sim`, `experiments.replay` and
 `experiments.planner` all use. Ours is ``ultraep_jax.plan`` (the FFI planner) as a
-`baselines.Balanced`; the others are in `experiments.loads.baselines`. Each program reports the
+`baselines.Balanced`; the others are in `experiments.lab.loads.baselines`. Each program reports the
 registry's policies it runs, in its order (`names`). `weight_copies` is the one adapter from a
 policy's layout to the weight copies each rank receives, which the step model charges.
 
@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from experiments.batched import batched_planner
-from experiments.loads import baselines, ranks
-from experiments.loads.baselines import Balanced, master_layout
+from experiments.lab.batched import batched_planner
+from experiments.lab.loads import baselines, ranks
+from experiments.lab.loads.baselines import Balanced, master_layout
 
 #: Every policy, in table order: name -> what it does.
 POLICIES = {
@@ -128,7 +128,7 @@ def _timed(stream, balance) -> tuple[list, list]:
 
 def _ours(stream, cfg, capacity, plan_timer) -> Run:
     """``uep.plan`` on every matrix (one batched call within ``capacity``) as a `Run`."""
-    import jax  # as `experiments.batched`: JAX only where a planner runs
+    import jax  # as `experiments.lab.batched`: JAX only where a planner runs
 
     batch = np.asarray(stream, np.int32)
     plans = jax.device_get(batched_planner(cfg, capacity)(batch))

@@ -1,6 +1,6 @@
 """The programs' command-line conventions: `run_main` (absl's ``app.run`` with `parse_flags`:
 one-line flag errors, a short ``--help``) and `fallback_note` (the note when balanced layers fall
-back to plain EP). Their flags are made in `experiments.cli`.
+back to plain EP). Their flags are made in `experiments.lab.cli`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Per MoE layer and microbatch (``mode`` "train": forward + backward; "prefill": f
       + t_launch                kernel-launch latency (`Calibration.launch_s`)
       + A * t_a2a               the token all-to-alls: dispatch + combine (A = 2), and their
                                 transposes in training (A = 4); t_a2a from the busiest rank's
-                                bytes per link class (`experiments.stepmodel.links`)
+                                bytes per link class (`experiments.lab.stepmodel.links`)
       + t_experts               the busiest rank's SwiGLU experts: their FLOPs (3 GEMMs; backward
                                 2x forward) at the experts' rate, or the replay's measured fixed +
                                 per-row + per-group cost (`Calibration`)
@@ -30,9 +30,9 @@ import dataclasses
 
 import numpy as np
 
-from experiments.stepmodel import links as links_
-from experiments.stepmodel.calibration import GPU_GMM_TILE_ROWS, Calibration
-from experiments.stepmodel.shapes import ANCHOR, Cluster, ModelShape
+from experiments.lab.stepmodel import links as links_
+from experiments.lab.stepmodel.calibration import GPU_GMM_TILE_ROWS, Calibration
+from experiments.lab.stepmodel.shapes import ANCHOR, Cluster, ModelShape
 
 #: Passes over the experts' FLOPs: forward (1) and, in training, backward (2 more).
 PASSES = {"train": 3, "prefill": 1}

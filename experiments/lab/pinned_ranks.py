@@ -1,7 +1,7 @@
 """Ranks as pinned processes: `launch_pinned_ranks` runs one process per rank, each with one CPU
 device on a core of its own, joined by `start_distributed`; `keep_freed_memory` keeps the host
 allocator from handing memory back between calls. The concurrency check that tells whether their
-wall clock is the busiest rank's is `experiments.concurrency`.
+wall clock is the busiest rank's is `experiments.lab.concurrency`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 
-from experiments.devices import DEVICE_FLAG
+from experiments.lab.devices import DEVICE_FLAG
 
 
 def keep_freed_memory() -> None:
