@@ -21,10 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.planning.portable_attempt import (
+    LOOSE,
+    SKIPPED,
+    SUCCESS,
     Replicas,
     Sizes,
     Totals,
+    attempt,
+    attempt_result,
     first_max,
     no_replicas,
     try_threshold,
@@ -38,18 +44,23 @@ _COARSE = 32  # a window's coarse probes (the ladder's: 31)
 _REFINE = 15
 
 
-def _totals(sz: Sizes, loads, F, K):
-    """(`Totals`, T [], bad []): the derived quantities of ``loads`` [R, E] int32 (with the
-    floor ``F`` and keep ``K``), and whether the core rejects them (a negative load, or an
-    expert's or a rank's total above int32)."""
-    loads = loads.astype(jnp.int64)
-    load_e = jnp.sum(loads, axis=0)
+def _sums(sz: Sizes, loads):
+    """(load_e [E], L [R], bad []): the experts' and the ranks' (master) loads of ``loads``
+    [R, E] int32, int64, and whether the core rejects them (a negative load, or an expert's or
+    a rank's total above int32)."""
+    load_e = jnp.sum(loads.astype(jnp.int64), axis=0)
     L = jnp.sum(load_e.reshape(sz.R, sz.Em), axis=1)
-    bad = jnp.any(loads < 0) | jnp.any(load_e > _INT32_MAX) | jnp.any(L > _INT32_MAX)
+    bad = (jnp.min(loads) < 0) | (jnp.max(load_e) > _INT32_MAX) | (jnp.max(L) > _INT32_MAX)
+    return load_e, L, bad
+
+
+def _totals(load_e, L, F, K):
+    """(`Totals`, T []): the derived quantities of the loads ``load_e`` [E], ``L`` [R] (`_sums`)
+    with the floor ``F`` and keep ``K``."""
     # Descending L, ties by rank: a stable sort of -L.
     rank_order = jnp.argsort(-L, stable=True).astype(jnp.int64)
     tot = Totals(load_e, L, rank_order, jnp.max(L), F.astype(jnp.int64), K.astype(jnp.int64))
-    return tot, jnp.sum(L), bad
+    return tot, jnp.sum(L)
 
 
 def _clamped(v, lmax, rounding):
@@ -134,72 +145,147 @@ def _skip_repeats(taus, valid, lmax):
     """bool [N]: the probes that run: the valid ones, less each that repeats the previous valid
     probe's threshold below ``lmax`` (it failed there: the core skips it)."""
     n = taus.shape[0]
-    idx = jnp.where(valid, jnp.arange(n), -1)
-    prev = jnp.concatenate([jnp.full((1,), -1), jax.lax.cummax(idx)[:-1]])
+    i = jnp.arange(n)
+    # The previous valid probe's index (-1: none), one [N, N] reduction (a cumulative max is a
+    # scan of log N steps on XLA:CPU).
+    prev = jnp.max(jnp.where(valid[None, :] & (i[None, :] < i[:, None]), i[None, :], -1), axis=1)
     repeat = (prev >= 0) & (taus == taus[jnp.maximum(prev, 0)]) & (taus < lmax)
     return valid & ~repeat
 
 
-def _first_success(sz: Sizes, tot: Totals, taus, run, any_floor):
-    """(found [], index [], `Replicas`): the first probe in list order of ``taus`` [N] (those
-    ``run`` [N] marks) whose try succeeds: the first that runs alone (most searches end there),
-    then those after it `LANES` at a time until one succeeds."""
-    n = taus.shape[0]
-    first = first_max(run)
-    ok, reps = try_threshold(sz, tot, taus[first], any_floor[first], run[first])
-    taus, any_floor = jnp.pad(taus, (0, LANES)), jnp.pad(any_floor, (0, LANES))
-    run = jnp.pad(run, (0, LANES))
-    pending = jnp.flip(jnp.cumsum(jnp.flip(run))) > 0  # some probe at or after i runs
+def _refine_list(tot: Totals, lo, hi, any_floor, n):
+    """(taus [n], run [n], any_floor [n]): the refine probes between a winning coarse probe
+    ``hi`` and the probe before it ``lo`` (-1: the winner is a fast probe, which has none),
+    padded to ``n`` >= 15 entries that do not run."""
+    r = lo + (hi - lo) * jnp.arange(1, n + 1) // (_REFINE + 1)
+    r_valid = (lo >= 0) & (r > lo) & (r < hi) & (jnp.arange(n) < _REFINE)
+    return r, _skip_repeats(r, r_valid, tot.lmax), jnp.full((n,), any_floor)
+
+
+# The search's state after its first probe: the probes still to run, `LANES` at a time, in the
+# list ``taus`` [N] (``run``, ``any_floor``), then the refine probes of a winning coarse probe.
+_COARSE_PHASE, _REFINE_PHASE, _DONE = range(3)
+
+
+def _after(tot: Totals, lists, st, hit, k, reps):
+    """The search's state after a round of ``st["phase"]`` that ended at the probe ``k`` of the
+    current list (``hit``: it succeeded, with ``reps``; else the round's last probe): a coarse
+    probe's success records its replicas and turns to its refine probes (a fast probe's ends the
+    search); a refine probe's success ends it; a round without one moves on, and the last ends
+    the phase (the search's end)."""
+    taus, base, any_floor = lists
+    phase, n = st["phase"], st["taus"].shape[0]
+    coarse_hit = hit & (phase == _COARSE_PHASE)
+    lo, hi = base[jnp.minimum(k, base.shape[0] - 1)], st["taus"][jnp.minimum(k, n - 1)]
+    refine = _refine_list(tot, lo, hi, any_floor[jnp.minimum(k, n - 1)], n)
+    i = jnp.where(coarse_hit, 0, k + 1)
+    cur = (
+        jnp.where(coarse_hit, refine[0], st["taus"]),
+        jnp.where(coarse_hit, refine[1], st["run"]),
+        jnp.where(coarse_hit, refine[2], st["any_floor"]),
+    )
+    pending = jnp.any(cur[1] & (jnp.arange(n) >= i))
+    phase = jnp.where(coarse_hit, _REFINE_PHASE, phase)
+    return {
+        "i": i,
+        "phase": jnp.where((hit & ~coarse_hit) | ~pending, _DONE, phase),
+        "found": st["found"] | hit,
+        "reps": jax.tree.map(lambda a, b: jnp.where(hit, a, b), reps, st["reps"]),
+        "taus": cur[0],
+        "run": cur[1],
+        "any_floor": cur[2],
+    }
+
+
+def _rounds(sz: Sizes, tot: Totals, lists, st):
+    """The search's rounds until its end: each probes the current list's next `LANES` probes
+    (one `vmap` of `try_threshold`, shared by the coarse and the refine probes)."""
     probe = jax.vmap(lambda t, a, r: try_threshold(sz, tot, t, a, r))
 
-    def body(s):
-        i, _, _, _ = s
-        sl = lambda v: jax.lax.dynamic_slice(v, (i,), (LANES,))  # noqa: E731
-        ok, reps = probe(sl(taus), sl(any_floor), sl(run))
-        k = first_max(ok)
-        return i + LANES, jnp.any(ok), i + k, jax.tree.map(lambda v: v[k], reps)
+    def body(st):
+        pad = lambda v: jnp.pad(v, (0, LANES))  # noqa: E731
+        sl = lambda v: jax.lax.dynamic_slice(pad(v), (st["i"],), (LANES,))  # noqa: E731
+        ok, reps = probe(sl(st["taus"]), sl(st["any_floor"]), sl(st["run"]))
+        j = first_max(ok)
+        hit = jnp.any(ok)
+        last = jnp.minimum(st["i"] + LANES, st["taus"].shape[0]) - 1
+        k = jnp.where(hit, st["i"] + j, last)
+        return _after(tot, lists, st, hit, k, jax.tree.map(lambda v: v[j], reps))
 
-    def cond(s):
-        i, found, _, _ = s
-        return ~found & (i < n) & pending[jnp.minimum(i, n)]
+    return while_varying(lambda st: st["phase"] != _DONE, body, st, tot.L)
 
-    _, found, k, reps = while_varying(cond, body, (first + 1, ok, first, reps), tot.L)
-    return found, k, reps
+
+def _search_all(sz: Sizes, sc: Scalars, tot: Totals, T, go) -> Replicas:
+    """The threshold search of PLANNER.md where ``go`` [] (else no probe runs): the winning
+    probe's replicas (none when no probe succeeds: the threshold is Lmax). Its first probe runs
+    alone (most searches end there), then the rounds (a `cond`; under `vmap` both branches run,
+    the rounds ending at once where the first probe won)."""
+    taus, valid, any_floor, base = probe_list(sz, sc, T, tot.lmax)
+    run = _skip_repeats(taus, valid & go, tot.lmax)
+    first = first_max(run)
+    ok, reps = try_threshold(sz, tot, taus[first], any_floor[first], run[first])
+    st = {
+        "i": first,
+        "phase": jnp.asarray(_COARSE_PHASE, jnp.int64),
+        "found": jnp.zeros((), bool),
+        "reps": no_replicas(sz),
+        "taus": taus,
+        "run": run,
+        "any_floor": any_floor,
+    }
+    lists = (taus, base, any_floor)
+    st = _after(tot, lists, st, ok, first, reps)
+    st = jax.lax.cond(
+        st["phase"] == _DONE, lambda st: st, lambda st: _rounds(sz, tot, lists, st), st
+    )
+    return jax.tree.map(lambda v, z: jnp.where(st["found"], v, z), st["reps"], no_replicas(sz))
+
+
+def _first_probe(sz: Sizes, sc: Scalars, T, lmax):
+    """(tau [], any_floor [], run []): the first probe of `probe_list` that runs (a fast one:
+    the first capacity window's first, else the ladder's), without the list; none runs where
+    ``run`` is False."""
+    M, tau0, _ = _start(sz, sc.exact, sc.eps, T, lmax)
+    ladder = (T > 0) & (tau0 < lmax)
+    if not sc.capped:
+        return tau0, jnp.asarray(sc.exact), ladder
+    cap = sc.capacity
+    window = (T > 0) & (cap < lmax) & (cap >= M)
+    tau = jnp.where(window, jnp.minimum(tau0, cap), tau0)
+    return tau, window | sc.exact, window | ladder
 
 
 def search(sz: Sizes, sc: Scalars, tot: Totals, T) -> Replicas:
     """The threshold search of PLANNER.md: the winning probe's replicas (none when no probe
-    succeeds: the threshold is Lmax)."""
-    taus, valid, any_floor, base = probe_list(sz, sc, T, tot.lmax)
-    found, k, reps = _first_success(sz, tot, taus, _skip_repeats(taus, valid, tot.lmax), any_floor)
-    lo, hi = base[k], taus[k]
-    r = lo + (hi - lo) * jnp.arange(1, _REFINE + 1) // (_REFINE + 1)
-    r_valid = found & (lo >= 0) & (r > lo) & (r < hi)
-    r_found, _, r_reps = _first_success(
-        sz, tot, r, _skip_repeats(r, r_valid, tot.lmax), jnp.full((_REFINE,), any_floor[k])
-    )
-    pick = lambda a, b, c: jnp.where(r_found, a, jnp.where(found, b, c))  # noqa: E731
-    return jax.tree.map(pick, r_reps, reps, no_replicas(sz))
+    succeeds: the threshold is Lmax). Most searches end at the first attempt of their first
+    probe (the plain attempt with the floor F and the loose rule, try(tau)'s first): it runs
+    alone, and the whole search (`_search_all`, which probes it again) only where it failed (a
+    `cond`; under `vmap` both branches run, the whole search probing nothing where the first
+    attempt succeeded)."""
+    tau, _, run = _first_probe(sz, sc, T, tot.lmax)
+    v = attempt(sz, tot, tau, tot.F, LOOSE, tot.rank_order, jnp.sum(tot.L > tau), run)
+
+    def first(v):
+        code, _, reps = attempt_result(sz, v)
+        return jax.tree.map(lambda a, z: jnp.where(code == SUCCESS, a, z), reps, no_replicas(sz))
+
+    def whole(v):
+        code, _, _ = attempt_result(sz, v)
+        return _search_all(sz, sc, tot, T, (code != SUCCESS) & (code != SKIPPED))
+
+    code = attempt_result(sz, v)[0]
+    return jax.lax.cond((code == SUCCESS) | (code == SKIPPED), first, whole, v)
 
 
-def _write_plan(sz: Sizes, tot: Totals, reps: Replicas, bad):
-    """The `Plan`'s arrays (int32): the n-th replica created on rank t in slot n of t; every
-    output -1 where the core rejects the loads (``bad``)."""
-    R, S, RS = sz.R, sz.S, sz.R * sz.S
-    i = jnp.arange(RS)
-    live = i < reps.count
-    same = (
-        (reps.target[:, None] == reps.target[None, :]) & live[None, :] & (i[None, :] < i[:, None])
-    )
-    slot = jnp.where(live, reps.target * S + jnp.sum(same, axis=1), RS)
-    slot_expert = jnp.full((RS,), -1, jnp.int64).at[slot].set(reps.expert, mode="drop")
-    slot_quota = jnp.zeros((RS,), jnp.int64).at[slot].set(reps.quota, mode="drop")
-    quota = jnp.where(live, reps.quota, 0)
-    master_quota = tot.load_e - jnp.zeros((sz.E,), jnp.int64).at[reps.expert].add(quota)
-    received = jnp.zeros((R,), jnp.int64).at[reps.target].add(quota)
-    rank_load = jnp.sum(master_quota.reshape(R, sz.Em), axis=1) + received
-    out = (slot_expert.reshape(R, S), slot_quota.reshape(R, S), master_quota, rank_load)
-    return tuple(jnp.where(bad, -1, v).astype(jnp.int32) for v in out)
+def _write_plan(sz: Sizes, tot: Totals, reps: Replicas):
+    """The `Plan`'s arrays (int32) of ``reps``, which are by slot already."""
+    R, S = sz.R, sz.S
+    sent = jnp.where(reps.expert[None, :] == jnp.arange(sz.E)[:, None], reps.quota[None, :], 0)
+    master_quota = tot.load_e - jnp.sum(sent, axis=1)
+    # each rank: its masters' load, less what they sent, plus what its replicas take
+    rank_load = tot.L - reps.sent + jnp.sum(reps.quota.reshape(R, S), axis=1)
+    out = (reps.expert.reshape(R, S), reps.quota.reshape(R, S), master_quota, rank_load)
+    return tuple(v.astype(jnp.int32) for v in out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,13 +334,22 @@ def portable_plan(loads, values, R: int, E: int, S: int, g: int, exact: bool, ca
     """(slot_expert [R, S], slot_quota [R, S], master_quota [E], rank_load [R]) int32: the plan
     of checked int32 ``loads`` [R, E] for S slots and domains of g ranks, with the scalar
     settings ``exact``, ``capped`` and ``values`` of `scalar_args` (floor F, master keep K,
-    tolerance eps, capacity: 0 none), as `planning.planner.plan` passes the core."""
+    tolerance eps, capacity: 0 none), as `planning.planner.plan` passes the core; every output
+    -1 where the core rejects the loads."""
     sz = Sizes(R=R, E=E, S=S, g=g)
     with jax.enable_x64(True):
         sc = Scalars(exact, capped, jnp.asarray(values))
-        tot, T, bad = _totals(sz, loads, sc.F, sc.K)
-        if S == 0 or R == 1:
-            reps = no_replicas(sz)
-        else:
-            reps = search(sz, sc, tot, T)
-        return _write_plan(sz, tot, reps, bad)
+        load_e, L, bad = _sums(sz, loads)
+
+        def planned(load_e, L):
+            tot, T = _totals(load_e, L, sc.F, sc.K)
+            reps = no_replicas(sz) if S == 0 or R == 1 else search(sz, sc, tot, T)
+            return _write_plan(sz, tot, reps)
+
+        def rejected(load_e, L):
+            shapes = ((R, S), (R, S), (E,), (R,))
+            return tuple(vary(jnp.full(s, -1, jnp.int32), varying_axes(L)) for s in shapes)
+
+        # The plan in a branch of its own: XLA:CPU runs a sequence of thunks on its thread pool
+        # (a hop per thunk) unless it is short or all its buffers are small.
+        return jax.lax.cond(bad, rejected, planned, load_e, L)

@@ -63,13 +63,13 @@ class Totals:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Replicas:
-    """An attempt's replicas in creation order: ``expert``, ``target``, ``quota`` [R * S], valid
-    below ``count`` []; all int64. (What a master exported is the sum of its replicas' quotas.)"""
+    """An attempt's replicas by slot (the n-th created on rank t in slot t * S + n): ``expert``
+    [R * S] (-1 where empty) and ``quota`` [R * S] (0 there), and what each rank's masters
+    sent, ``sent`` [R]; all int64."""
 
     expert: jax.Array
-    target: jax.Array
     quota: jax.Array
-    count: jax.Array
+    sent: jax.Array
 
 
 def while_varying(cond, body, init, like):
@@ -84,7 +84,7 @@ def while_varying(cond, body, init, like):
 def no_replicas(sz: Sizes) -> Replicas:
     """The replicas of a plan without any."""
     z = jnp.zeros((sz.R * sz.S,), jnp.int64)
-    return Replicas(z, z, z, jnp.zeros((), jnp.int64))
+    return Replicas(z - 1, z, jnp.zeros((sz.R,), jnp.int64))
 
 
 def first_max(v):
@@ -101,13 +101,14 @@ _SLACK_SHIFT, _RANK_BITS = 29, (1 << 29) - 1
 _INT31 = (1 << 31) - 1
 
 
-def pick_target(rule, slack, free, need, avail, near):
-    """(found [], t []): pick_target of PLANNER.md under ``rule`` [] over the ranks' ``slack``,
-    ``free`` [R], for a replica that should carry ``need`` of an expert that can give ``avail``;
-    ``near`` [R] bool. The largest of one packed key per rank: a kept candidate (the strict
-    rule's filter; every candidate under the others) before any other, then one that takes all
-    of ``need`` (never under `MOST`), a near one first, with the least slack, else the most
-    slack; ties to the smallest rank (slack <= tau < 2^31 and R <= 2^29)."""
+def target_keys(rule, slack, free, need, avail, near):
+    """int64 [..., R]: pick_target's key of PLANNER.md under ``rule`` [] for each rank (``slack``,
+    ``free`` [R]), -1 for a rank that is no candidate, for a replica that should carry ``need``
+    of an expert that can give ``avail`` (both [..., 1]: one row per master); ``near`` [..., R]
+    bool. The row's largest key is its target: a kept candidate (the strict rule's filter; every
+    candidate under the others) before any other, then one that takes all of ``need`` (never
+    under `MOST`), a near one first, with the least slack, else the most slack; ties to the
+    smallest rank (slack <= tau < 2^31 and R <= 2^29). The key holds the slack (`decode_target`)."""
     cand = (slack > 0) & (free > 0)
     kept = (rule != STRICT) | ~((free == 1) & (slack > avail))
     fits = (rule != MOST) & (slack >= need)
@@ -116,116 +117,185 @@ def pick_target(rule, slack, free, need, avail, near):
         | jnp.where(fits, _FITS, 0)
         | jnp.where(fits & near, _NEAR, 0)
         | (jnp.where(fits, _INT31 - slack, slack) << _SLACK_SHIFT)
-        | (_RANK_BITS - jnp.arange(slack.shape[0], dtype=jnp.int64))
+        | (_RANK_BITS - jnp.arange(slack.shape[-1], dtype=jnp.int64))
     )
-    best = jnp.max(jnp.where(cand, key, -1))
-    return best >= 0, _RANK_BITS - (best & _RANK_BITS)
+    return jnp.where(cand, key, -1)
 
 
-def _richest_master(sz: Sizes, K, load_src, sent):
-    """(j, avail): the master of the source (its loads ``load_src``, what each sent ``sent``
-    [E_m]; each keeps ``K``) with the most avail, ties to the smallest index; avail clamped at 0
-    (below 1 every attempt fails whichever master it names)."""
-    avail = jnp.maximum(load_src - K - sent, 0)
-    key = jnp.max((avail << 32) | (sz.Em - 1 - jnp.arange(sz.Em, dtype=jnp.int64)))
-    return sz.Em - 1 - (key & 0xFFFFFFFF), key >> 32
+def decode_target(best):
+    """(found [], t [], slack[t] []) of the largest key ``best`` [] of `target_keys`."""
+    field = (best >> _SLACK_SHIFT) & _INT31
+    slack_t = jnp.where((best & _FITS) != 0, _INT31 - field, field)
+    return best >= 0, _RANK_BITS - (best & _RANK_BITS), slack_t
 
 
-def _near(sz: Sizes, held, j, src):
-    """bool [R]: the ranks near for a replica of ``src``'s master ``j``: in src's domain or in one
-    that ``held`` [E_m, domains] marks as holding a replica of it."""
+def _lex_max(a, b):
+    """The larger of two (master key, target key) pairs, the master key first."""
+    (am, at), (bm, bt) = a, b
+    take_a = (am > bm) | ((am == bm) & (at >= bt))
+    return jnp.where(take_a, am, bm), jnp.where(take_a, at, bt)
+
+
+def _choose(sz: Sizes, rule, K, st, src, x):
+    """(j, avail, found, t, slack[t]): the source's master with the most avail (ties to the
+    smallest index; avail clamped at 0: below 1 every attempt fails whichever master it names)
+    and pick_target's rank for a replica of it, as one reduction over [E_m, R] (the target keys
+    of every master, ordered after the masters' keys), not two in a row."""
+    avail = jnp.maximum(st["load_src"] - K - st["sent"], 0)
+    mkey = (avail << 32) | (sz.Em - 1 - jnp.arange(sz.Em, dtype=jnp.int64))
+    near = _near(sz, st.get("held"), src)
+    need = jnp.minimum(x, avail)[:, None]
+    tkey = target_keys(rule, st["slack"], st["free"], need, avail[:, None], near)
+    mkey = jnp.broadcast_to(mkey[:, None], tkey.shape)
+    best_m, best_t = jax.lax.reduce((mkey, tkey), (np.int64(-1), np.int64(-1)), _lex_max, (0, 1))
+    found, t, slack_t = decode_target(best_t)
+    return sz.Em - 1 - (best_m & 0xFFFFFFFF), best_m >> 32, found, t, slack_t
+
+
+def _near(sz: Sizes, held, src):
+    """bool [E_m, R]: the ranks near for a replica of each of ``src``'s masters: in src's domain
+    or in one that ``held`` [E_m, domains] marks as holding a replica of it."""
     if sz.domains == 1:
-        return jnp.ones((sz.R,), bool)
+        return jnp.ones((sz.Em, sz.R), bool)
     dom = jnp.arange(sz.R) // sz.g
-    held_j = jnp.any(held & (jnp.arange(sz.Em) == j)[:, None], axis=0)
-    return (dom == src // sz.g) | held_j[dom]
+    return (dom == src // sz.g)[None, :] | held[:, dom]
 
 
-def _source(sz: Sizes, tot: Totals, order, ri, tau):
-    """(src, x, load_src [E_m]): the source at ``ri`` of ``order``, its excess over ``tau`` and
-    its masters' loads."""
-    src = order[jnp.minimum(ri, order.shape[0] - 1)]
-    load_src = jax.lax.dynamic_slice(tot.load_e, (src * sz.Em,), (sz.Em,))
-    return src, tot.L[src] - tau, load_src
+def _layout(sz: Sizes) -> dict[str, tuple[int, ...]]:
+    """The attempt's state, one int64 vector: name -> shape, in order. The replicas by slot
+    (`Replicas`); scalars: the attempt's code, the source it last visited (where it failed), the
+    position in the order, the source, its excess left, and what the ranks after it must still
+    shed. (On XLA:CPU each array of a loop's carry is written by a fusion of its own every
+    iteration, a thunk of a few hundred ns each; `_step` writes this one vector with one.)"""
+    R, Em = sz.R, sz.Em
+    shapes = dict(slack=(R,), free=(R,), sent=(Em,), load_src=(Em,))
+    shapes.update(rep_e=(R * sz.S,), rep_q=(R * sz.S,), rank_sent=(R,))
+    if sz.domains > 1:
+        shapes.update(held=(Em, sz.domains))
+    shapes.update({k: () for k in ("code", "failed", "ri", "src", "x", "later")})
+    return shapes
 
 
-def _step(sz: Sizes, tot: Totals, f, rule, tau, order, n_order, s):
-    """One iteration of an attempt: the current source's next replica, or the attempt's end. A
-    failed attempt's replicas are never read, so nothing here guards them against a failure."""
-    src, x = s["src"], s["x"]
-    j, avail = _richest_master(sz, tot.K, s["load_src"], s["sent"])
+def _regions(sz: Sizes):
+    """(names, region [n], local [n]): for each entry of the state vector (`_layout`), the index
+    of its part in ``names`` and its flat index within that part (NumPy constants)."""
+    names, sizes = zip(*((k, int(np.prod(v))) for k, v in _layout(sz).items()), strict=True)
+    region = np.repeat(np.arange(len(names)), sizes)
+    local = np.arange(region.size) - np.repeat(np.cumsum((0, *sizes[:-1])), sizes)
+    return names, region, local
+
+
+def _unpack(sz: Sizes, v) -> dict:
+    """The named parts of the state vector ``v`` (`_layout`)."""
+    out, at = {}, 0
+    for name, shape in _layout(sz).items():
+        n = int(np.prod(shape))
+        out[name] = v[at : at + n].reshape(shape)
+        at += n
+    if sz.domains > 1:
+        out["held"] = out["held"] != 0
+    return out
+
+
+def _step(sz: Sizes, tot: Totals, f, rule, sources, n_order, v):
+    """One iteration of an attempt on the state vector ``v`` (`_layout`): the current source's
+    next replica, or the attempt's end. ``sources`` = (rank [R], excess [R], master loads
+    [R * E_m]) by position in the order. The new state is one elementwise expression of the old
+    (each entry by its part, `_regions`), which XLA makes one fusion. A failed attempt's
+    replicas are never read, so nothing here guards them against a failure."""
+    s = _unpack(sz, v)
+    src, x, later, ri = s["src"], s["x"], s["later"], s["ri"]
+    j, avail, found, t, slack_t = _choose(sz, rule, tot.K, s, src, x)
     fl = jnp.minimum(f, x)
-    near = _near(sz, s["held"], j, src)
-    found, t = pick_target(rule, s["slack"], s["free"], jnp.minimum(x, avail), avail, near)
-    at_t = jnp.arange(sz.R) == t
-    q = jnp.minimum(jnp.minimum(jnp.sum(jnp.where(at_t, s["slack"], 0)), avail), x + s["later"])
+    # fill the target as far as the expert allows and the later ranks can use
+    q = jnp.minimum(jnp.minimum(slack_t, avail), x + later)
     no_master = avail < fl
     failed = no_master | ~found | (q < fl)
     code = jnp.where(no_master & (f == 1), INFEASIBLE, FAILED)
     x = x - q
     done_src = x <= 0
-    slack = s["slack"] - jnp.where(at_t, q, 0)
-    # over-export: src becomes a target
-    slack = jnp.where(done_src & (jnp.arange(sz.R) == src), -x, slack)
-    ri = s["ri"] + done_src
-    nsrc, nx, nload = _source(sz, tot, order, ri, tau)
+    ri = ri + done_src
+    nxt = jnp.minimum(ri, sz.R - 1)
+    nsrc, nx = sources[0][nxt], sources[1][nxt]
     finished = done_src & (ri >= n_order)
-    at_n = jnp.arange(sz.R * sz.S) == s["nrep"]
-    at_j = jnp.arange(sz.Em) == j
-    held = s["held"]
-    if sz.domains > 1:
-        held = held | (at_j[:, None] & (jnp.arange(sz.domains) == t // sz.g)[None, :])
-    return {
+    _, _, i = _regions(sz)
+    Em = sz.Em
+    # the replica's slot: the n-th created on t takes slot n of t (free[t] = S - n before it)
+    slot = t * sz.S + sz.S - s["free"][t]
+    nload = sources[2][jnp.clip(nxt * Em + i, 0, sz.R * Em - 1)]
+    new = {
+        # over-export: src becomes a target
+        "slack": jnp.where(done_src & (i == src), -x, jnp.where(i == t, v - q, v)),
+        "free": v - (i == t),
+        "sent": jnp.where(done_src, 0, v + jnp.where(i == j, q, 0)),
+        "load_src": jnp.where(done_src, nload, v),
+        "rep_e": jnp.where(i == slot, src * Em + j, v),
+        "rep_q": jnp.where(i == slot, q, v),
+        "rank_sent": jnp.where(i == src, v + q, v),
+        "held": ((v != 0) | ((i // sz.domains == j) & (i % sz.domains == t // sz.g))) & ~done_src,
         "code": jnp.where(failed, code, jnp.where(finished, SUCCESS, RUNNING)),
         "failed": src,
-        "slack": slack,
-        "free": s["free"] - at_t,
-        "sent": jnp.where(done_src, 0, s["sent"] + jnp.where(at_j, q, 0)),
-        "rep_e": jnp.where(at_n, src * sz.Em + j, s["rep_e"]),
-        "rep_t": jnp.where(at_n, t, s["rep_t"]),
-        "rep_q": jnp.where(at_n, q, s["rep_q"]),
-        "nrep": s["nrep"] + 1,
-        "held": held & ~done_src,
         "ri": ri,
         "src": jnp.where(done_src, nsrc, src),
         "x": jnp.where(done_src, nx, x),
-        "load_src": jnp.where(done_src, nload, s["load_src"]),
-        "later": jnp.where(done_src, s["later"] - nx, s["later"]),
+        "later": jnp.where(done_src, later - nx, later),
     }
+    return _assemble(sz, new)
+
+
+def _assemble(sz: Sizes, parts: dict):
+    """The state vector (`_layout`) whose entries are those of ``parts`` (name -> [n] or [],
+    each read at the entries of its part): one elementwise expression, one fusion."""
+    names, region, _ = _regions(sz)
+    out = jnp.zeros(region.shape, jnp.int64)
+    for k, name in enumerate(names):
+        out = jnp.where(region == k, parts[name], out)
+    return out
 
 
 def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, n_order, run):
     """attempt(tau, f, rule, order) of PLANNER.md over the first ``n_order`` ranks of ``order``
-    [R], run only where ``run``: (code [], failed source [], `Replicas`)."""
-    R, RS = sz.R, sz.R * sz.S
-    i64 = jnp.int64
-    src, x, load_src = _source(sz, tot, order, 0, tau)
+    [R], run only where ``run``: the final state vector (`_layout`; `attempt_result` reads it)."""
+    R, Em = sz.R, sz.Em
+    loads = tot.load_e.reshape(R, Em)[order]
+    sources = (order, tot.L[order] - tau, loads.reshape(-1))
+    x = tot.L[order[0]] - tau
     later = jnp.sum(jnp.maximum(tot.L - tau, 0))
-    s = {
+    _, _, i = _regions(sz)
+    parts = {
+        "slack": jnp.maximum(tau - tot.L[np.minimum(i, R - 1)], 0),
+        "free": sz.S,
+        "sent": 0,
+        "load_src": tot.load_e[jnp.clip(order[0] * Em + i, 0, sz.E - 1)],
+        "rep_e": -1,
+        "rep_q": 0,
+        "rank_sent": 0,
+        "held": 0,
         "code": jnp.where(run, jnp.where(n_order > 0, RUNNING, SUCCESS), SKIPPED),
-        "failed": src,
-        "slack": jnp.maximum(tau - tot.L, 0),
-        "free": jnp.full((R,), sz.S, i64),
-        "sent": jnp.zeros((sz.Em,), i64),
-        "rep_e": jnp.zeros((RS,), i64),
-        "rep_t": jnp.zeros((RS,), i64),
-        "rep_q": jnp.zeros((RS,), i64),
-        "nrep": jnp.zeros((), i64),
-        "held": jnp.zeros((sz.Em, sz.domains), bool),
-        "ri": jnp.zeros((), i64),
-        "src": src,
+        "failed": order[0],
+        "ri": 0,
+        "src": order[0],
         "x": x,
-        "load_src": load_src,
         "later": later - x,
     }
-    s = while_varying(
-        lambda s: s["code"] == RUNNING,
-        lambda s: _step(sz, tot, f, rule, tau, order, n_order, s),
-        s,
+    return while_varying(
+        lambda v: v[_code_at(sz)] == RUNNING,
+        lambda v: _step(sz, tot, f, rule, sources, n_order, v),
+        _assemble(sz, parts),
         tot.L,
     )
-    reps = Replicas(s["rep_e"], s["rep_t"], s["rep_q"], s["nrep"])
-    return s["code"], s["failed"], reps
+
+
+def _code_at(sz: Sizes) -> int:
+    """The state vector's index of the attempt's code (`_layout`)."""
+    names, region, _ = _regions(sz)
+    return int(np.argmax(region == names.index("code")))
+
+
+def attempt_result(sz: Sizes, v):
+    """(code [], failed source [], `Replicas`) of an attempt's final state ``v`` (`attempt`)."""
+    s = _unpack(sz, v)
+    return s["code"], s["failed"], Replicas(s["rep_e"], s["rep_q"], s["rank_sent"])
 
 
 def _move_to_front(order, d):
@@ -272,7 +342,7 @@ def try_threshold(sz: Sizes, tot: Totals, tau, any_floor, run):
 
     def body(s):
         go, f, rule, order, last_failed, pos = _next(sz, tot, any_floor, s)
-        code, failed, reps = attempt(sz, tot, tau, f, rule, order, n_over, go)
+        code, failed, reps = attempt_result(sz, attempt(sz, tot, tau, f, rule, order, n_over, go))
         won = go & (code == SUCCESS)
         seg = s["pos"] // 4
         record = go & jnp.asarray(_SEG_PLAIN)[seg]
