@@ -1,8 +1,8 @@
 """Every ```python block of README.md and docs/integration.md runs as written (in a fresh
-interpreter, as a user would paste it); the README's test command is the one CI runs, and the
+interpreter, as a user would paste it, with the tests' quick-compile XLA flags beside the 8 devices
+the blocks ask for); the README's test command is the one CI runs, and the
 documentation's relative links lead to files that exist."""
 
-import os
 import pathlib
 import re
 import subprocess
@@ -10,9 +10,14 @@ import sys
 
 import pytest
 
+from tests.xla_settings import fast_compile_flags, program_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = (README, ROOT / "docs" / "integration.md")
+#: The devices every block asks for (`os.environ.setdefault("XLA_FLAGS", ...)`): set here with
+#: the quick-compile flags, the blocks' own line keeps them.
+BLOCK_DEVICES = "--xla_force_host_platform_device_count=8"
 BLOCKS = [b for page in PAGES for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
 
 
@@ -30,7 +35,7 @@ def test_readme_block_runs(index, tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+        env=program_env(XLA_FLAGS=f"{BLOCK_DEVICES} {fast_compile_flags()}".strip()),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
