@@ -300,3 +300,15 @@ def test_experiments_parts_import_one_way():
     graph = experiments_parts_graph()
     assert "experiments.lab.stepmodel" in graph["experiments.sim"]  # the scan sees the edges
     assert cycle(graph) is None, cycle(graph)
+
+
+def test_modules_import_no_test_module():
+    """What several test files share lives in tests/helpers/ or tests/references/: no file
+    imports a test module (``tests.**.test_*``)."""
+    found = [
+        (str(path.relative_to(ROOT)), name)
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        for name in imported_names(path)
+        if name.startswith("tests.") and any(p.startswith("test_") for p in name.split("."))
+    ]
+    assert not found, found

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from experiments.loads import workloads
-from tests.library.test_gpu import KERNELS, PLANNER_CASES, _random_loads, needs_gpu
+from experiments.lab.loads import workloads
+from tests.helpers import needs_gpu
+from tests.helpers.planner_cases import KERNELS, PLANNER_CASES, skewed_load_batch
 from ultraep_jax.planning import native as _native
 
 
@@ -32,7 +33,7 @@ def test_cuda_planner_hook_equals_cpu_planner(with_capacity, kernel):
 
     for kwargs, (n, R, E, tokens, exponent) in PLANNER_CASES.values():
         cfg = uep.BalancerConfig(**kwargs)
-        loads = _random_loads(np.random.default_rng(1), min(n, 50), R, E, tokens, exponent)
+        loads = skewed_load_batch(np.random.default_rng(1), min(n, 50), R, E, tokens, exponent)
         cap = max(1, int(1.1 * np.median(loads.sum(axis=(1, 2))) / R)) if with_capacity else None
         want = jax.jit(jax.vmap(lambda x, cfg=cfg, cap=cap: uep.plan(x, cfg, capacity=cap)))(
             jax.device_put(loads, jax.devices("cpu")[0])

@@ -1,19 +1,24 @@
 """The parallel form of the planner (ffi/planner_parallel.h) against the sequential core and the
-NumPy reference on the experiments' generated workloads (`experiments.loads.workloads`) and on
+NumPy reference on the experiments' generated workloads (`experiments.lab.loads.workloads`) and on
 the traces (the rest of the comparison, and how the parallel form is reached on the CPU:
 tests/library/test_plan_parallel.py)."""
 
 import functools
-import itertools
 
 import numpy as np
 import pytest
-from conftest import skip_without_traces
 
 import ultraep_jax as uep
-from experiments.loads import workloads
-from tests.library.test_plan_parallel import FIELDS, _assert_same, _batched, _item, _plan
-from tests.library.test_plan_vs_reference import _random_loads
+from experiments.lab.loads import workloads
+from tests.helpers.planner_cases import (
+    FIELDS,
+    assert_same_plan,
+    batched_plans,
+    native_plan,
+    plan_item,
+    random_loads,
+    trace_batch,
+)
 from tests.references.planner import reference_plan
 from ultraep_jax.planning import native as _native
 
@@ -27,14 +32,14 @@ def test_parallel_equals_core_with_capacity(eps, mean_frac, g):
     cfg = uep.BalancerConfig(E, R, S, F, eps, ranks_per_domain=g)
     rng = np.random.default_rng(12)
     batch = np.stack([workloads.rank_zipf_loads(R, E, 4096, 4, 2.5, s) for s in range(6)])
-    batch = np.concatenate([batch, np.stack([_random_loads(rng, R, E, "hot", 5000)] * 2)])
+    batch = np.concatenate([batch, np.stack([random_loads(rng, R, E, "hot", 5000)] * 2)])
     cap = int(mean_frac * -(-int(batch[0].sum(dtype=np.int64)) // R))
-    core = _batched(cfg, batch, capacity=cap)
-    par = _batched(cfg, batch, capacity=cap, parallel=True)
+    core = batched_plans(cfg, batch, capacity=cap)
+    par = batched_plans(cfg, batch, capacity=cap, parallel=True)
     for i, loads in enumerate(batch):
         want = reference_plan(loads, S, F, eps, 1, capacity=cap, ranks_per_domain=g)
-        _assert_same(_item(par, i), want, f"item {i}, capacity {cap}")
-        _assert_same(_item(core, i), want, f"item {i}, capacity {cap}")
+        assert_same_plan(plan_item(par, i), want, f"item {i}, capacity {cap}")
+        assert_same_plan(plan_item(core, i), want, f"item {i}, capacity {cap}")
 
 
 # -- EP64/E256/S2 and the traces -------------------------------------------------------------
@@ -55,22 +60,12 @@ def test_parallel_equals_core_and_reference_at_ep64(eps, capacity, g):
     batch = _ep64_batch()
     cap = None if capacity is None else int(capacity * batch[0].sum(dtype=np.int64) / R)
     cfg = uep.BalancerConfig(E, R, S, F, eps, ranks_per_domain=g)
-    core = _batched(cfg, batch, cap)
-    par = _batched(cfg, batch, cap, parallel=True)
+    core = batched_plans(cfg, batch, cap)
+    par = batched_plans(cfg, batch, cap, parallel=True)
     for i, loads in enumerate(batch):
-        _assert_same(_item(par, i), _item(core, i), f"item {i}")
+        assert_same_plan(plan_item(par, i), plan_item(core, i), f"item {i}")
         want = reference_plan(loads, S, F, eps, 1, cap or 0, ranks_per_domain=g)
-        _assert_same(_item(par, i), want, f"item {i}")
-
-
-@functools.cache
-def _trace_batch(trace: str, ep_size: int) -> np.ndarray:
-    """int32 [N, R, E]: the first 120 layers of a trace as the benchmarks plan them."""
-    try:
-        rows = itertools.islice(workloads.trace_workloads(trace, ep_size, 8192, 8, 0), 120)
-        return np.stack([loads for _, loads in rows])
-    except FileNotFoundError as err:
-        skip_without_traces(f"traces not available: {err}")
+        assert_same_plan(plan_item(par, i), want, f"item {i}")
 
 
 @pytest.mark.parametrize(
@@ -87,9 +82,9 @@ def _trace_batch(trace: str, ep_size: int) -> np.ndarray:
     ],
 )
 def test_parallel_equals_core_on_traces(trace, ep_size, eps, g):
-    batch = _trace_batch(trace, ep_size)
+    batch = trace_batch(trace, ep_size)
     cfg = uep.BalancerConfig(batch.shape[2], ep_size, 2, 1024, eps, ranks_per_domain=g)
-    core, par = _batched(cfg, batch), _batched(cfg, batch, parallel=True)
+    core, par = batched_plans(cfg, batch), batched_plans(cfg, batch, parallel=True)
     for name in FIELDS:
         np.testing.assert_array_equal(par[name], core[name], err_msg=f"{trace}: {name}")
     assert (par["slot_expert"] >= 0).sum() > len(batch)  # the layers were balanced
@@ -103,6 +98,6 @@ def test_sizes_beyond_the_shared_memory_budget_run_the_core():
     assert _native.parallel_warps(8, 64, 2) == 16
     loads = workloads.rank_zipf_loads(512, 512, 64, 2, 2.0, 0)
     cfg = uep.BalancerConfig(512, 512, 8, 16)
-    core, par = _plan(loads, cfg), _plan(loads, cfg, parallel=True)
+    core, par = native_plan(loads, cfg), native_plan(loads, cfg, parallel=True)
     for name in FIELDS:
         np.testing.assert_array_equal(getattr(par, name), getattr(core, name), err_msg=name)

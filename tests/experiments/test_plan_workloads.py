@@ -1,5 +1,5 @@
 """The C++ planner (FFI custom call) against the independent NumPy reference on the experiments'
-generated workloads (`experiments.loads.workloads`), and its balance quality on the UltraEP
+generated workloads (`experiments.lab.loads.workloads`), and its balance quality on the UltraEP
 reference setup and on real DeepSeek-R1 loads (the rest of the comparison, on random loads:
 tests/library/test_plan_vs_reference.py)."""
 
@@ -11,9 +11,8 @@ import pytest
 from conftest import skip_without_traces
 
 import ultraep_jax as uep
-from experiments.loads import workloads
-from tests.library.test_plan_parallel import _plan
-from tests.library.test_plan_vs_reference import FIELDS, _assert_same, _random_loads
+from experiments.lab.loads import workloads
+from tests.helpers.planner_cases import FIELDS, assert_same_plan, native_plan, random_loads
 from tests.references.planner import check_plan_invariants, rank_loads_before, reference_plan
 
 
@@ -24,13 +23,15 @@ def test_huge_eps_means_no_replicas(eps):
     # reaches the most loaded rank means: leave every token on its master.
     cfg = uep.BalancerConfig(num_experts=256, ep_size=64, slots_per_rank=2, balance_eps=eps)
     loads = workloads.rank_zipf_loads(64, 256, 8192, 8, 3.0, 0)
-    got = _plan(loads, cfg)
+    got = native_plan(loads, cfg)
     before = rank_loads_before(loads)
     assert float(loads.sum()) * (1.0 + eps) / 64 > 2.0**63
     assert int(got.num_replicas) == 0
     np.testing.assert_array_equal(np.asarray(got.rank_load), before)
     np.testing.assert_array_equal(np.asarray(got.master_quota), loads.sum(axis=0))
-    _assert_same({n: getattr(got, n) for n in FIELDS}, reference_plan(loads, 2, 1024, eps), "eps")
+    assert_same_plan(
+        {n: getattr(got, n) for n in FIELDS}, reference_plan(loads, 2, 1024, eps), "eps"
+    )
 
 
 @pytest.mark.parametrize("g", [None, 4])
@@ -43,15 +44,15 @@ def test_ffi_equals_reference_with_capacity(eps, mean_frac, g):
     cfg = uep.BalancerConfig(E, R, S, F, eps, ranks_per_domain=g)
     rng = np.random.default_rng(11)
     batch = np.stack([workloads.rank_zipf_loads(R, E, 4096, 4, 2.5, s) for s in range(6)])
-    batch = np.concatenate([batch, np.stack([_random_loads(rng, R, E, "hot", 5000)] * 2)])
+    batch = np.concatenate([batch, np.stack([random_loads(rng, R, E, "hot", 5000)] * 2)])
     totals = batch.sum(axis=(1, 2), dtype=np.int64)
     assert (totals[:6] == totals[0]).all()  # the generated loads all have T = R * 4096 * 4
     cap = int(mean_frac * -(-int(totals[0]) // R))
-    got = jax.jit(jax.vmap(lambda l: _plan(l, cfg, cap)))(batch)
-    unbounded = jax.jit(jax.vmap(lambda l: _plan(l, cfg)))(batch)
+    got = jax.jit(jax.vmap(lambda l: native_plan(l, cfg, cap)))(batch)
+    unbounded = jax.jit(jax.vmap(lambda l: native_plan(l, cfg)))(batch)
     for i, loads in enumerate(batch):
         want = reference_plan(loads, S, F, eps, 1, capacity=cap, ranks_per_domain=g)
-        _assert_same({n: np.asarray(getattr(got, n))[i] for n in FIELDS}, want, f"item {i}")
+        assert_same_plan({n: np.asarray(getattr(got, n))[i] for n in FIELDS}, want, f"item {i}")
         check_plan_invariants(loads, want, S)
         free = np.asarray(unbounded.rank_load[i])
         if want["rank_load"].max() > cap:  # nothing fits: exactly the plan without a capacity
@@ -84,7 +85,7 @@ def test_ultraep_reference_setup(initial, g):
     batch = np.stack(
         [workloads.rank_zipf_loads(64, 256, 8192, 8, initial, seed) for seed in range(5)]
     )
-    plans = jax.jit(jax.vmap(lambda l: _plan(l, cfg)))(batch)
+    plans = jax.jit(jax.vmap(lambda l: native_plan(l, cfg)))(batch)
     for i, loads in enumerate(batch):
         before = rank_loads_before(loads)
         assert abs(before.max() / before.mean() - initial) < 0.01 * initial
@@ -118,7 +119,7 @@ def test_deepseek_r1_traces(ep_size, g):
         balance_eps=0.01,
         ranks_per_domain=g,
     )
-    plans = jax.jit(jax.vmap(lambda l: _plan(l, cfg)))(batch)
+    plans = jax.jit(jax.vmap(lambda l: native_plan(l, cfg)))(batch)
     after = np.asarray(uep.imbalance(plans.rank_load))
     assert before.mean() > 1.3  # the real loads really are imbalanced
     assert after.mean() <= 1.02, f"mean final max/mean {after.mean():.4f} over {len(batch)} layers"

@@ -5,9 +5,7 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from tests.experiments.test_plan_parallel_workloads import _trace_batch
-from tests.library.test_plan_vs_reference import FIELDS
-from tests.library.test_portable import _batched
+from tests.helpers.planner_cases import FIELDS, batched_plans, trace_batch
 
 
 @pytest.mark.parametrize(
@@ -20,9 +18,12 @@ from tests.library.test_portable import _batched
     ],
 )
 def test_portable_equals_native_on_traces(trace, ep_size, eps, g):
-    batch = _trace_batch(trace, ep_size)
+    batch = trace_batch(trace, ep_size)
     cfg = uep.BalancerConfig(batch.shape[2], ep_size, 2, 1024, eps, ranks_per_domain=g)
-    native, portable = _batched(cfg, batch, "native"), _batched(cfg, batch, "portable")
+    native, portable = (
+        batched_plans(cfg, batch, planner="native"),
+        batched_plans(cfg, batch, planner="portable"),
+    )
     for name in FIELDS:
         np.testing.assert_array_equal(portable[name], native[name], err_msg=f"{trace}: {name}")
     assert (portable["slot_expert"] >= 0).sum() > len(batch)  # the layers were balanced

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tests.library.test_moe as tm
 import ultraep_jax as uep
-from tests.library.test_relay import _portable_exchange, random_slots
+from tests.helpers import layer_cases, portable_exchange, random_slots
 from tests.references.relay import reference_schedule, reference_slow_copies
 from ultraep_jax.replicas import relay
 
@@ -122,7 +121,9 @@ def test_bad_ranks_per_domain_raises_one_line(value, match):
         uep.BalancerConfig(8, 8, ranks_per_domain=value)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=match):
-        uep.ExpertParallel(tm.make_mesh("ep8"), 8, uep.BalancerConfig(ranks_per_domain=value))
+        uep.ExpertParallel(
+            layer_cases.make_mesh("ep8"), 8, uep.BalancerConfig(ranks_per_domain=value)
+        )
 
 
 # 2 streamed chunks on every mesh and domain size; 1 (no streaming) on one of them: the relay
@@ -136,22 +137,24 @@ def test_layer_over_domains_equals_dense_reference(mesh_kind, d, seed, chunks, m
     1 or 2 streamed chunks) over fast domains of ``d`` ranks: values and gradients equal the
     dense reference, a gateway relays inside its remote domain, and the reported largest send
     is the reference schedule's."""
-    _portable_exchange(monkeypatch)
-    mesh = tm.make_mesh(mesh_kind)
-    G, R = tm.mesh_groups(mesh)
+    portable_exchange(monkeypatch)
+    mesh = layer_cases.make_mesh(mesh_kind)
+    G, R = layer_cases.mesh_groups(mesh)
     rng = np.random.default_rng(seed)
     E, k = 8, 2
-    x, params = tm.make_inputs(rng, 8, 8, E, k, skew=True, hot=[0, 1])
+    x, params = layer_cases.make_inputs(rng, 8, 8, E, k, skew=True, hot=[0, 1])
     cot = rng.normal(size=x.shape).astype(np.float32)
-    balancer = tm.balancer_config(mesh, E, slots=2, max_fanout=2, ranks_per_domain=d)
-    layer = tm.build_layer(
+    balancer = layer_cases.balancer_config(mesh, E, slots=2, max_fanout=2, ranks_per_domain=d)
+    layer = layer_cases.build_layer(
         mesh, E, k, balancer, None, params, comm_backend="ragged", transfer_chunks=chunks
     )
-    y, stats, gx, gp = tm.layer_value_and_grads(layer, tm.place_batch(mesh, x), jnp.asarray(cot))
-    ref_y, ref_gx, ref_gp = tm.reference_value_and_grads(
+    y, stats, gx, gp = layer_cases.layer_value_and_grads(
+        layer, layer_cases.place_batch(mesh, x), jnp.asarray(cot)
+    )
+    ref_y, ref_gx, ref_gp = layer_cases.reference_value_and_grads(
         jnp.asarray(x), {n: jnp.asarray(v) for n, v in params.items()}, cot, k
     )
-    loads = tm.independent_loads(x, params["router_kernel"], k, mesh, E)
+    loads = layer_cases.independent_loads(x, params["router_kernel"], k, mesh, E)
     slots = [
         np.asarray(uep.plan(loads[g].astype(np.int32), balancer).slot_expert) for g in range(G)
     ]
@@ -167,8 +170,8 @@ def test_layer_over_domains_equals_dense_reference(mesh_kind, d, seed, chunks, m
     ), "no gateway relays inside its domain"
     assert int(stats["dropped"]) == 0
     copies = max(int(np.bincount(s["sender"].ravel(), minlength=R + 1)[:R].max()) for s in sched)
-    assert float(stats["transfer_send_max"]) == copies * 3 * tm.D * tm.F * 4
-    tm.assert_close(y, ref_y, "y")
-    tm.assert_close(gx, ref_gx, "d/dx")
-    for name in tm.PARAM_NAMES:
-        tm.assert_close(gp[name], ref_gp[name], f"d/d{name}")
+    assert float(stats["transfer_send_max"]) == copies * 3 * layer_cases.D * layer_cases.F * 4
+    layer_cases.assert_close(y, ref_y, "y")
+    layer_cases.assert_close(gx, ref_gx, "d/dx")
+    for name in layer_cases.PARAM_NAMES:
+        layer_cases.assert_close(gp[name], ref_gp[name], f"d/d{name}")

@@ -23,10 +23,9 @@ import pytest
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-import tests.library.test_moe as tm
 import ultraep_jax as uep
 from tests import helpers
-from tests.library.test_relay import _portable_exchange
+from tests.helpers import layer_cases, portable_exchange
 from tests.references.moe import reference_moe
 from tests.references.relay import reference_schedule, reference_send_copies
 
@@ -97,9 +96,9 @@ MATRIX = [pytest.param(c, id=c.id) for c in FAST] + [
 def inputs(seed: int = 0):
     """x, parameter values, a cotangent, and the dense reference's y and gradients."""
     rng = np.random.default_rng(seed)
-    x, params = tm.make_inputs(rng, BATCH, SEQ, E, TOP_K, skew=True)
+    x, params = layer_cases.make_inputs(rng, BATCH, SEQ, E, TOP_K, skew=True)
     cot = rng.normal(size=x.shape).astype(np.float32)
-    ref = tm.reference_value_and_grads(
+    ref = layer_cases.reference_value_and_grads(
         jnp.asarray(x), {n: jnp.asarray(v) for n, v in params.items()}, cot, TOP_K
     )
     return x, params, cot, jax.tree.map(np.asarray, ref)
@@ -107,18 +106,20 @@ def inputs(seed: int = 0):
 
 def run(case: Case):
     """The layer of ``case`` on `inputs`: (y, stats, d/dx, d/dparams) as NumPy, its mesh and
-    balancer. A ragged variant needs `_portable_exchange` patched in first."""
+    balancer. A ragged variant needs `portable_exchange` patched in first."""
     balanced, fanout, backend, chunks = VARIANTS[case.variant]
     mesh = make_mesh(case.mesh, case.axis_types)
     x, params, cot, _ = inputs()
-    balancer = tm.balancer_config(mesh, E, SLOTS, max_fanout=fanout) if balanced else None
+    balancer = layer_cases.balancer_config(mesh, E, SLOTS, max_fanout=fanout) if balanced else None
     options = {"transfer_chunks": chunks, "tensor_axis": "tensor"}
     if backend is not None:
         options["comm_backend"] = backend
-    layer = tm.build_layer(mesh, E, TOP_K, balancer, None, params, **options)
+    layer = layer_cases.build_layer(mesh, E, TOP_K, balancer, None, params, **options)
     assert layer.w_gate[...].sharding.spec == P("expert", None, "tensor")
     assert layer.w_down[...].sharding.spec == P("expert", "tensor", None)
-    got = tm.layer_value_and_grads(layer, tm.place_batch(mesh, x), jnp.asarray(cot))
+    got = layer_cases.layer_value_and_grads(
+        layer, layer_cases.place_batch(mesh, x), jnp.asarray(cot)
+    )
     return got, mesh, balancer
 
 
@@ -127,15 +128,15 @@ def reference_transfer(mesh, balancer) -> tuple[float, int]:
     send, in copies of one tensor rank's slices (w_gate, w_up, w_down: 3 * D * F / TP float32
     each), and the deepest relay hop, worst group."""
     x, params, _, _ = inputs()
-    G, R = tm.mesh_groups(mesh)
-    loads = tm.independent_loads(x, params["router_kernel"], TOP_K, mesh, E)
+    G, R = layer_cases.mesh_groups(mesh)
+    loads = layer_cases.independent_loads(x, params["router_kernel"], TOP_K, mesh, E)
     copies = hops = 0
     for g in range(G):
         slots = np.asarray(uep.plan(loads[g].astype(np.int32), balancer).slot_expert)
         sent = reference_send_copies(slots, E // R, balancer.max_fanout)
         copies = max(copies, int(sent.max()))
         hops = max(hops, int(reference_schedule(slots, E // R, balancer.max_fanout)["hop"].max()))
-    return float(copies * 3 * tm.D * (tm.F // TP) * 4), hops
+    return float(copies * 3 * layer_cases.D * (layer_cases.F // TP) * 4), hops
 
 
 @pytest.mark.parametrize("case", MATRIX)
@@ -144,14 +145,14 @@ def test_values_and_grads_equal_dense_reference(case, monkeypatch):
     one-device reference; a balanced layer replicates, drops nothing, and each rank sends the
     reference schedule's copies of its own F slice only (bytes per link / TP)."""
     if VARIANTS[case.variant][2] == "ragged":
-        _portable_exchange(monkeypatch)
+        portable_exchange(monkeypatch)
     (y, stats, gx, gp), mesh, balancer = run(case)
     ref_y, ref_gx, ref_gp = inputs()[3]
-    tm.assert_close(y, ref_y, "y")
-    tm.assert_close(gx, ref_gx, "d/dx")
-    for name in tm.PARAM_NAMES:
+    layer_cases.assert_close(y, ref_y, "y")
+    layer_cases.assert_close(gx, ref_gx, "d/dx")
+    for name in layer_cases.PARAM_NAMES:
         assert gp[name].shape == ref_gp[name].shape, name
-        tm.assert_close(gp[name], ref_gp[name], f"d/d{name}")
+        layer_cases.assert_close(gp[name], ref_gp[name], f"d/d{name}")
     assert int(stats["dropped"]) == 0
     if balancer is None:
         assert int(stats["replicas"]) == 0
@@ -279,7 +280,7 @@ def test_users_shard_map_with_tensor_axis_equals_dense_reference():
     balancer = uep.BalancerConfig(slots_per_rank=1, min_tokens_per_replica=1, min_tokens_per_rank=0)
     ep = uep.ExpertParallel(mesh, E, balancer, None, tensor_axis="tensor")
     rng = np.random.default_rng(5)
-    T, D, F = 32, tm.D, tm.F
+    T, D, F = 32, layer_cases.D, layer_cases.F
     x = rng.normal(size=(T, D)).astype(np.float32)
     ids = np.stack([np.zeros(T, int), rng.integers(1, E, T)], axis=1).astype(np.int32)
     weights = rng.random((T, TOP_K)).astype(np.float32)
@@ -297,11 +298,11 @@ def test_users_shard_map_with_tensor_axis_equals_dense_reference():
 
     ry, _, rgx, rgw, rgp = helpers.routed_value_and_grads(ref, x, weights, params, ids, cot)
     assert int(stats.replicas) > 0, "no replica"
-    tm.assert_close(y, ry, "y")
-    tm.assert_close(gx, rgx, "d/dx")
-    tm.assert_close(gw, rgw, "d/dweights")
+    layer_cases.assert_close(y, ry, "y")
+    layer_cases.assert_close(gx, rgx, "d/dx")
+    layer_cases.assert_close(gw, rgw, "d/dweights")
     for name, g, r in zip(("w_gate", "w_up", "w_down"), gp, rgp, strict=True):
-        tm.assert_close(np.asarray(g), np.asarray(r), f"d/d{name}")
+        layer_cases.assert_close(np.asarray(g), np.asarray(r), f"d/d{name}")
 
 
 def test_shard_map_over_another_tensor_size_raises_one_line():
@@ -310,8 +311,12 @@ def test_shard_map_over_another_tensor_size_raises_one_line():
     small = jax.make_mesh(
         (4, 1), ("expert", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4]
     )
-    x = jnp.zeros((16, tm.D), jnp.float32)
+    x = jnp.zeros((16, layer_cases.D), jnp.float32)
     ids = jnp.zeros((16, TOP_K), jnp.int32)
-    params = (jnp.zeros((E, tm.D, 8)), jnp.zeros((E, tm.D, 8)), jnp.zeros((E, 8, tm.D)))
+    params = (
+        jnp.zeros((E, layer_cases.D, 8)),
+        jnp.zeros((E, layer_cases.D, 8)),
+        jnp.zeros((E, 8, layer_cases.D)),
+    )
     with pytest.raises(ValueError, match=r"axis 'tensor' has 1 devices, the ExpertParallel's"):
         jax.jit(_users_layer(small, ep))(x, jnp.ones((16, TOP_K)), params, ids)

@@ -31,8 +31,8 @@ from tests.helpers import (
     layer_value_and_grads,
     make_mesh,
     place_batch,
+    portable_exchange,
 )
-from tests.library.test_relay import _portable_exchange
 from tests.references.layer import BIAS_NAMES, EXPERT_NAMES, reference_layer
 from tests.references.routing import Router, router_weights, select_experts
 
@@ -102,7 +102,7 @@ def test_block_equals_dense_reference_balanced_or_not(mesh_kind, monkeypatch):
     balanced y equals the plain one."""
     options = CASES[mesh_kind]
     if options.get("comm_backend") == "ragged":
-        _portable_exchange(monkeypatch)
+        portable_exchange(monkeypatch)
     mesh = _mesh(mesh_kind)
     x, params, cot, _, want, g_x, g_p = _inputs()
     results = []

@@ -19,95 +19,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import ultraep_jax as uep
-from tests.helpers import abstract_batch, gpu_expert_mesh
+from tests.helpers import abstract_batch, gpu_expert_mesh, needs_gpu
+from tests.helpers.planner_cases import KERNELS, PLANNER_CASES, skewed_load_batch
 from ultraep_jax.experts import gmm_mgpu, gmm_pallas
 from ultraep_jax.planning import native as _native
 from ultraep_jax.replicas import relay
 
-ON_GPU = jax.devices()[0].platform == "gpu"
-needs_gpu = pytest.mark.skipif(
-    not ON_GPU,
-    reason=(
-        f"needs a GPU (default device platform is {jax.devices()[0].platform!r}; on a GPU machine "
-        "set JAX_PLATFORMS=cuda,cpu, since conftest.py defaults it to cpu)"
-    ),
-)
 needs_hopper = pytest.mark.skipif(
     not gmm_mgpu.is_hopper(), reason="needs an H100/H200 (Mosaic GPU)"
 )
-
-
-def _random_loads(rng, n, R, E, tokens=4096, exponent=(0.0, 2.0)):
-    """int32 [n, R, E]: skewed loads (a random Zipf-like popularity per matrix), some zeros."""
-    out = np.empty((n, R, E), np.int32)
-    for i in range(n):
-        p = rng.permutation(E) + 1.0
-        p = p ** -rng.uniform(*exponent)
-        p /= p.sum()
-        out[i] = rng.multinomial(int(rng.integers(0, tokens)), p, size=R)
-    return out
-
-
-# Configurations whose searches between them take every branch of PLANNER.md's threshold search
-# (fast path; coarse probes then refine probes; nothing found), large R * S, and no search.
-PLANNER_CASES = {
-    "EP8_E64_S2": (
-        {"num_experts": 64, "ep_size": 8, "slots_per_rank": 2, "min_tokens_per_replica": 16},
-        (200, 8, 64, 4096, (0.0, 2.0)),
-    ),
-    "EP16_E32_S1_F256_eps0": (
-        {
-            "num_experts": 32,
-            "ep_size": 16,
-            "slots_per_rank": 1,
-            "min_tokens_per_replica": 256,
-            "balance_eps": 0.0,
-        },
-        (100, 16, 32, 8192, (1.0, 3.0)),
-    ),
-    "EP8_E16_S1_K200": (
-        {
-            "num_experts": 16,
-            "ep_size": 8,
-            "slots_per_rank": 1,
-            "min_tokens_per_replica": 64,
-            "balance_eps": 0.05,
-            "master_keep_tokens": 200,
-        },
-        (100, 8, 16, 4096, (0.5, 3.0)),
-    ),
-    "EP256_E256_S4": (
-        {"num_experts": 256, "ep_size": 256, "slots_per_rank": 4, "min_tokens_per_replica": 16},
-        (5, 256, 256, 4096, (0.0, 2.0)),
-    ),
-    "EP4_E8_S0": (
-        {"num_experts": 8, "ep_size": 4, "slots_per_rank": 0},
-        (10, 4, 8, 4096, (0.0, 2.0)),
-    ),
-    "EP1_E8_S2": (
-        {"num_experts": 8, "ep_size": 1, "slots_per_rank": 2, "min_tokens_per_replica": 16},
-        (10, 1, 8, 4096, (0.0, 2.0)),
-    ),
-    # fast domains: the fit rule (ffi/PLANNER.md, pick_target) in either kernel
-    "EP64_E256_S2_D8": (
-        {"num_experts": 256, "ep_size": 64, "slots_per_rank": 2, "ranks_per_domain": 8},
-        (50, 64, 256, 8192, (0.5, 2.0)),
-    ),
-    "EP16_E32_S1_F256_eps0_D4": (
-        {
-            "num_experts": 32,
-            "ep_size": 16,
-            "slots_per_rank": 1,
-            "min_tokens_per_replica": 256,
-            "balance_eps": 0.0,
-            "ranks_per_domain": 4,
-        },
-        (100, 16, 32, 8192, (1.0, 3.0)),
-    ),
-}
-
-
-KERNELS = {"core": False, "parallel": True}  # the CUDA kernels: uep.plan(..., parallel=...)
 
 
 @needs_gpu
@@ -119,7 +39,7 @@ def test_cuda_planner_equals_cpu_planner(case, kernel):
         pytest.skip("the CUDA planner handler was not built into this install (no nvcc?)")
     kwargs, (n, R, E, tokens, exponent) = PLANNER_CASES[case]
     cfg = uep.BalancerConfig(**kwargs)
-    loads = _random_loads(np.random.default_rng(0), n, R, E, tokens, exponent)
+    loads = skewed_load_batch(np.random.default_rng(0), n, R, E, tokens, exponent)
     on_cpu = jax.jit(jax.vmap(lambda x: uep.plan(x, cfg)))(
         jax.device_put(loads, jax.devices("cpu")[0])
     )
@@ -141,7 +61,7 @@ def test_cuda_planner_negative_load_gives_minus_one(kernel):
     if not _native.has_cuda_handler():
         pytest.skip("the CUDA planner handler was not built into this install (no nvcc?)")
     cfg = uep.BalancerConfig(num_experts=16, ep_size=4, slots_per_rank=2, min_tokens_per_replica=4)
-    loads = _random_loads(np.random.default_rng(2), 3, 4, 16)
+    loads = skewed_load_batch(np.random.default_rng(2), 3, 4, 16)
     loads[1, 2, 5] = -1
     planner = jax.jit(jax.vmap(lambda x: uep.plan(x, cfg, parallel=KERNELS[kernel])))
     plans = planner(jax.device_put(loads, jax.devices()[0]))

@@ -18,31 +18,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ultraep_jax as uep
-from tests.library.test_plan_vs_reference import CONFIGS, DOMAINS, _random_loads, domains_of
+from tests.helpers.planner_cases import (
+    CONFIGS,
+    DOMAINS,
+    FIELDS,
+    KINDS,
+    assert_same_plan,
+    batched_plans,
+    domains_of,
+    native_plan,
+    plan_item,
+    random_loads,
+)
 from tests.references.planner import check_plan_invariants, reference_plan, reference_plan_info
 from ultraep_jax.oracle import random_cases
 from ultraep_jax.planning import native as _native
 
-FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
-KINDS = ["uniform", "hot", "zipf", "one", "equal"]
-
 
 def _config(R, E, S, F, K, eps, g=None) -> uep.BalancerConfig:
     return uep.BalancerConfig(E, R, S, F, eps, K, ranks_per_domain=g)
-
-
-def _plan(loads, cfg, capacity=None, parallel=False) -> uep.Plan:
-    """``uep.plan`` with the native planner named: "auto" (the same plan on the CPU) would also
-    trace the portable planner, its branch for other platforms, for every new size (seconds under
-    vmap; tests/library/test_portable.py checks what "auto" chooses)."""
-    return uep.plan(loads, cfg, capacity=capacity, parallel=parallel, planner="native")
-
-
-def _batched(cfg, batch, capacity=None, parallel=False) -> dict:
-    """Plans of batch [N, R, E] as a dict of NumPy arrays [N, ...]."""
-    fn = jax.jit(jax.vmap(lambda l: _plan(l, cfg, capacity, parallel)))
-    got = fn(batch)
-    return {n: np.asarray(getattr(got, n)) for n in FIELDS}
 
 
 def _host_hook():
@@ -73,15 +67,6 @@ def host_plan(loads, S, F, eps, K=1, capacity=0, warps=1, g=None) -> dict:
     return outs
 
 
-def _assert_same(got, want, context):
-    for name in FIELDS:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} differs: {context}")
-
-
-def _item(plans, i):
-    return {n: plans[n][i] for n in FIELDS}
-
-
 # -- uep.plan(..., parallel=True): the FFI target with the device's warps -----------------------
 
 
@@ -93,15 +78,15 @@ def test_parallel_equals_core_and_reference_on_random_batches(R, E, S, F, K, eps
     # the reference on every matrix up to EP16 and on four of the EP64 ones (it is slow there).
     cfg = _config(R, E, S, F, K, eps, g)
     rng = np.random.default_rng(R * 1000 + E + S + 1)
-    batch = np.stack([_random_loads(rng, R, E, k, s) for k in KINDS for s in (1, 7, 1000, 200_000)])
-    core, par = _batched(cfg, batch), _batched(cfg, batch, parallel=True)
+    batch = np.stack([random_loads(rng, R, E, k, s) for k in KINDS for s in (1, 7, 1000, 200_000)])
+    core, par = batched_plans(cfg, batch), batched_plans(cfg, batch, parallel=True)
     replicas = 0
     for i, loads in enumerate(batch):
-        _assert_same(_item(par, i), _item(core, i), f"{cfg}, item {i} (core)")
+        assert_same_plan(plan_item(par, i), plan_item(core, i), f"{cfg}, item {i} (core)")
         if R <= 16 or i % 5 == 1:
             want = reference_plan(loads, S, F, eps, K, ranks_per_domain=g)
-            _assert_same(_item(par, i), want, f"item {i} (ref)")
-        check_plan_invariants(loads, _item(par, i), S)
+            assert_same_plan(plan_item(par, i), want, f"item {i} (ref)")
+        check_plan_invariants(loads, plan_item(par, i), S)
         replicas += int((par["slot_expert"][i] >= 0).sum())
     if S > 0 and R > 1:
         assert replicas > 0  # the batch made replicas, not only trivial plans
@@ -126,20 +111,20 @@ def test_parallel_equals_core_and_reference_property(
     R, experts_per_rank, S, F, K, eps, seed, kind, scale, capacity, warps, g
 ):
     E = R * experts_per_rank
-    loads = _random_loads(
+    loads = random_loads(
         np.random.default_rng(seed), R, E, kind, scale // E + 1 if scale > 100_000 else scale
     )
     cap = None if capacity is None else max(1, int(capacity * loads.sum(dtype=np.int64) / R))
     g = g if g is None or R % g == 0 else R
     cfg = _config(R, E, S, F, K, eps, g)
-    core = _plan(loads, cfg, cap)
-    par = _plan(loads, cfg, cap, parallel=True)
+    core = native_plan(loads, cfg, cap)
+    par = native_plan(loads, cfg, cap, parallel=True)
     want = reference_plan(loads, S, F, eps, K, capacity=cap or 0, ranks_per_domain=g)
     context = f"{cfg}, capacity {cap}"
-    _assert_same({n: np.asarray(getattr(par, n)) for n in FIELDS}, want, context)
-    _assert_same({n: np.asarray(getattr(core, n)) for n in FIELDS}, want, context)
+    assert_same_plan({n: np.asarray(getattr(par, n)) for n in FIELDS}, want, context)
+    assert_same_plan({n: np.asarray(getattr(core, n)) for n in FIELDS}, want, context)
     hosted = host_plan(loads, S, F, eps, K, cap or 0, warps, g)
-    _assert_same(hosted, want, f"{context}, {warps} warps")
+    assert_same_plan(hosted, want, f"{context}, {warps} warps")
 
 
 def test_negative_and_overflowing_loads_are_reported_as_by_the_core():
@@ -178,7 +163,7 @@ def test_host_form_on_few_warps_where_repairs_and_windows_run(S, F, eps, capacit
         want, info = reference_plan_info(loads, S, F, eps, K, capacity=capacity, ranks_per_domain=g)
         for warps in (1, 2, 3):
             got = host_plan(loads, S, F, eps, K, capacity, warps, g)
-            _assert_same(got, want, f"{load_e}, K {K}, {warps} warps")
+            assert_same_plan(got, want, f"{load_e}, K {K}, {warps} warps")
         probes.append(len(info["probes"]))
     probes = np.asarray(probes)
     assert (probes > 1).sum() >= 1  # searches that took several rounds on one warp
@@ -200,7 +185,7 @@ def test_host_form_on_few_warps_through_coarse_and_refine_probes():
         loads[1] = load_e
         want, info = reference_plan_info(loads, 1, 16, 0.01, K)
         for warps in (1, 2, 5, 16):
-            _assert_same(host_plan(loads, 1, 16, 0.01, K, 0, warps), want, f"{warps} warps")
+            assert_same_plan(host_plan(loads, 1, 16, 0.01, K, 0, warps), want, f"{warps} warps")
         probes.append(len(info["probes"]))
     # searches whose coarse and refine lists span several rounds of 5 warps (and of 16)
     assert sum(p > 4 + 5 for p in probes) >= 10 and sum(p > 4 + 16 for p in probes) >= 5, probes
@@ -216,14 +201,14 @@ def test_target_ties_go_to_the_smallest_rank(parallel):
     # Best fit: L = [23, 15, 15], eps 0.15: tau0 = floor(53 * 1.15 / 3) = 20, slacks 5 and 5 both
     # take the 3 tokens, so rank 1 gets all of them and rank 2 none.
     cfg = uep.BalancerConfig(3, 3, 1, 1, 0.15)
-    plan = _plan(np.diag([23, 15, 15]).astype(np.int32), cfg, parallel=parallel)
+    plan = native_plan(np.diag([23, 15, 15]).astype(np.int32), cfg, parallel=parallel)
     assert np.asarray(plan.slot_expert).tolist() == [[-1], [0], [-1]]
     assert np.asarray(plan.slot_quota).tolist() == [[0], [3], [0]]
     assert np.asarray(plan.rank_load).tolist() == [20, 18, 15]
     # Most slack: L = [23, 18, 18], exact mode, tau = 20: slacks 2 and 2 cannot take 3, so the
     # most slack wins, tie to rank 1 (2 tokens); rank 2 then fits the last token.
     cfg = uep.BalancerConfig(3, 3, 1, 1, 0.0)
-    plan = _plan(np.diag([23, 18, 18]).astype(np.int32), cfg, parallel=parallel)
+    plan = native_plan(np.diag([23, 18, 18]).astype(np.int32), cfg, parallel=parallel)
     assert np.asarray(plan.slot_quota).tolist() == [[0], [2], [1]]
     assert np.asarray(plan.master_quota).tolist() == [20, 18, 18]
     assert np.asarray(plan.rank_load).tolist() == [20, 20, 19]
@@ -241,7 +226,7 @@ def test_fit_prefers_a_near_target(parallel):
     loads = np.diag([30, 6, 10, 18]).astype(np.int32)
     for g, target in [(None, 2), (4, 2), (1, 2), (2, 1)]:
         cfg = uep.BalancerConfig(4, 4, 1, 1, 0.25, ranks_per_domain=g)
-        plan = _plan(loads, cfg, parallel=parallel)
+        plan = native_plan(loads, cfg, parallel=parallel)
         want = [[-1]] * 4
         want[target] = [0]
         assert np.asarray(plan.slot_expert).tolist() == want, g
@@ -252,7 +237,7 @@ def test_fit_prefers_a_near_target(parallel):
     loads = np.diag([36, 20, 8, 10, 12, 20]).astype(np.int32)
     for g, second in [(None, 4), (6, 4), (3, 4), (2, 3)]:
         cfg = uep.BalancerConfig(6, 6, 1, 1, 0.15, ranks_per_domain=g)
-        plan = _plan(loads, cfg, parallel=parallel)
+        plan = native_plan(loads, cfg, parallel=parallel)
         quota = [0] * 6
         quota[2], quota[second] = 12, 4
         assert np.asarray(plan.slot_quota).ravel().tolist() == quota, g

@@ -13,6 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ultraep_jax as uep
+from tests.helpers.planner_cases import (
+    CONFIGS,
+    DOMAINS,
+    FIELDS,
+    KINDS,
+    assert_same_plan,
+    balancer,
+    domains_of,
+    random_loads,
+)
 from tests.references.planner import (
     check_plan_invariants,
     rank_loads_before,
@@ -21,74 +31,12 @@ from tests.references.planner import (
 )
 from ultraep_jax.oracle import random_cases
 
-FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
-
 
 @pytest.fixture(params=["native", "portable"])
 def planner(request):
     """The planner under test: the C++ core through its FFI handler, or the portable planner
     (JAX); both against the same reference, with the same assertions."""
     return request.param
-
-
-def _random_loads(rng, R, E, kind, scale):
-    if kind == "uniform":
-        loads = rng.integers(0, scale + 1, size=(R, E))
-    elif kind == "hot":  # a few experts take most tokens
-        loads = rng.integers(0, scale // 20 + 1, size=(R, E))
-        hot = rng.choice(E, size=max(1, E // 8), replace=False)
-        loads[:, hot] += rng.integers(scale // 2, scale + 1, size=(R, hot.size))
-    elif kind == "zipf":
-        p = 1.0 / np.arange(1, E + 1) ** rng.uniform(0.5, 2.0)
-        p = p[rng.permutation(E)] / p.sum()
-        loads = np.stack([rng.multinomial(scale * E // 4 + 1, p) for _ in range(R)])
-    elif kind == "one":  # a single expert takes every token
-        loads = np.zeros((R, E), np.int64)
-        loads[:, rng.integers(E)] = rng.integers(0, scale + 1, size=R)
-    elif kind == "equal":
-        loads = np.full((R, E), rng.integers(0, scale + 1))
-    else:
-        raise ValueError(kind)
-    return loads.astype(np.int32)
-
-
-def _assert_same(ffi_plan, ref_plan, context):
-    for name in FIELDS:
-        np.testing.assert_array_equal(
-            np.asarray(ffi_plan[name]), ref_plan[name], err_msg=f"{name} differs for {context}"
-        )
-
-
-CONFIGS = [
-    # (R, E, S, F, K, eps)
-    (1, 4, 2, 1, 1, 0.01),
-    (2, 2, 1, 1, 1, 0.0),
-    (4, 8, 0, 16, 1, 0.01),
-    (4, 8, 2, 1, 0, 0.0),
-    (4, 16, 3, 50, 1, 0.05),
-    (8, 8, 1, 10, 1, 0.01),
-    (8, 16, 2, 100, 1, 0.01),
-    (8, 32, 4, 1, 2, 0.1),
-    (16, 64, 2, 1024, 1, 0.01),
-    (64, 256, 2, 1024, 1, 0.01),
-]
-
-
-#: Fast domain sizes the random cases run with (None: one domain), each where it divides R
-#: (`domains_of`).
-DOMAINS = [None, 1, 2, 4]
-
-
-def _config(S, F, K, eps, g=None) -> uep.BalancerConfig:
-    """The balancer of a case, in the reference planner's argument names (E and R: `uep.plan`
-    reads them from the loads' shape; ``g``: ranks per fast domain)."""
-    return uep.BalancerConfig(
-        slots_per_rank=S,
-        min_tokens_per_replica=F,
-        master_keep_tokens=K,
-        balance_eps=eps,
-        ranks_per_domain=g,
-    )
 
 
 def _plan_batch(batch, cfg: uep.BalancerConfig, planner: str) -> dict:
@@ -103,12 +51,6 @@ def _plan_batch(batch, cfg: uep.BalancerConfig, planner: str) -> dict:
         return {name: np.stack([np.asarray(getattr(p, name)) for p in plans]) for name in FIELDS}
     plans = jax.vmap(lambda loads: uep.plan(loads, cfg, planner=planner))(batch)
     return {name: np.asarray(getattr(plans, name)) for name in FIELDS}
-
-
-def domains_of(R: int) -> list[int | None]:
-    """The sizes of `DOMAINS` that split R ranks evenly (None, one domain, always): the cases
-    are built from these only, so that no impossible combination is generated."""
-    return [g for g in DOMAINS if g is None or R % g == 0]
 
 
 #: The one domain size below R that the portable planner runs each configuration with, besides
@@ -132,22 +74,21 @@ def _random_batch_params():
 
 @pytest.mark.parametrize("planner, R, E, S, F, K, eps, g", list(_random_batch_params()))
 def test_ffi_equals_reference_on_random_batches(planner, R, E, S, F, K, eps, g):
-    cfg = _config(S, F, K, eps, g)
+    cfg = balancer(S, F, K, eps, g)
     rng = np.random.default_rng(R * 1000 + E + S)
-    kinds = ["uniform", "hot", "zipf", "one", "equal"]
     scales = [1, 7, 1000, 200_000]
-    batch = np.stack([_random_loads(rng, R, E, k, s) for k, s in itertools.product(kinds, scales)])
+    batch = np.stack([random_loads(rng, R, E, k, s) for k, s in itertools.product(KINDS, scales)])
     got = _plan_batch(batch, cfg, planner)
     replicas = 0
     for i, loads in enumerate(batch):
         want = reference_plan(loads, S, F, eps, K, ranks_per_domain=g)
-        _assert_same({n: got[n][i] for n in FIELDS}, want, f"config {cfg}, batch item {i}")
+        assert_same_plan({n: got[n][i] for n in FIELDS}, want, f"config {cfg}, batch item {i}")
         check_plan_invariants(loads, want, S)
         replicas += int((want["slot_expert"] >= 0).sum())
     if S > 0 and R > 1:
         assert replicas > 0  # the sweep exercised replication, not only trivial plans
     if R >= 8 and g in (2, 4):  # and the fit rule chose other targets than one domain's
-        one = _plan_batch(batch, _config(S, F, K, eps), planner)["slot_expert"]
+        one = _plan_batch(batch, balancer(S, F, K, eps), planner)["slot_expert"]
         assert (got["slot_expert"] != one).any()
 
 
@@ -157,14 +98,14 @@ def _check_property_case(
     """One property case: ``planner``'s plan equals the reference's and keeps the invariants."""
     E = R * experts_per_rank
     rng = np.random.default_rng(seed)
-    loads = _random_loads(rng, R, E, kind, scale // E + 1 if scale > 100_000 else scale)
+    loads = random_loads(rng, R, E, kind, scale // E + 1 if scale > 100_000 else scale)
     g = g if g is None or R % g == 0 else R
-    cfg = _config(S, F, K, eps, g)
+    cfg = balancer(S, F, K, eps, g)
     # capacity as a multiple of the mean rank load (below, at and above it)
     cap = None if capacity is None else max(1, int(capacity * loads.sum(dtype=np.int64) / R))
     got = uep.plan(loads, cfg, capacity=cap, planner=planner)
     want = reference_plan(loads, S, F, eps, K, capacity=cap or 0, ranks_per_domain=g)
-    _assert_same({n: getattr(got, n) for n in FIELDS}, want, f"{cfg}, capacity {cap}")
+    assert_same_plan({n: getattr(got, n) for n in FIELDS}, want, f"{cfg}, capacity {cap}")
     check_plan_invariants(loads, want, S)
     assert np.asarray(got.rank_load).max() <= rank_loads_before(loads).max()
 
@@ -243,7 +184,7 @@ def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity, g, planner)
         want, info = reference_plan_info(
             loads, S, F, eps, K, capacity=capacity or 0, ranks_per_domain=g
         )
-        _assert_same({n: getattr(got, n) for n in FIELDS}, want, f"{load_e}, K {K}")
+        assert_same_plan({n: getattr(got, n) for n in FIELDS}, want, f"{load_e}, K {K}")
         check_plan_invariants(loads, want, S)
         repaired += info["how"] is not None and info["how"][0] == "repair"
         if capacity is not None:
@@ -266,7 +207,7 @@ def test_exact_mode_is_eps_zero_even_where_subnormals_flush(eps, planner):
     cfg = uep.BalancerConfig(8, 4, 2, 30, eps)
     got = uep.plan(loads, cfg, planner=planner)
     want = reference_plan(loads, 2, 30, eps, 1)
-    _assert_same({n: getattr(got, n) for n in FIELDS}, want, f"eps {eps!r}")
+    assert_same_plan({n: getattr(got, n) for n in FIELDS}, want, f"eps {eps!r}")
     exact = eps == 0.0
     assert want["rank_load"].tolist() == ([43, 43, 43, 41] if exact else [50, 50, 50, 20])
 
@@ -291,7 +232,7 @@ def test_training_loads_balance_with_two_slots(g, planner):
     before = rank_loads_before(loads)
     assert before.tolist() == [0, 624, 584, 916, 1177, 7, 769, 19] and before.sum() == 4096
     got = {n: np.asarray(getattr(uep.plan(loads, cfg, planner=planner), n)) for n in FIELDS}
-    _assert_same(got, reference_plan(loads, 2, 8, 0.01, 1), "training layer-step")
+    assert_same_plan(got, reference_plan(loads, 2, 8, 0.01, 1), "training layer-step")
     check_plan_invariants(loads, got, 2)
     # Independently of the planner: every slot holds a replica of a foreign expert, every rank
     # is at or below tau0 = floor(4096 * 1.01 / 8) = 517, i.e. max/mean 1.0098 (was 1.14).
@@ -310,8 +251,8 @@ def test_one_domain_is_the_plan_without_domains(R, E, S, F, K, eps, planner):
     # reference without domains; domains of one rank do change some plans (near: the master only,
     # or a rank that already holds the expert), which stay valid.
     rng = np.random.default_rng(R * 7 + E)
-    batch = np.stack([_random_loads(rng, R, E, k, 1000) for k in ("hot", "zipf", "uniform")] * 2)
-    plans = {g: _plan_batch(batch, _config(S, F, K, eps, g), planner) for g in (None, R, 1)}
+    batch = np.stack([random_loads(rng, R, E, k, 1000) for k in ("hot", "zipf", "uniform")] * 2)
+    plans = {g: _plan_batch(batch, balancer(S, F, K, eps, g), planner) for g in (None, R, 1)}
     for name in FIELDS:
         np.testing.assert_array_equal(plans[R][name], plans[None][name])
     for i, loads in enumerate(batch):
@@ -320,7 +261,7 @@ def test_one_domain_is_the_plan_without_domains(R, E, S, F, K, eps, planner):
             got = {n: plans[g][n][i] for n in FIELDS}
             check_plan_invariants(loads, got, S)
             if want is not None and g is None:
-                _assert_same(got, want, f"item {i}")
+                assert_same_plan(got, want, f"item {i}")
 
 
 def test_loads_in_the_millions_and_boundaries(planner):
@@ -328,7 +269,9 @@ def test_loads_in_the_millions_and_boundaries(planner):
     loads = np.zeros((4, 8), np.int32)
     loads[:, 0] = (2**31 - 1) // 4  # expert 0's total is just below 2^31
     got = uep.plan(loads, cfg, planner=planner)
-    _assert_same({n: getattr(got, n) for n in FIELDS}, reference_plan(loads, 2, 1, 0.01, 1), "max")
+    assert_same_plan(
+        {n: getattr(got, n) for n in FIELDS}, reference_plan(loads, 2, 1, 0.01, 1), "max"
+    )
     assert float(uep.imbalance(got.rank_load)) <= 1.01
 
 

@@ -17,19 +17,14 @@ from flax import nnx
 
 import ultraep_jax as uep
 from tests import helpers
-from tests.library import test_moe
-from tests.library.test_plan_vs_reference import FIELDS, _config, _random_loads
+from tests.helpers import layer_cases
+from tests.helpers.planner_cases import FIELDS, balancer, batched_plans, random_loads
 from tests.references.planner import reference_plan
 from ultraep_jax.planning import native as _native
 from ultraep_jax.planning import planner as _planner
 from ultraep_jax.planning import portable
 
 CFG = uep.BalancerConfig(16, 8, slots_per_rank=2, min_tokens_per_replica=4)
-
-
-def _batched(cfg, batch, planner, capacity=None) -> dict:
-    plans = jax.jit(jax.vmap(lambda l: uep.plan(l, cfg, capacity, planner=planner)))(batch)
-    return {n: np.asarray(getattr(plans, n)) for n in FIELDS}
 
 
 @pytest.mark.parametrize(
@@ -44,11 +39,14 @@ def _batched(cfg, batch, planner, capacity=None) -> dict:
 def test_portable_equals_native_on_random_batches(R, E, S, F, K, eps, g, capacity):
     rng = np.random.default_rng(R + E + S)
     kinds = ("uniform", "hot", "zipf", "one", "equal")
-    batch = np.stack([_random_loads(rng, R, E, k, s) for k in kinds for s in (7, 1000, 200_000)])
+    batch = np.stack([random_loads(rng, R, E, k, s) for k in kinds for s in (7, 1000, 200_000)])
     mean = -(-int(batch[1].sum(dtype=np.int64)) // R)
     cap = None if capacity is None else int(capacity * mean)
-    cfg = _config(S, F, K, eps, g)
-    native, portable = _batched(cfg, batch, "native", cap), _batched(cfg, batch, "portable", cap)
+    cfg = balancer(S, F, K, eps, g)
+    native, portable = (
+        batched_plans(cfg, batch, cap, planner="native"),
+        batched_plans(cfg, batch, cap, planner="portable"),
+    )
     for name in FIELDS:
         np.testing.assert_array_equal(portable[name], native[name], err_msg=name)
     assert (portable["slot_expert"] >= 0).sum() > 0
@@ -87,14 +85,14 @@ def test_scalar_args_carry_eps_bit_for_bit(eps):
 def test_floors_tolerance_and_capacity_share_one_compiled_planner():
     # F, K, eps (not exact mode) and the capacity are traced: the test suites' many floors and
     # tolerances at one size compile the portable planner once without a capacity, once with.
-    loads = _random_loads(np.random.default_rng(3), 4, 8, "hot", 1000)
+    loads = random_loads(np.random.default_rng(3), 4, 8, "hot", 1000)
     mean = -(-int(loads.sum(dtype=np.int64)) // 4)
     _planner._portable_jit.clear_cache()  # (other tests may have planned these sizes)
     cases = [(1, 0, 0.01, None), (5, 7, 0.25, None), (64, 1, 1e17, None)]
     cases += [(1, 0, 0.01, mean), (50, 3, 0.05, mean + 40)]
     for F, K, eps, cap in cases:
         want = reference_plan(loads, 2, F, eps, K, capacity=cap or 0)
-        got = uep.plan(loads, _config(2, F, K, eps), cap, planner="portable")
+        got = uep.plan(loads, balancer(2, F, K, eps), cap, planner="portable")
         for name in FIELDS:
             np.testing.assert_array_equal(getattr(got, name), want[name], err_msg=name)
     assert _planner._portable_jit._cache_size() == 2
@@ -160,14 +158,14 @@ def test_auto_follows_the_lowering_platform_and_the_cuda_handler(monkeypatch):
 # -- the layer ------------------------------------------------------------------------------
 
 
-# In test_moe's test process (pytest-xdist), whose cache of `test_moe.run_case` (the reference
+# In test_moe's test process (pytest-xdist), whose cache of `layer_cases.run_case` (the reference
 # and the native layer: three compiles of a layer step) then serves this test too.
 @pytest.mark.xdist_group("test_moe")
-@pytest.mark.parametrize("case", test_moe.SKEWED[:2], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", layer_cases.SKEWED[:2], ids=lambda c: c.id)
 def test_layer_with_portable_planner_equals_dense_reference_and_native(case):
-    res = test_moe.run_case(case)
+    res = layer_cases.run_case(case)
     mesh = helpers.make_mesh(case.mesh)
-    layer = test_moe.build_layer(
+    layer = layer_cases.build_layer(
         mesh,
         case.num_experts,
         case.top_k,
@@ -177,17 +175,17 @@ def test_layer_with_portable_planner_equals_dense_reference_and_native(case):
         planner="portable",
     )
     x = helpers.place_batch(mesh, res["x"])
-    y, stats, gx, gp = test_moe.layer_value_and_grads(layer, x, jnp.asarray(res["cotangent"]))
+    y, stats, gx, gp = layer_cases.layer_value_and_grads(layer, x, jnp.asarray(res["cotangent"]))
     ref_y, ref_gx, ref_gp = res["ref"]
-    test_moe.assert_close(y, ref_y, "portable y")
-    test_moe.assert_close(gx, ref_gx, "portable d/dx")
-    for name in test_moe.PARAM_NAMES:
-        test_moe.assert_close(gp[name], ref_gp[name], f"portable d/d{name}")
+    layer_cases.assert_close(y, ref_y, "portable y")
+    layer_cases.assert_close(gx, ref_gx, "portable d/dx")
+    for name in layer_cases.PARAM_NAMES:
+        layer_cases.assert_close(gp[name], ref_gp[name], f"portable d/d{name}")
     n_y, n_stats, n_gx, n_gp = res["balanced"]  # the layer with the native planner
     assert stats["replicas"] > 0
     np.testing.assert_array_equal(y, n_y)
     np.testing.assert_array_equal(gx, n_gx)
-    for name in test_moe.PARAM_NAMES:
+    for name in layer_cases.PARAM_NAMES:
         np.testing.assert_array_equal(gp[name], n_gp[name], err_msg=name)
     for name, value in n_stats.items():
         np.testing.assert_array_equal(stats[name], value, err_msg=name)
@@ -199,10 +197,10 @@ def _training_step_export(platform: str):
     ``ragged_all_to_all`` has no export compatibility guarantee in this JAX (as in the CUDA export
     of tests/library/test_moe.py); every other custom call, the planner's among them, is refused."""
     mesh = helpers.gpu_mesh((8,), ("expert",))
-    balancer = test_moe.balancer_config(mesh, 8, slots=2)
-    layer = nnx.eval_shape(lambda: test_moe.build_layer(mesh, 8, 2, balancer, 1.25))
-    x = helpers.abstract_batch(mesh, (8, 8, test_moe.D), jnp.float32)
-    fn, params, rest = test_moe._pure_forward(layer)
+    balancer = layer_cases.balancer_config(mesh, 8, slots=2)
+    layer = nnx.eval_shape(lambda: layer_cases.build_layer(mesh, 8, 2, balancer, 1.25))
+    x = helpers.abstract_batch(mesh, (8, 8, layer_cases.D), jnp.float32)
+    fn, params, rest = layer_cases.pure_forward(layer)
 
     def loss(params, rest, x):
         y, _ = fn(params, rest, x)
@@ -220,7 +218,7 @@ def test_balanced_training_step_exports_for_tpu_and_rocm(platform):
     text = exported.mlir_module()
     assert "ultraep_plan" not in text and "callback" not in text
     assert "triton" not in text and "mosaic" not in text.lower()  # no CUDA-only kernel
-    assert test_moe.RAGGED_OP.search(text)  # JAX's own ragged_all_to_all
+    assert layer_cases.RAGGED_OP.search(text)  # JAX's own ragged_all_to_all
     assert "ragged_dot" in text
 
 

@@ -13,31 +13,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import tests.library.test_moe as tm
 import ultraep_jax as uep
-from tests.helpers import fetch_with_grads
+from tests.helpers import fetch_with_grads, layer_cases, portable_exchange, random_slots
 from tests.references.relay import reference_schedule, reference_send_copies
-from ultraep_jax import comm
-from ultraep_jax.config import execution
 from ultraep_jax.replicas import relay, streaming, transfer
-
-
-def random_slots(rng, R, em, S, fill, hot):
-    """int32 [R, S]: a valid slot layout (no rank holds an expert twice, none holds its own
-    master), ``hot`` experts much more likely than the rest."""
-    E = R * em
-    weights = np.ones(E)
-    weights[rng.choice(E, size=min(hot, E), replace=False)] = 30.0
-    slots = np.full((R, S), -1, np.int32)
-    for t in range(R):
-        allowed = np.ones(E, bool)
-        allowed[t * em : (t + 1) * em] = False
-        for s in range(S):
-            if rng.random() < fill and allowed.any():
-                p = weights * allowed
-                e = rng.choice(E, p=p / p.sum())
-                slots[t, s], allowed[e] = e, False
-    return slots
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -133,19 +112,6 @@ def test_schedule_of_real_plans_equals_reference():
 # -- the relayed transfer and its gradient ------------------------------------------------------
 
 
-def _portable_exchange(monkeypatch):
-    """Runs the ragged transfer's hops through the portable exchange (XLA:CPU has no ragged
-    all-to-all), so that its layout and indexing are checked here."""
-    real = comm.ragged_exchange
-
-    def exchange(operand, ex, *, axis_name, backend="auto"):
-        return real(operand, ex, axis_name=axis_name, backend="portable")
-
-    monkeypatch.setattr(transfer.comm, "ragged_exchange", exchange)
-    # The layer refuses "ragged" on CPU devices; here its exchanges run the portable way.
-    monkeypatch.setattr(execution, "check_platform", lambda backend, platform: None)
-
-
 def _assert_fetch_equals_numpy(got, grads, masters, slot_expert, cot):
     """Every slot holds its expert's weights (zeros when empty), bit for bit, and each master's
     gradient is the sum of the cotangents of the slots holding it."""
@@ -168,7 +134,7 @@ def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch, ep8
     expert 3 on 2; every slot gets its expert, and each master's gradient is the sum of the
     cotangents of every slot holding it (summed through the relays)."""
     if backend == "ragged":
-        _portable_exchange(monkeypatch)
+        portable_exchange(monkeypatch)
     R, em, S = 8, 2, 2
     E = R * em
     slot_expert = np.array(
@@ -262,21 +228,23 @@ def _relayed_layer_case(mesh, f, backend, monkeypatch, chunks=1, seed=0):
     """The balanced layer on skewed inputs (E=8, top-2) with ``max_fanout=f``; returns its
     results, the reference's and the plans' slots of each EP group (by the FFI planner)."""
     if backend == "ragged":
-        _portable_exchange(monkeypatch)
-    G, R = tm.mesh_groups(mesh)
+        portable_exchange(monkeypatch)
+    G, R = layer_cases.mesh_groups(mesh)
     rng = np.random.default_rng(seed)
     E, k, batch, seq = LAYER_EXPERTS, 2, 8, 8
-    x, params = tm.make_inputs(rng, batch, seq, E, k, skew=True, hot=[0, 1])
+    x, params = layer_cases.make_inputs(rng, batch, seq, E, k, skew=True, hot=[0, 1])
     cot = rng.normal(size=x.shape).astype(np.float32)
-    balancer = tm.balancer_config(mesh, E, slots=2, max_fanout=f)
-    layer = tm.build_layer(
+    balancer = layer_cases.balancer_config(mesh, E, slots=2, max_fanout=f)
+    layer = layer_cases.build_layer(
         mesh, E, k, balancer, None, params, comm_backend=backend, transfer_chunks=chunks
     )
-    got = tm.layer_value_and_grads(layer, tm.place_batch(mesh, x), jnp.asarray(cot))
-    ref = tm.reference_value_and_grads(
+    got = layer_cases.layer_value_and_grads(
+        layer, layer_cases.place_batch(mesh, x), jnp.asarray(cot)
+    )
+    ref = layer_cases.reference_value_and_grads(
         jnp.asarray(x), {n: jnp.asarray(v) for n, v in params.items()}, cot, k
     )
-    loads = tm.independent_loads(x, params["router_kernel"], k, mesh, E)
+    loads = layer_cases.independent_loads(x, params["router_kernel"], k, mesh, E)
     slots = [
         np.asarray(uep.plan(loads[g].astype(np.int32), balancer).slot_expert) for g in range(G)
     ]
@@ -294,7 +262,7 @@ def want_send_max(slots, f) -> float:
     """The largest per-rank send in bytes, by the reference schedule: copies of w_gate, w_up and
     w_down in float32, worst group."""
     copies = max(int(reference_send_copies(s, LAYER_EXPERTS // s.shape[0], f).max()) for s in slots)
-    return float(copies * 3 * tm.D * tm.F * 4)
+    return float(copies * 3 * layer_cases.D * layer_cases.F * 4)
 
 
 # The portable transfer ignores f (its dense hop sends every copy from the master), so f enters
@@ -310,10 +278,10 @@ def test_layer_with_relays_equals_dense_reference(mesh, f, backend, monkeypatch)
     assert int(stats["dropped"]) == 0
     assert float(stats["transfer_send_max"]) == want_send_max(slots, f)
     assert want_send_max(slots, f) < want_send_max(slots, 0), "relay sends no less than direct"
-    tm.assert_close(y, ref_y, "y")
-    tm.assert_close(gx, ref_gx, "d/dx")
-    for name in tm.PARAM_NAMES:
-        tm.assert_close(gp[name], ref_gp[name], f"d/d{name}")
+    layer_cases.assert_close(y, ref_y, "y")
+    layer_cases.assert_close(gx, ref_gx, "d/dx")
+    for name in layer_cases.PARAM_NAMES:
+        layer_cases.assert_close(gp[name], ref_gp[name], f"d/d{name}")
 
 
 # 2 and 4 chunks run the same loop over the chunks: each mesh and each backend takes both counts
@@ -336,10 +304,10 @@ def test_layer_with_streamed_transfer_equals_dense_reference(mesh, chunks, backe
     assert int(stats["replicas"]) > 0, "no replica"
     assert int(stats["dropped"]) == 0
     assert float(stats["transfer_send_max"]) == want_send_max(slots, 2)
-    tm.assert_close(y, ref_y, "y")
-    tm.assert_close(gx, ref_gx, "d/dx")
-    for name in tm.PARAM_NAMES:
-        tm.assert_close(gp[name], ref_gp[name], f"d/d{name}")
+    layer_cases.assert_close(y, ref_y, "y")
+    layer_cases.assert_close(gx, ref_gx, "d/dx")
+    for name in layer_cases.PARAM_NAMES:
+        layer_cases.assert_close(gp[name], ref_gp[name], f"d/d{name}")
 
 
 @pytest.mark.parametrize(
@@ -358,16 +326,16 @@ def test_streamed_transfer_moves_each_chunk_separately(ep8_mesh):
 
     def count(chunks):
         layer = uep.MoE(
-            d_model=tm.D,
-            d_ff=tm.F,
+            d_model=layer_cases.D,
+            d_ff=layer_cases.F,
             num_experts=8,
             top_k=2,
             mesh=ep8_mesh,
-            balancer=tm.balancer_config(ep8_mesh, 8, slots=1, max_fanout=0),
+            balancer=layer_cases.balancer_config(ep8_mesh, 8, slots=1, max_fanout=0),
             transfer_chunks=chunks,
             rngs=nnx.Rngs(0),
         )
-        x = jnp.ones((8, 4, tm.D), jnp.float32)
+        x = jnp.ones((8, 4, layer_cases.D), jnp.float32)
         graphdef, state = nnx.split(layer)
         text = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).as_text()
         return len(re.findall(r"reduce_scatter", text))
@@ -388,8 +356,8 @@ def test_streamed_transfer_moves_each_chunk_separately(ep8_mesh):
 def test_bad_transfer_chunks_raise_one_line(kwargs, error, match, ep8_mesh):
     with pytest.raises(error, match=match) as err:
         uep.MoE(
-            d_model=tm.D,
-            d_ff=tm.F,
+            d_model=layer_cases.D,
+            d_ff=layer_cases.F,
             num_experts=8,
             top_k=2,
             mesh=ep8_mesh,
@@ -412,10 +380,10 @@ def test_transfer_send_max_is_zero_without_replicas(ep8_mesh):
     """Plain EP, and a balancer whose plan makes no replica (a tolerance no load exceeds; a
     balancer with no spare slot, the case this covered before, is now refused at construction)."""
     rng = np.random.default_rng(3)
-    x, params = tm.make_inputs(rng, 8, 8, 8, 2, skew=True)
-    for balancer in (None, tm.balancer_config(ep8_mesh, 8, slots=1, balance_eps=1e9)):
-        layer = tm.build_layer(ep8_mesh, 8, 2, balancer, None, params)
-        _, stats = tm.layer_forward(layer, tm.place_batch(ep8_mesh, x))
+    x, params = layer_cases.make_inputs(rng, 8, 8, 8, 2, skew=True)
+    for balancer in (None, layer_cases.balancer_config(ep8_mesh, 8, slots=1, balance_eps=1e9)):
+        layer = layer_cases.build_layer(ep8_mesh, 8, 2, balancer, None, params)
+        _, stats = layer_cases.layer_forward(layer, layer_cases.place_batch(ep8_mesh, x))
         assert int(stats["replicas"]) == 0
         assert stats["transfer_send_max"].dtype == np.float32
         assert float(stats["transfer_send_max"]) == 0.0
@@ -424,7 +392,7 @@ def test_transfer_send_max_is_zero_without_replicas(ep8_mesh):
 def test_layer_computes_the_relay_schedule_once_per_call(monkeypatch, ep8_mesh):
     """One relay schedule per layer call, shared by every chunk's transfer (the relayed, ragged
     exchange's layout) and the `transfer_send_max` stat, which counts that schedule's sends."""
-    _portable_exchange(monkeypatch)
+    portable_exchange(monkeypatch)
     calls = []
     real = relay.relay_schedule
 
@@ -435,11 +403,11 @@ def test_layer_computes_the_relay_schedule_once_per_call(monkeypatch, ep8_mesh):
     monkeypatch.setattr(relay, "relay_schedule", counted)
     jax.clear_caches()  # the layer's jitted functions keep traces of earlier tests' calls
     rng = np.random.default_rng(0)
-    x, params = tm.make_inputs(rng, 8, 8, LAYER_EXPERTS, 2, skew=True, hot=[0, 1])
-    balancer = tm.balancer_config(ep8_mesh, LAYER_EXPERTS, slots=2, max_fanout=2)
-    layer = tm.build_layer(
+    x, params = layer_cases.make_inputs(rng, 8, 8, LAYER_EXPERTS, 2, skew=True, hot=[0, 1])
+    balancer = layer_cases.balancer_config(ep8_mesh, LAYER_EXPERTS, slots=2, max_fanout=2)
+    layer = layer_cases.build_layer(
         ep8_mesh, LAYER_EXPERTS, 2, balancer, None, params, comm_backend="ragged", transfer_chunks=2
     )
-    _, stats = tm.layer_forward(layer, tm.place_batch(ep8_mesh, x))
+    _, stats = layer_cases.layer_forward(layer, layer_cases.place_batch(ep8_mesh, x))
     assert int(stats["replicas"]) > 0, "no replica"
     assert calls == [2]

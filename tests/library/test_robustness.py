@@ -26,9 +26,10 @@ from tests.helpers import (
     assert_raises_one_line,
     expert_mesh,
     fetch_with_grads,
+    portable_exchange,
+    random_slots,
     routed_value_and_grads,
 )
-from tests.library.test_relay import _portable_exchange, random_slots
 from tests.references.dispatch import kept_pairs, prefix_transport
 from tests.references.moe import reference_moe
 from tests.references.planner import reference_plan
@@ -133,7 +134,7 @@ def test_nonfinite_weights_of_a_cold_expert_stay_there(
     another expert may see it. The replica transfer gathers every master row of a rank, so a
     0/1 mask product would make inf * 0 = NaN in the slots of other experts."""
     if backend == "ragged":
-        _portable_exchange(monkeypatch)  # the exchanged hops, through the CPU's exchange
+        portable_exchange(monkeypatch)  # the exchanged hops, through the CPU's exchange
     R, E, k, B, L = 8, 16, 2, 8, 16
     rng = np.random.default_rng(0)
     x = rng.normal(size=(B, L, D)).astype(np.float32)
@@ -172,7 +173,7 @@ def test_nonfinite_master_reaches_only_its_own_slots(backend, monkeypatch):
     another expert gets exactly its weights, and a NaN cotangent on the bad expert's slots reaches
     only that expert's gradient (the transfer's transpose)."""
     if backend == "ragged":
-        _portable_exchange(monkeypatch)
+        portable_exchange(monkeypatch)
     R, em, S, f = 8, 2, 2, 1
     E = R * em
     # Expert 0 relayed through 3 levels; expert 1 (the bad one, same master rank) on 2 ranks.
@@ -244,7 +245,7 @@ def capacity_case(seed, max_fanout, chunks, backend, monkeypatch, poison_dropped
     buffer of 13 rows (capacity factor 0.8: below the mean, so the plan replicates and still
     drops). Returns the layer's and the reference's results, the kept pairs and the plan."""
     if backend == "ragged":
-        _portable_exchange(monkeypatch)
+        portable_exchange(monkeypatch)
     R, E, k, B, L = 8, 8, 2, 8, 8
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(B, L, D)).astype(np.float32)

@@ -20,6 +20,8 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
+from ultraep_jax import comm
+from ultraep_jax.config import execution
 from ultraep_jax.replicas import transfer
 
 #: The meshes the layer tests run on, by name: (data size, EP size).
@@ -188,3 +190,45 @@ def assert_integer_rule(name: str, fn) -> None:
         ValueError, rf"^{re.escape(name)} must be (a positive int|an int >= 0), got -1$", fn, -1
     )
     fn(np.int64(8))  # accepted
+
+
+#: Whether the default device is a GPU; `needs_gpu` skips a test elsewhere.
+ON_GPU = jax.devices()[0].platform == "gpu"
+needs_gpu = pytest.mark.skipif(
+    not ON_GPU,
+    reason=(
+        f"needs a GPU (default device platform is {jax.devices()[0].platform!r}; on a GPU machine "
+        "set JAX_PLATFORMS=cuda,cpu, since conftest.py defaults it to cpu)"
+    ),
+)
+
+
+def random_slots(rng, R, em, S, fill, hot):
+    """int32 [R, S]: a valid slot layout (no rank holds an expert twice, none holds its own
+    master), ``hot`` experts much more likely than the rest."""
+    E = R * em
+    weights = np.ones(E)
+    weights[rng.choice(E, size=min(hot, E), replace=False)] = 30.0
+    slots = np.full((R, S), -1, np.int32)
+    for t in range(R):
+        allowed = np.ones(E, bool)
+        allowed[t * em : (t + 1) * em] = False
+        for s in range(S):
+            if rng.random() < fill and allowed.any():
+                p = weights * allowed
+                e = rng.choice(E, p=p / p.sum())
+                slots[t, s], allowed[e] = e, False
+    return slots
+
+
+def portable_exchange(monkeypatch):
+    """Runs the ragged transfer's hops through the portable exchange (XLA:CPU has no ragged
+    all-to-all), so that its layout and indexing are checked here."""
+    real = comm.ragged_exchange
+
+    def exchange(operand, ex, *, axis_name, backend="auto"):
+        return real(operand, ex, axis_name=axis_name, backend="portable")
+
+    monkeypatch.setattr(transfer.comm, "ragged_exchange", exchange)
+    # The layer refuses "ragged" on CPU devices; here its exchanges run the portable way.
+    monkeypatch.setattr(execution, "check_platform", lambda backend, platform: None)
