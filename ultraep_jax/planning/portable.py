@@ -3,14 +3,15 @@
 Runs on any JAX platform (TPU, ROCm, CUDA without the native handler) under `jit`, `vmap` and
 `shard_map`, nothing going back to the host. The threshold search's probes are one fixed list
 (the capacity windows' fast and coarse probes, then the ladder's), known from the derived
-quantities before any probe runs. Its first probe that runs is probed alone (most searches end
-there: one lane's work, not `LANES`'), then the rest `LANES` probes at a time (`vmap` over the
-thresholds, as the parallel form puts them on warps), the first success in list order winning;
-the refine probes below a winning coarse probe likewise. `try(tau)` is
-`portable_attempt.try_threshold`. Arithmetic is int64 and the two tolerance formulas IEEE double
-(traced under `jax.enable_x64`). Only the sizes, exact mode and whether a capacity bounds the
-plan are static; F, K, eps and the capacity are traced (`scalar_args`), so one compiled planner
-serves every floor and tolerance of a size.
+quantities before any probe runs. The first attempt of the first probe runs alone: most
+searches end there, with one loop of one iteration per replica (`search`). Only where it fails
+does the whole search run (a `cond`): the first probe alone, then the rest `LANES` probes at a
+time (`vmap` over the thresholds, as the parallel form puts them on warps), the first success in
+list order winning, then the refine probes below a winning coarse probe in the same loop.
+`try(tau)` is `portable_attempt.try_threshold`. Arithmetic is int64 and the two tolerance
+formulas IEEE double (traced under `jax.enable_x64`). Only the sizes, exact mode and whether a
+capacity bounds the plan are static; F, K, eps and the capacity are traced (`scalar_args`), so
+one compiled planner serves every floor and tolerance of a size.
 """
 
 from __future__ import annotations
@@ -255,23 +256,27 @@ def _first_probe(sz: Sizes, sc: Scalars, T, lmax):
     return tau, window | sc.exact, window | ladder
 
 
-def search(sz: Sizes, sc: Scalars, tot: Totals, T) -> Replicas:
-    """The threshold search of PLANNER.md: the winning probe's replicas (none when no probe
-    succeeds: the threshold is Lmax). Most searches end at the first attempt of their first
-    probe (the plain attempt with the floor F and the loose rule, try(tau)'s first): it runs
-    alone, and the whole search (`_search_all`, which probes it again) only where it failed (a
-    `cond`; under `vmap` both branches run, the whole search probing nothing where the first
-    attempt succeeded)."""
+def search(sz: Sizes, sc: Scalars, tot: Totals, T):
+    """The `Plan`'s arrays (`_write_plan`) of the threshold search of PLANNER.md: the winning
+    probe's replicas (none when no probe succeeds: the threshold is Lmax). Most searches end at
+    the first attempt of their first probe (the plain attempt with the floor F and the loose
+    rule, try(tau)'s first): it runs alone, and the whole search (`_search_all`, which probes it
+    again) only where it failed (a `cond`; under `vmap` both branches run, the whole search
+    probing nothing where the first attempt succeeded). Each branch writes the plan: a short
+    branch is a sequence of thunks that XLA:CPU runs in its caller's thread, where a long one
+    is spread over its thread pool (a hop per thunk)."""
     tau, _, run = _first_probe(sz, sc, T, tot.lmax)
-    v = attempt(sz, tot, tau, tot.F, LOOSE, tot.rank_order, jnp.sum(tot.L > tau), run)
+    v = attempt(sz, tot, tau, tot.F, LOOSE, tot.rank_order, run)
 
     def first(v):
         code, _, reps = attempt_result(sz, v)
-        return jax.tree.map(lambda a, z: jnp.where(code == SUCCESS, a, z), reps, no_replicas(sz))
+        won = jax.tree.map(lambda a, z: jnp.where(code == SUCCESS, a, z), reps, no_replicas(sz))
+        return _write_plan(sz, tot, won)
 
     def whole(v):
         code, _, _ = attempt_result(sz, v)
-        return _search_all(sz, sc, tot, T, (code != SUCCESS) & (code != SKIPPED))
+        reps = _search_all(sz, sc, tot, T, (code != SUCCESS) & (code != SKIPPED))
+        return _write_plan(sz, tot, reps)
 
     code = attempt_result(sz, v)[0]
     return jax.lax.cond((code == SUCCESS) | (code == SKIPPED), first, whole, v)
@@ -280,8 +285,10 @@ def search(sz: Sizes, sc: Scalars, tot: Totals, T) -> Replicas:
 def _write_plan(sz: Sizes, tot: Totals, reps: Replicas):
     """The `Plan`'s arrays (int32) of ``reps``, which are by slot already."""
     R, S = sz.R, sz.S
-    sent = jnp.where(reps.expert[None, :] == jnp.arange(sz.E)[:, None], reps.quota[None, :], 0)
-    master_quota = tot.load_e - jnp.sum(sent, axis=1)
+    # one scatter of R * S updates (a one-hot [E, R * S] reduction is E times the work)
+    expert = jnp.where(reps.expert >= 0, reps.expert, sz.E)
+    sent = jnp.zeros((sz.E,), jnp.int64).at[expert].add(reps.quota, mode="drop")
+    master_quota = tot.load_e - sent
     # each rank: its masters' load, less what they sent, plus what its replicas take
     rank_load = tot.L - reps.sent + jnp.sum(reps.quota.reshape(R, S), axis=1)
     out = (reps.expert.reshape(R, S), reps.quota.reshape(R, S), master_quota, rank_load)
@@ -343,8 +350,9 @@ def portable_plan(loads, values, R: int, E: int, S: int, g: int, exact: bool, ca
 
         def planned(load_e, L):
             tot, T = _totals(load_e, L, sc.F, sc.K)
-            reps = no_replicas(sz) if S == 0 or R == 1 else search(sz, sc, tot, T)
-            return _write_plan(sz, tot, reps)
+            if S == 0 or R == 1:
+                return _write_plan(sz, tot, no_replicas(sz))
+            return search(sz, sc, tot, T)
 
         def rejected(load_e, L):
             shapes = ((R, S), (R, S), (E,), (R,))

@@ -1,10 +1,11 @@
 """The portable planner's probe: ``try(tau)`` of ffi/PLANNER.md in JAX (lax loops, static shapes).
 
-An attempt is one `lax.while_loop` that makes one replica per iteration, its choices vectorised
-over the source's masters and over the ranks (each argmax one max-reduction of a packed key, as
-in the parallel form; each update a one-hot select, not a scatter); `try_threshold` unrolls the
-fixed schedule of attempts (plain, then repairs), each loop running only where an earlier one has
-not decided the probe, so a probe that succeeds at once costs one loop. Everything is int64 (the
+An attempt is one `lax.while_loop` that makes one replica per iteration, its state one int64
+vector (`_layout`) that one fusion rewrites: its choices vectorised over the source's masters and
+over the ranks (master and target one lexicographic max-reduction of packed keys, as in the
+parallel form; each update a one-hot select, not a scatter). `try_threshold` runs the fixed
+schedule of attempts (plain, then repairs) in a loop that ends where one decides the probe.
+Everything is int64 (the
 caller traces under `jax.enable_x64`), as the spec's arithmetic is.
 """
 
@@ -117,7 +118,7 @@ def target_keys(rule, slack, free, need, avail, near):
         | jnp.where(fits, _FITS, 0)
         | jnp.where(fits & near, _NEAR, 0)
         | (jnp.where(fits, _INT31 - slack, slack) << _SLACK_SHIFT)
-        | (_RANK_BITS - jnp.arange(slack.shape[-1], dtype=jnp.int64))
+        | (_RANK_BITS - np.arange(slack.shape[-1], dtype=np.int64))
     )
     return jnp.where(cand, key, -1)
 
@@ -142,7 +143,7 @@ def _choose(sz: Sizes, rule, K, st, src, x):
     and pick_target's rank for a replica of it, as one reduction over [E_m, R] (the target keys
     of every master, ordered after the masters' keys), not two in a row."""
     avail = jnp.maximum(st["load_src"] - K - st["sent"], 0)
-    mkey = (avail << 32) | (sz.Em - 1 - jnp.arange(sz.Em, dtype=jnp.int64))
+    mkey = (avail << 32) | (sz.Em - 1 - np.arange(sz.Em, dtype=np.int64))
     near = _near(sz, st.get("held"), src)
     need = jnp.minimum(x, avail)[:, None]
     tkey = target_keys(rule, st["slack"], st["free"], need, avail[:, None], near)
@@ -157,22 +158,25 @@ def _near(sz: Sizes, held, src):
     or in one that ``held`` [E_m, domains] marks as holding a replica of it."""
     if sz.domains == 1:
         return jnp.ones((sz.Em, sz.R), bool)
-    dom = jnp.arange(sz.R) // sz.g
+    dom = np.arange(sz.R) // sz.g
     return (dom == src // sz.g)[None, :] | held[:, dom]
 
 
 def _layout(sz: Sizes) -> dict[str, tuple[int, ...]]:
     """The attempt's state, one int64 vector: name -> shape, in order. The replicas by slot
     (`Replicas`); scalars: the attempt's code, the source it last visited (where it failed), the
-    position in the order, the source, its excess left, and what the ranks after it must still
-    shed. (On XLA:CPU each array of a loop's carry is written by a fusion of its own every
-    iteration, a thunk of a few hundred ns each; `_step` writes this one vector with one.)"""
+    position in the order, the source, its excess left, what the ranks after it must still
+    shed, and the attempt's constants (the sources' count, tau, f, rule, K: read from the carry,
+    nothing of theirs is hoisted out of the loop as a thunk of its own). On XLA:CPU each array
+    of a loop's carry is written by a fusion of its own every iteration, a thunk of a few
+    hundred ns each; `_step` writes this one vector with one."""
     R, Em = sz.R, sz.Em
     shapes = dict(slack=(R,), free=(R,), sent=(Em,), load_src=(Em,))
     shapes.update(rep_e=(R * sz.S,), rep_q=(R * sz.S,), rank_sent=(R,))
     if sz.domains > 1:
         shapes.update(held=(Em, sz.domains))
-    shapes.update({k: () for k in ("code", "failed", "ri", "src", "x", "later")})
+    scalars = ("code", "failed", "ri", "src", "x", "later", "n_order", "tau", "f", "rule", "K")
+    shapes.update({k: () for k in scalars})
     return shapes
 
 
@@ -197,15 +201,14 @@ def _unpack(sz: Sizes, v) -> dict:
     return out
 
 
-def _step(sz: Sizes, tot: Totals, f, rule, sources, n_order, v):
-    """One iteration of an attempt on the state vector ``v`` (`_layout`): the current source's
-    next replica, or the attempt's end. ``sources`` = (rank [R], excess [R], master loads
-    [R * E_m]) by position in the order. The new state is one elementwise expression of the old
-    (each entry by its part, `_regions`), which XLA makes one fusion. A failed attempt's
-    replicas are never read, so nothing here guards them against a failure."""
+def _step(sz: Sizes, tot: Totals, order, v):
+    """One iteration of an attempt on the state vector ``v`` (`_layout`) over the ranks in
+    ``order`` [R]: the current source's next replica, or the attempt's end. The new state is one
+    elementwise expression of the old (each entry by its part, `_regions`), which XLA makes one
+    fusion. A failed attempt's replicas are never read, so nothing here guards them."""
     s = _unpack(sz, v)
-    src, x, later, ri = s["src"], s["x"], s["later"], s["ri"]
-    j, avail, found, t, slack_t = _choose(sz, rule, tot.K, s, src, x)
+    src, x, later, ri, f, tau = s["src"], s["x"], s["later"], s["ri"], s["f"], s["tau"]
+    j, avail, found, t, slack_t = _choose(sz, s["rule"], s["K"], s, src, x)
     fl = jnp.minimum(f, x)
     # fill the target as far as the expert allows and the later ranks can use
     q = jnp.minimum(jnp.minimum(slack_t, avail), x + later)
@@ -215,14 +218,14 @@ def _step(sz: Sizes, tot: Totals, f, rule, sources, n_order, v):
     x = x - q
     done_src = x <= 0
     ri = ri + done_src
-    nxt = jnp.minimum(ri, sz.R - 1)
-    nsrc, nx = sources[0][nxt], sources[1][nxt]
-    finished = done_src & (ri >= n_order)
+    nsrc = order[jnp.minimum(ri, sz.R - 1)]
+    nx = tot.L[nsrc] - tau
+    finished = done_src & (ri >= s["n_order"])
     _, _, i = _regions(sz)
     Em = sz.Em
     # the replica's slot: the n-th created on t takes slot n of t (free[t] = S - n before it)
     slot = t * sz.S + sz.S - s["free"][t]
-    nload = sources[2][jnp.clip(nxt * Em + i, 0, sz.R * Em - 1)]
+    nload = tot.load_e[jnp.clip(nsrc * Em + i, 0, sz.E - 1)]
     new = {
         # over-export: src becomes a target
         "slack": jnp.where(done_src & (i == src), -x, jnp.where(i == t, v - q, v)),
@@ -240,6 +243,8 @@ def _step(sz: Sizes, tot: Totals, f, rule, sources, n_order, v):
         "x": jnp.where(done_src, nx, x),
         "later": jnp.where(done_src, later - nx, later),
     }
+    for name in ("n_order", "tau", "f", "rule", "K"):
+        new[name] = v
     return _assemble(sz, new)
 
 
@@ -253,13 +258,13 @@ def _assemble(sz: Sizes, parts: dict):
     return out
 
 
-def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, n_order, run):
-    """attempt(tau, f, rule, order) of PLANNER.md over the first ``n_order`` ranks of ``order``
-    [R], run only where ``run``: the final state vector (`_layout`; `attempt_result` reads it)."""
+def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, run):
+    """attempt(tau, f, rule, order) of PLANNER.md over the ranks of ``order`` [R] above ``tau``
+    (its first ones), run only where ``run``: the final state vector (`_layout`;
+    `attempt_result` reads it)."""
     R, Em = sz.R, sz.Em
-    loads = tot.load_e.reshape(R, Em)[order]
-    sources = (order, tot.L[order] - tau, loads.reshape(-1))
     x = tot.L[order[0]] - tau
+    n_order = jnp.sum(tot.L > tau)
     later = jnp.sum(jnp.maximum(tot.L - tau, 0))
     _, _, i = _regions(sz)
     parts = {
@@ -277,10 +282,15 @@ def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, n_order, run):
         "src": order[0],
         "x": x,
         "later": later - x,
+        "n_order": n_order,
+        "tau": tau,
+        "f": f,
+        "rule": rule,
+        "K": tot.K,
     }
     return while_varying(
         lambda v: v[_code_at(sz)] == RUNNING,
-        lambda v: _step(sz, tot, f, rule, sources, n_order, v),
+        lambda v: _step(sz, tot, order, v),
         _assemble(sz, parts),
         tot.L,
     )
@@ -338,11 +348,10 @@ def _next(sz: Sizes, tot: Totals, any_floor, s):
 def try_threshold(sz: Sizes, tot: Totals, tau, any_floor, run):
     """try(tau) of PLANNER.md, run only where ``run``: (succeeded [], `Replicas`). ``any_floor``
     [] bool: the probe may give up the floor F (then floors F and 1)."""
-    n_over = jnp.sum(tot.L > tau)
 
     def body(s):
         go, f, rule, order, last_failed, pos = _next(sz, tot, any_floor, s)
-        code, failed, reps = attempt_result(sz, attempt(sz, tot, tau, f, rule, order, n_over, go))
+        code, failed, reps = attempt_result(sz, attempt(sz, tot, tau, f, rule, order, go))
         won = go & (code == SUCCESS)
         seg = s["pos"] // 4
         record = go & jnp.asarray(_SEG_PLAIN)[seg]
