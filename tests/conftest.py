@@ -24,7 +24,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #: turns it off).
 COMPILATION_CACHE = pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-cache"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(COMPILATION_CACHE))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Only programs that took at least this long to compile are kept: the layers, the training and
+# serving steps, the portable planner. The thousands of small ones (eager operations, the native
+# planner's call: 10-100 ms) compile again faster than the cache keeps them, since with a bound
+# (below) each write reads the whole folder's index, so its cost grows with the entries (JAX's
+# LRUCache: 18 ms per write at 1,000 entries, 66 ms at 3,000, about what a line's run wrote).
+COMPILE_SECONDS_KEPT = 0.2
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(COMPILE_SECONDS_KEPT))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # A bound (least recently used entries go first) also makes JAX lock the folder around each read
 # and write, so that parallel test processes never read an entry while another writes it.
