@@ -196,7 +196,7 @@ def _exchange(operand, exchange, ep: ExpertParallel) -> jax.Array:
     if ep.ep_size == 1:
         return comm.local_exchange(operand, exchange)
     backend = ep.execution.comm_backend
-    with jax.named_scope("exchange"):  # a profile's "exchange" term (`experiments.step_terms`)
+    with jax.named_scope("exchange"):  # a profile's "exchange" term (`experiments.lab.step_terms`)
         return comm.ragged_exchange(operand, exchange, axis_name=ep.expert_axis, backend=backend)
 
 
