@@ -1,9 +1,9 @@
 """The portable planner's probe: ``try(tau)`` of ffi/PLANNER.md in JAX (lax loops, static shapes).
 
-An attempt is one `lax.while_loop` that makes one replica per iteration, its state one int64
-vector (`_layout`) that one fusion rewrites: its choices vectorised over the source's masters and
-over the ranks (master and target one lexicographic max-reduction of packed keys, as in the
-parallel form; each update a one-hot select, not a scatter). `try_threshold` runs the fixed
+An attempt is one `lax.while_loop` that makes one replica per iteration, its state a few small
+int64 arrays (`_SCALARS`), its choices vectorised over the source's masters and over the ranks
+(each argmax one max-reduction of a packed key, as in the parallel form; each update a one-hot
+select, not a scatter). `try_threshold` runs the fixed
 schedule of attempts (plain, then repairs) in a loop that ends where one decides the probe.
 Everything is int64 (the
 caller traces under `jax.enable_x64`), as the spec's arithmetic is.
@@ -102,14 +102,14 @@ _SLACK_SHIFT, _RANK_BITS = 29, (1 << 29) - 1
 _INT31 = (1 << 31) - 1
 
 
-def target_keys(rule, slack, free, need, avail, near):
-    """int64 [..., R]: pick_target's key of PLANNER.md under ``rule`` [] for each rank (``slack``,
-    ``free`` [R]), -1 for a rank that is no candidate, for a replica that should carry ``need``
-    of an expert that can give ``avail`` (both [..., 1]: one row per master); ``near`` [..., R]
-    bool. The row's largest key is its target: a kept candidate (the strict rule's filter; every
-    candidate under the others) before any other, then one that takes all of ``need`` (never
-    under `MOST`), a near one first, with the least slack, else the most slack; ties to the
-    smallest rank (slack <= tau < 2^31 and R <= 2^29). The key holds the slack (`decode_target`)."""
+def pick_target(rule, slack, free, need, avail, near):
+    """(found [], t [], slack[t] []): pick_target of PLANNER.md under ``rule`` [] over the ranks'
+    ``slack``, ``free`` [R], for a replica that should carry ``need`` of an expert that can give
+    ``avail``; ``near`` [R] bool. The largest of one packed key per rank: a kept candidate (the
+    strict rule's filter; every candidate under the others) before any other, then one that takes
+    all of ``need`` (never under `MOST`), a near one first, with the least slack, else the most
+    slack; ties to the smallest rank (slack <= tau < 2^31 and R <= 2^29). The key holds the
+    target's slack, so no second reduction reads it."""
     cand = (slack > 0) & (free > 0)
     kept = (rule != STRICT) | ~((free == 1) & (slack > avail))
     fits = (rule != MOST) & (slack >= need)
@@ -118,98 +118,54 @@ def target_keys(rule, slack, free, need, avail, near):
         | jnp.where(fits, _FITS, 0)
         | jnp.where(fits & near, _NEAR, 0)
         | (jnp.where(fits, _INT31 - slack, slack) << _SLACK_SHIFT)
-        | (_RANK_BITS - np.arange(slack.shape[-1], dtype=np.int64))
+        | (_RANK_BITS - np.arange(slack.shape[0], dtype=np.int64))
     )
-    return jnp.where(cand, key, -1)
-
-
-def decode_target(best):
-    """(found [], t [], slack[t] []) of the largest key ``best`` [] of `target_keys`."""
+    best = jnp.max(jnp.where(cand, key, -1))
     field = (best >> _SLACK_SHIFT) & _INT31
     slack_t = jnp.where((best & _FITS) != 0, _INT31 - field, field)
     return best >= 0, _RANK_BITS - (best & _RANK_BITS), slack_t
 
 
-def _lex_max(a, b):
-    """The larger of two (master key, target key) pairs, the master key first."""
-    (am, at), (bm, bt) = a, b
-    take_a = (am > bm) | ((am == bm) & (at >= bt))
-    return jnp.where(take_a, am, bm), jnp.where(take_a, at, bt)
+def _richest_master(sz: Sizes, K, load_src, sent):
+    """(j, avail): the master of the source (its loads ``load_src``, what each sent ``sent``
+    [E_m]; each keeps ``K``) with the most avail, ties to the smallest index; avail clamped at 0
+    (below 1 every attempt fails whichever master it names)."""
+    avail = jnp.maximum(load_src - K - sent, 0)
+    key = jnp.max((avail << 32) | (sz.Em - 1 - np.arange(sz.Em, dtype=np.int64)))
+    return sz.Em - 1 - (key & 0xFFFFFFFF), key >> 32
 
 
-def _choose(sz: Sizes, rule, K, st, src, x):
-    """(j, avail, found, t, slack[t]): the source's master with the most avail (ties to the
-    smallest index; avail clamped at 0: below 1 every attempt fails whichever master it names)
-    and pick_target's rank for a replica of it, as one reduction over [E_m, R] (the target keys
-    of every master, ordered after the masters' keys), not two in a row."""
-    avail = jnp.maximum(st["load_src"] - K - st["sent"], 0)
-    mkey = (avail << 32) | (sz.Em - 1 - np.arange(sz.Em, dtype=np.int64))
-    near = _near(sz, st.get("held"), src)
-    need = jnp.minimum(x, avail)[:, None]
-    tkey = target_keys(rule, st["slack"], st["free"], need, avail[:, None], near)
-    mkey = jnp.broadcast_to(mkey[:, None], tkey.shape)
-    best_m, best_t = jax.lax.reduce((mkey, tkey), (np.int64(-1), np.int64(-1)), _lex_max, (0, 1))
-    found, t, slack_t = decode_target(best_t)
-    return sz.Em - 1 - (best_m & 0xFFFFFFFF), best_m >> 32, found, t, slack_t
-
-
-def _near(sz: Sizes, held, src):
-    """bool [E_m, R]: the ranks near for a replica of each of ``src``'s masters: in src's domain
-    or in one that ``held`` [E_m, domains] marks as holding a replica of it."""
+def _near(sz: Sizes, held, j, src):
+    """bool [R]: the ranks near for a replica of ``src``'s master ``j``: in src's domain or in one
+    that ``held`` [E_m, domains] marks as holding a replica of it."""
     if sz.domains == 1:
-        return jnp.ones((sz.Em, sz.R), bool)
+        return jnp.ones((sz.R,), bool)
     dom = np.arange(sz.R) // sz.g
-    return (dom == src // sz.g)[None, :] | held[:, dom]
+    return (dom == src // sz.g) | held[j][dom]
 
 
-def _layout(sz: Sizes) -> dict[str, tuple[int, ...]]:
-    """The attempt's state, one int64 vector: name -> shape, in order. The replicas by slot
-    (`Replicas`); scalars: the attempt's code, the source it last visited (where it failed), the
-    position in the order, the source, its excess left, what the ranks after it must still
-    shed, and the attempt's constants (the sources' count, tau, f, rule, K: read from the carry,
-    nothing of theirs is hoisted out of the loop as a thunk of its own). On XLA:CPU each array
-    of a loop's carry is written by a fusion of its own every iteration, a thunk of a few
-    hundred ns each; `_step` writes this one vector with one."""
-    R, Em = sz.R, sz.Em
-    shapes = dict(slack=(R,), free=(R,), sent=(Em,), load_src=(Em,))
-    shapes.update(rep_e=(R * sz.S,), rep_q=(R * sz.S,), rank_sent=(R,))
-    if sz.domains > 1:
-        shapes.update(held=(Em, sz.domains))
-    scalars = ("code", "failed", "ri", "src", "x", "later", "n_order", "tau", "f", "rule", "K")
-    shapes.update({k: () for k in scalars})
-    return shapes
+# An attempt's state (the loop's carry): "ranks" [3, R] (slack, free slots, what the rank's
+# masters sent), "masters" [2, E_m] (the source's masters' sends and loads), "reps" [2, R * S]
+# (the replicas by slot: expert, -1 where empty, and quota), "held" [E_m, domains] (with several
+# domains) and "sc", the scalars below: the attempt's code, the source it last visited (where it
+# failed), the position in the order, the source, its excess left, what the ranks after it must
+# still shed, and the attempt's constants (read from the carry, XLA hoists no thunk of theirs out
+# of the loop). On XLA:CPU each array of the carry is written by a fusion of its own every
+# iteration (a thunk, a few hundred ns); each fusion's work is its array's entries.
+_SCALARS = ("code", "failed", "ri", "src", "x", "later", "n_order", "tau", "f", "rule", "K")
+_CODE, _FAILED, _RI, _SRC, _X, _LATER, _N_ORDER, _TAU, _F, _RULE, _K = range(len(_SCALARS))
 
 
-def _regions(sz: Sizes):
-    """(names, region [n], local [n]): for each entry of the state vector (`_layout`), the index
-    of its part in ``names`` and its flat index within that part (NumPy constants)."""
-    names, sizes = zip(*((k, int(np.prod(v))) for k, v in _layout(sz).items()), strict=True)
-    region = np.repeat(np.arange(len(names)), sizes)
-    local = np.arange(region.size) - np.repeat(np.cumsum((0, *sizes[:-1])), sizes)
-    return names, region, local
-
-
-def _unpack(sz: Sizes, v) -> dict:
-    """The named parts of the state vector ``v`` (`_layout`)."""
-    out, at = {}, 0
-    for name, shape in _layout(sz).items():
-        n = int(np.prod(shape))
-        out[name] = v[at : at + n].reshape(shape)
-        at += n
-    if sz.domains > 1:
-        out["held"] = out["held"] != 0
-    return out
-
-
-def _step(sz: Sizes, tot: Totals, order, v):
-    """One iteration of an attempt on the state vector ``v`` (`_layout`) over the ranks in
-    ``order`` [R]: the current source's next replica, or the attempt's end. The new state is one
-    elementwise expression of the old (each entry by its part, `_regions`), which XLA makes one
-    fusion. A failed attempt's replicas are never read, so nothing here guards them."""
-    s = _unpack(sz, v)
-    src, x, later, ri, f, tau = s["src"], s["x"], s["later"], s["ri"], s["f"], s["tau"]
-    j, avail, found, t, slack_t = _choose(sz, s["rule"], s["K"], s, src, x)
+def _step(sz: Sizes, tot: Totals, order, st):
+    """One iteration of an attempt over the ranks in ``order`` [R]: the current source's next
+    replica, or the attempt's end. A failed attempt's replicas are never read, so nothing here
+    guards them against a failure."""
+    v, (slack, free, rank_sent), (sent, load_src) = st["sc"], st["ranks"], st["masters"]
+    src, x, later, f, tau = v[_SRC], v[_X], v[_LATER], v[_F], v[_TAU]
+    j, avail = _richest_master(sz, v[_K], load_src, sent)
     fl = jnp.minimum(f, x)
+    near = _near(sz, st.get("held"), j, src)
+    found, t, slack_t = pick_target(v[_RULE], slack, free, jnp.minimum(x, avail), avail, near)
     # fill the target as far as the expert allows and the later ranks can use
     q = jnp.minimum(jnp.minimum(slack_t, avail), x + later)
     no_master = avail < fl
@@ -217,95 +173,79 @@ def _step(sz: Sizes, tot: Totals, order, v):
     code = jnp.where(no_master & (f == 1), INFEASIBLE, FAILED)
     x = x - q
     done_src = x <= 0
-    ri = ri + done_src
+    ri = v[_RI] + done_src
     nsrc = order[jnp.minimum(ri, sz.R - 1)]
     nx = tot.L[nsrc] - tau
-    finished = done_src & (ri >= s["n_order"])
-    _, _, i = _regions(sz)
-    Em = sz.Em
+    r, row = np.arange(sz.R), np.arange(3)[:, None]
+    # over-export: src becomes a target
+    new_slack = jnp.where(done_src & (r == src), -x, jnp.where(r == t, slack - q, slack))
+    ranks = jnp.where(
+        row == 0, new_slack, jnp.where(row == 1, free - (r == t), rank_sent + (r == src) * q)
+    )
+    m = np.arange(sz.Em)
+    nload = jax.lax.dynamic_slice(tot.load_e, (nsrc * sz.Em,), (sz.Em,))
     # the replica's slot: the n-th created on t takes slot n of t (free[t] = S - n before it)
-    slot = t * sz.S + sz.S - s["free"][t]
-    nload = tot.load_e[jnp.clip(nsrc * Em + i, 0, sz.E - 1)]
-    new = {
-        # over-export: src becomes a target
-        "slack": jnp.where(done_src & (i == src), -x, jnp.where(i == t, v - q, v)),
-        "free": v - (i == t),
-        "sent": jnp.where(done_src, 0, v + jnp.where(i == j, q, 0)),
-        "load_src": jnp.where(done_src, nload, v),
-        "rep_e": jnp.where(i == slot, src * Em + j, v),
-        "rep_q": jnp.where(i == slot, q, v),
-        "rank_sent": jnp.where(i == src, v + q, v),
-        "held": ((v != 0) | ((i // sz.domains == j) & (i % sz.domains == t // sz.g))) & ~done_src,
-        "code": jnp.where(failed, code, jnp.where(finished, SUCCESS, RUNNING)),
-        "failed": src,
-        "ri": ri,
-        "src": jnp.where(done_src, nsrc, src),
-        "x": jnp.where(done_src, nx, x),
-        "later": jnp.where(done_src, later - nx, later),
+    slot = t * sz.S + sz.S - free[t]
+    rep = jnp.stack([src * sz.Em + j, q])[:, None]
+    out = {
+        "ranks": ranks,
+        "reps": jnp.where(np.arange(sz.R * sz.S) == slot, rep, st["reps"]),
+        "sc": jnp.stack(
+            [
+                jnp.where(
+                    failed, code, jnp.where(done_src & (ri >= v[_N_ORDER]), SUCCESS, RUNNING)
+                ),
+                src,
+                ri,
+                jnp.where(done_src, nsrc, src),
+                jnp.where(done_src, nx, x),
+                jnp.where(done_src, later - nx, later),
+                *(v[k] for k in (_N_ORDER, _TAU, _F, _RULE, _K)),
+            ]
+        ),
+        "masters": jnp.stack(
+            [jnp.where(done_src, 0, sent + (m == j) * q), jnp.where(done_src, nload, load_src)]
+        ),
     }
-    for name in ("n_order", "tau", "f", "rule", "K"):
-        new[name] = v
-    return _assemble(sz, new)
-
-
-def _assemble(sz: Sizes, parts: dict):
-    """The state vector (`_layout`) whose entries are those of ``parts`` (name -> [n] or [],
-    each read at the entries of its part): one elementwise expression, one fusion."""
-    names, region, _ = _regions(sz)
-    out = jnp.zeros(region.shape, jnp.int64)
-    for k, name in enumerate(names):
-        out = jnp.where(region == k, parts[name], out)
+    if sz.domains > 1:
+        d = np.arange(sz.domains)
+        out["held"] = (st["held"] | ((m == j)[:, None] & (d == t // sz.g)[None, :])) & ~done_src
     return out
 
 
 def attempt(sz: Sizes, tot: Totals, tau, f, rule, order, run):
     """attempt(tau, f, rule, order) of PLANNER.md over the ranks of ``order`` [R] above ``tau``
-    (its first ones), run only where ``run``: the final state vector (`_layout`;
-    `attempt_result` reads it)."""
-    R, Em = sz.R, sz.Em
-    x = tot.L[order[0]] - tau
+    (its first ones), run only where ``run``: the final state (`attempt_result` reads it)."""
+    i64 = jnp.int64
+    src = order[0]
+    x = tot.L[src] - tau
     n_order = jnp.sum(tot.L > tau)
-    later = jnp.sum(jnp.maximum(tot.L - tau, 0))
-    _, _, i = _regions(sz)
-    parts = {
-        "slack": jnp.maximum(tau - tot.L[np.minimum(i, R - 1)], 0),
-        "free": sz.S,
-        "sent": 0,
-        "load_src": tot.load_e[jnp.clip(order[0] * Em + i, 0, sz.E - 1)],
-        "rep_e": -1,
-        "rep_q": 0,
-        "rank_sent": 0,
-        "held": 0,
-        "code": jnp.where(run, jnp.where(n_order > 0, RUNNING, SUCCESS), SKIPPED),
-        "failed": order[0],
-        "ri": 0,
-        "src": order[0],
-        "x": x,
-        "later": later - x,
-        "n_order": n_order,
-        "tau": tau,
-        "f": f,
-        "rule": rule,
-        "K": tot.K,
+    later = jnp.sum(jnp.maximum(tot.L - tau, 0)) - x
+    code = jnp.where(run, jnp.where(n_order > 0, RUNNING, SUCCESS), SKIPPED)
+    scalars = (code, src, 0, src, x, later, n_order, tau, f, rule, tot.K)
+    zeros = jnp.zeros((sz.R,), i64)
+    st = {
+        "ranks": jnp.stack([jnp.maximum(tau - tot.L, 0), zeros + sz.S, zeros]),
+        "reps": jnp.stack([jnp.full((sz.R * sz.S,), -1, i64), jnp.zeros((sz.R * sz.S,), i64)]),
+        "sc": jnp.stack([jnp.asarray(a, i64) for a in scalars]),
+        "masters": jnp.stack(
+            [jnp.zeros((sz.Em,), i64), jax.lax.dynamic_slice(tot.load_e, (src * sz.Em,), (sz.Em,))]
+        ),
     }
+    if sz.domains > 1:
+        st["held"] = jnp.zeros((sz.Em, sz.domains), bool)
     return while_varying(
-        lambda v: v[_code_at(sz)] == RUNNING,
-        lambda v: _step(sz, tot, order, v),
-        _assemble(sz, parts),
+        lambda st: st["sc"][_CODE] == RUNNING,
+        lambda st: _step(sz, tot, order, st),
+        st,
         tot.L,
     )
 
 
-def _code_at(sz: Sizes) -> int:
-    """The state vector's index of the attempt's code (`_layout`)."""
-    names, region, _ = _regions(sz)
-    return int(np.argmax(region == names.index("code")))
-
-
-def attempt_result(sz: Sizes, v):
-    """(code [], failed source [], `Replicas`) of an attempt's final state ``v`` (`attempt`)."""
-    s = _unpack(sz, v)
-    return s["code"], s["failed"], Replicas(s["rep_e"], s["rep_q"], s["rank_sent"])
+def attempt_result(sz: Sizes, st):
+    """(code [], failed source [], `Replicas`) of an attempt's final state ``st``."""
+    v, reps = st["sc"], st["reps"]
+    return v[_CODE], v[_FAILED], Replicas(reps[0], reps[1], st["ranks"][2])
 
 
 def _move_to_front(order, d):
