@@ -218,27 +218,22 @@ def _rounds(sz: Sizes, tot: Totals, lists, st):
 
 def _search_all(sz: Sizes, sc: Scalars, tot: Totals, T, go) -> Replicas:
     """The threshold search of PLANNER.md where ``go`` [] (else no probe runs): the winning
-    probe's replicas (none when no probe succeeds: the threshold is Lmax). Its first probe runs
-    alone (most searches end there), then the rounds (a `cond`; under `vmap` both branches run,
-    the rounds ending at once where the first probe won)."""
+    probe's replicas (none when no probe succeeds: the threshold is Lmax), in rounds of `LANES`
+    probes from the first that runs (`search` has run its first attempt alone: only a probe
+    whose first attempt failed comes here, and one `vmap` of `try_threshold` serves every
+    round)."""
     taus, valid, any_floor, base = probe_list(sz, sc, T, tot.lmax)
     run = _skip_repeats(taus, valid & go, tot.lmax)
-    first = first_max(run)
-    ok, reps = try_threshold(sz, tot, taus[first], any_floor[first], run[first])
     st = {
-        "i": first,
-        "phase": jnp.asarray(_COARSE_PHASE, jnp.int64),
+        "i": first_max(run),
+        "phase": jnp.where(jnp.any(run), _COARSE_PHASE, _DONE).astype(jnp.int64),
         "found": jnp.zeros((), bool),
         "reps": no_replicas(sz),
         "taus": taus,
         "run": run,
         "any_floor": any_floor,
     }
-    lists = (taus, base, any_floor)
-    st = _after(tot, lists, st, ok, first, reps)
-    st = jax.lax.cond(
-        st["phase"] == _DONE, lambda st: st, lambda st: _rounds(sz, tot, lists, st), st
-    )
+    st = _rounds(sz, tot, (taus, base, any_floor), st)
     return jax.tree.map(lambda v, z: jnp.where(st["found"], v, z), st["reps"], no_replicas(sz))
 
 
