@@ -1,68 +1,181 @@
 """The portable planner's time per plan against the C++ core's, in the same run.
 
-    python -m experiments.planner.portable_speed [--batch=64] [--repeats=5]
+    python -m experiments.planner.portable_speed [--batch=64] [--repeats=5] [--calls=300]
+        [--profile]
 
 At EP32/E256/S2 and EP64/E256/S2 (rank-level Zipf loads at initial max/mean 2, top-8, 8192 tokens
 per rank; the default balancer: F=1024, eps=0.01): the time per plan of `jit(vmap(plan))` over
-``--batch`` load matrices, as the README's C++ figure is measured, and of one jitted call on one
-matrix; each as a ratio to the C++ core (`planner="native"`) timed the same way in this run. The
-plans are checked equal first. Medians over ``--repeats``
-(`experiments.lab.walltime.median_seconds`).
+``--batch`` load matrices, as the README's C++ figure is measured (median of ``--repeats``), and
+of one jitted call on one matrix (median of ``--calls``, each waited for); each as a ratio to the
+C++ core (`planner="native"`) timed the same way in this run. The plans are checked equal first.
+
+One call is timed twice: as it is, and with both programs also summing the loads ("same
+dispatch"). XLA:CPU's client runs a program in the caller's thread when its cost analysis counts
+under 1,000 flops, else it hands it to a thread pool and waits: the native planner's custom call
+counts none, the portable planner's work thousands, so alone they take different paths, and the
+hand-off (tens of us on a loaded machine) is part of the portable planner's one call. With the
+sum, both take the thread pool. (Inside a training step the planner is one op of a program that
+takes it anyway; on TPU and GPU no such path exists.)
+
+``--profile`` adds, per size, the one-call portable program's compile seconds, what its compiled
+HLO holds (outside fusions: while loops, conditionals, copies, dynamic-update-slices, and the
+thunks of the entry computation), and its while loops' iterations on the first matrix, counted
+at run time (a `jax.debug.callback` in each loop body, by the function that runs the loop).
 """
 
 from __future__ import annotations
 
+import collections
+import re
+import time
+from unittest import mock
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 import ultraep_jax as uep
 from experiments.lab.loads import workloads
 from experiments.lab.walltime import median_seconds
+from ultraep_jax.planning import portable, portable_attempt
 
 BATCH = flags.DEFINE_integer("batch", 64, "load matrices per batched call")
-REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per figure (median)")
+REPEATS = flags.DEFINE_integer("repeats", 5, "timed batched calls per figure (median)")
+CALLS = flags.DEFINE_integer("calls", 300, "timed single calls per figure (median)")
+PROFILE = flags.DEFINE_bool("profile", False, "also profile the one-call portable program")
 SIZES = ((32, 256, 2), (64, 256, 2))
+PLANNERS = ("native", "portable")
 
 
-def _planner(cfg: uep.BalancerConfig, planner: str, batched: bool):
-    """The jitted planner: over a batch [N, R, E] (vmap) or one matrix [R, E]."""
+def _planner(cfg: uep.BalancerConfig, planner: str, batched: bool, with_sum: bool = False):
+    """The jitted planner: over a batch [N, R, E] (vmap) or one matrix [R, E]; ``with_sum``: the
+    program also returns the loads' sum (see the module docstring)."""
     one = lambda loads: uep.plan(loads, cfg, planner=planner)  # noqa: E731
-    return jax.jit(jax.vmap(one) if batched else one)
+    fn = jax.vmap(one) if batched else one
+    if with_sum:
+        return jax.jit(lambda loads: (fn(loads), jnp.sum(loads)))
+    return jax.jit(fn)
 
 
-def _per_plan(fn, loads, count: int) -> float:
-    """Median seconds per plan of ``fn(loads)`` planning ``count`` matrices."""
+def _seconds(fn, loads, repeats: int) -> float:
+    """Median seconds of ``fn(loads)``, each call waited for."""
     loads = jax.device_put(loads)
-    return median_seconds(lambda: fn(loads), REPEATS.value) / count
+    return median_seconds(lambda: fn(loads), repeats)
 
 
-def _row(R: int, E: int, S: int) -> str:
-    """One size's figures, portable against native, batched and one call."""
+def _cell(t: dict) -> str:
+    return (
+        f"{t['native'] * 1e6:9.1f} {t['portable'] * 1e6:9.1f} {t['portable'] / t['native']:5.1f}x"
+    )
+
+
+def _row(R: int, E: int, S: int, batch) -> str:
+    """One size's figures, portable against native: batched, one call, one call same dispatch."""
     cfg = uep.BalancerConfig(E, R, S)
-    batch = np.stack([workloads.rank_zipf_loads(R, E, 8192, 8, 2.0, s) for s in range(BATCH.value)])
-    got = {p: _planner(cfg, p, True)(batch) for p in ("native", "portable")}
+    got = {p: _planner(cfg, p, True)(batch) for p in PLANNERS}
     for name in ("slot_expert", "slot_quota", "master_quota", "rank_load"):
         np.testing.assert_array_equal(getattr(got["portable"], name), getattr(got["native"], name))
+    runs = [(True, False, batch, REPEATS.value), (False, False, batch[0], CALLS.value)]
+    runs.append((False, True, batch[0], CALLS.value))
     cells = []
-    for batched, loads, n in ((True, batch, len(batch)), (False, batch[0], 1)):
-        t = {p: _per_plan(_planner(cfg, p, batched), loads, n) for p in ("native", "portable")}
-        cells.append(
-            f"{t['native'] * 1e6:9.1f} {t['portable'] * 1e6:10.1f} "
-            f"{t['portable'] / t['native']:6.1f}x"
-        )
-    return f"EP{R}/E{E}/S{S}  " + "  |  ".join(cells)
+    for batched, with_sum, loads, repeats in runs:
+        per = len(batch) if batched else 1
+        t = {
+            p: _seconds(_planner(cfg, p, batched, with_sum), loads, repeats) / per for p in PLANNERS
+        }
+        cells.append(_cell(t))
+    return f"EP{R}/E{E}/S{S}  " + " | ".join(cells)
+
+
+def _hlo_counts(text: str) -> dict:
+    """What a compiled module's text holds outside fusions: while loops, conditionals, copies,
+    dynamic-update-slices, its thunks (instructions other than parameters, constants, tuples and
+    their elements, bitcasts) in all and in the entry computation, and each while body's."""
+    free = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+    comps, name, entry = {}, None, None
+    for line in text.splitlines():
+        if line and not line.startswith((" ", "}")):  # a computation's header
+            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            entry = name if line.startswith("ENTRY") else entry
+            comps[name] = []
+        elif (m := re.search(r" = (?:\(.*?\)|\S+) ([\w-]+)\(", line)) and name:
+            comps[name].append((m.group(1), line))
+    comps = {k: v for k, v in comps.items() if "fused" not in k and "wrapped_" not in k}
+    ops = collections.Counter(op for ins in comps.values() for op, _ in ins)
+    thunks = {k: sum(op not in free for op, _ in ins) for k, ins in comps.items()}
+    bodies = [
+        thunks.get(m.group(1), 0)
+        for ins in comps.values()
+        for op, line in ins
+        if op == "while" and (m := re.search(r"body=(%?[\w.-]+)", line))
+    ]
+    keys = ("while", "conditional", "copy", "dynamic-update-slice")
+    out = {k: ops[k] for k in keys}
+    return {**out, "thunks": sum(thunks.values()), "entry": thunks[entry], "bodies": bodies}
+
+
+def _loop_trips(cfg: uep.BalancerConfig, loads) -> dict:
+    """Iterations of each while loop of the portable planner on ``loads`` [R, E], by the
+    function that runs the loop (attempt: one per replica; try_threshold: one per attempt of a
+    probe after its first; _rounds: one per round of `portable.LANES` probes)."""
+    counts = collections.Counter()
+    real = portable_attempt.while_varying
+
+    def counting(cond, body, init, like):
+        name = body.__qualname__.split(".<locals>")[0]
+
+        def counted(s):
+            jax.debug.callback(lambda: counts.update([name]))
+            return body(s)
+
+        return real(cond, counted, init, like)
+
+    R, E = loads.shape
+    values = portable.scalar_args(
+        cfg.min_tokens_per_replica, cfg.master_keep_tokens, cfg.balance_eps, 0
+    )
+    # a function of its own: a jit of portable_plan itself would reuse the trace of `uep.plan`'s
+    fn = jax.jit(lambda *a: portable.portable_plan(*a), static_argnums=tuple(range(2, 8)))
+    args = (R, E, cfg.slots_per_rank, R, *values[:2])
+    with mock.patch.object(portable_attempt, "while_varying", counting):
+        with mock.patch.object(portable, "while_varying", counting):
+            jax.block_until_ready(fn(loads, values[2], *args))
+            jax.effects_barrier()
+    return dict(counts)
+
+
+def _profile(R: int, E: int, S: int, loads) -> str:
+    """The one-call portable program's compile seconds, HLO counts and loop iterations."""
+    cfg = uep.BalancerConfig(E, R, S)
+    fn = _planner(cfg, "portable", False)
+    start = time.perf_counter()
+    compiled = fn.lower(jax.ShapeDtypeStruct(loads.shape, loads.dtype)).compile()
+    seconds = time.perf_counter() - start
+    replicas = int(uep.plan(loads, cfg, planner="native").num_replicas)
+    return (
+        f"EP{R}/E{E}/S{S}  compile {seconds:.2f} s; HLO {_hlo_counts(compiled.as_text())}; "
+        f"loop iterations {_loop_trips(cfg, loads)} ({replicas} replicas)"
+    )
 
 
 def main(argv):
     del argv
-    print(f"Time per plan (us) on {jax.devices()[0].device_kind}, median of {REPEATS.value}:")
     print(
-        f"{'':14s}jit(vmap) over {BATCH.value}: native portable ratio  |  one call: "
-        "native portable ratio"
+        f"Time per plan (us) on {jax.devices()[0].device_kind}, median of {REPEATS.value} "
+        f"batched calls, of {CALLS.value} single calls:"
+    )
+    print(
+        f"{'':14s}jit(vmap) over {BATCH.value}: native portable ratio | one call: native "
+        "portable ratio | one call, same dispatch: native portable ratio"
     )
     for R, E, S in SIZES:
-        print(_row(R, E, S))
+        batch = np.stack(
+            [workloads.rank_zipf_loads(R, E, 8192, 8, 2.0, s) for s in range(BATCH.value)]
+        )
+        print(_row(R, E, S, batch))
+        if PROFILE.value:
+            print(_profile(R, E, S, batch[0]))
 
 
 if __name__ == "__main__":
