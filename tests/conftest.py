@@ -4,6 +4,7 @@ parallel test processes; the rule for tests that need the real expert-load trace
 standard meshes as fixtures (built by tests/helpers.py, which module-level code uses directly)."""
 
 import collections
+import importlib.metadata
 import os
 import pathlib
 
@@ -21,8 +22,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #: is keyed by the whole program, the compile options, the XLA flags and the jax version, so a hit
 #: is the program that would have been compiled. The environment carries the settings to the
 #: subprocesses (an environment variable set by the caller wins; JAX_ENABLE_COMPILATION_CACHE=false
-#: turns it off).
-COMPILATION_CACHE = pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-cache"
+#: turns it off). One folder per jaxlib version: no entry of one serves another, and each write
+#: reads the folder's whole index (below).
+COMPILATION_CACHE = (
+    pathlib.Path(__file__).resolve().parents[1]
+    / ".pytest_cache"
+    / "jax-cache"
+    / f"jaxlib-{importlib.metadata.version('jaxlib')}"
+)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(COMPILATION_CACHE))
 # Only programs that took at least this long to compile are kept: the layers, the training and
 # serving steps, the portable planner. The thousands of small ones (eager operations, the native
