@@ -163,7 +163,7 @@ def _refine_list(tot: Totals, lo, hi, any_floor, n):
     return r, _skip_repeats(r, r_valid, tot.lmax), jnp.full((n,), any_floor)
 
 
-# The search's state after its first probe: the probes still to run, `LANES` at a time, in the
+# The whole search's state (`_search_all`): the probes still to run, `LANES` at a time, in the
 # list ``taus`` [N] (``run``, ``any_floor``), then the refine probes of a winning coarse probe.
 _COARSE_PHASE, _REFINE_PHASE, _DONE = range(3)
 
@@ -219,9 +219,8 @@ def _rounds(sz: Sizes, tot: Totals, lists, st):
 def _search_all(sz: Sizes, sc: Scalars, tot: Totals, T, go) -> Replicas:
     """The threshold search of PLANNER.md where ``go`` [] (else no probe runs): the winning
     probe's replicas (none when no probe succeeds: the threshold is Lmax), in rounds of `LANES`
-    probes from the first that runs (`search` has run its first attempt alone: only a probe
-    whose first attempt failed comes here, and one `vmap` of `try_threshold` serves every
-    round)."""
+    probes from the first that runs (`search` has run the first attempt alone: only a search
+    where it failed comes here; one `vmap` of `try_threshold` serves every round)."""
     taus, valid, any_floor, base = probe_list(sz, sc, T, tot.lmax)
     run = _skip_repeats(taus, valid & go, tot.lmax)
     st = {
