@@ -181,15 +181,21 @@ def test_plan_without_replica_equals_plain_ep(setup, plain_ep_runs, kernel, chun
     if kernel not in plain_ep_runs:
         plain = helpers.build_layer(mesh, params, balancer=None, **options)
         plain_ep_runs[kernel] = _loss_and_grads(plain, xs)
+    variants = [("no_replica", never), ("balanced", _balancer(0))]
+    if kernel == "ragged_dot" and chunks > 1:
+        # Without fused stacks both chunk counts run the masters' calls beside the same `lax.cond`,
+        # whose no-replica branch (zeros) holds no chunk: the case at 1 chunk runs that branch.
+        # ("tiled" fuses the stacks at 1 chunk only, so its no-replica branch differs there.)
+        variants = variants[1:]
     runs = {"plain": plain_ep_runs[kernel]} | {
         name: _loss_and_grads(helpers.build_layer(mesh, params, balancer=b, **options), xs)
-        for name, b in (("no_replica", never), ("balanced", _balancer(0)))
+        for name, b in variants
     }
-    assert runs["no_replica"][1] == 0 and runs["balanced"][1] > 0
+    assert runs.get("no_replica", (None, 0))[1] == 0 and runs["balanced"][1] > 0
     y0, _, (gp0, gx0) = runs["plain"]
     want = _numpy_moe(x, params)
     np.testing.assert_allclose(y0, want, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(want).max()))
-    for name in ("no_replica", "balanced"):
+    for name, _ in variants:
         y, _, (gp, gx) = runs[name]
         np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(gx, gx0, rtol=1e-5, atol=1e-7, err_msg=name)
