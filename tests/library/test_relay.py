@@ -266,10 +266,20 @@ def want_send_max(slots, f) -> float:
 
 
 # The portable transfer ignores f (its dense hop sends every copy from the master), so f enters
-# its layer only through the relay schedule of the `transfer_send_max` stat, the code the ragged
-# cases run at both f: one portable case per mesh.
-@pytest.mark.parametrize("f, backend", [(1, "ragged"), (2, "ragged"), (2, "portable")])
-@pytest.mark.parametrize("mesh", ["ep8", "dp2ep4"], indirect=True)
+# its layer only through the relay schedule of the `transfer_send_max` stat (computed the same
+# way whatever the backend), the code the ragged cases run: one portable case. f changes only the
+# schedule's values and its number of hops, and the data axis only splits the batch into groups
+# that each run ep8's code at 4 ranks: the ragged transfer runs once at each f, the tree (f = 2)
+# on ep8 and the chain (f = 1, 3 hops) on dp2ep4. (Before, every (f, backend) ran on both meshes:
+# 6 compiles of the layer's value and gradients. ep8's 7-hop chain runs in `routed_experts`, the
+# layer's core, in test_robustness's ragged capacity case at f = 1, and alone in the fetch test
+# here; the portable transfer on dp2ep4 in test_moe's balanced dp2ep4 cases and the streamed
+# case below.)
+@pytest.mark.parametrize(
+    "mesh, f, backend",
+    [("ep8", 2, "ragged"), ("ep8", 2, "portable"), ("dp2ep4", 1, "ragged")],
+    indirect=["mesh"],
+)
 def test_layer_with_relays_equals_dense_reference(mesh, f, backend, monkeypatch):
     (y, stats, gx, gp), (ref_y, ref_gx, ref_gp), slots = _relayed_layer_case(
         mesh, f, backend, monkeypatch
@@ -401,13 +411,17 @@ def test_layer_computes_the_relay_schedule_once_per_call(monkeypatch, ep8_mesh):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(relay, "relay_schedule", counted)
-    jax.clear_caches()  # the layer's jitted functions keep traces of earlier tests' calls
     rng = np.random.default_rng(0)
     x, params = layer_cases.make_inputs(rng, 8, 8, LAYER_EXPERTS, 2, skew=True, hot=[0, 1])
     balancer = layer_cases.balancer_config(ep8_mesh, LAYER_EXPERTS, slots=2, max_fanout=2)
     layer = layer_cases.build_layer(
         ep8_mesh, LAYER_EXPERTS, 2, balancer, None, params, comm_backend="ragged", transfer_chunks=2
     )
-    _, stats = layer_cases.layer_forward(layer, layer_cases.place_batch(ep8_mesh, x))
+    x = layer_cases.place_batch(ep8_mesh, x)
+    # The layer's jitted functions keep traces of earlier tests' calls. Cleared after building
+    # the layer and placing x (no trace of the layer's call there), so that only the call's own
+    # programs compile again, not every small program of the layer's initialisation.
+    jax.clear_caches()
+    _, stats = layer_cases.layer_forward(layer, x)
     assert int(stats["replicas"]) > 0, "no replica"
     assert calls == [2]
