@@ -64,6 +64,12 @@ def _losses(logits_TE, probs_TE, experts_TK, mask_T=None):
     return aux, z
 
 
+def _check_top_k(router: str, top_k: int, num_experts: int) -> None:
+    """Raises ValueError (one line naming ``router``) when ``top_k`` exceeds ``num_experts``."""
+    if top_k > num_experts:
+        raise ValueError(f"{router}: top_k={top_k} exceeds num_experts={num_experts}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SoftmaxTopK:
     """Softmax top-k routing.
@@ -87,8 +93,7 @@ class SoftmaxTopK:
 
     def check_experts(self, num_experts: int) -> None:
         """Raises ValueError (one line) unless this router can choose among ``num_experts``."""
-        if self.top_k > num_experts:
-            raise ValueError(f"SoftmaxTopK: top_k={self.top_k} exceeds num_experts={num_experts}")
+        _check_top_k("SoftmaxTopK", self.top_k, num_experts)
 
     def __call__(
         self, logits_TE: jax.Array, bias_E: jax.Array | None = None, mask_T: jax.Array | None = None
@@ -123,8 +128,7 @@ class TopKSoftmax:
 
     def check_experts(self, num_experts: int) -> None:
         """Raises ValueError (one line) unless this router can choose among ``num_experts``."""
-        if self.top_k > num_experts:
-            raise ValueError(f"TopKSoftmax: top_k={self.top_k} exceeds num_experts={num_experts}")
+        _check_top_k("TopKSoftmax", self.top_k, num_experts)
 
     def __call__(
         self, logits_TE: jax.Array, bias_E: jax.Array | None = None, mask_T: jax.Array | None = None
