@@ -5,11 +5,14 @@
         python -m experiments.bench.moe --pinned_ranks=2 --d_model=128 --d_ff=512 \
             --num_experts=8 --tokens_per_device=2048 --mode=prefill --json_out=moe.json
 
-On mesh (R,) "expert" with a skewed router (a few hot experts take most tokens), four layers:
+On mesh (R,) "expert" with a skewed router (a few hot experts take most tokens), five layers:
 plain EP and balanced, each with dropless worst-case receive buffers (R x the pairs a rank routes)
-and with buffers of ``--capacity_factor`` x those pairs. For each: compile time, step time
+and with buffers of ``--capacity_factor`` x those pairs, and the force-balanced ideal in the
+latter (the router's pairs spread evenly over the experts, no planner, no replicas: what a free,
+perfect balancer would cost, so ideal / plain dropless is the floor of balanced / plain
+dropless on this machine). For each: compile time, step time
 (``--mode=train``: forward+backward, the gradient w.r.t. x and every parameter; ``prefill``:
-forward only; the four compiled steps run interleaved, ``--repeats`` rounds, medians, so that a
+forward only; the five compiled steps run interleaved, ``--repeats`` rounds, medians, so that a
 busy machine slows them alike), buffer rows, dropped pairs, per-rank load before and after
 balancing, and the ratios between them.
 
@@ -127,13 +130,14 @@ def _skewed_inputs(mesh, rng, one_rank: bool):
     return x, router.astype(np.float32)
 
 
-def _build(mesh, balancer, router, capacity_factor):
+def _build(mesh, balancer, router, capacity_factor, force_balanced=False):
     """The layer with the skewed router written in."""
     layer = uep.MoE(
         **_layer_shape(),
         mesh=mesh,
         balancer=balancer,
         capacity_factor=capacity_factor,
+        force_balanced=force_balanced,
         rngs=nnx.Rngs(_SEED.value),
     )
     old = layer.router_kernel[...]
@@ -213,6 +217,7 @@ NAMES = {
     "plain_capped": "plain EP, capped",
     "balanced_capped": "balanced, capped",
     "balanced_dropless": "balanced, dropless",
+    "ideal_capped": "ideal, capped",
 }
 
 
@@ -277,6 +282,16 @@ RATIOS = {
         "plain_capped",
         "same buffer; plain EP drops pairs (less work)",
     ),
+    "capped_vs_ideal": (
+        "balanced_capped",
+        "ideal_capped",
+        "same buffer; the ideal's even routing, no planner or replicas",
+    ),
+    "ideal_vs_plain_dropless": (
+        "ideal_capped",
+        "plain_dropless",
+        "the floor of balanced / plain dropless: a free, perfect balancer",
+    ),
 }
 
 
@@ -293,7 +308,7 @@ def _check_shape(ep_size: int) -> None:
 
 
 def run(pinned: bool) -> dict:
-    """Builds, compiles and times the four layers on every device of this run; the results."""
+    """Builds, compiles and times the five layers on every device of this run; the results."""
     # Auto axes: the layer splits the work with shard_map itself.
     mesh = jax.make_mesh((jax.device_count(),), ("expert",), axis_types=(AxisType.Auto,))
     R = mesh.size
@@ -312,6 +327,8 @@ def run(pinned: bool) -> dict:
         "plain_capped": _build(mesh, None, router, _CF.value),
         "balanced_capped": _build(mesh, balancer, router, _CF.value),
         "balanced_dropless": _build(mesh, balancer, router, None),
+        # The force-balanced ideal: the router's pairs spread evenly, no balancing cost.
+        "ideal_capped": _build(mesh, None, router, _CF.value, force_balanced=True),
     }
     runs = {name: _compile(layer, x, _MODE.value) for name, layer in layers.items()}
     _time_interleaved(runs, _REPEATS.value)

@@ -134,3 +134,6 @@ def test_moe_bench_on_two_pinned_ranks(tmp_path):
     assert runs["balanced_capped"]["dropped"] == 0
     assert runs["plain_capped"]["dropped"] == before[0] - runs["plain_capped"]["buffer_rows"]
     assert max(runs["balanced_capped"]["rank_load_after"]) <= runs["balanced_capped"]["buffer_rows"]
+    # The force-balanced ideal spreads the pairs evenly over the ranks and drops none.
+    assert runs["ideal_capped"]["rank_load_after"] == [pairs // 2] * 2
+    assert runs["ideal_capped"]["dropped"] == 0
