@@ -53,6 +53,9 @@ def test_schedule_with_domains_equals_reference(R, em, S, d, f):
             np.testing.assert_array_equal(got[key], want[key], err_msg=f"{key}\n{slots}")
         assert got["hop"].max() <= relay.schedule_hops(R, f, d)
         assert reference_slow_copies(slots, em, want, d) == remote_domains(slots, em, d)
+        for h in range(1, relay.schedule_hops(R, f, d) + 1):  # the ragged operand's rows
+            sent = np.bincount(want["sender"][want["hop"] == h], minlength=R + 1)[:R]
+            assert sent.max() <= relay.hop_send_bound(R, S, em, f, d, h), (h, slots)
 
 
 @pytest.mark.parametrize("f", [0, 1, 2])

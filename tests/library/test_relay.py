@@ -57,6 +57,8 @@ def test_schedule_equals_reference(R, em, S, f):
                 per_hop_sent[h], np.bincount(want["sender"][in_hop], minlength=R)[:R]
             )
             np.testing.assert_array_equal(per_hop_received[h], in_hop.sum(axis=1))
+            # The ragged transfer's operand holds this many rows: no rank may send more.
+            assert per_hop_sent[h].max() <= relay.hop_send_bound(R, S, em, f, None, h + 1)
 
 
 def test_hand_computed_tree():
@@ -216,6 +218,14 @@ def test_relay_hops_lower_for_cuda_with_ragged_all_to_all(ep8_mesh):
     calls = len(re.findall(r"custom_call @ragged_all_to_all\(", text))
     assert calls == 2 * relay.static_hops(R, 2), calls  # every hop forward and transposed
     assert "psum_scatter" not in text and "reduce_scatter" not in text
+    # Each operand holds the rows a rank can send in its hop (hop 1: max(f, E_m) = 2, later f x
+    # S = 4) or, transposed, the S = 2 it received: never one per slot of the group (R x S).
+    rows = [
+        int(re.search(r": \(tensor<(\d+)x4xf32>", line)[1])
+        for line in text.splitlines()
+        if "custom_call @ragged_all_to_all(" in line
+    ]
+    assert sorted(set(rows)) == [2, 4], rows
 
 
 # -- the layer with relays: values and gradients equal the dense reference ---------------------

@@ -47,6 +47,31 @@ def static_hops(ep_size: int, max_fanout: int) -> int:
     return hops
 
 
+def hop_send_bound(
+    ep_size: int,
+    slots_per_rank: int,
+    experts_per_rank: int,
+    max_fanout: int,
+    domain_size: int | None,
+    hop: int,
+) -> int:
+    """The most expert copies one rank sends in hop ``hop`` (1-based) of any plan's schedule,
+    the rows of the ragged transfer's operand (`replicas.transfer`). Without a bound (``max_fanout``
+    0) a master sends every replica of its E_m experts itself, each on another rank. With f: in
+    hop 1 only masters send, a rank's replicated masters sharing f root copies (at most max(f,
+    E_m)); later only slots send, each to at most f others. With fast domains each link class
+    has its own f (twice the copies; without a bound a gateway sends to the rest of its domain).
+    Never more than the R x S slots. `tests/library/test_relay.py` and `test_domains.py` check it
+    against every random plan's schedule."""
+    R, S, em, f = ep_size, slots_per_rank, experts_per_rank, max_fanout
+    one_domain = domain_size is None or domain_size == R
+    if f == 0:  # with domains a gateway sends to the rest of its domain: no tighter bound
+        return min(R * S, em * (R - 1)) if one_domain else R * S
+    classes = 1 if one_domain else 2
+    per_class = max(f, em) if hop == 1 else f * S
+    return min(R * S, classes * per_class)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RelaySchedule:

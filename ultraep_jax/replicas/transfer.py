@@ -27,7 +27,7 @@ from ultraep_jax.comm.exchange import Exchange
 from ultraep_jax.replicas import relay
 
 
-def _hop_exchange(table_NP, sender_RS, source_RS, axis_name: str, backend: str):
+def _hop_exchange(table_NP, sender_RS, source_RS, axis_name: str, backend: str, send_rows: int):
     """[S, P] by one ragged exchange (`comm.ragged_exchange` by ``backend``) that moves only the
     slots receiving in this hop (zeros for the others): slot (me, s) gets row
     ``source_RS[me, s]`` of rank ``sender_RS[me, s]``'s table.
@@ -37,28 +37,33 @@ def _hop_exchange(table_NP, sender_RS, source_RS, axis_name: str, backend: str):
       sender_RS: int32 [R, S], the rank that sends each slot its row; R where none does.
       source_RS: int32 [R, S], the row of the sender's table.
       axis_name: the EP mesh axis.
+      send_rows: static, the most rows any rank sends in this hop (`relay.hop_send_bound`): the
+        operand holds only the rows sent, not one per slot of the group (R x S expert copies,
+        gigabytes at DeepSeek-V3's expert size and EP64).
     """
     R, S = sender_RS.shape
     me = jax.lax.axis_index(axis_name)
     slot_S = jnp.arange(S, dtype=jnp.int32)
     ranks_R = jnp.arange(R, dtype=jnp.int32)
 
-    # Sender: for each destination t, the slots of t that I send, in slot order, first in t's
-    # block of S rows. Receiver t keeps its slots ordered by (sender, slot).
-    mine_RS = sender_RS == me
-    order_RS = jnp.argsort(jnp.where(mine_RS, 0, S) + slot_S[None, :], axis=1)
-    operand = table_NP[jnp.take_along_axis(source_RS, order_RS, axis=1).reshape(-1)]  # [R*S, P]
+    # Sender: the rows I send, destination after destination, each destination's in slot order
+    # (a stable sort of the flat (destination, slot) cells puts mine first, in that order).
+    # Receiver t keeps its slots ordered by (sender, slot).
+    mine_N = (sender_RS == me).reshape(-1)
+    cells = jnp.argsort(~mine_N, stable=True)[:send_rows]
+    operand = table_NP[source_RS.reshape(-1)[cells]]  # [send_rows, P]
     sends = sender_RS[None, :, :] == ranks_R[:, None, None]  # [R(src), R(dst), S]
+    sizes_RR = jnp.sum(sends, axis=-1, dtype=jnp.int32)
     exchange = Exchange(
-        sizes_RR=jnp.sum(sends, axis=-1, dtype=jnp.int32),
-        src_start_RR=jnp.broadcast_to(ranks_R[None, :] * S, (R, R)),
+        sizes_RR=sizes_RR,
+        src_start_RR=jnp.cumsum(sizes_RR, axis=1, dtype=jnp.int32) - sizes_RR,
         dst_start_RR=jnp.sum(
             sender_RS[None, :, :] < ranks_R[:, None, None], axis=-1, dtype=jnp.int32
         ),
         rank=me,
-        send_rows=R * S,
+        send_rows=send_rows,
         recv_rows=S,
-        max_chunk=S,
+        max_chunk=min(S, send_rows),
     )
     received = comm.ragged_exchange(operand, exchange, axis_name=axis_name, backend=backend)
     # Back to slot order: slot s sits at its rank among (sender, slot) pairs.
@@ -130,7 +135,7 @@ def _hop_dense(tables: tuple, sender_RS: jax.Array, source_RS: jax.Array, axis_n
     return jax.lax.switch(branch, [fetch(k) for k in buckets])
 
 
-def _hop_exchange_if_any(table_NP, sender_RS, source_RS, axis_name, backend):
+def _hop_exchange_if_any(table_NP, sender_RS, source_RS, axis_name, backend, send_rows):
     """`_hop_exchange`, skipped (zeros, no exchange) when no slot receives in this hop."""
     R, S = sender_RS.shape
     axes = {axis_name}.union(*(varying_axes(a) for a in (table_NP, sender_RS, source_RS)))
@@ -139,7 +144,8 @@ def _hop_exchange_if_any(table_NP, sender_RS, source_RS, axis_name, backend):
         return vary(jnp.zeros((S, table_NP.shape[1]), table_NP.dtype), axes)
 
     def hop():
-        return vary(_hop_exchange(table_NP, sender_RS, source_RS, axis_name, backend), axes)
+        hop = _hop_exchange(table_NP, sender_RS, source_RS, axis_name, backend, send_rows)
+        return vary(hop, axes)
 
     return jax.lax.cond(jnp.any(sender_RS < R), hop, skip)
 
@@ -148,15 +154,16 @@ def _relayed(masters, schedule: relay.RelaySchedule, num_hops: int, hop, hop_if_
     """[S, P]: every slot's weights by ``schedule`` (`relay.relay_schedule`, at most ``num_hops``
     hops): hop 1 from the masters, each later hop from the slots that already hold them. A relayed
     slot receives into zeros, so adding each hop's rows is exact, and the transpose sums a slot's
-    gradient into the slot (or master) that sent it: gradients return along the tree."""
+    gradient into the slot (or master) that sent it: gradients return along the tree. ``hop``
+    and ``hop_if_any`` take (table, senders [R, S], sources [R, S], the hop's number)."""
     R = schedule.sender_RS.shape[0]
 
     def senders(h):
         return jnp.where(schedule.hop_RS == h, schedule.sender_RS, R)
 
-    slots_SP = hop(masters, senders(1), schedule.source_RS)
+    slots_SP = hop(masters, senders(1), schedule.source_RS, 1)
     for h in range(2, num_hops + 1):
-        slots_SP = slots_SP + hop_if_any(slots_SP, senders(h), schedule.source_RS)
+        slots_SP = slots_SP + hop_if_any(slots_SP, senders(h), schedule.source_RS, h)
     return slots_SP
 
 
@@ -197,7 +204,8 @@ def fetch_replica_experts(
     flat = tuple(w.reshape(em, -1) for w in masters)
 
     def dense():
-        def hop(tables, sender_RS, source_RS):
+        def hop(tables, sender_RS, source_RS, h):
+            del h  # one hop, every slot column in use from every rank
             tables = tables if isinstance(tables, tuple) else (tables,)
             return _hop_dense(tables, sender_RS, source_RS, axis_name)
 
@@ -206,12 +214,17 @@ def fetch_replica_experts(
         direct = relay.direct_schedule(slot_expert_RS, em)
         return _relayed(flat, direct, 1, hop, hop)
 
-    def exchanged(name):
-        def hop(table, sender_RS, source_RS):
-            return _hop_exchange(table, sender_RS, source_RS, axis_name, name)
+    R, S = slot_expert_RS.shape
 
-        def hop_if_any(table, sender_RS, source_RS):
-            return _hop_exchange_if_any(table, sender_RS, source_RS, axis_name, name)
+    def rows(h):
+        return relay.hop_send_bound(R, S, em, max_fanout, domain_size, h)
+
+    def exchanged(name):
+        def hop(table, sender_RS, source_RS, h):
+            return _hop_exchange(table, sender_RS, source_RS, axis_name, name, rows(h))
+
+        def hop_if_any(table, sender_RS, source_RS, h):
+            return _hop_exchange_if_any(table, sender_RS, source_RS, axis_name, name, rows(h))
 
         table = jnp.concatenate(flat, axis=1)
         return lambda: _relayed(table, relayed(), num_hops, hop, hop_if_any)
@@ -221,7 +234,7 @@ def fetch_replica_experts(
             return schedule
         return relay.relay_schedule(slot_expert_RS, em, max_fanout, domain_size)
 
-    num_hops = relay.schedule_hops(slot_expert_RS.shape[0], max_fanout, domain_size)
+    num_hops = relay.schedule_hops(R, max_fanout, domain_size)
 
     # Every backend's hop is its exchange of the receiving slots, but for "portable": its
     # fixed-size all-to-all moves R times the rows of the dense hop's reduce-scatter.
