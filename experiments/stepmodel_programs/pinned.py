@@ -122,14 +122,16 @@ _MOE_LOAD = re.compile(r"^\s+(before|after)\s.*?(\d+\.\d+)(?:\s+\((\d+) replicas
 
 def moe_runs(text: str) -> list[dict]:
     """The runs of ``python -m experiments.bench.moe --pinned_ranks=2`` in a results file: per
-    run its mode, tokens per rank, the three ratios (`MOE_RATIOS`, in its order), max/mean before
-    and after balancing and the replicas."""
+    run its mode, tokens per rank, the three ratios (`MOE_RATIOS`, in its order; the bench's
+    later ratios, against its force-balanced ideal layer, are not modelled), max/mean before and
+    after balancing and the replicas."""
     runs = []
     for line in text.splitlines():
         if m := _MOE_HEADER.search(line):
             runs.append({"mode": m[1], "tokens": int(m[2]), "ratios": []})
         elif runs and (m := _MOE_RATIO.match(line)):
-            runs[-1]["ratios"].append(float(m[1]))
+            if len(runs[-1]["ratios"]) < len(MOE_RATIOS):
+                runs[-1]["ratios"].append(float(m[1]))
         elif runs and (m := _MOE_LOAD.match(line)):
             runs[-1][m[1]] = float(m[2])
             if m[3]:

@@ -145,6 +145,8 @@ Step-time ratios (medians of the same run):
     balanced, dropless / plain EP, dropless    0.716   same buffers
       balanced, capped / plain EP, dropless    0.722   balanced in a small buffer
       balanced, capped / plain EP, capped      1.046   same buffer
+      balanced, capped / ideal, capped         0.986   same buffer; the ideal's even routing
+         ideal, capped / plain EP, dropless    0.720   the floor of balanced / plain dropless
     rank     0     1  max/mean
   before  6657  1535     1.625
    after  4136  4056     1.010   (1 replicas)
