@@ -193,9 +193,10 @@ def fetch_replica_experts(
         every copy in one hop.
       domain_size: ranks per fast domain (`BalancerConfig.ranks_per_domain`; None: one); the
         "portable" exchange ignores it as it does ``max_fanout``.
-      schedule: ``relay.relay_schedule(slot_expert_RS, E_m, max_fanout, domain_size)`` when the
-        caller has it already (the layer computes it once per call, for the transfer and its
-        `MoEStats.transfer_send_max`); None: computed here.
+      schedule: ``relay.relay_schedule(slot_expert_RS, E_m, max_fanout, domain_size)``, with
+        this call's ``max_fanout`` and ``domain_size`` (the exchanged hops' operands are sized by
+        them, `relay.hop_send_bound`), when the caller has it already (the layer computes it once
+        per call, for the transfer and its `MoEStats.transfer_send_max`); None: computed here.
 
     Returns:
       One [S, ...] array per input, in the same order (zeros for empty slots).
