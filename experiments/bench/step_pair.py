@@ -1,0 +1,191 @@
+r"""The whole training step, balanced against the force-balanced ideal, trained side by side in
+one pair of pinned ranks.
+
+    python -m experiments.bench.step_pair        # bench.step's three cases, 40 steps, 3 rounds
+    python -m experiments.bench.step_pair --train_cases=skewed --steps=20 --rounds=1
+
+`experiments.bench.step` trains each mode as a run of its own, in processes of its own; where a
+machine's runs differ by tens of percent from one start to the next (cores shared with other
+machines, the processes' placement), that noise hides a gap of a few percent. Here both models
+of a case (``--modes``, default the ideal and balanced; `experiments.bench.step`'s modes and
+cases, its flags) are built in the same ``--pinned_ranks`` processes from the same seed and
+train on the same batches, one step of each in turn (which goes first alternates), each step
+timed as the trainer times it (the jitted step, the loss read back, the layers' figures read
+back). The first step of each model compiles and is left out. Per case and round: each mode's
+median step, and balanced's percentage of the ideal as the median over steps of ideal / balanced
+of the same step; over rounds, the median of those. The processes are the same for both modes,
+so what differs between them is their programs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+from absl import flags
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from experiments.bench import step as bench_step  # its cases, modes and flags
+from experiments.lab import cli
+from experiments.lab.concurrency import concurrency_check, concurrency_line
+from experiments.lab.output_files import write_json
+from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.lab.program import run_main
+from experiments.lab.training import build, data, layer_stats
+from experiments.lab.training.config import TrainConfig
+from models.presets import preset
+
+FLAGS = flags.FLAGS
+FLAGS.set_default("train_cases", list(bench_step.CASES))
+FLAGS.set_default("modes", ["ideal", "balanced"])
+FLAGS.set_default("rounds", 3)
+FLAGS.set_default("profile_steps", 0)  # nothing here is profiled
+_JSON = cli.define_json_out()
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Set by --pinned_ranks.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Set by --pinned_ranks.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "Set by --pinned_ranks.")
+
+
+def case_config(case: str, mode: str) -> TrainConfig:
+    """The trainer's configuration of ``mode`` in ``case``, as `bench.step` runs it."""
+    chosen = preset(FLAGS.preset)
+    given = dict(
+        flag[2:].split("=", 1) for flag in (*bench_step.CASES[case], *bench_step.MODES[mode])
+    )
+    values = {
+        **given,
+        "steps": FLAGS.steps,
+        "batch_size": FLAGS.batch_size,
+        "seed": FLAGS.seed,
+        "max_corpus_bytes": 2 << 20,
+        "data": bench_step.case_data(case),
+        "slots_per_rank": chosen.slots_per_rank,
+    }
+    if values.get("capacity_factor") == "none":
+        values["capacity_factor"] = None
+    elif "capacity_factor" in values:
+        values["capacity_factor"] = float(values["capacity_factor"])
+    return TrainConfig.from_flat(values, chosen.model)
+
+
+def _trainer(cfg: TrainConfig, mesh):
+    """(step(batch) -> seconds, the layers' figures): one model of ``cfg`` on ``mesh`` with its
+    optimizer, stepped as the trainer steps it."""
+    model = build.build_model(cfg, mesh)
+    optimizer = nnx.Optimizer(model, optax.adamw(cfg.learning_rate), wrt=nnx.Param)
+    build.place_on_mesh(optimizer, mesh)
+    jitted = nnx.jit(build.train_step)
+
+    def step(batch):
+        begin = time.perf_counter()
+        loss, stats = jitted(model, optimizer, batch)
+        float(loss)
+        record = layer_stats.layer_record(stats)
+        return time.perf_counter() - begin, record
+
+    return step
+
+
+def run_case(case: str) -> dict:
+    """One round of ``case``: every mode's step times (seconds, the compiling first left out)
+    and the last step's max/mean per layer before and after balancing."""
+    cfgs = {mode: case_config(case, mode) for mode in FLAGS.modes}
+    first = next(iter(cfgs.values()))
+    mesh = build.make_mesh(*first.check_devices(jax.device_count()))
+    corpus = data.load_corpus(data.corpus_files(first.data), first.max_corpus_bytes)
+    train, _ = data.split_corpus(corpus, first.eval_fraction, seq_len=first.seq_len)
+    sharding = NamedSharding(mesh, P(("data", "expert")))
+    steppers = {mode: _trainer(cfg, mesh) for mode, cfg in cfgs.items()}
+    times = {mode: [] for mode in cfgs}
+    records = {}
+    for i in range(first.steps):
+        rows = data.train_batch(train, i, first.batch_size, first.seq_len)
+        batch = jax.make_array_from_callback(rows.shape, sharding, lambda at, r=rows: r[at])
+        order = list(cfgs) if i % 2 == 0 else list(cfgs)[::-1]
+        for mode in order:
+            seconds, records[mode] = steppers[mode](batch)
+            if i:  # the first step compiles
+                times[mode].append(seconds)
+    return {"times": times, "last": records}
+
+
+def pct_of_ideal(times: dict) -> float | None:
+    """Balanced's percentage of the ideal: the median over steps of ideal / balanced."""
+    if not {"ideal", "balanced"} <= set(times):
+        return None
+    ratios = np.asarray(times["ideal"]) / np.asarray(times["balanced"])
+    return 100.0 * float(np.median(ratios))
+
+
+def summarize(case: str, rounds: list[dict]) -> dict:
+    """A case's rounds: each mode's median step per round (ms) and balanced's percentage of the
+    ideal per round and over rounds (median)."""
+    modes = list(rounds[0]["times"])
+    medians = {m: [1e3 * statistics.median(r["times"][m]) for r in rounds] for m in modes}
+    pcts = [pct_of_ideal(r["times"]) for r in rounds]
+    out = {"case": case, "step_ms": medians, "last_step": rounds[-1]["last"]}
+    if pcts[0] is not None:
+        out["balanced_pct_of_ideal"] = pcts
+        out["balanced_pct_of_ideal_median"] = statistics.median(pcts)
+    return out
+
+
+def report(cases: list[dict], calibration: dict) -> list[str]:
+    """The readable lines."""
+    lines = [concurrency_line(calibration)]
+    for c in cases:
+        steps = ", ".join(
+            f"{m} {statistics.median(v):.1f} ms [{min(v):.1f}-{max(v):.1f}]"
+            for m, v in c["step_ms"].items()
+        )
+        lines.append(f"case {c['case']}: median step over rounds {steps}")
+        for mode, rec in c["last_step"].items():
+            before = " ".join(f"{v:.2f}" for v in rec["imbalance_before"])
+            after = " ".join(f"{v:.2f}" for v in rec["imbalance_after"])
+            lines.append(f"  {mode:9s} max/mean per layer at the last step {before} -> {after}")
+        if "balanced_pct_of_ideal" in c:
+            rounds = ", ".join(f"{p:.1f}" for p in c["balanced_pct_of_ideal"])
+            lines.append(
+                f"  balanced % of ideal: {c['balanced_pct_of_ideal_median']:.1f} "
+                f"(per round: {rounds}; each the median over steps of ideal / balanced)"
+            )
+    return lines
+
+
+def main(argv):
+    """Starts the pinned rank processes, or (as one of them) trains the cases; the first prints
+    and writes ``--json_out``."""
+    if len(argv) > 1:
+        raise ValueError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if _NUM_PROCESSES.value == 1:
+        if not FLAGS.pinned_ranks:
+            raise ValueError("--pinned_ranks=0: this benchmark times pinned ranks only")
+        # The rank processes parse these flags again on one core each: --pinned_ranks=0 there
+        # passes bench.step's check of the cores (they never launch).
+        argv = [*sys.argv[1:], "--pinned_ranks=0"]
+        sys.exit(launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.bench.step_pair", argv))
+    keep_freed_memory()
+    start_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    first = case_config(FLAGS.train_cases[0], FLAGS.modes[0])
+    rows = first.model.top_k * first.batch_size * first.seq_len // jax.device_count()
+    calibration = concurrency_check(rows, first.model.d_model, first.model.d_ff)
+    cases = []
+    for case in FLAGS.train_cases:
+        rounds = [run_case(case) for _ in range(FLAGS.rounds)]
+        cases.append(summarize(case, rounds))
+        if jax.process_index() == 0:
+            print("\n".join(report(cases[-1:], calibration)[1:]), flush=True)
+    if jax.process_index() == 0:
+        print(concurrency_line(calibration))
+        if _JSON.value:
+            write_json(_JSON.value, {"calibration": calibration, "cases": cases})
+
+
+if __name__ == "__main__":
+    run_main(main)
