@@ -12,8 +12,9 @@ cases, its flags) are built in the same ``--pinned_ranks`` processes from the sa
 train on the same batches, one step of each in turn (which goes first alternates), each step
 timed as the trainer times it (the jitted step, the loss read back, the layers' figures read
 back). The first step of each model compiles and is left out. Per case and round: each mode's
-median step, and balanced's percentage of the ideal as the median over steps of ideal / balanced
-of the same step; over rounds, the median of those. The processes are the same for both modes,
+median step, and every other mode's step over balanced's as the median over steps of that ratio
+(the ideal's: balanced's percentage of the ideal; plain's: balanced's speed-up); over rounds, the
+median of those. The processes are the same for both modes,
 so what differs between them is their programs.
 """
 
@@ -115,25 +116,29 @@ def run_case(case: str) -> dict:
     return {"times": times, "last": records}
 
 
-def pct_of_ideal(times: dict) -> float | None:
-    """Balanced's percentage of the ideal: the median over steps of ideal / balanced."""
-    if not {"ideal", "balanced"} <= set(times):
-        return None
-    ratios = np.asarray(times["ideal"]) / np.asarray(times["balanced"])
-    return 100.0 * float(np.median(ratios))
+def over_balanced(times: dict) -> dict[str, float]:
+    """Every other mode's step over balanced's, the median over steps of the same step's ratio
+    (the ideal's: balanced's fraction of the ideal; plain's: balanced's speed-up over it)."""
+    if "balanced" not in times:
+        return {}
+    bal = np.asarray(times["balanced"])
+    return {m: float(np.median(np.asarray(t) / bal)) for m, t in times.items() if m != "balanced"}
 
 
 def summarize(case: str, rounds: list[dict]) -> dict:
-    """A case's rounds: each mode's median step per round (ms) and balanced's percentage of the
-    ideal per round and over rounds (median)."""
+    """A case's rounds: each mode's median step per round (ms), and every other mode's step
+    over balanced's per round (`over_balanced`) with the median over rounds."""
     modes = list(rounds[0]["times"])
     medians = {m: [1e3 * statistics.median(r["times"][m]) for r in rounds] for m in modes}
-    pcts = [pct_of_ideal(r["times"]) for r in rounds]
-    out = {"case": case, "step_ms": medians, "last_step": rounds[-1]["last"]}
-    if pcts[0] is not None:
-        out["balanced_pct_of_ideal"] = pcts
-        out["balanced_pct_of_ideal_median"] = statistics.median(pcts)
-    return out
+    ratios = [over_balanced(r["times"]) for r in rounds]
+    per_mode = {m: [r[m] for r in ratios] for m in ratios[0]}
+    return {
+        "case": case,
+        "step_ms": medians,
+        "last_step": rounds[-1]["last"],
+        "over_balanced": per_mode,
+        "over_balanced_median": {m: statistics.median(v) for m, v in per_mode.items()},
+    }
 
 
 def report(cases: list[dict], calibration: dict) -> list[str]:
@@ -149,11 +154,16 @@ def report(cases: list[dict], calibration: dict) -> list[str]:
             before = " ".join(f"{v:.2f}" for v in rec["imbalance_before"])
             after = " ".join(f"{v:.2f}" for v in rec["imbalance_after"])
             lines.append(f"  {mode:9s} max/mean per layer at the last step {before} -> {after}")
-        if "balanced_pct_of_ideal" in c:
-            rounds = ", ".join(f"{p:.1f}" for p in c["balanced_pct_of_ideal"])
+        for mode, ratio in c["over_balanced_median"].items():
+            rounds = c["over_balanced"][mode]
+            if mode == "ideal":
+                what = f"balanced % of ideal: {100 * ratio:.1f}"
+                each = ", ".join(f"{100 * v:.1f}" for v in rounds)
+            else:
+                what = f"balanced over {mode}: {ratio:.3f}x"
+                each = ", ".join(f"{v:.3f}" for v in rounds)
             lines.append(
-                f"  balanced % of ideal: {c['balanced_pct_of_ideal_median']:.1f} "
-                f"(per round: {rounds}; each the median over steps of ideal / balanced)"
+                f"  {what} (per round: {each}; each the median over steps of {mode} / balanced)"
             )
     return lines
 
