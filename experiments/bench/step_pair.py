@@ -9,7 +9,7 @@ machine's runs differ by tens of percent from one start to the next (cores share
 machines, the processes' placement), that noise hides a gap of a few percent. Here both models
 of a case (``--modes``, default the ideal and balanced; `experiments.bench.step`'s modes and
 cases, its flags) are built in the same ``--pinned_ranks`` processes from the same seed and
-train on the same batches, one step of each in turn (which goes first alternates), each step
+train on the same batches, one step of each in turn (the order rotating each step), each step
 timed as the trainer times it (the jitted step, the loss read back, the layers' figures read
 back). The first step of each model compiles and is left out. Per case and round: each mode's
 median step, and every other mode's step over balanced's as the median over steps of that ratio
@@ -108,7 +108,8 @@ def run_case(case: str) -> dict:
     for i in range(first.steps):
         rows = data.train_batch(train, i, first.batch_size, first.seq_len)
         batch = jax.make_array_from_callback(rows.shape, sharding, lambda at, r=rows: r[at])
-        order = list(cfgs) if i % 2 == 0 else list(cfgs)[::-1]
+        modes = list(cfgs)
+        order = modes[i % len(modes) :] + modes[: i % len(modes)]  # each mode first in turn
         for mode in order:
             seconds, records[mode] = steppers[mode](batch)
             if i:  # the first step compiles
