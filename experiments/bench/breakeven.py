@@ -36,7 +36,7 @@ from experiments.lab import cli
 from experiments.lab.concurrency import concurrency_check, concurrency_line
 from experiments.lab.output_files import write_json
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
-from experiments.lab.program import run_main
+from experiments.lab.program import fail, run_main
 
 _TOKENS = flags.DEFINE_list(
     "tokens",
@@ -168,36 +168,31 @@ def run() -> dict:
     }
 
 
-def _fail(err) -> None:
-    print(f"error: {err}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
 def main(argv):
     """Starts the pinned rank processes, or (as one of them) measures; the first prints the table
     and writes the JSON and the plot."""
     if len(argv) > 1:
-        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS.pinned_ranks:
-        _fail("--pinned_ranks must be >= 2: the break-even is the busiest rank's clock")
+        fail("--pinned_ranks must be >= 2: the break-even is the busiest rank's clock")
     try:
         sweep()
     except ValueError as err:
-        _fail(err)
+        fail(err)
     if FLAGS.num_processes == 1:
         try:
             code = launch_pinned_ranks(
                 FLAGS.pinned_ranks, "experiments.bench.breakeven", sys.argv[1:]
             )
         except ValueError as err:
-            _fail(err)
+            fail(err)
         sys.exit(code)
     keep_freed_memory()  # a pinned rank: time the kernels, not the page faults
     try:
         start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
         res = run()
     except ValueError as err:
-        _fail(err)
+        fail(err)
     if jax.process_index() == 0:
         print(breakeven_report.table(res["points"]), flush=True)
         write_json(FLAGS.json_out, res)

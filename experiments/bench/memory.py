@@ -39,7 +39,6 @@ import dataclasses
 import math
 import pathlib
 import resource
-import sys
 import time
 
 import jax
@@ -54,7 +53,7 @@ from experiments.bench.memory_report import per_buffer_row, table
 from experiments.lab import cli
 from experiments.lab.devices import force_cpu_devices
 from experiments.lab.output_files import check_output_path, write_json
-from experiments.lab.program import run_main
+from experiments.lab.program import fail, run_main
 from experiments.lab.stepmodel.calibration import provenance
 
 #: The layers compiled, by name, in the table's order.
@@ -287,7 +286,7 @@ def sweep(config: MemoryConfig, ep_sizes, modes, report=print) -> list[dict]:
 def main(argv):
     """Compiles every (EP size, mode), prints the table, writes the JSON (and the text)."""
     if len(argv) > 1:
-        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        fail(f"unexpected arguments: {' '.join(argv[1:])}")
     f = flags.FLAGS
     try:
         config = MemoryConfig(**_CONFIG())
@@ -301,7 +300,7 @@ def main(argv):
         force_cpu_devices(max(ep_sizes), cpu_only=True)
         rows = sweep(config, ep_sizes, list(f.modes), report=lambda s: print(s, flush=True))
     except ValueError as err:
-        _fail(err)
+        fail(err)
     lines = table(rows, config)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     lines.append(f"(this process's peak resident memory while compiling: {peak_mib:,.0f} MiB)")
@@ -323,11 +322,6 @@ def main(argv):
     written = [path for path in (f.json_out, f.table_out) if path]
     if written:
         print(f"wrote {' and '.join(written)}")
-
-
-def _fail(err) -> None:
-    print(f"error: {err}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 def _define_flags():

@@ -31,7 +31,7 @@ from experiments.lab.concurrency import concurrency_check, concurrency_line
 from experiments.lab.devices import force_cpu_devices
 from experiments.lab.output_files import write_json
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
-from experiments.lab.program import run_main
+from experiments.lab.program import fail, run_main
 
 force_cpu_devices(8, cpu_only=True)  # before JAX starts a backend (pinned ranks: 1 each)
 
@@ -86,9 +86,7 @@ _MALLOC = flags.DEFINE_enum(
     "buffers do not page-fault in again on every call; system: glibc's defaults; auto: keep in "
     "pinned rank processes, system otherwise.",
 )
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Set by --pinned_ranks.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Set by --pinned_ranks.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "Set by --pinned_ranks.")
+_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = cli.define_rank_flags()
 
 flags.register_validator("num_experts", lambda e: e > 0, "must be > 0")
 flags.register_validator("hot_experts", lambda n: n >= 0, "must be >= 0")
@@ -366,11 +364,6 @@ def _malloc_mode() -> str:
     return "keep" if keep else "system"
 
 
-def _fail(err) -> None:
-    print(f"error: {err}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
 def main(argv):
     """Starts the pinned rank processes (``--pinned_ranks``), or runs the benchmark in this
     process (one of them) and, on the first, prints the tables and writes ``--json_out``."""
@@ -380,7 +373,7 @@ def main(argv):
                 _PINNED.value, "experiments.bench.moe", sys.argv[1:], _VERBOSE_RANKS.value
             )
         except ValueError as err:
-            _fail(err)
+            fail(err)
         sys.exit(code)
     if _MALLOC.value == "keep" or (_MALLOC.value == "auto" and _NUM_PROCESSES.value > 1):
         keep_freed_memory()  # time the kernels, not the page faults
@@ -390,7 +383,7 @@ def main(argv):
             raise ValueError(f"--pinned_ranks={_PINNED.value} found {jax.device_count()} devices")
         res = run(pinned=bool(_PINNED.value))
     except ValueError as err:
-        _fail(err)
+        fail(err)
     if jax.process_index() == 0:
         _print_report(res)
         write_json(_JSON.value, res)

@@ -63,7 +63,7 @@ from experiments.lab import cli
 from experiments.lab.concurrency import concurrency_check, concurrency_line
 from experiments.lab.output_files import write_json
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
-from experiments.lab.program import run_main
+from experiments.lab.program import fail, run_main
 from experiments.lab.stepmodel import calibration
 from experiments.lab.walltime import median_seconds, seconds_per_plan
 from models.presets import PRESETS
@@ -299,7 +299,7 @@ def main(argv):
     """Starts the pinned rank processes, or (as one of them) measures; the first writes the
     rates with their provenance."""
     if len(argv) > 1:
-        breakeven._fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.num_processes == 1:
         code = launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.bench.rates", sys.argv[1:])
         sys.exit(code)
@@ -332,7 +332,7 @@ def main(argv):
         try:
             res = merged(old, res, parts)
         except ValueError as err:
-            breakeven._fail(f"{FLAGS.json_out}: {err}")
+            fail(f"{FLAGS.json_out}: {err}")
         if "rest" in parts:
             print(f"rest of the step: {res['rest']['train']['seconds'] * 1e3:.1f} ms (median)")
         write_json(FLAGS.json_out, res)

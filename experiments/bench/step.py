@@ -98,6 +98,9 @@ CASES = {
 #: folder (`default_corpus_root`, resolved at run time: the same files wherever this Python is).
 #: The other cases read --data (default: the trainer's corpus, the standard library's .py files).
 CASE_DATA = {"skewed": "s[t-z]*.py"}
+#: The text each run reads at most: more than 40 steps of 32 x 128 bytes (a smaller text is read
+#: again from its start).
+CORPUS_BYTES = 2 << 20
 #: Flags the benchmark sets itself: --train_flags may not give them.
 _OWN_FLAGS = (
     "balance",
@@ -253,11 +256,10 @@ def train_command(case: str, mode: str, workdir: pathlib.Path) -> list[str]:
     cmd += [f"--workdir={workdir}", f"--preset={_PRESET.value}", f"--steps={steps}"]
     cmd += [f"--batch_size={_BATCH.value}", f"--seed={_SEED.value}", "--eval_batches=1"]
     cmd += [f"--profile_steps={_PROFILE.value}"]
-    # Evaluate and checkpoint only after the last step; 2 MiB of text is more than 40 steps read
-    # (a smaller text is read again from its start).
+    # Evaluate and checkpoint only after the last step.
     cmd += [f"--eval_every={steps}", f"--checkpoint_every={steps}", f"--print_every={steps}"]
     data = case_data(case)
-    cmd += ["--max_corpus_bytes=2097152"] + ([f"--data={data}"] if data else [])
+    cmd += [f"--max_corpus_bytes={CORPUS_BYTES}"] + ([f"--data={data}"] if data else [])
     return cmd + [*CASES[case], *MODES[mode], *shlex.split(_TRAIN_FLAGS.value)]
 
 

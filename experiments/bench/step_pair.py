@@ -37,7 +37,7 @@ from experiments.lab import cli
 from experiments.lab.concurrency import concurrency_check, concurrency_line
 from experiments.lab.output_files import write_json
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
-from experiments.lab.program import run_main
+from experiments.lab.program import fail, run_main
 from experiments.lab.training import build, data, layer_stats
 from experiments.lab.training.config import TrainConfig
 from models.presets import preset
@@ -48,9 +48,7 @@ FLAGS.set_default("modes", ["ideal", "balanced"])
 FLAGS.set_default("rounds", 3)
 FLAGS.set_default("profile_steps", 0)  # nothing here is profiled
 _JSON = cli.define_json_out()
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Set by --pinned_ranks.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Set by --pinned_ranks.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "Set by --pinned_ranks.")
+_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = cli.define_rank_flags()
 
 
 def case_config(case: str, mode: str) -> TrainConfig:
@@ -64,14 +62,12 @@ def case_config(case: str, mode: str) -> TrainConfig:
         "steps": FLAGS.steps,
         "batch_size": FLAGS.batch_size,
         "seed": FLAGS.seed,
-        "max_corpus_bytes": 2 << 20,
+        "max_corpus_bytes": bench_step.CORPUS_BYTES,
         "data": bench_step.case_data(case),
         "slots_per_rank": chosen.slots_per_rank,
     }
-    if values.get("capacity_factor") == "none":
-        values["capacity_factor"] = None
-    elif "capacity_factor" in values:
-        values["capacity_factor"] = float(values["capacity_factor"])
+    if "capacity_factor" in values:
+        values["capacity_factor"] = cli.parse_capacity_factor(values["capacity_factor"])
     return TrainConfig.from_flat(values, chosen.model)
 
 
@@ -173,14 +169,18 @@ def main(argv):
     """Starts the pinned rank processes, or (as one of them) trains the cases; the first prints
     and writes ``--json_out``."""
     if len(argv) > 1:
-        raise ValueError(f"unexpected arguments: {' '.join(argv[1:])}")
+        fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if _NUM_PROCESSES.value == 1:
         if not FLAGS.pinned_ranks:
-            raise ValueError("--pinned_ranks=0: this benchmark times pinned ranks only")
+            fail("--pinned_ranks=0: this benchmark times pinned ranks only (use 2 or more)")
         # The rank processes parse these flags again on one core each: --pinned_ranks=0 there
         # passes bench.step's check of the cores (they never launch).
         argv = [*sys.argv[1:], "--pinned_ranks=0"]
-        sys.exit(launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.bench.step_pair", argv))
+        try:
+            code = launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.bench.step_pair", argv)
+        except ValueError as err:
+            fail(err)
+        sys.exit(code)
     keep_freed_memory()
     start_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     first = case_config(FLAGS.train_cases[0], FLAGS.modes[0])

@@ -26,7 +26,7 @@ from experiments.lab.concurrency import concurrency_check, concurrency_line
 from experiments.lab.devices import force_cpu_devices
 from experiments.lab.output_files import write_json
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
-from experiments.lab.program import run_main
+from experiments.lab.program import fail, run_main
 
 force_cpu_devices(1, cpu_only=True)  # one CPU device per pinned rank
 
@@ -50,11 +50,9 @@ _LAYERS = flags.DEFINE_integer("layers", 2, "MoE layers per step (moe_heavy: 2).
 _LINK_MIB = flags.DEFINE_float("link_mib", 16.0, "MiB per rank of the link-rate all-gather.")
 _REPEATS = flags.DEFINE_integer("repeats", 31, "Timed calls per measurement (medians).")
 _RANKS = flags.DEFINE_integer("pinned_ranks", 2, "Pinned rank processes (EP size).")
-_VERBOSE = flags.DEFINE_bool("verbose_ranks", False, "Show the ranks' libraries' join lines.")
+_VERBOSE = cli.define_verbose_ranks()
 _JSON = cli.define_json_out()
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Set by --pinned_ranks.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Set by --pinned_ranks.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "Set by --pinned_ranks.")
+_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = cli.define_rank_flags()
 
 AXIS = "x"
 
@@ -158,15 +156,18 @@ def main(argv):
     """Starts the pinned rank processes, or (as one of them) measures; the first prints and
     writes ``--json_out``."""
     if len(argv) > 1:
-        raise ValueError(f"unexpected arguments: {' '.join(argv[1:])}")
+        fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if _NUM_PROCESSES.value == 1:
-        sys.exit(
-            launch_pinned_ranks(
+        try:
+            code = launch_pinned_ranks(
                 _RANKS.value, "experiments.bench.transport", sys.argv[1:], _VERBOSE.value
             )
-        )
+        except ValueError as err:  # more ranks than cores
+            fail(err)
+        sys.exit(code)
     keep_freed_memory()
     start_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    # The rows of bench.step's layers per rank: top-2 of 2048 tokens.
     calibration = concurrency_check(2 * 2048, _D.value, _F.value)
     res = measure()
     if jax.process_index() == 0:

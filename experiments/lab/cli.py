@@ -296,6 +296,17 @@ def define_balancer_flags(helps: Mapping[str, str] | None = None, **defaults) ->
     return define_flags(uep.BalancerConfig, only=_BALANCER_FIELDS, defaults=defaults, helps=helps)
 
 
+def define_rank_flags() -> tuple[flags.FlagHolder, flags.FlagHolder, flags.FlagHolder]:
+    """``--coordinator_address``, ``--num_processes``, ``--process_id``: what
+    `pinned_ranks.launch_pinned_ranks` gives each rank process it starts (for
+    `pinned_ranks.start_distributed`); a user sets ``--pinned_ranks``, not these."""
+    return (
+        flags.DEFINE_string("coordinator_address", None, "Set by --pinned_ranks."),
+        flags.DEFINE_integer("num_processes", 1, "Set by --pinned_ranks."),
+        flags.DEFINE_integer("process_id", 0, "Set by --pinned_ranks."),
+    )
+
+
 def define_verbose_ranks() -> flags.FlagHolder:
     """``--verbose_ranks``: with ``--pinned_ranks``, also show the ranks' libraries' joining lines
     (`pinned_ranks.is_rank_library_line`)."""

@@ -1,6 +1,7 @@
 """The programs' command-line conventions: `run_main` (absl's ``app.run`` with `parse_flags`:
-one-line flag errors, a short ``--help``) and `fallback_note` (the note when balanced layers fall
-back to plain EP). Their flags are made in `experiments.lab.cli`.
+one-line flag errors, a short ``--help``), `fail` (any other unusable input: one line, exit 2)
+and `fallback_note` (the note when balanced layers fall back to plain EP). Their flags are made
+in `experiments.lab.cli`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def run_main(main: Callable[[list[str]], object]) -> None:
 
     logging.getLogger(_BACKEND_PROBE_LOGGER).setLevel(logging.WARNING)
     app.run(main, flags_parser=parse_flags)
+
+
+def fail(message) -> None:
+    """Ends the program with one line ``error: <message>`` on stderr and exit code 2, as for an
+    unusable flag (`parse_flags`)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def fallback_note(tokens_per_rank: int, threshold: int, subject: str) -> str:

@@ -50,6 +50,7 @@ from experiments.lab.concurrency import concurrency_check
 from experiments.lab.devices import force_cpu_devices
 from experiments.lab.output_files import check_output_path, write_json
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
+from experiments.lab.program import fail
 from experiments.lab.training.config import balancer_options, execution_of, mesh_sizes
 from experiments.lab.walltime import median_seconds
 from experiments.serve.config import OUTPUT_FILE, ServeConfig
@@ -66,16 +67,9 @@ flags.DEFINE_integer(
     "Run as this many processes started by this command, one CPU device each, each pinned to a "
     "core of its own (so that the prefill time is the busiest rank's); 0: one process.",
 )
-flags.DEFINE_string("coordinator_address", None, "Set by --pinned_ranks.")
-flags.DEFINE_integer("num_processes", 1, "Set by --pinned_ranks.")
-flags.DEFINE_integer("process_id", 0, "Set by --pinned_ranks.")
+cli.define_rank_flags()  # read as FLAGS.coordinator_address, ...
 
 FLAGS = flags.FLAGS
-
-
-def _fail(message) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 def main(argv):
@@ -83,7 +77,7 @@ def main(argv):
     the prompts cannot be used."""
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     if len(argv) > 1:
-        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        fail(f"unexpected arguments: {' '.join(argv[1:])}")
     try:  # checked before starting any process: bad input ends with one line
         cfg = ServeConfig(**_VALUES())
         workdir, train_cfg = _engine().read_train_config(cfg.workdir)
@@ -91,12 +85,12 @@ def main(argv):
         output = cfg.output or str(workdir / OUTPUT_FILE)
         check_output_path(output, "--output")
     except ValueError as err:  # RunError included
-        _fail(err)
+        fail(err)
     if FLAGS.pinned_ranks and FLAGS.num_processes == 1:  # this process only starts the ranks
         try:
             sys.exit(launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.serve", sys.argv[1:]))
         except ValueError as err:
-            _fail(err)
+            fail(err)
     if FLAGS.num_processes > 1:
         keep_freed_memory()  # a pinned rank: time the prefill, not the page faults
     try:
@@ -104,7 +98,7 @@ def main(argv):
         start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
         result = run(cfg, workdir, train_cfg, prompts, pinned=bool(FLAGS.pinned_ranks))
     except ValueError as err:
-        _fail(err)
+        fail(err)
     import jax
 
     if jax.process_index() == 0:

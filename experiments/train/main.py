@@ -52,7 +52,7 @@ from absl import flags, logging
 from experiments.lab import cli
 from experiments.lab.devices import force_cpu_devices
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
-from experiments.lab.program import run_main
+from experiments.lab.program import fail, run_main
 from experiments.lab.training.config import MODEL_FIELDS, TrainConfig, default_workdir
 from models.presets import PRESETS, preset
 
@@ -105,18 +105,13 @@ def _start_jax():
     start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
 
 
-def _fail(message) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
 def main(argv):
     """Trains with the configuration of the flags; exits 2 with one line ``error: ...`` when the
     flags, the data or the workdir cannot be used, 130 / 143 when stopped by SIGINT / SIGTERM."""
     # Orbax logs every checkpoint step at INFO; keep the run's own output readable.
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
-        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.pinned_ranks and FLAGS.num_processes == 1:  # this process only starts the ranks
         try:
             code = launch_pinned_ranks(
@@ -124,7 +119,7 @@ def main(argv):
             )
             sys.exit(code)
         except ValueError as err:
-            _fail(err)
+            fail(err)
     if FLAGS.num_processes > 1:
         keep_freed_memory()  # a pinned rank: time the step, not the page faults
     try:
@@ -139,13 +134,13 @@ def main(argv):
             cfg.check_process(jax.local_device_count())
             data.corpus_files(cfg.data)
         except (ValueError, TypeError) as err:
-            _fail(err)
+            fail(err)
         from experiments.train import trainer
 
         try:
             result = trainer.run(cfg, calibrate=bool(FLAGS.pinned_ranks))
         except trainer.RunError as err:
-            _fail(err)
+            fail(err)
     except KeyboardInterrupt:  # before the run's own handler is in place
         print("interrupted before training started", file=sys.stderr, flush=True)
         sys.exit(128 + signal.SIGINT)

@@ -129,12 +129,17 @@ def _assert_fetch_equals_numpy(got, grads, masters, slot_expert, cot):
         np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["portable", "ragged"])
-@pytest.mark.parametrize("f", [1, 2])
+# f = 0 (no relay) on the ragged transfer only: its one hop's operand is sized for a master that
+# sends every copy itself (`relay.hop_send_bound`); the portable transfer ignores f.
+@pytest.mark.parametrize(
+    "f, backend",
+    [(1, "portable"), (2, "portable"), (1, "ragged"), (2, "ragged"), (0, "ragged")],
+)
 def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch, ep8_mesh):
-    """8 ranks, 2 masters each, 2 slots: expert 0 on 6 ranks (relayed through 2 or 3 levels),
-    expert 3 on 2; every slot gets its expert, and each master's gradient is the sum of the
-    cotangents of every slot holding it (summed through the relays)."""
+    """8 ranks, 2 masters each, 2 slots: expert 0 on 6 ranks (relayed through 2 or 3 levels with
+    f = 1 or 2, sent by its master alone with f = 0, there with expert 1 on rank 7), expert 3 on
+    2; every slot gets its expert, and each master's gradient is the sum of the cotangents of
+    every slot holding it (summed through the relays)."""
     if backend == "ragged":
         portable_exchange(monkeypatch)
     R, em, S = 8, 2, 2
@@ -142,8 +147,15 @@ def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch, ep8
     slot_expert = np.array(
         [[3, -1], [0, -1], [0, 3], [0, -1], [-1, -1], [0, -1], [0, 9], [0, -1]], np.int32
     )
+    if f == 0:  # rank 0 sends two experts, 7 rows in all, the last expert 1: rows that differ
+        slot_expert[7, 1] = 1
     sched = reference_schedule(slot_expert, em, f)
-    assert sched["hop"].max() >= 2, "the layout must need relays"
+    if f:
+        assert sched["hop"].max() >= 2, "the layout must need relays"
+    else:
+        assert (
+            sched["hop"].max() == 1 and (sched["sender"][np.isin(slot_expert, (0, 1))] == 0).all()
+        )
     rng = np.random.default_rng(f)
     masters = [
         rng.normal(size=(E, 3, 5)).astype(np.float32),
