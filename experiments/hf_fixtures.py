@@ -1,5 +1,5 @@
-"""Writes the Hugging Face MoE fixtures of tests/models/test_hf_families.py: each family's MoE
-block as transformers builds it, with tiny random weights, on a small skewed input.
+"""Writes the Hugging Face MoE fixtures of tests/integrations/test_hf_families.py: each family's
+MoE block as transformers builds it, with tiny random weights, on a small skewed input.
 
         python -m experiments.hf_fixtures                  # every family, into tests/fixtures/hf
         python -m experiments.hf_fixtures --families=mixtral,gpt_oss --out=/tmp/hf

@@ -1,10 +1,11 @@
-"""Hugging Face's MoE blocks through `uep.MoE` (models/hf): each family's block as transformers
-computes it (tests/fixtures/hf, written by ``python -m experiments.hf_fixtures``: transformers'
-own block, its checkpoint as ``save_pretrained`` writes it, its output and gradients), against the
-layer the fixture's config.json implies, loaded from that checkpoint onto a (data 2, expert 4)
-mesh: the same experts for every token, y and every gradient within float32 rounding, balanced
-(replicas made) and not. The mapping's round trip is exact in both layouts, a load reads each
-device's block only, and the real models' configs give the layers they describe."""
+"""Hugging Face's MoE blocks through `uep.MoE` (ultraep_jax.integrations.hf): each family's
+block as transformers computes it (tests/fixtures/hf, written by ``python -m
+experiments.hf_fixtures``: transformers' own block, its checkpoint as ``save_pretrained`` writes
+it, its output and gradients), against the layer the fixture's config.json implies, loaded from
+that checkpoint onto a (data 2, expert 4) mesh: the same experts for every token, y and every
+gradient within float32 rounding, balanced (replicas made) and not. The mapping's round trip is
+exact in both layouts, a load reads each device's block only, and the real models' configs give
+the layers they describe."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import pytest
 from flax import nnx
 
 import ultraep_jax as uep
-from models import hf
 from tests.helpers import assert_raises_one_line, make_mesh, place_batch
+from ultraep_jax.integrations import hf
 from ultraep_jax.routers import router_logits
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"

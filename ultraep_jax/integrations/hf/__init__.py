@@ -3,9 +3,9 @@
 `to_hf`, exact both ways), and a checkpoint read straight onto the devices (`load_moe` with a
 `SafetensorsCheckpoint`). docs/integration.md has a section per family."""
 
-from models.hf.families import FAMILIES, Family, family_of, moe_kwargs, moe_layers
-from models.hf.loading import SafetensorsCheckpoint, load_moe
-from models.hf.mapping import LAYOUTS, block_prefix, from_hf, layer_shapes, to_hf
+from ultraep_jax.integrations.hf.families import FAMILIES, Family, family_of, moe_kwargs, moe_layers
+from ultraep_jax.integrations.hf.loading import SafetensorsCheckpoint, load_moe
+from ultraep_jax.integrations.hf.mapping import LAYOUTS, block_prefix, from_hf, layer_shapes, to_hf
 
 __all__ = [
     "FAMILIES",

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-import ultraep_jax as uep
+from ultraep_jax.base.activations import ClampedSwiGLU
+from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, TopKSoftmax
 
 #: transformers' ``hidden_act`` names -> the layer's activation (ACT2FN's "gelu" is the exact
 #: GELU; "gelu_new" and "gelu_pytorch_tanh" its tanh approximation).
@@ -210,10 +211,10 @@ def _router(config: Mapping, fam: Family, top_k: int):
     if renormalize is None and fam.router != "topk_softmax":
         renormalize = bool(value(config, fam, "norm_topk_prob"))
     if fam.router == "topk_softmax":
-        return uep.TopKSoftmax(top_k)
+        return TopKSoftmax(top_k)
     if fam.router == "softmax":
-        return uep.SoftmaxTopK(top_k, renormalize=renormalize)
-    return uep.SigmoidTopK(
+        return SoftmaxTopK(top_k, renormalize=renormalize)
+    return SigmoidTopK(
         top_k,
         num_groups=value(config, fam, "n_group"),
         top_groups=value(config, fam, "topk_group"),
@@ -245,7 +246,7 @@ def moe_kwargs(config: Mapping, family: str | None = None) -> dict:
     )
     if fam.gpt_oss:  # hidden_act names no activation of its experts
         limit, alpha = value(config, fam, "swiglu_limit"), value(config, fam, "swiglu_alpha")
-        kwargs["activation"] = uep.ClampedSwiGLU(limit=limit, alpha=alpha)
+        kwargs["activation"] = ClampedSwiGLU(limit=limit, alpha=alpha)
     if fam.shared == "gated":
         kwargs["shared_d_ff"] = value(config, fam, "shared_expert_intermediate_size")
         kwargs["shared_expert_gate"] = True

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.hf.mapping import (
+from ultraep_jax.integrations.hf.mapping import (
     ROOT,
     block_prefix,
     check_shapes,
@@ -50,8 +50,8 @@ class SafetensorsCheckpoint:
             import safetensors  # noqa: F401
         except ModuleNotFoundError:
             raise ModuleNotFoundError(
-                "hf: reading safetensors needs the safetensors package (pip install "
-                "'ultraep_jax[hf]')"
+                "hf: reading safetensors needs the safetensors package (from the checkout: "
+                'pip install ".[hf]")'
             ) from None
         path = pathlib.Path(path)
         index = path / "model.safetensors.index.json"

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from models.hf.families import family_of, moe_kwargs
+from ultraep_jax.integrations.hf.families import family_of, moe_kwargs
 
 #: The layouts, by name (see the module doc).
 LAYOUTS = ("checkpoint", "module")
