@@ -1,4 +1,4 @@
-"""MoE layer benchmark: the cost of balancing and its win, on CPU devices.
+r"""MoE layer benchmark: the cost of balancing and its win, on CPU devices.
 
         python -m experiments.bench.moe                      # 8 simulated devices, one process
         python -m experiments.bench.moe --pinned_ranks=2     # EP=2 as two pinned processes
@@ -62,7 +62,7 @@ _SEQ = flags.DEFINE_integer("seq_len", 64, "Sequence length (must divide tokens_
 _HOT = flags.DEFINE_integer("hot_experts", 2, "Experts the skewed router favours.")
 _SKEW = flags.DEFINE_float("skew", 2.0, "Router bias strength toward the hot experts.")
 _CF = cli.define_capped_capacity_factor(
-    1.05, "Receive buffer of the capped layers, as a multiple of top_k * tokens."
+    1.05, "Receive buffer of the capped layers, as a multiple of the pairs a rank routes."
 )
 _MODE = flags.DEFINE_enum(
     "mode", "train", ["train", "prefill"], "train: forward+backward; prefill: forward only."

@@ -111,7 +111,7 @@ def check_capacity_factor(value, auto: float | None) -> float | None:
 
 
 #: Why the layer benchmarks refuse ``--capacity_factor=none``.
-ALWAYS_DROPLESS = "none (dropless) is what this program always runs beside its capped layers"
+ALWAYS_DROPLESS = "this program always runs plain EP dropless beside its capped layers"
 
 
 class _CappedFactorParser(flags.ArgumentParser):
@@ -126,7 +126,10 @@ class _CappedFactorParser(flags.ArgumentParser):
         value = argument if isinstance(argument, float) else parse_capacity_factor(str(argument))
         value = check_capacity_factor(value, self.auto)
         if value is None:
-            raise ValueError(f"{self.none_reason}; give a number, or auto ({self.auto:g})")
+            raise ValueError(
+                f"none (dropless) is refused: {self.none_reason}; "
+                f"give a number > 0, or auto ({self.auto:g})"
+            )
         return value
 
     def flag_type(self) -> str:
@@ -143,7 +146,7 @@ def define_capped_capacity_factor(
         _CappedFactorParser(auto, none_reason),
         "capacity_factor",
         AUTO,
-        f"{help_text} A number > 0 or auto ({auto:g}); not none: {none_reason}.",
+        f"{help_text} A number > 0, or auto ({auto:g}). Not none (dropless): {none_reason}.",
         serializer=flags.ArgumentSerializer(),
     )
 

@@ -128,9 +128,8 @@ _BALANCER = cli.define_balancer_flags(
 )
 _CF = cli.define_capped_capacity_factor(
     1.05,
-    "The layer's receive buffer, x the pairs per rank.",
-    "none (dropless) would give every replayed rank the worst-case buffer, which no balanced "
-    "layer uses",
+    "The layer's receive buffer, as a multiple of the pairs per rank.",
+    "it would give every replayed rank the worst-case buffer, which no balanced layer uses",
 )
 _LINK = flags.DEFINE_float(
     "link_gbps",

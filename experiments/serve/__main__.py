@@ -1,4 +1,4 @@
-"""usage: python -m experiments.serve --workdir=DIR --prompts=FILES [--flag=value ...]
+"""usage: python -m experiments.serve --workdir=DIR [--prompts=FILES] [--flag=value ...]
 
 Prefills a batch of prompts with the newest checkpoint of a workdir written by experiments.train,
 balanced and with plain expert parallelism on the same batch, and prints per MoE layer the load

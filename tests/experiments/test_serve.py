@@ -187,7 +187,9 @@ def test_help_leads_with_usage_and_examples(input_runs):
     run = input_runs["help"]
     assert run["code"] == 0, run["stderr"][-2000:]
     lines = run["stdout"].splitlines()
-    assert lines[0].startswith("usage: python -m experiments.serve --workdir=DIR --prompts=FILES")
+    # --prompts has a default (experiments/serve/prompts): the usage line shows it optional.
+    usage = "usage: python -m experiments.serve --workdir=DIR [--prompts=FILES]"
+    assert lines[0].startswith(usage)
     examples = [line for line in lines if line.startswith("  python -m experiments.serve")]
     assert len(examples) == 3 and "``" not in run["stdout"]
     assert "--prompts" in run["stdout"] and "--new_tokens" in run["stdout"]
@@ -454,5 +456,6 @@ for bad in ("none", "0"):
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.splitlines()
     assert out[0] == "1.05 [1.05, 1.25, 2.0]"
-    assert re.fullmatch(r"none \(dropless\) .*; give a number, or auto \(1.05\)", out[1])
+    refused = r"none \(dropless\) is refused: .*; give a number > 0, or auto \(1.05\)"
+    assert re.fullmatch(refused, out[1])
     assert out[2] == "--capacity_factor must be a finite number > 0, got 0.0"

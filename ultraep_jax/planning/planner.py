@@ -228,7 +228,7 @@ def _plan_abstract_eval(loads, **params):
 def _plan_lowering(ctx, loads, **params):
     platforms = ctx.module_context.platforms
     names = {p: platform_planner(params["planner"], p) for p in platforms}
-    _log.info("ultraep_jax plan: planner %r lowered as %s", params["planner"], names)
+    _log.debug("ultraep_jax plan: planner %r lowered as %s", params["planner"], names)
     impls = {p: _impl(params, name) for p, name in names.items()}
     if len(impls) == 1:  # the usual case: one platform, one planner traced
         (fn,) = impls.values()
