@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ultraep_jax.base.arguments import check_finite, check_positive_int
-from ultraep_jax.planning.loads import expert_loads
+from ultraep_jax.planning.loads import pair_experts
 
 
 @jax.tree_util.register_dataclass
@@ -55,8 +55,13 @@ def _losses(logits_TE, probs_TE, experts_TK, mask_T=None):
     T, E = logits_TE.shape
     K = experts_TK.shape[-1]
     real_T = jnp.ones((T,), bool) if mask_T is None else mask_T
-    # Masked tokens choose no expert and weigh 0 in the means.
-    count_E = jax.lax.stop_gradient(expert_loads(experts_TK, E, mask_T)).astype(jnp.float32)
+    # Masked tokens choose no expert and weigh 0 in the means. The count is a one-hot sum, not a
+    # scatter-add (`planning.loads.expert_loads`): in the layer's program XLA splits these [T, ...]
+    # arrays over the token devices, padded when T does not divide them, and its scatter-add over
+    # such a split counted the padding rows (for expert 0; seen with one expert per token beside
+    # a tensor axis), where a reduction leaves them out.
+    pair_E = jax.nn.one_hot(pair_experts(experts_TK, E, mask_T), E, dtype=jnp.int32)
+    count_E = jax.lax.stop_gradient(jnp.sum(pair_E, axis=0)).astype(jnp.float32)
     n = jnp.maximum(jnp.sum(real_T, dtype=jnp.float32), 1.0)
     mean_probs_E = jnp.sum(jnp.where(real_T[:, None], probs_TE, 0), axis=0) / n
     aux = E / (K * n) * jnp.sum(count_E * mean_probs_E)

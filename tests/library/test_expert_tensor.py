@@ -167,6 +167,53 @@ def test_values_and_grads_equal_dense_reference(case, monkeypatch):
             assert hops >= 2, "no expert was relayed"
 
 
+def numpy_sigmoid_aux(x_TD: np.ndarray, kernel_DE: np.ndarray, k: int):
+    """(aux loss, d aux / d kernel [D, E]) of `uep.SigmoidTopK(k)` (no bias, no groups) on every
+    token, in NumPy: ``E / (k T) * sum_e count_e * mean_t p_te``, ``p`` the sigmoid scores
+    normalised per token, ``count`` (no gradient) each expert's chosen pairs."""
+    x, w = x_TD.astype(np.float64), kernel_DE.astype(np.float64)
+    T, E = x.shape[0], w.shape[1]
+    s = 1 / (1 + np.exp(-(x @ w)))
+    p = s / s.sum(-1, keepdims=True)
+    count = np.bincount(np.argsort(-s, axis=-1)[:, :k].ravel(), minlength=E)
+    aux = E / (k * T) * np.sum(count * p.mean(0))
+    d_p = np.broadcast_to(E / (k * T * T) * count, p.shape)  # d aux / d p[t, e]
+    d_s = (d_p - np.sum(d_p * p, -1, keepdims=True)) / s.sum(-1, keepdims=True)
+    return aux, x.T @ (d_s * s * (1 - s))
+
+
+def test_top1_aux_loss_when_tokens_do_not_divide_the_devices():
+    """`SigmoidTopK(1)` on dp2ep2tp2 with 9 tokens over its 4 token devices: the aux loss and
+    its router-kernel gradient, computed in the program that also computes the layer's output
+    (an eager call; a jitted step that returns y), equal the NumPy reference. The count of the
+    aux loss was a scatter-add over the router's choices, which XLA split over the token devices
+    padded to 12 rows, the 3 padding rows counted for expert 0."""
+    from flax import nnx
+
+    D = 8
+    mesh = make_mesh("dp2ep2tp2", "explicit")
+    layer = uep.MoE(
+        D, 4, E, 1, mesh, router=uep.SigmoidTopK(1), tensor_axis="tensor", rngs=nnx.Rngs(0)
+    )
+    x = np.random.default_rng(1).normal(size=(1, 9, D)).astype(np.float32)
+    want, want_grad = numpy_sigmoid_aux(x.reshape(-1, D), np.asarray(layer.router_kernel[...]), 1)
+    np.testing.assert_allclose(float(layer(jnp.asarray(x))[1].aux_loss), want, rtol=1e-5)
+
+    @nnx.jit
+    def step(layer, x):
+        def loss(layer):
+            y, stats = layer(x)
+            return stats.aux_loss, y
+
+        return nnx.value_and_grad(loss, has_aux=True)(layer)
+
+    (value, y), grads = step(layer, jnp.asarray(x))
+    assert y.shape == x.shape
+    np.testing.assert_allclose(float(value), want, rtol=1e-5)
+    grad = np.asarray(grads.router_kernel[...])
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-4 * np.abs(want_grad).max())
+
+
 # -- configuration: specs and one-line errors (nothing compiled) ------------------------------
 
 
