@@ -18,8 +18,15 @@ from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.experts.dense import dense_glu
 from ultraep_jax.ideal import force_balanced
 from ultraep_jax.over_mesh import routed_experts
-from ultraep_jax.routers import SigmoidTopK, SoftmaxTopK, TopKSoftmax, router_logits, update_bias
-from ultraep_jax.sharding import place, with_auto_axes
+from ultraep_jax.routers import (
+    Routing,
+    SigmoidTopK,
+    SoftmaxTopK,
+    TopKSoftmax,
+    router_logits,
+    update_bias,
+)
+from ultraep_jax.sharding import explicit_sharding, place, with_auto_axes
 from ultraep_jax.stats import MoEStats
 
 
@@ -231,17 +238,45 @@ class MoE(nnx.Module):
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         if self.expert_biased:
             experts += (self.b_gate[...], self.b_up[...], self.b_down[...])
-        bias = self.router_bias[...] if self.router.uses_bias else None
+        kernel, bias = self._router_args()
         shared = None
         if self.shared_d_ff:
             shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
             if self.shared_expert_gated:
                 shared += (self.shared_expert_gate[...],)
+        statics = (self.ep, self.router, self.force_balanced)
+        return with_auto_axes(_forward, statics, x, token_mask, kernel, bias, experts, shared)
+
+    def _router_args(self) -> tuple[tuple, jax.Array | None]:
+        """The router's inputs beside x: (``(router_kernel,)`` or ``(router_kernel,
+        router_logit_bias)``, ``router_bias`` or None)."""
         kernel = (self.router_kernel[...],)
         if self.router_logit_biased:
             kernel += (self.router_logit_bias[...],)
-        statics = (self.ep, self.router, self.force_balanced)
-        return with_auto_axes(_forward, statics, x, token_mask, kernel, bias, experts, shared)
+        return kernel, (self.router_bias[...] if self.router.uses_bias else None)
+
+    def route(self, x: jax.Array, token_mask: jax.Array | None = None) -> Routing:
+        """Each token's experts and weights, as the layer's router chooses them in `__call__`
+        (the same computation; the choice, before any balancing: a replica computes its
+        expert's output, so the choice is the model's).
+
+        Args:
+          x: [..., D] tokens (any leading axes: [batch, seq, D] as `__call__` takes).
+          token_mask: optional bool [...], True for a real token (as in `__call__`: a masked
+            token counts in no loss; its choice is still returned).
+
+        Returns a `Routing`: ``experts`` int32 [..., K] (best first), ``weights`` float32
+        [..., K] (what each chosen expert's output is weighted by), and the router's
+        ``aux_loss`` and ``z_loss`` []; on x's Explicit mesh, replicated, when x has one."""
+        if x.ndim < 1 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"MoE: x must be [..., d_model={self.d_model}], got shape {tuple(x.shape)}"
+            )
+        kernel, bias = self._router_args()
+        route = functools.partial(_route_jit, self.router)
+        if (typed := explicit_sharding(x)) is not None:
+            route = jax.sharding.auto_axes(route, out_sharding=NamedSharding(typed.mesh, P()))
+        return route(x, token_mask, kernel, bias)
 
     def update_router_bias(self, stats: MoEStats) -> None:
         """Moves the `SigmoidTopK` bias by `routers.update_bias` from ``stats.expert_load`` (a
@@ -255,15 +290,26 @@ class MoE(nnx.Module):
         self.router_bias[...] = update_bias(self.router_bias[...], load, rate)
 
 
+def _route(router, x, token_mask, router_kernel, bias) -> Routing:
+    """``router``'s decision for x [..., D] (``router_kernel``: (kernel,) or (kernel, logit
+    bias)), its experts and weights [..., K]."""
+    *lead, D = x.shape
+    mask_T = None if token_mask is None else token_mask.reshape(-1)
+    routing = router(router_logits(x.reshape(-1, D), *router_kernel), bias, mask_T)
+    shape = (*lead, router.top_k)
+    experts, weights = routing.experts.reshape(shape), routing.weights.reshape(shape)
+    return dataclasses.replace(routing, experts=experts, weights=weights)
+
+
+_route_jit = jax.jit(_route, static_argnums=0)
+
+
 # Jitted so that the layer called outside `jax.jit` compiles once per shape; inlined in a step.
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _forward(ep, router, ideal, x, token_mask, router_kernel, bias, experts, shared):
-    B, L, D = x.shape
-    mask_T = None if token_mask is None else token_mask.reshape(-1)
-    with jax.named_scope("route"):  # router_kernel: (kernel,) or (kernel, logit bias)
-        routing = router(router_logits(x.reshape(-1, D), *router_kernel), bias, mask_T)
-    shape = (B, L, router.top_k)
-    ids, weights = routing.experts.reshape(shape), routing.weights.reshape(shape)
+    with jax.named_scope("route"):
+        routing = _route(router, x, token_mask, router_kernel, bias)
+    ids, weights = routing.experts, routing.weights
     if ideal:
         with jax.named_scope("force_balanced"):
             ids = force_balanced(ids, ep, token_mask)
