@@ -667,6 +667,24 @@ def test_balancer_without_spare_slots_raises_one_line():
     assert plan.slot_expert.shape == (8, 0)
 
 
+@pytest.mark.parametrize("entry", ["ExpertParallel", "MoE"])
+def test_experts_not_dividing_the_ep_size_name_the_caller_and_what_fits(entry):
+    """12 experts over the 8 ranks of ep8: the error names the entry called (`MoE` said
+    "ExpertParallel", the configuration it builds) and the EP sizes that fit (the divisors of 12
+    that divide the 8 devices), in one line."""
+    mesh = expert_mesh(8)
+    if entry == "MoE":
+        build = functools.partial(uep.MoE, D, F, 12, 2, mesh, rngs=nnx.Rngs(0))
+    else:
+        build = functools.partial(uep.ExpertParallel, mesh, 12)
+    match = (
+        rf"^{entry}: num_experts=12 is not divisible by the EP size 8 \(mesh axis 'expert'\); "
+        r"EP sizes that fit 12 experts within the 8 token devices: 1, 2 or 4 \(or num_experts "
+        r"a multiple of 8\)$"
+    )
+    assert_raises_one_line(ValueError, match, build)
+
+
 @pytest.mark.parametrize(
     "names, expert_axis",
     [(("data", "ep"), "expert"), (("data", "expert"), "experts"), (("data",), "expert")],

@@ -18,13 +18,30 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def check_divisible(num_experts: int, ep_size: int, where: str) -> None:
-    """Raises (one line, prefixed by ``where``) unless the EP size divides ``num_experts``: every
-    rank masters E_m = E / R experts."""
-    if num_experts % ep_size:
-        raise ValueError(
-            f"{where}: num_experts={num_experts} is not divisible by the EP size {ep_size}"
-        )
+def check_divisible(
+    num_experts: int,
+    ep_size: int,
+    where: str,
+    *,
+    axis: str | None = None,
+    devices: int | None = None,
+) -> None:
+    """Raises ValueError (one line, prefixed by ``where``) unless the EP size divides
+    ``num_experts`` (every rank masters E_m = E / R experts), naming the EP sizes that would: the
+    divisors of E, those that also divide ``devices`` when given (the devices the EP axis shares
+    with the data axes), and the mesh ``axis`` of the EP size when given."""
+    if num_experts % ep_size == 0:
+        return
+    limit = num_experts if devices is None else devices
+    fits = [d for d in range(1, limit + 1) if num_experts % d == 0 and limit % d == 0]
+    listed = str(fits[0]) if len(fits) == 1 else f"{', '.join(map(str, fits[:-1]))} or {fits[-1]}"
+    on = "" if axis is None else f" (mesh axis {axis!r})"
+    among = "" if devices is None else f" within the {devices} token devices"
+    raise ValueError(
+        f"{where}: num_experts={num_experts} is not divisible by the EP size {ep_size}{on}; "
+        f"EP sizes that fit {num_experts} experts{among}: {listed} (or num_experts a multiple "
+        f"of {ep_size})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,7 +94,11 @@ class ExpertParallel:
             check_positive_int("ExpertParallel", "num_experts", self.num_experts),
         )
         check_divisible(
-            self.num_experts, self.ep_size, f"ExpertParallel (mesh axis {self.expert_axis!r})"
+            self.num_experts,
+            self.ep_size,
+            "ExpertParallel",
+            axis=self.expert_axis,
+            devices=self.token_devices,
         )
         object.__setattr__(self, "balancer", self._sized_balancer())
         if self.capacity_factor is not None:
