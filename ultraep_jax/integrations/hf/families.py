@@ -2,13 +2,18 @@
 
 A family is a transformers model type whose MoE block `uep.MoE` computes exactly (the routing
 rules: /work/shared/DESIGN.md section 11, as of transformers 5.24): `FAMILIES` says which keys of
-the config set what, `moe_kwargs` turns a config.json (a plain dict) into `uep.MoE`'s arguments,
-and `moe_layers` says which decoder layers hold a MoE block.
+the config set what, `moe_kwargs` turns a config.json into `uep.MoE`'s arguments, and
+`moe_layers` says which decoder layers hold a MoE block. Every call takes the config as a dict,
+as an object with ``to_dict()`` (a transformers config) or as a path to a config.json or to the
+folder holding one (`as_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
 from collections.abc import Mapping
 
 from ultraep_jax.base.activations import ClampedSwiGLU
@@ -171,11 +176,37 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def family_of(config: Mapping, family: str | None = None) -> Family:
-    """The `Family` of a config.json dict (its ``model_type``), or the one named ``family`` (a
-    model type whose block is a family's under another name, such as Kimi-K2's
+def as_config(config) -> Mapping:
+    """config.json as a dict, from a dict (returned as is), an object with ``to_dict()`` (a
+    transformers ``PretrainedConfig``) or a path (str or PathLike) to a config.json or to a
+    folder holding one; raises one line for anything else."""
+    if isinstance(config, Mapping):
+        return config
+    if isinstance(config, str | os.PathLike):
+        path = pathlib.Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"hf: no config.json at {path}")
+        try:
+            loaded = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"hf: {path} is not a JSON config: {err}") from None
+    else:
+        to_dict = getattr(config, "to_dict", None)
+        loaded = to_dict() if callable(to_dict) else None
+    if not isinstance(loaded, Mapping):
+        raise TypeError(
+            "hf: config must be a dict, an object with to_dict() (a transformers config) or a "
+            f"path to a config.json, got {type(config).__name__}"
+        )
+    return loaded
+
+
+def family_of(config, family: str | None = None) -> Family:
+    """The `Family` of a config (`as_config`: its ``model_type``), or the one named ``family``
+    (a model type whose block is a family's under another name, such as Kimi-K2's
     ``"deepseek_v3"``); raises one line for an unknown one."""
-    name = family if family is not None else config.get("model_type")
+    name = family if family is not None else as_config(config).get("model_type")
     if name not in FAMILIES:
         raise ValueError(
             f"hf: model_type {name!r} is not a supported MoE family; expected one of "
@@ -184,12 +215,31 @@ def family_of(config: Mapping, family: str | None = None) -> Family:
     return FAMILIES[name]
 
 
+#: What a null in config.json means where transformers reads it as a value: its Qwen configs
+#: turn a null ``mlp_only_layers`` into [], and a null ``norm_topk_prob`` stays None, falsy
+#: where the blocks test it. Any other key read here refuses null: transformers 5's config
+#: classes refuse it for the fields typed int (``n_shared_experts``, ``decoder_sparse_step``,
+#: ...: "expected int, got NoneType"), and its blocks fail on the others.
+_NULL_MEANS = {"mlp_only_layers": [], "norm_topk_prob": False}
+#: What to write instead of a null, where a number says "none".
+_NULL_HINTS = {"n_shared_experts": " (0: no shared expert)"}
+
+
 def value(config: Mapping, fam: Family, *keys: str):
     """The first of ``keys`` that config.json holds, else the family's default of the first;
-    raises one line when neither has it."""
+    raises one line when neither has it, or when the key it has is null where transformers
+    takes no null (`_NULL_MEANS`)."""
     for key in keys:
-        if key in config and config[key] is not None:
+        if config.get(key) is not None:
             return config[key]
+    for key in keys:
+        if key in config:  # present, and null
+            if key in _NULL_MEANS:
+                return _NULL_MEANS[key]
+            raise ValueError(
+                f"hf: the {fam.model_type} config's {key} is null, which transformers refuses: "
+                f"give a number{_NULL_HINTS.get(key, '')}"
+            )
     if keys[0] in fam.defaults:
         return fam.defaults[keys[0]]
     raise ValueError(f"hf: the {fam.model_type} config has no {' or '.join(keys)}")
@@ -223,19 +273,39 @@ def _router(config: Mapping, fam: Family, top_k: int):
     )
 
 
-def moe_kwargs(config: Mapping, family: str | None = None) -> dict:
-    """`uep.MoE`'s arguments that a Hugging Face config.json (a plain dict) implies: ``d_model``,
+def _num_experts(config: Mapping, fam: Family) -> int:
+    """E; raises one line for 0 (no MoE block: the Qwen families then build dense MLPs, as
+    `moe_layers` says; the others' blocks cannot run without experts)."""
+    E = value(config, fam, *fam.num_experts_keys)
+    if E == 0:
+        key = next(k for k in fam.num_experts_keys if config.get(k) is not None)
+        if fam.moe_layers == "sparse_step":
+            raise ValueError(
+                f"hf: the {fam.model_type} config has {key}=0: no decoder layer holds a MoE "
+                "block (transformers builds dense MLPs; moe_layers is empty)"
+            )
+        raise ValueError(
+            f"hf: the {fam.model_type} config has {key}=0; its MoE block needs experts"
+        )
+    return E
+
+
+def moe_kwargs(config, family: str | None = None) -> dict:
+    """`uep.MoE`'s arguments that a Hugging Face config (`as_config`) implies: ``d_model``,
     ``d_ff``, ``num_experts``, ``top_k``, ``router``, ``shared_d_ff``, ``shared_expert_gate``,
     ``activation`` (gpt-oss: a `uep.ClampedSwiGLU`), ``router_logit_bias`` and ``expert_bias``.
     Add the mesh, balancer, capacity and ``rngs``:
     ``uep.MoE(mesh=mesh, balancer=..., rngs=nnx.Rngs(0), **moe_kwargs(config))``.
-    ``family``: see `family_of`."""
+    ``family``: see `family_of`. A shared expert of width 0 (``n_shared_experts: 0``,
+    ``shared_expert_intermediate_size: 0``) is none, as its zero-width matmuls are in
+    transformers."""
+    config = as_config(config)
     fam = family_of(config, family)
     top_k = value(config, fam, "num_experts_per_tok")
     kwargs = dict(
         d_model=value(config, fam, "hidden_size"),
         d_ff=value(config, fam, fam.d_ff_key),
-        num_experts=value(config, fam, *fam.num_experts_keys),
+        num_experts=_num_experts(config, fam),
         top_k=top_k,
         router=_router(config, fam, top_k),
         shared_d_ff=0,
@@ -249,18 +319,27 @@ def moe_kwargs(config: Mapping, family: str | None = None) -> dict:
         kwargs["activation"] = ClampedSwiGLU(limit=limit, alpha=alpha)
     if fam.shared == "gated":
         kwargs["shared_d_ff"] = value(config, fam, "shared_expert_intermediate_size")
-        kwargs["shared_expert_gate"] = True
+        kwargs["shared_expert_gate"] = kwargs["shared_d_ff"] > 0  # gates a zero: nothing
     elif fam.shared == "deepseek":
         kwargs["shared_d_ff"] = value(config, fam, "n_shared_experts") * kwargs["d_ff"]
     return kwargs
 
 
-def moe_layers(config: Mapping, family: str | None = None) -> tuple[int, ...]:
-    """The decoder layers (indices) whose feed-forward block is the family's MoE block."""
+def moe_layers(config, family: str | None = None) -> tuple[int, ...]:
+    """The decoder layers (indices) whose feed-forward block is the family's MoE block (none for
+    a Qwen config with 0 experts, as transformers builds them)."""
+    config = as_config(config)
     fam = family_of(config, family)
     layers = range(value(config, fam, "num_hidden_layers"))
     if fam.moe_layers == "sparse_step":
+        if any(config.get(key) == 0 for key in fam.num_experts_keys):
+            return ()  # transformers: a MoE block where num_experts > 0 only
         step = value(config, fam, "decoder_sparse_step")
+        if step == 0:
+            raise ValueError(
+                f"hf: the {fam.model_type} config has decoder_sparse_step=0; a MoE layer is "
+                "every step-th (transformers divides by it): give 1 or more"
+            )
         dense = set(value(config, fam, "mlp_only_layers"))
         return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
     if fam.moe_layers == "after_dense":

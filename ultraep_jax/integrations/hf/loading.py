@@ -19,6 +19,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ultraep_jax.integrations.hf.arrays import as_numpy
+from ultraep_jax.integrations.hf.families import as_config
 from ultraep_jax.integrations.hf.mapping import (
     ROOT,
     block_prefix,
@@ -88,6 +90,15 @@ class SafetensorsCheckpoint:
         """The tensor's shape (from the file's header)."""
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The tensor's dtype as the file's header names it ("BF16", "F32", "F8_E4M3", ...)."""
+        return self._slice(name).get_dtype()
+
+    def file(self, name: str) -> pathlib.Path:
+        """The file that holds the tensor."""
+        self._slice(name)  # one line for a missing tensor
+        return self._where[name]
+
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """The block ``index`` (a slice per axis) of the tensor ``name``."""
         part = self._slice(name)
@@ -105,7 +116,14 @@ def _reader(source):
     if isinstance(source, SafetensorsCheckpoint):
         return source.shape, source.read
     if isinstance(source, Mapping):
-        return (lambda n: np.shape(source[n])), (lambda n, i: np.asarray(source[n])[i])
+        host: dict[str, np.ndarray] = {}  # each tensor converted once (torch's bfloat16 too)
+
+        def read(name, index):
+            if name not in host:
+                host[name] = as_numpy(source[name])
+            return host[name][index]
+
+        return (lambda n: np.shape(source[n])), read
     raise TypeError(
         f"hf: the tensors must be a SafetensorsCheckpoint or a mapping, got {type(source).__name__}"
     )
@@ -127,7 +145,7 @@ def variable_sharding(layer, name: str) -> jax.sharding.Sharding:
 
 def load_moe(
     layer,
-    config: Mapping,
+    config,
     source,
     layer_index: int,
     *,
@@ -141,7 +159,9 @@ def load_moe(
     arguments for ``config``, or its abstract form (``nnx.eval_shape(lambda: uep.MoE(...))``,
     which allocates nothing). Each variable becomes an array of its sharding whose blocks are
     read for the devices that hold them (once per distinct block), cast to the layer's dtype.
-    Raises one line when a tensor is missing or of another shape than the config implies."""
+    Raises one line listing every tensor that is missing or of another shape than the config
+    implies. ``config``: see `families.as_config`."""
+    config = as_config(config)
     shape_of, read = _reader(source)
     if layout == "auto":
         layout = detect_layout(config, source.keys(), layer_index, root, family)

@@ -21,6 +21,9 @@ The others apply a weight as ``x @ W.T``; the layer holds ``router_kernel`` [D, 
 `Piece` of one tensor (or of one tensor per expert); `read_block` reads any block of a variable
 from the tensors it lives in (what a device holds: `loading.load_moe`), and `to_hf` writes the
 variables back into the tensors.
+
+A block that lacks a tensor or holds one of another shape than its config's is refused in one
+line that lists every such tensor (`check_shapes`).
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+import jax.numpy as jnp
 import numpy as np
 
-from ultraep_jax.integrations.hf.families import family_of, moe_kwargs
+from ultraep_jax.integrations.hf.arrays import as_numpy, variable_values
+from ultraep_jax.integrations.hf.families import as_config, family_of, moe_kwargs
 
 #: The layouts, by name (see the module doc).
 LAYOUTS = ("checkpoint", "module")
@@ -64,8 +69,9 @@ class Piece:
         return "{e}" in self.name
 
 
-def layer_shapes(config: Mapping, family: str | None = None) -> dict[str, tuple[int, ...]]:
-    """The shape of each layer variable the family's block maps to."""
+def layer_shapes(config, family: str | None = None) -> dict[str, tuple[int, ...]]:
+    """The shape of each layer variable the family's block maps to (``config``: see
+    `families.as_config`)."""
     kw = moe_kwargs(config, family)
     D, F, E, Fs = kw["d_model"], kw["d_ff"], kw["num_experts"], kw["shared_d_ff"]
     shapes = {"router_kernel": (D, E), "w_gate": (E, D, F), "w_up": (E, D, F), "w_down": (E, F, D)}
@@ -82,10 +88,11 @@ def layer_shapes(config: Mapping, family: str | None = None) -> dict[str, tuple[
     return shapes
 
 
-def pieces(config: Mapping, layout: str, family: str | None = None) -> dict[str, Piece]:
+def pieces(config, layout: str, family: str | None = None) -> dict[str, Piece]:
     """Each layer variable's `Piece` of the block's tensors in ``layout`` (`LAYOUTS`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"hf: layout must be one of {LAYOUTS}, got {layout!r}")
+    config = as_config(config)
     fam = family_of(config, family)
     F = moe_kwargs(config, family)["d_ff"]
     shapes = layer_shapes(config, family)
@@ -116,7 +123,7 @@ def pieces(config: Mapping, layout: str, family: str | None = None) -> dict[str,
             "w_down": Piece("experts.down_proj", transpose=True),
         }
     shared = {"gated": "shared_expert", "deepseek": "shared_experts"}.get(fam.shared)
-    if shared:
+    if shared and "shared_gate" in shapes:  # a width of 0 is no shared expert
         out |= {
             f"shared_{p}": Piece(f"{shared}.{p}_proj.weight", transpose=True)
             for p in ("gate", "up", "down")
@@ -127,7 +134,7 @@ def pieces(config: Mapping, layout: str, family: str | None = None) -> dict[str,
 
 
 def block_prefix(
-    config: Mapping, layer: int, layout: str, root: str = ROOT, family: str | None = None
+    config, layer: int, layout: str, root: str = ROOT, family: str | None = None
 ) -> str:
     """The prefix of decoder layer ``layer``'s MoE tensors in ``layout``
     (``model.layers.3.mlp.``; Mixtral's checkpoints ``model.layers.3.block_sparse_moe.``)."""
@@ -136,19 +143,20 @@ def block_prefix(
     return f"{root}.{layer}.{block}."
 
 
-def detect_layout(
-    config: Mapping, names, layer: int, root: str = ROOT, family: str | None = None
-) -> str:
-    """The layout of decoder layer ``layer``'s block among the tensor ``names``: "checkpoint"
-    where its router is under the checkpoints' prefix and its experts are per-expert tensors
-    (or the family's checkpoints are fused), else "module"; raises one line when neither holds
-    the router."""
+def detect_layout(config, names, layer: int, root: str = ROOT, family: str | None = None) -> str:
+    """The layout of decoder layer ``layer``'s block among the tensor ``names``: the one of
+    `LAYOUTS` more of whose tensors are there (the router, the first expert's, the shared
+    expert's, ...; "checkpoint" on a tie), so that a block lacking some is read in its layout and
+    `check_shapes` names what it lacks; raises one line when no tensor of either is there."""
+    config = as_config(config)
+    found = {}
     for layout in LAYOUTS:
         prefix = block_prefix(config, layer, layout, root, family)
-        got = pieces(config, layout, family)
-        first = {p.name.format(e=0) for p in got.values()}
-        if all(prefix + n in names for n in first):
-            return layout
+        first = {p.name.format(e=0) for p in pieces(config, layout, family).values()}
+        found[layout] = sum(prefix + n in names for n in first)
+    best = max(LAYOUTS, key=lambda layout: found[layout])  # the first of a tie
+    if found[best]:
+        return best
     router = pieces(config, "module", family)["router_kernel"].name
     raise ValueError(
         f"hf: no MoE block of layer {layer} in the tensors (looked for "
@@ -221,7 +229,7 @@ def tensor_shapes(
 
 
 def from_hf(
-    config: Mapping,
+    config,
     tensors: Mapping[str, np.ndarray],
     layer: int,
     *,
@@ -231,54 +239,109 @@ def from_hf(
 ) -> dict[str, np.ndarray]:
     """Decoder layer ``layer``'s MoE block, from ``tensors`` (full names -> arrays, in either
     layout; "auto": `detect_layout`), as the layer's variables (name -> NumPy array, the
-    tensors' dtype). Whole arrays on the host: `loading.load_moe` places each device's block
-    instead."""
+    tensors' dtype). ``config``: see `families.as_config`; ``tensors`` may be NumPy, JAX or torch
+    arrays (a ``state_dict``, bfloat16 too: `arrays.as_numpy`). Whole arrays on the host:
+    `loading.load_moe` places each device's block instead."""
+    config = as_config(config)
     if layout == "auto":
         layout = detect_layout(config, tensors, layer, root, family)
     prefix = block_prefix(config, layer, layout, root, family)
     shapes = layer_shapes(config, family)
     got = pieces(config, layout, family)
     check_shapes(got, shapes, prefix, lambda name: np.shape(tensors[name]), tensors)
-    read = lambda name, index: np.asarray(tensors[name])[index]  # noqa: E731
+    host: dict[str, np.ndarray] = {}  # each tensor converted once (a fused one feeds two)
+
+    def read(name, index):
+        if name not in host:
+            host[name] = as_numpy(tensors[name])
+        return host[name][index]
+
     return {
         var: read_block(piece, prefix, tuple(slice(0, n) for n in shapes[var]), read)
         for var, piece in got.items()
     }
 
 
+def block_tensors(got, shapes, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor of the block (full name, one per expert where the layout has them) with its
+    stored shape, in the block's order."""
+    return {
+        prefix + name.format(e=e): shape
+        for name, shape in tensor_shapes(got, shapes).items()
+        for e in (range(shapes["w_gate"][0]) if "{e}" in name else [None])
+    }
+
+
+def block_problems(got, shapes, prefix: str, shape_of, names) -> list[str]:
+    """Every tensor of the block that is missing ("no <name>") or whose shape is not the
+    configuration's ("<name> has shape ..."), in the block's order (``shape_of(full name)``,
+    ``names`` the tensors present)."""
+    problems = []
+    for full, want in block_tensors(got, shapes, prefix).items():
+        if full not in names:
+            problems.append(f"no {full}")
+        elif (shape := tuple(shape_of(full))) != want:
+            problems.append(f"{full} has shape {shape} where the config implies {want}")
+    return problems
+
+
 def check_shapes(got, shapes, prefix: str, shape_of, names) -> None:
-    """Raises one line naming the first tensor of the block that is missing or whose shape is
-    not the configuration's (``shape_of(full name)``, ``names`` the tensors present)."""
-    for name, want in tensor_shapes(got, shapes).items():
-        for e in range(shapes["w_gate"][0]) if "{e}" in name else [None]:
-            full = prefix + name.format(e=e)
-            if full not in names:
-                raise ValueError(f"hf: the tensors have no {full}")
-            if tuple(shape_of(full)) != want:
-                raise ValueError(
-                    f"hf: {full} has shape {tuple(shape_of(full))}; the config implies {want}"
-                )
+    """Raises one line listing every tensor of the block that is missing or whose shape is not
+    the configuration's (`block_problems`)."""
+    if problems := block_problems(got, shapes, prefix, shape_of, names):
+        raise ValueError(f"hf: the MoE block {prefix}* is not the config's: {'; '.join(problems)}")
+
+
+#: The variables that are state, not an ``nnx.Param`` (`uep.RouterBias`): absent from a
+#: Param-only state and from gradients, and then their tensors are left out.
+STATE_VARIABLES = ("router_bias",)
+
+
+def _present(got: Mapping[str, Piece], values: Mapping) -> dict[str, Piece]:
+    """The pieces whose variables ``values`` holds; raises one line naming the trained
+    parameters it lacks (a missing `STATE_VARIABLES` entry leaves its tensor out)."""
+    missing = [var for var in got if var not in values and var not in STATE_VARIABLES]
+    if missing:
+        raise ValueError(
+            f"hf: the variables have no {', '.join(missing)}: pass the layer's nnx.Param state "
+            "(nnx.state(layer, nnx.Param)) or the layer itself"
+        )
+    return {var: piece for var, piece in got.items() if var in values}
 
 
 def to_hf(
-    config: Mapping,
-    params: Mapping[str, np.ndarray],
+    config,
+    params,
     layer: int,
     *,
     layout: str = "checkpoint",
     root: str = ROOT,
     family: str | None = None,
+    dtype=None,
 ) -> dict[str, np.ndarray]:
-    """The layer's variables (name -> array, e.g. `from_hf`'s or the layer's own) as decoder
-    layer ``layer``'s block tensors in ``layout`` (full names -> NumPy arrays, the variables'
-    dtype): `from_hf`'s inverse, bit for bit."""
+    """The layer's variables as decoder layer ``layer``'s block tensors in ``layout`` (full
+    names -> NumPy arrays): `from_hf`'s inverse, bit for bit.
+
+    Args:
+      config: see `families.as_config`.
+      params: the variables by name: the layer itself, ``nnx.state(layer, nnx.Param)`` (or its
+        ``nnx.to_pure_dict``), `from_hf`'s dict, or gradients of the same form (with
+        ``layout="module"``: transformers' names of its ``param.grad``). `uep.RouterBias`
+        ``router_bias`` is state, no ``nnx.Param``: where it is absent, its tensor
+        (``gate.e_score_correction_bias``) is left out; a missing parameter is refused.
+      layout: `LAYOUTS`.
+      dtype: every tensor cast to it (a checkpoint's, such as ``jnp.bfloat16`` or "bfloat16");
+        None: each variable's dtype.
+    """
+    config = as_config(config)
     prefix = block_prefix(config, layer, layout, root, family)
     shapes = layer_shapes(config, family)
-    got = pieces(config, layout, family)
+    values = variable_values(params)
+    got = _present(pieces(config, layout, family), values)
     full = _variable_order_shapes(got, shapes)
     whole: dict[str, np.ndarray] = {}
     for var, piece in got.items():
-        value = np.asarray(params[var])
+        value = as_numpy(values[var])
         if value.shape != shapes[var]:
             raise ValueError(f"hf: {var} has shape {value.shape}; the config implies {shapes[var]}")
         target = whole.setdefault(piece.name, np.zeros(full[piece.name], value.dtype))
@@ -289,6 +352,7 @@ def to_hf(
         if value is None:
             continue  # written already (a fused tensor's other piece)
         value = np.swapaxes(value, -1, -2) if piece.transpose else value
+        value = value if dtype is None else value.astype(jnp.dtype(dtype))
         if piece.per_expert:
             out |= {
                 prefix + piece.name.format(e=e): np.ascontiguousarray(v)
