@@ -47,7 +47,8 @@ class ClampedSwiGLU:
     """gpt-oss's gated unit: with ``g = min(gate, limit)`` and ``u = clip(up, -limit, limit)``,
     ``(u + 1) * g * sigmoid(alpha * g)`` (transformers' ``GptOssExperts``, whose config calls
     the two ``swiglu_limit`` and ``swiglu_alpha``). A clamped input passes no gradient (one at
-    the bound itself does, as PyTorch's ``clamp``).
+    the bound itself does, as PyTorch's ``clamp``), and a NaN gate or up stays NaN (as through
+    PyTorch's ``clamp``), so the output is NaN there.
 
     Attributes:
       limit: the clamp bound, finite > 0 (7.0 in the released gpt-oss models).
@@ -65,9 +66,10 @@ class ClampedSwiGLU:
     def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         """The unit, elementwise, on gate and up of one shape."""
         # Selects, not jnp.clip: the gradient passes where the input is inside the bounds, the
-        # bounds included (jnp.minimum would split it at a tie).
-        g = jnp.where(gate <= self.limit, gate, self.limit)
-        u = jnp.where(jnp.abs(up) <= self.limit, up, jnp.clip(up, -self.limit, self.limit))
+        # bounds included (jnp.minimum would split it at a tie). Each replaces only an input past
+        # a bound, so a NaN (past none) passes through, as PyTorch's clamp keeps it.
+        g = jnp.where(gate > self.limit, self.limit, gate)
+        u = jnp.where(up > self.limit, self.limit, jnp.where(up < -self.limit, -self.limit, up))
         return (u + 1) * g * jax.nn.sigmoid(self.alpha * g)
 
 
