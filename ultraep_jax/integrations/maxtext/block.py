@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,10 @@ def refusal(module, forced_routed_experts=None) -> str | None:
             cfg.attention in ("vllm_rpa", "vllm_batched_rpa"),
             f"attention={cfg.attention} runs the fused inference block",
         ),
-        (module.quant is not None, "quantization (quantization=...) is not covered"),
+        (
+            bool(cfg.quantization) or module.quant is not None,
+            f"quantization={cfg.quantization!r} is not covered",
+        ),
         (module.is_hash_routing, "hash routing (DeepSeek V4's first layers) is not covered"),
         (cfg.use_random_routing, "use_random_routing=True is not covered"),
         (forced_routed_experts is not None, "forced_routed_experts is not covered"),
@@ -171,13 +175,22 @@ def balanced_sparse_matmul(
     y, stats = _routed_experts(ep, batch_axes, length_axes)(
         inputs, experts, weights.astype(jnp.float32), (w0_kernel, w1_kernel, wo_kernel) + biases
     )
-    for name, value in SOWN.items():
-        module.sow(nnx.Intermediate, name, value(stats))
+    _sow(module, stats)
     return (
         y.astype(inputs.dtype),
         _aux_loss(module, experts, gate_logits, pre_bias_logits),
         (_bias_updates(module, stats)),
     )
+
+
+def _sow(module, stats: MoEStats) -> None:
+    """The call's stats into the module's intermediates, as MaxText's own block sows its
+    (Flax's sow outside `nnx.capture`, which MaxText's trainer reads back, and which Flax 0.12
+    warns is deprecated: the warning is MaxText's design, not ours to act on)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Using 'Module.sow", DeprecationWarning)
+        for name, value in SOWN.items():
+            module.sow(nnx.Intermediate, name, value(stats))
 
 
 def _routed_experts(ep: ExpertParallel, batch_axes: tuple, length_axes: tuple):

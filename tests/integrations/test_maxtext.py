@@ -1,0 +1,306 @@
+"""ultraep_jax as MaxText's MoE backend, against MaxText itself (the maxtext extra; CI's maxtext
+line runs these, other lines skip them).
+
+The reference for the block is MaxText's own dense dropless block (``sparse_matmul=False,
+capacity_factor=-1``) on the same variables: its values, the gradients of x and of every weight
+(the gate's included), its aux loss and its loss-free bias update. The reference for training is
+MaxText's own trainer, unbalanced at EP = 1 (its EP > 1 does not compile on XLA:CPU), against
+ours at EP4 x FSDP2: the same losses step by step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REQUIRE_ENV = "ULTRAEP_REQUIRE_MAXTEXT"
+if importlib.util.find_spec("maxtext") is None:
+    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
+        raise RuntimeError(f"MaxText is not installed and {REQUIRE_ENV} is set")
+    pytest.skip("MaxText is not installed (the maxtext extra)", allow_module_level=True)
+
+os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # MaxText's CPU ("decoupled") mode
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import maxtext  # noqa: E402
+from flax import nnx  # noqa: E402
+from flax.linen import partitioning as nn_partitioning  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from maxtext.configs import pyconfig  # noqa: E402
+from maxtext.layers import initializers, moe  # noqa: E402
+from maxtext.utils import maxtext_utils  # noqa: E402
+
+import ultraep_jax as uep  # noqa: E402
+from ultraep_jax.integrations import maxtext as uep_maxtext  # noqa: E402
+from ultraep_jax.integrations.maxtext import __main__ as command  # noqa: E402
+from ultraep_jax.integrations.maxtext.settings import (  # noqa: E402
+    balancing_from_keys,
+    split_keys,
+)
+
+pytestmark = pytest.mark.xdist_group("maxtext")
+
+BASE_CONFIG = pathlib.Path(maxtext.__file__).parent / "configs" / "decoupled_base_test.yml"
+#: The smallest MaxText run of each family: 2 decoder layers, the first dense where the family
+#: has dense layers; float32 throughout; CPU.
+TINY = dict(
+    override_model_config=True,
+    base_num_decoder_layers=2,
+    vocab_size=256,
+    max_target_length=16,
+    per_device_batch_size=1,
+    dtype="float32",
+    weight_dtype="float32",
+    dataset_type="synthetic",
+    megablox=False,
+    attention="dot_product",
+    hardware="cpu",
+    skip_jax_distributed_system=True,
+    enable_checkpointing=False,
+    run_name="ultraep_test",
+)
+SMALL_DIMS = dict(
+    base_emb_dim=32,
+    base_mlp_dim=32,
+    base_moe_mlp_dim=32,
+    base_num_query_heads=2,
+    base_num_kv_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+#: Block configs: DeepSeek-V3's sigmoid router with its loss-free bias, the aux loss and a shared
+#: expert (deepseek3-tiny, 16 experts, top-8); Mixtral's softmax top-2; gpt-oss's biased experts,
+#: clamped unit and logit bias, with the experts' hidden width over a tensor axis.
+BLOCKS = {
+    "deepseek3_ep4_fsdp2": dict(
+        model_name="deepseek3-tiny",
+        first_num_dense_layers=1,
+        routed_bias_update_rate=0.01,
+        load_balance_loss_weight=0.01,
+        ici_expert_parallelism=4,
+        ici_fsdp_parallelism=2,
+    ),
+    "mixtral_ep4_fsdp2": dict(
+        model_name="mixtral-8x7b",
+        **SMALL_DIMS,
+        load_balance_loss_weight=0.01,
+        ici_expert_parallelism=4,
+        ici_fsdp_parallelism=2,
+    ),
+    "gpt_oss_ep2_tp2_fsdp2": dict(
+        model_name="gpt-oss-20b",
+        **SMALL_DIMS,
+        mlp_activations_limit=0.5,
+        ici_expert_parallelism=2,
+        ici_tensor_parallelism=2,
+        ici_fsdp_parallelism=2,
+    ),
+}
+#: Replicas from 32 tokens per device: thresholds low enough for the small shapes.
+BALANCER = uep.BalancerConfig(slots_per_rank=2, min_tokens_per_replica=2, min_tokens_per_rank=1)
+
+
+def maxtext_config(**overrides):
+    """MaxText's config of its decoupled test base with ``TINY`` and ``overrides``."""
+    keys = {**TINY, **overrides}
+    return pyconfig.initialize(["", str(BASE_CONFIG)] + [f"{k}={v}" for k, v in keys.items()])
+
+
+def routed_block(cfg, mesh=None):
+    """MaxText's `RoutedMoE` of ``cfg`` on its mesh, as its decoder layers build it."""
+    mesh = mesh or Mesh(maxtext_utils.create_device_mesh(cfg), cfg.mesh_axes)
+    with nn_partitioning.axis_rules(cfg.logical_axis_rules):
+        return moe.RoutedMoE(
+            config=cfg,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            mesh=mesh,
+            kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
+            kernel_axes=("embed", None),
+            intermediate_dim=cfg.moe_mlp_dim,
+            dtype=cfg.dtype,
+            weight_dtype=cfg.weight_dtype,
+            rngs=nnx.Rngs(0),
+        )
+
+
+def value_and_grads(block, x, rules):
+    """(y, aux loss, bias update), and the gradients of the block's weights and of x, of a
+    loss that weighs every output element differently."""
+
+    def loss(block, x):
+        with nn_partitioning.axis_rules(rules):
+            y, lb_loss, bias_updates = block(x)
+        weights = jnp.cos(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape)
+        total = jnp.sum(y * weights) + (0.0 if lb_loss is None else lb_loss)
+        return total, (y, lb_loss, bias_updates)
+
+    step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    with jax.set_mesh(block.mesh):
+        (_, outputs), grads = step(block, x)
+    return outputs, grads
+
+
+def relative_error(a, b) -> float:
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_block_equals_maxtext_dense_block(name):
+    overrides = BLOCKS[name]
+    balanced_cfg = maxtext_config(sparse_matmul=True, **overrides)
+    dense_cfg = maxtext_config(sparse_matmul=False, capacity_factor=-1, **overrides)
+    balanced = routed_block(balanced_cfg)
+    dense = routed_block(dense_cfg, balanced.mesh)
+    nnx.update(dense, nnx.state(balanced))
+    x = jax.random.normal(jax.random.key(1), (8, 16, balanced_cfg.emb_dim))
+
+    (y_ref, lb_ref, bias_ref), (grads_ref, gx_ref) = value_and_grads(
+        dense, x, dense_cfg.logical_axis_rules
+    )
+    with uep_maxtext.enabled(balancer=BALANCER):
+        (y, lb, bias), (grads, gx) = value_and_grads(balanced, x, balanced_cfg.logical_axis_rules)
+
+    ref = dict(nnx.to_flat_state(nnx.state(grads_ref, nnx.Param)))
+    got = dict(nnx.to_flat_state(nnx.state(grads, nnx.Param)))
+    assert got.keys() == ref.keys() and ("gate", "kernel") in ref
+    errors = {"y": relative_error(y, y_ref), "dx": relative_error(gx, gx_ref)}
+    errors |= {"d" + "/".join(p): relative_error(got[p][...], g[...]) for p, g in ref.items()}
+    sown = {k: v.get_value()[-1] for k, v in nnx.state(balanced, nnx.Intermediate).items()}
+    print(f"{name}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), sown)  # -s shows
+    assert max(errors.values()) < 1e-5, errors
+    assert (lb is None) == (lb_ref is None)
+    if lb_ref is not None:
+        assert jnp.allclose(lb, lb_ref, rtol=1e-5)
+    assert (bias is None) == (bias_ref is None)
+    if bias_ref is not None:
+        assert jnp.array_equal(bias, bias_ref)
+    assert int(sown["ultraep_replicas"]) > 0 and int(sown["ultraep_dropped"]) == 0
+    assert float(sown["ultraep_imbalance_after"]) < float(sown["ultraep_imbalance_before"])
+
+
+#: A covered block the refusal tests change one setting of: Mixtral's, at EP4 x FSDP2.
+COVERED = dict(BLOCKS["mixtral_ep4_fsdp2"], sparse_matmul=True)
+REFUSED = {
+    "te_moe_block": (dict(te_moe_block=True, prefuse_moe_weights=True, te_gmm_quantization="te_no_quant"), "te_moe_block"),
+    "dense_block": (dict(sparse_matmul=False), "sparse_matmul=False"),
+    "ring_of_experts": (dict(use_ring_of_experts=True), "use_ring_of_experts"),
+    "random_routing": (dict(use_random_routing=True), "use_random_routing"),
+    "quantization": (dict(quantization="int8"), "quantization"),
+    "activation": (dict(mlp_activations=["gelu", "tanh"]), "mlp_activations"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_uncovered_setting_is_refused_in_one_line(name):
+    overrides, setting = REFUSED[name]
+    cfg = maxtext_config(**{**COVERED, **overrides})
+    block = routed_block(cfg)
+    x = jnp.zeros((8, 16, cfg.emb_dim))
+    with uep_maxtext.enabled(balancer=BALANCER), pytest.raises(ValueError) as caught:
+        with nn_partitioning.axis_rules(cfg.logical_axis_rules), jax.set_mesh(block.mesh):
+            block(x)
+    message = str(caught.value)
+    assert setting in message and "disable()" in message and "\n" not in message
+
+
+def test_forced_routing_is_refused():
+    cfg = maxtext_config(**COVERED)
+    block = routed_block(cfg)
+    x = jnp.zeros((8, 16, cfg.emb_dim))
+    forced = jnp.zeros((8, 16, 2), jnp.int32)
+    with uep_maxtext.enabled(balancer=BALANCER), pytest.raises(ValueError, match="forced_routed"):
+        with nn_partitioning.axis_rules(cfg.logical_axis_rules), jax.set_mesh(block.mesh):
+            block(x, forced_routed_experts=forced)
+
+
+def test_disable_restores_maxtext_block():
+    own = moe.RoutedMoE.sparse_matmul
+    with uep_maxtext.enabled(balancer=None) as balancing:
+        assert moe.RoutedMoE.sparse_matmul is not own and balancing.balancer is None
+    assert moe.RoutedMoE.sparse_matmul is own and uep_maxtext.active() is None
+
+
+def test_keys_split_off_and_checked():
+    rest, keys = split_keys(["a.yml", "steps=3", "ultraep_slots_per_rank=3", "--ultraep_planner=portable"])
+    assert rest == ["a.yml", "steps=3"]
+    balancing = balancing_from_keys(keys)
+    assert balancing.balancer.slots_per_rank == 3 and balancing.execution.planner == "portable"
+    assert balancing_from_keys({"balancer": "off"}).balancer is None
+    assert balancing_from_keys({"capacity_factor": "1.1"}).capacity_factor == 1.1
+    with pytest.raises(ValueError, match="unknown key.*ultraep_slots_per_rnk"):
+        balancing_from_keys({"slots_per_rnk": "2"})
+    with pytest.raises(ValueError, match="balancer=off with balancer settings"):
+        balancing_from_keys({"balancer": "off", "slots_per_rank": "2"})
+    with pytest.raises(ValueError, match="needs a value"):
+        split_keys(["ultraep_planner"])
+
+
+def test_command_help_names_every_key(capsys):
+    assert command.main(["prog", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "ultraep_slots_per_rank" in out and "ultraep_capacity_factor" in out
+    assert command.main(["prog", "a.yml", "ultraep_nope=1"]) == 2
+    assert "unknown key" in capsys.readouterr().err
+
+
+#: The training comparison: deepseek3-tiny (one dense layer, one MoE layer), a learning rate at
+#: which the loss moves, the loss-free bias on (it changes the routing from the second step).
+TRAIN = dict(
+    model_name="deepseek3-tiny",
+    first_num_dense_layers=1,
+    sparse_matmul=True,
+    routed_bias_update_rate=0.01,
+    steps=4,
+    learning_rate=0.01,
+    warmup_steps_fraction=0.0,
+)
+
+
+def test_training_through_the_command_has_maxtext_losses(tmp_path):
+    def start(module, run, overrides):
+        keys = {**TINY, **TRAIN, **overrides, "run_name": run}
+        keys.update(base_output_directory=tmp_path, metrics_file=tmp_path / f"{run}.jsonl")
+        argv = [sys.executable, "-m", module, str(BASE_CONFIG)]
+        argv += [f"{k}={v}" for k, v in keys.items()]
+        log = open(tmp_path / f"{run}.log", "w")  # noqa: SIM115 (closed with the process)
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ), log
+
+    ours = start(
+        "ultraep_jax.integrations.maxtext",
+        "balanced",
+        dict(
+            ici_expert_parallelism=4,
+            ici_fsdp_parallelism=2,
+            ultraep_min_tokens_per_replica=2,
+            ultraep_min_tokens_per_rank=1,
+        ),
+    )
+    stock = start("maxtext.trainers.pre_train.train", "stock", dict(ici_fsdp_parallelism=8))
+    for process, log in (ours, stock):
+        process.wait(timeout=900)
+        log.close()
+        text = pathlib.Path(log.name).read_text()
+        assert process.returncode == 0, text[-3000:]
+
+    def metrics(run):
+        lines = (tmp_path / f"{run}.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    balanced, reference = metrics("balanced"), metrics("stock")
+    assert len(balanced) == len(reference) == TRAIN["steps"]
+    losses = [m["learning/loss"] for m in balanced]
+    assert losses == pytest.approx([m["learning/loss"] for m in reference], rel=2e-5)
+    assert losses[-1] < losses[0]  # the comparison is of a run that learns
+    assert all(m["ultraep/replicas"] > 0 and m["ultraep/dropped"] == 0 for m in balanced)
+    assert all(m["ultraep/imbalance_after"] < m["ultraep/imbalance_before"] for m in balanced)
+    log = (tmp_path / "balanced.log").read_text()
+    assert log.count("ultraep step ") == TRAIN["steps"]
