@@ -190,7 +190,10 @@ def test_block_equals_maxtext_dense_block(name):
 #: A covered block the refusal tests change one setting of: Mixtral's, at EP4 x FSDP2.
 COVERED = dict(BLOCKS["mixtral_ep4_fsdp2"], sparse_matmul=True)
 REFUSED = {
-    "te_moe_block": (dict(te_moe_block=True, prefuse_moe_weights=True, te_gmm_quantization="te_no_quant"), "te_moe_block"),
+    "te_moe_block": (
+        dict(te_moe_block=True, prefuse_moe_weights=True, te_gmm_quantization="te_no_quant"),
+        "te_moe_block",
+    ),
     "dense_block": (dict(sparse_matmul=False), "sparse_matmul=False"),
     "ring_of_experts": (dict(use_ring_of_experts=True), "use_ring_of_experts"),
     "random_routing": (dict(use_random_routing=True), "use_random_routing"),
@@ -230,7 +233,8 @@ def test_disable_restores_maxtext_block():
 
 
 def test_keys_split_off_and_checked():
-    rest, keys = split_keys(["a.yml", "steps=3", "ultraep_slots_per_rank=3", "--ultraep_planner=portable"])
+    argv = ["a.yml", "steps=3", "ultraep_slots_per_rank=3", "--ultraep_planner=portable"]
+    rest, keys = split_keys(argv)
     assert rest == ["a.yml", "steps=3"]
     balancing = balancing_from_keys(keys)
     assert balancing.balancer.slots_per_rank == 3 and balancing.execution.planner == "portable"
