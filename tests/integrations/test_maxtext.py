@@ -269,6 +269,8 @@ TRAIN = dict(
 )
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("maxtext_training")  # beside the block tests, in a process of its own
 def test_training_through_the_command_has_maxtext_losses(tmp_path):
     def start(module, run, overrides):
         keys = {**TINY, **TRAIN, **overrides, "run_name": run}

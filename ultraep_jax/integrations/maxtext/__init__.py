@@ -19,20 +19,25 @@ import contextlib
 from ultraep_jax.config import BalancerConfig, Execution
 from ultraep_jax.integrations.maxtext.settings import Balancing
 
-try:
-    from maxtext.layers import moe as _moe
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "ultraep_jax.integrations.maxtext needs MaxText: install it as docs/maxtext.md says "
-        f'(pip install ".[maxtext]" and MaxText\'s CPU requirements); {e}'
-    ) from e
-
-from ultraep_jax.integrations.maxtext import block  # noqa: E402 (after MaxText's check)
-
 _UNSET = object()
-#: The methods of `RoutedMoE` that `enable` replaces, as MaxText defines them.
-_ORIGINAL = {"__call__": _moe.RoutedMoE.__call__, "sparse_matmul": _moe.RoutedMoE.sparse_matmul}
+#: The methods of `RoutedMoE` that `enable` replaces, as MaxText defines them (on first use).
+_ORIGINAL: dict = {}
 _active: Balancing | None = None
+
+
+def _routed_moe():
+    """MaxText's `RoutedMoE`, imported on first use (so that `requirements` runs before MaxText's
+    own dependencies are installed); one line when MaxText cannot be imported."""
+    try:
+        from maxtext.layers import moe  # noqa: PLC0415
+    except ImportError as e:
+        raise ImportError(
+            "ultraep_jax.integrations.maxtext needs MaxText and its requirements, installed as "
+            f"docs/maxtext.md says; importing it failed: {e}"
+        ) from e
+    if not _ORIGINAL:
+        _ORIGINAL.update(__call__=moe.RoutedMoE.__call__, sparse_matmul=moe.RoutedMoE.sparse_matmul)
+    return moe.RoutedMoE
 
 
 def enable(
@@ -67,9 +72,10 @@ def enable_balancing(balancing: Balancing) -> Balancing:
     global _active
     if not isinstance(balancing, Balancing):
         raise TypeError(f"maxtext: want a Balancing, got {type(balancing).__name__}")
+    routed_moe = _routed_moe()
     _active = balancing
-    _moe.RoutedMoE.__call__ = _checked_call
-    _moe.RoutedMoE.sparse_matmul = _sparse_matmul
+    routed_moe.__call__ = _checked_call
+    routed_moe.sparse_matmul = _sparse_matmul
     return balancing
 
 
@@ -77,8 +83,10 @@ def disable() -> None:
     """MaxText's own blocks again (a no-op when not enabled)."""
     global _active
     _active = None
-    for name, method in _ORIGINAL.items():
-        setattr(_moe.RoutedMoE, name, method)
+    if _ORIGINAL:
+        routed_moe = _routed_moe()
+        for name, method in _ORIGINAL.items():
+            setattr(routed_moe, name, method)
 
 
 def active() -> Balancing | None:
@@ -107,11 +115,15 @@ def enabled(balancing: Balancing | None = None, **kwargs):
 
 
 def _checked_call(self, *args, **kwargs):
+    from ultraep_jax.integrations.maxtext import block  # noqa: PLC0415 (imports MaxText)
+
     block.check_supported(self, kwargs.get("forced_routed_experts"))
     return _ORIGINAL["__call__"](self, *args, **kwargs)
 
 
 def _sparse_matmul(self, *args, **kwargs):
+    from ultraep_jax.integrations.maxtext import block  # noqa: PLC0415
+
     return block.balanced_sparse_matmul(self, _active, *args, **kwargs)
 
 
