@@ -1,7 +1,9 @@
 """Every ```python block of README.md and docs/integration.md runs as written (in a fresh
 interpreter, as a user would paste it, with the tests' quick-compile XLA flags beside the 8 devices
-the blocks ask for); the README's test command is the one CI runs, and the
-documentation's relative links lead to files that exist."""
+the blocks ask for); the README's test command is the one CI runs; the documentation's relative
+links lead to files and headings that exist; README's set-up holds no timing or commit id and its
+headline cells are one clause each (`tests/doc_checks.py`, each check shown to catch a bad
+string)."""
 
 import pathlib
 import re
@@ -10,6 +12,7 @@ import sys
 
 import pytest
 
+from tests import doc_checks
 from tests.xla_settings import fast_compile_flags, program_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -50,15 +53,95 @@ def test_readme_test_command_is_cis():
     assert readme_cmds == ci_cmds
 
 
+#: The markdown pages whose links are checked: every tracked page but the vendored traces' data.
+DOC_PAGES = [
+    README,
+    ROOT / "CHANGELOG.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "ffi").glob("*.md")),
+    *sorted((ROOT / "experiments").rglob("*.md")),
+    ROOT / "traces" / "README.md",
+]
+#: The longest a cell of README's headline tables may be, as written (a link's target included).
+HEADLINE_CELL_CHARS = 200
+
+
 def test_doc_links_exist():
-    """Every relative link of README.md, CHANGELOG.md and docs/*.md names an existing file."""
-    pages = [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
-    missing = []
-    for page in pages:
-        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
-            if "://" not in target and not (page.parent / target).exists():
-                missing.append(f"{page.relative_to(ROOT)}: {target}")
-    assert not missing, missing
+    """Every relative link of the pages names an existing file and, with a ``#fragment``, a
+    heading of that file by GitHub's anchor rules (a link to a renamed heading lands at the top
+    of the page on GitHub, silently)."""
+    broken = [f"{p.relative_to(ROOT)}: {b}" for p in DOC_PAGES for b in doc_checks.broken_links(p)]
+    assert not broken, broken
+
+
+def test_readme_setup_has_no_timings_or_commits():
+    """README's set-up says what to run; timings and the commits they were taken at live in
+    docs/results.md ("CI and install times")."""
+    assert doc_checks.section(README.read_text(), "Set-up"), "README has no set-up section"
+    assert not doc_checks.setup_violations(README.read_text())
+
+
+def test_readme_headline_cells_are_short():
+    """Each cell of README's headline results is one clause; the detail is in docs/results.md."""
+    headline = doc_checks.section(README.read_text(), "Headline results")
+    assert doc_checks.table_cells(headline), "README has no headline table"
+    assert not doc_checks.long_cells(headline, HEADLINE_CELL_CHARS)
+
+
+def test_github_slug():
+    slug = doc_checks.github_slug
+    assert slug("Exact mode against an exact solver (`python -m experiments.planner.exact`)") == (
+        "exact-mode-against-an-exact-solver-python--m-experimentsplannerexact"
+    )
+    assert slug("Fast domains (`BalancerConfig(ranks_per_domain=d)`)") == (
+        "fast-domains-balancerconfigranks_per_domaind"
+    )
+    assert (
+        slug("The busiest rank's clock: [pinned](x.md) ranks")
+        == "the-busiest-ranks-clock-pinned-ranks"
+    )
+    text = "# Top\n## Run\n```bash\n# not a heading\n```\n### Run\n## Run #\n"
+    assert doc_checks.heading_anchors(text) == {"top", "run", "run-1", "run-2"}
+
+
+def test_broken_links_catches_files_and_anchors(tmp_path):
+    (tmp_path / "other.md").write_text("# Other\n## Relay (`max_fanout=f`, default 2)\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n## Set-up\n"
+        "[ok](other.md#relay-max_fanoutf-default-2) [ok](#set-up) [ok](other.md) [ok](https://x.y/#z)\n"
+        "[bad](other.md#relay) [bad](missing.md) [bad](#setup)\n"
+        "```\n[in a code block](missing_too.md)\n```\n"
+    )
+    assert doc_checks.broken_links(page) == [
+        "other.md#relay: no such heading",
+        "missing.md: no such file",
+        "#setup: no such heading",
+    ]
+
+
+def test_setup_violations_catches_timings_and_commits():
+    bad = (
+        "# x\n## Set-up\n\nThe first install 1:50-2:40, the tests 0:05:14 (commit a7d0d06,\n"
+        "and 03caaec9f1).\n\n## Use\n\nThe run took 6:49 at commit 1a9691e.\n"
+    )
+    assert doc_checks.setup_violations(bad) == [
+        "timing 1:50",
+        "timing 2:40",
+        "timing 0:05:14",
+        "commit id a7d0d06",
+        "commit id 03caaec9f1",
+    ]
+    good = "## Set-up\n\n16441671 train bytes, the word defaced, 127.0.0.1:1234, ratio 1.05x\n"
+    assert doc_checks.setup_violations(good) == []
+
+
+def test_long_cells_catches_a_long_cell():
+    row = "| what | " + "x" * 201 + " | `a\\|b` |"
+    text = "| a | b | c |\n|---|---|---|\n" + row + "\n"
+    assert doc_checks.long_cells(text, 200) == ["x" * 201]
+    assert "`a\\|b`" in doc_checks.table_cells(text)
+    assert doc_checks.long_cells(text.replace("x" * 201, "x" * 200), 200) == []
 
 
 def test_readme_lists_the_test_extra():
