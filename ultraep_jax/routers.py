@@ -20,6 +20,8 @@ Router math is float32 whatever the parameters' dtype.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +163,14 @@ class SigmoidTopK:
       bias_rate: how far `update_bias` moves each expert's bias per step (0: a fixed bias).
       renormalize: the chosen scores divided by their sum before the scale (True, DeepSeek-V3's
         ``norm_topk_prob=True``) or taken as they are (False); a bool.
+      masked_group_score: the biased score the experts of a token's other groups (those not
+        among its best ``top_groups``) compete with in the top-k: ``-inf`` (the default) never
+        chooses them, as DeepSeek's own reference does (DeepSeek-V3's ``inference/model.py``
+        fills them with ``float("-inf")``); ``0.0`` is transformers' rule (its DeepSeek-V3 and
+        GLM-4.5 routers fill them with 0.0), under which such an expert is chosen over a kept
+        one whose biased score is negative (a strongly negative ``e_score_correction_bias``).
+        The two choose alike while every kept expert's biased score is >= 0. A real number
+        other than NaN and +inf.
 
     Integers may be NumPy integers and the floats any real scalars; they are stored as Python
     ``int`` / ``float``.
@@ -172,6 +182,7 @@ class SigmoidTopK:
     scale: float = 1.0
     bias_rate: float = 1e-3
     renormalize: bool = True
+    masked_group_score: float = -math.inf
 
     uses_bias = True
 
@@ -195,6 +206,18 @@ class SigmoidTopK:
         if not isinstance(self.renormalize, (bool, np.bool_)):
             raise TypeError(f"SigmoidTopK: renormalize must be a bool, got {self.renormalize!r}")
         object.__setattr__(self, "renormalize", bool(self.renormalize))
+        fill = self.masked_group_score
+        if isinstance(fill, (bool, np.bool_)) or not isinstance(fill, numbers.Real):
+            raise TypeError(
+                f"SigmoidTopK: masked_group_score must be a real number (-inf or 0.0), got "
+                f"{type(fill).__name__} {fill!r}"
+            )
+        if math.isnan(fill) or fill == math.inf:
+            raise ValueError(
+                f"SigmoidTopK: masked_group_score must be a number or -inf (-inf: DeepSeek's "
+                f"reference, 0.0: transformers'), got {fill!r}"
+            )
+        object.__setattr__(self, "masked_group_score", float(fill))
 
     def check_experts(self, num_experts: int) -> None:
         """Raises ValueError (one line) unless this router can choose among ``num_experts``: the
@@ -229,7 +252,7 @@ class SigmoidTopK:
                 .set(True)
             )
             allowed_TE = jnp.repeat(allowed, E // self.num_groups, axis=1)
-            choice_TE = jnp.where(allowed_TE, choice_TE, -jnp.inf)
+            choice_TE = jnp.where(allowed_TE, choice_TE, self.masked_group_score)
         _, experts_TK = jax.lax.top_k(choice_TE, self.top_k)
         chosen_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
         if self.renormalize:

@@ -9,6 +9,7 @@ one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import json
 import pathlib
@@ -22,6 +23,7 @@ from flax import nnx
 
 import ultraep_jax as uep
 from tests.helpers import assert_raises_one_line, make_mesh, place_batch
+from tests.references.routing import Router, select_experts
 from ultraep_jax.integrations import hf
 from ultraep_jax.integrations.hf.arrays import as_numpy, from_bits
 
@@ -363,6 +365,32 @@ def test_route_is_the_layers_choice(name):
     assert_raises_one_line(
         ValueError, r"^MoE: x must be \[\.\.\., d_model=", layer.route, x[..., :3]
     )
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_group_masking_is_transformers(name):
+    """transformers' DeepSeek-V3 and GLM-4.5 routers fill the dropped groups' experts with 0.0
+    before the top-k (DeepSeek's own reference code with -inf, the layer's default): under a
+    strongly negative ``e_score_correction_bias`` the two rules choose differently, and the
+    router `hf.moe_kwargs` builds chooses as transformers' rule does (its NumPy transcription).
+    GLM-4.5's configs have one group; here both take 4 groups, 2 kept."""
+    config = dict(_fixture(name)[0], n_group=4, topk_group=2)
+    router = hf.moe_kwargs(config)["router"]
+    assert router.masked_group_score == 0.0
+    rng = np.random.default_rng(11)
+    E = hf.moe_kwargs(config)["num_experts"]
+    logits = rng.normal(size=(64, E)).astype(np.float32)
+    bias = (-0.6 + 0.3 * rng.normal(size=E)).astype(np.float32)
+    rule = Router(
+        "sigmoid", router.top_k, router.renormalize, 4, 2, router.scale, masked_group_score=0.0
+    )
+    experts, margin = select_experts(logits, rule, bias)
+    assert margin > 1e-6  # no near-tie decides the choice
+    deepseek_rule = dataclasses.replace(rule, masked_group_score=-np.inf)
+    deepseek, _ = select_experts(logits, deepseek_rule, bias)
+    assert (np.sort(experts, -1) != np.sort(deepseek, -1)).any(), "the rules chose alike"
+    routing = jax.jit(router)(jnp.asarray(logits), jnp.asarray(bias))
+    np.testing.assert_array_equal(np.asarray(routing.experts), experts)
 
 
 # 10. Configs with 0 or null where a count is read.

@@ -238,7 +238,9 @@ RELEASED = {
             d_ff=2048,
             num_experts=256,
             top_k=8,
-            router=uep.SigmoidTopK(8, num_groups=8, top_groups=4, scale=2.5),
+            router=uep.SigmoidTopK(
+                8, num_groups=8, top_groups=4, scale=2.5, masked_group_score=0.0
+            ),
             shared_d_ff=2048,
             activation="silu",
         ),
@@ -289,7 +291,7 @@ RELEASED = {
             d_ff=1408,
             num_experts=128,
             top_k=8,
-            router=uep.SigmoidTopK(8),
+            router=uep.SigmoidTopK(8, masked_group_score=0.0),
             shared_d_ff=1408,
             activation="silu",
         ),

@@ -1,5 +1,6 @@
 """Options the Hugging Face families need, against the independent references:
-`SigmoidTopK(renormalize=False)` (DeepSeek-V3 configurations with ``norm_topk_prob=False``) and
+`SigmoidTopK(renormalize=False)` (DeepSeek-V3 configurations with ``norm_topk_prob=False``),
+`SigmoidTopK(masked_group_score=0.0)` (transformers' group masking) and
 `MoE(shared_expert_gate=True)` (Qwen2-MoE's shared expert times ``sigmoid(x @ g)``)."""
 
 import jax
@@ -10,6 +11,7 @@ from flax import nnx
 
 import ultraep_jax as uep
 from tests.helpers import (
+    assert_raises_one_line,
     build_layer,
     draw_routed_inputs,
     layer_value_and_grads,
@@ -114,3 +116,48 @@ def test_shared_expert_gate_needs_a_shared_expert():
             shared_expert_gate=True,
             rngs=nnx.Rngs(0),
         )
+
+
+def _negative_bias_case(seed=11):
+    """Logits [64, 8] and a bias around -0.6 (DeepSeek-V3's ``e_score_correction_bias`` pushed
+    far down): many biased scores are negative, some positive."""
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)
+    bias = jnp.asarray(-0.6 + 0.3 * rng.normal(size=8), jnp.float32)
+    return logits, bias
+
+
+@pytest.mark.parametrize("fill", [-np.inf, 0.0], ids=["deepseek_reference", "transformers"])
+def test_sigmoid_topk_masked_group_score_equals_reference(fill):
+    """`SigmoidTopK(masked_group_score=...)`: the dropped groups' experts keyed -inf (never
+    chosen: DeepSeek's reference) or 0.0 (transformers: chosen over a kept expert whose biased
+    score is negative), each against the NumPy reference of its rule, on a bias where the two
+    rules choose differently."""
+    logits, bias = _negative_bias_case()
+    options = dict(num_groups=4, top_groups=2, scale=2.5)
+    router = uep.SigmoidTopK(2, masked_group_score=fill, **options)
+    ref = Router("sigmoid", 2, masked_group_score=fill, **options)
+    experts, margin = select_experts(logits, ref, bias)
+    assert margin > 1e-6  # no near-tie decides the choice
+    other_rule = Router("sigmoid", 2, masked_group_score=0.0 if fill < 0 else -np.inf, **options)
+    other, _ = select_experts(logits, other_rule, bias)
+    assert (np.sort(experts, -1) != np.sort(other, -1)).any(), "the two rules chose alike"
+    routing = jax.jit(router)(logits, bias)
+    np.testing.assert_array_equal(np.asarray(routing.experts), experts)
+    np.testing.assert_allclose(
+        np.asarray(routing.weights), np.asarray(router_weights(logits, experts, ref)), rtol=1e-6
+    )
+    assert router.masked_group_score == fill
+    assert uep.SigmoidTopK(2, **options).masked_group_score == -np.inf  # the default
+
+
+def test_sigmoid_topk_masked_group_score_refuses_nan_inf_and_non_numbers():
+    assert_raises_one_line(
+        TypeError, r"SigmoidTopK: masked_group_score must be a real number", uep.SigmoidTopK, 2,
+        masked_group_score="0",
+    )  # fmt: skip
+    for bad in (np.nan, np.inf):
+        assert_raises_one_line(
+            ValueError, r"SigmoidTopK: masked_group_score must be a number or -inf",
+            uep.SigmoidTopK, 2, masked_group_score=bad,
+        )  # fmt: skip

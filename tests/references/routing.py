@@ -6,8 +6,9 @@ Softmax top-k picks the k largest logits (softmax is monotone) and weighs each c
 probability, renormalised over the k choices or not; top-k-then-softmax (gpt-oss) picks the same
 and weighs each choice by the softmax of the k chosen logits. DeepSeek-V3 sigmoid routing picks on
 sigmoid scores plus the bias, among the experts of the ``top_groups`` groups whose two best biased
-scores sum highest, and weighs each choice by its unbiased score normalised over the k, times
-``scale``.
+scores sum highest (the other groups' experts keyed ``masked_group_score``: -inf, never chosen, as
+DeepSeek's reference code; 0.0 as transformers), and weighs each choice by its unbiased score
+normalised over the k, times ``scale``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Router:
     num_groups: int = 1
     top_groups: int = 1
     scale: float = 1.0
+    masked_group_score: float = -math.inf  # the key of the dropped groups' experts
 
 
 def _sigmoid64(z):
@@ -38,7 +40,8 @@ def _sigmoid64(z):
 def select_experts(logits, router: Router, bias=None):
     """(experts int [T, k] best first, margin): the choice from float64 logits [T, E], and the
     smallest gap at any decision it made (k-th vs (k+1)-th key, groups kept vs dropped; inf
-    where there was no decision). Ties go to the smaller index."""
+    where there was no decision). Ties go to the smaller index (two experts of dropped groups
+    tie at ``masked_group_score``: not counted as a decision)."""
     logits = np.asarray(logits, np.float64)
     T, n = logits.shape
     k = router.top_k
@@ -55,17 +58,17 @@ def select_experts(logits, router: Router, bias=None):
             keep = np.argsort(-group_score, axis=-1, kind="stable")[:, :TG]
             allowed = np.zeros((T, G), bool)
             allowed[np.arange(T)[:, None], keep] = True
-            key = np.where(np.repeat(allowed, n // G, axis=1), key, -np.inf)
+            key = np.where(np.repeat(allowed, n // G, axis=1), key, router.masked_group_score)
             srt = -np.sort(-group_score, axis=-1)
             margin = min(margin, float(np.min(srt[:, TG - 1] - srt[:, TG])))
     experts = np.argsort(-key, axis=-1, kind="stable")[:, :k]
     srt = -np.sort(-key, axis=-1)
-    if k < n and np.all(np.isfinite(srt[:, k])):
-        margin = min(margin, float(np.min(srt[:, k - 1] - srt[:, k])))
-    elif k < n:
-        finite = np.isfinite(srt[:, k])
-        if finite.any():
-            margin = min(margin, float(np.min((srt[:, k - 1] - srt[:, k])[finite])))
+    if k < n:
+        last, next_ = srt[:, k - 1], srt[:, k]
+        fill = router.masked_group_score
+        decided = np.isfinite(next_) & ~((last == fill) & (next_ == fill))
+        if decided.any():
+            margin = min(margin, float(np.min((last - next_)[decided])))
     return experts, margin
 
 

@@ -264,12 +264,15 @@ def _router(config: Mapping, fam: Family, top_k: int):
         return TopKSoftmax(top_k)
     if fam.router == "softmax":
         return SoftmaxTopK(top_k, renormalize=renormalize)
+    # transformers' DeepSeek-V3 and GLM-4.5 routers fill the dropped groups' experts with 0.0
+    # before the top-k (DeepSeek's own reference code, the layer's default, with -inf).
     return SigmoidTopK(
         top_k,
         num_groups=value(config, fam, "n_group"),
         top_groups=value(config, fam, "topk_group"),
         scale=value(config, fam, "routed_scaling_factor"),
         renormalize=renormalize,
+        masked_group_score=0.0,
     )
 
 
