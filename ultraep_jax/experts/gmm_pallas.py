@@ -41,6 +41,7 @@ class _Cfg(NamedTuple):
     interpret: bool
     num_warps: int | None
     num_stages: int | None
+    out_dtype: jnp.dtype | None = None  # None: the operands' result type
 
 
 def _check_tile(name: str, value) -> int:
@@ -264,7 +265,7 @@ def _tgmm_call(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(lhs, rhs, group_sizes, cfg: _Cfg):
-    out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+    out_dtype = jnp.result_type(lhs.dtype, rhs.dtype) if cfg.out_dtype is None else cfg.out_dtype
     return _gmm_call(lhs, rhs, group_sizes, cfg, transpose_rhs=False, out_dtype=out_dtype)
 
 
@@ -274,6 +275,9 @@ def _gmm_fwd(lhs, rhs, group_sizes, cfg: _Cfg):
 
 def _gmm_bwd(cfg: _Cfg, res, d_out):
     lhs, rhs, group_sizes = res
+    # An out_dtype wider than the operands' (float32 products of bf16) gives a cotangent of it:
+    # rounded to the operands' type, as the kernels take one type.
+    d_out = d_out.astype(jnp.result_type(lhs.dtype, rhs.dtype))
     # d_lhs[m] = d_out[m] @ rhs[g]^T (rows past the total get zero gradient, as they should).
     d_lhs = _gmm_call(d_out, rhs, group_sizes, cfg, transpose_rhs=True, out_dtype=lhs.dtype)
     # d_rhs[g] = lhs_g^T @ d_out_g.
@@ -295,6 +299,7 @@ def grouped_matmul(
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    out_dtype=None,
 ) -> jax.Array:
     """[M, N]: ``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` as a Pallas kernel (differentiable).
 
@@ -308,10 +313,13 @@ def grouped_matmul(
         are zero-padded (a copy, so prefer multiples at large shapes).
       interpret: run the kernels in the Pallas interpreter (any backend; slow, for tests).
       num_warps, num_stages: Triton compiler settings (None: Pallas' defaults).
+      out_dtype: the result's dtype (None: ``result_type(lhs, rhs)``); float32 keeps bf16
+        operands' float32 sums unrounded (the cotangent is rounded to the operands' type in the
+        backward kernels).
 
     Returns:
-      [M, N] of dtype ``result_type(lhs, rhs)``, accumulated in float32 (float32 inputs use
-      full-precision products, no TF32).
+      [M, N] of dtype ``out_dtype``, accumulated in float32 (float32 inputs use full-precision
+      products, no TF32).
 
     Gradients: ``d_lhs = grouped_matmul(d_out, rhs[g]^T)`` and ``d_rhs[g] = lhs_g^T @ d_out_g``,
     both Pallas kernels; none for ``group_sizes``.
@@ -333,6 +341,7 @@ def grouped_matmul(
         bool(interpret),
         num_warps,
         num_stages,
+        None if out_dtype is None else jnp.dtype(out_dtype),
     )
     # Inside shard_map, give every operand the same "varies over" type, so that the custom VJP's
     # cotangents match its inputs; the implicit broadcast's transpose (a psum) stays outside.

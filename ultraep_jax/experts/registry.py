@@ -22,16 +22,22 @@ from ultraep_jax.config.execution import AUTO, KERNELS
 from ultraep_jax.experts.tiled import tiled_glu_parts
 
 
+def _ragged_dot(lhs, rhs, group_sizes):
+    """`jax.lax.ragged_dot`, its products float32 (not rounded to bf16 inputs' dtype)."""
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+
 def _pallas(lhs, rhs, group_sizes):
     """The Pallas grouped matmul on Pallas' Triton backend (`gmm_pallas`; deprecated by JAX 0.12,
-    so only an explicit choice: never "auto"), imported when first traced."""
+    so only an explicit choice: never "auto"), imported when first traced; float32 products."""
     from ultraep_jax.experts import gmm_pallas
 
-    return gmm_pallas.grouped_matmul(lhs, rhs, group_sizes)
+    return gmm_pallas.grouped_matmul(lhs, rhs, group_sizes, out_dtype=jnp.float32)
 
 
 def _mgpu(lhs, rhs, group_sizes):
-    """JAX's Hopper (Mosaic GPU) ragged-dot kernels (`gmm_mgpu`), imported when first traced."""
+    """JAX's Hopper (Mosaic GPU) ragged-dot kernels (`gmm_mgpu`), imported when first traced;
+    accumulated in float32, the products in the operands' dtype (the kernels write no other)."""
     from ultraep_jax.experts import gmm_mgpu
 
     return gmm_mgpu.grouped_matmul_mgpu(lhs, rhs, group_sizes)
@@ -49,7 +55,7 @@ def _cuda_grouped(lhs, rhs, group_sizes):
         and not gmm_mgpu.mgpu_unsupported(lhs.shape, rhs.shape, lhs.dtype)
     ):
         return _mgpu(lhs, rhs, group_sizes)
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    return _ragged_dot(lhs, rhs, group_sizes)
 
 
 def _tiled(rows, stacks, starts, group_sizes, activation):
@@ -81,7 +87,11 @@ def _plus(a, bias):
 def _by_matmul(grouped):
     """The experts as three calls of ``grouped`` (``ragged_dot(lhs, rhs, group_sizes)``
     semantics) per stack, so that one stack's work does not wait for another's weights; a
-    stack's biases are each row's group's, added to the products."""
+    stack's biases are each row's group's, added to the products. As in the tiled kernel, the
+    gated unit (and each bias sum) is computed in float32 whatever the rows' dtype, and its
+    output rounded to that dtype for the down matmul: in bf16 a unit computed on bf16 products
+    (a clamped unit's bounds at small limits most) gave gradients off by a sixth of their
+    largest."""
 
     def run(rows, stacks, starts, group_sizes, activation):
         out = None
@@ -93,10 +103,11 @@ def _by_matmul(grouped):
             # slow scatter-add).
             shifted = jnp.roll(rows, -starts[first], axis=0) if first else rows
             b_gate, b_up, b_down = _row_biases(biases, sizes, rows.shape[0])
-            gate = _plus(grouped(shifted, w_gate, sizes), b_gate)
-            up = _plus(grouped(shifted, w_up, sizes), b_up)
-            part = _plus(grouped(glu(activation, gate, up), w_down, sizes), b_down)
-            part = part.astype(rows.dtype)
+            f32 = jnp.float32
+            gate = _plus(grouped(shifted, w_gate, sizes).astype(f32), b_gate)
+            up = _plus(grouped(shifted, w_up, sizes).astype(f32), b_up)
+            h = glu(activation, gate, up).astype(rows.dtype)
+            part = _plus(grouped(h, w_down, sizes).astype(f32), b_down).astype(rows.dtype)
             part = jnp.roll(part, starts[first], axis=0) if first else part
             out = part if out is None else out + part
         return out
@@ -109,7 +120,7 @@ def _by_matmul(grouped):
 # is on CUDA (`config.execution.AUTO`).
 _KERNELS = {
     "tiled": _tiled,
-    "ragged_dot": _by_matmul(jax.lax.ragged_dot),
+    "ragged_dot": _by_matmul(_ragged_dot),
     "pallas": _by_matmul(_pallas),
     "mgpu": _by_matmul(_mgpu),
     "cuda": _by_matmul(_cuda_grouped),
