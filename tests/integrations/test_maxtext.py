@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,7 @@ from maxtext.utils import maxtext_utils  # noqa: E402
 import ultraep_jax as uep  # noqa: E402
 from ultraep_jax.integrations import maxtext as uep_maxtext  # noqa: E402
 from ultraep_jax.integrations.maxtext import __main__ as command  # noqa: E402
+from ultraep_jax.integrations.maxtext.remat import with_saved  # noqa: E402
 from ultraep_jax.integrations.maxtext.settings import (  # noqa: E402
     balancing_from_keys,
     split_keys,
@@ -248,6 +250,27 @@ def test_keys_split_off_and_checked():
         split_keys(["ultraep_planner"])
 
 
+def test_remat_saved_adds_our_stages_to_maxtexts_policy(capsys):
+    def f(x):
+        a = jax.ad_checkpoint.checkpoint_name(jnp.sin(x), uep.remat.PLAN)
+        b = jax.ad_checkpoint.checkpoint_name(jnp.sin(a), "mlpwo")
+        c = jax.ad_checkpoint.checkpoint_name(jnp.sin(b), uep.remat.RETURNED)
+        return jnp.sum(jnp.sin(c))
+
+    minimal = jax.checkpoint_policies.save_only_these_names("mlpwo")  # one of MaxText's
+    for policy, saved in ((None, {uep.remat.PLAN}), (minimal, {uep.remat.PLAN, "mlpwo"})):
+        checked = jax.checkpoint(f, policy=with_saved(policy, (uep.remat.PLAN,)))
+        jax.ad_checkpoint.print_saved_residuals(checked, jnp.ones(3))
+        assert set(re.findall(r"named '(\w+)'", capsys.readouterr().out)) == saved
+    assert with_saved(minimal, ()) is minimal
+    assert balancing_from_keys({"remat": "plan,returned"}).remat_saved == (
+        uep.remat.PLAN,
+        uep.remat.RETURNED,
+    )
+    with pytest.raises(ValueError, match="unknown stage.*plans"):
+        balancing_from_keys({"remat": "plans"})
+
+
 def test_command_help_names_every_key(capsys):
     assert command.main(["prog", "--help"]) == 0
     out = capsys.readouterr().out
@@ -288,6 +311,7 @@ def test_training_through_the_command_has_maxtext_losses(tmp_path):
             ici_fsdp_parallelism=2,
             ultraep_min_tokens_per_replica=2,
             ultraep_min_tokens_per_rank=1,
+            ultraep_remat="plan,dispatch",  # saved by MaxText's full remat: the same losses
         ),
     )
     stock = start("maxtext.trainers.pre_train.train", "stock", dict(ici_fsdp_parallelism=8))

@@ -17,32 +17,41 @@ from __future__ import annotations
 import contextlib
 
 from ultraep_jax.config import BalancerConfig, Execution
+from ultraep_jax.integrations.maxtext.remat import with_saved
 from ultraep_jax.integrations.maxtext.settings import Balancing
 
 _UNSET = object()
-#: The methods of `RoutedMoE` that `enable` replaces, as MaxText defines them (on first use).
+#: The methods `enable` replaces, by name: (their MaxText class, MaxText's own method); filled
+#: on first use.
 _ORIGINAL: dict = {}
 _active: Balancing | None = None
 
 
-def _routed_moe():
-    """MaxText's `RoutedMoE`, imported on first use (so that `requirements` runs before MaxText's
-    own dependencies are installed); one line when MaxText cannot be imported."""
+def _patched_classes():
+    """MaxText's `RoutedMoE` and `NNXDecoder`, imported on first use (so that `requirements` runs
+    before MaxText's own dependencies are installed); one line when MaxText cannot be
+    imported."""
     try:
-        from maxtext.layers import moe  # noqa: PLC0415
+        from maxtext.layers import moe, nnx_decoders  # noqa: PLC0415
     except ImportError as e:
         raise ImportError(
             "ultraep_jax.integrations.maxtext needs MaxText and its requirements, installed as "
             f"docs/maxtext.md says; importing it failed: {e}"
         ) from e
     if not _ORIGINAL:
-        _ORIGINAL.update(__call__=moe.RoutedMoE.__call__, sparse_matmul=moe.RoutedMoE.sparse_matmul)
-    return moe.RoutedMoE
+        for cls, name in (
+            (moe.RoutedMoE, "__call__"),
+            (moe.RoutedMoE, "sparse_matmul"),
+            (nnx_decoders.NNXDecoder, "get_remat_policy"),
+        ):
+            _ORIGINAL[name] = (cls, getattr(cls, name))
+    return moe.RoutedMoE, nnx_decoders.NNXDecoder
 
 
 def enable(
     balancer: BalancerConfig | None = _UNSET,
     capacity_factor: float | None = None,
+    remat_saved: tuple[str, ...] = (),
     **execution,
 ) -> Balancing:
     """Runs MaxText's routed MoE blocks balanced in this process, until `disable`.
@@ -53,6 +62,8 @@ def enable(
       capacity_factor: receive-buffer rows per EP rank as a multiple of the pairs it routes
         (pairs beyond it dropped and counted); None (default): nothing dropped, as MaxText's
         sparse_matmul.
+      remat_saved: names of `uep.remat.NAMES` that MaxText's remat policy saves besides its own
+        (default (): recomputed in the backward pass, the planner included).
       **execution: `Execution` fields (planner, expert_kernel, comm_backend, transfer_chunks).
 
     Returns:
@@ -63,6 +74,7 @@ def enable(
         balancer=BalancerConfig() if balancer is _UNSET else balancer,
         capacity_factor=capacity_factor,
         execution=Execution(**execution),
+        remat_saved=remat_saved,
     )
     return enable_balancing(balancing)
 
@@ -72,10 +84,11 @@ def enable_balancing(balancing: Balancing) -> Balancing:
     global _active
     if not isinstance(balancing, Balancing):
         raise TypeError(f"maxtext: want a Balancing, got {type(balancing).__name__}")
-    routed_moe = _routed_moe()
+    routed_moe, decoder = _patched_classes()
     _active = balancing
     routed_moe.__call__ = _checked_call
     routed_moe.sparse_matmul = _sparse_matmul
+    decoder.get_remat_policy = _remat_policy
     return balancing
 
 
@@ -83,10 +96,8 @@ def disable() -> None:
     """MaxText's own blocks again (a no-op when not enabled)."""
     global _active
     _active = None
-    if _ORIGINAL:
-        routed_moe = _routed_moe()
-        for name, method in _ORIGINAL.items():
-            setattr(routed_moe, name, method)
+    for name, (cls, method) in _ORIGINAL.items():
+        setattr(cls, name, method)
 
 
 def active() -> Balancing | None:
@@ -118,13 +129,17 @@ def _checked_call(self, *args, **kwargs):
     from ultraep_jax.integrations.maxtext import block  # noqa: PLC0415 (imports MaxText)
 
     block.check_supported(self, kwargs.get("forced_routed_experts"))
-    return _ORIGINAL["__call__"](self, *args, **kwargs)
+    return _ORIGINAL["__call__"][1](self, *args, **kwargs)
 
 
 def _sparse_matmul(self, *args, **kwargs):
     from ultraep_jax.integrations.maxtext import block  # noqa: PLC0415
 
     return block.balanced_sparse_matmul(self, _active, *args, **kwargs)
+
+
+def _remat_policy(self):
+    return with_saved(_ORIGINAL["get_remat_policy"][1](self), _active.remat_saved)
 
 
 __all__ = ["Balancing", "active", "disable", "enable", "enable_balancing", "enabled"]

@@ -6,8 +6,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 
+from ultraep_jax import remat
 from ultraep_jax.base.arguments import check_finite
 from ultraep_jax.config import BalancerConfig, Execution
+from ultraep_jax.integrations.maxtext.remat import names_from_text
 
 #: The prefix of our keys among MaxText's key=value overrides.
 PREFIX = "ultraep_"
@@ -23,6 +25,10 @@ KEYS = {
     "capacity_factor": (
         "receive-buffer rows per EP rank as a multiple of the pairs it routes; none (default) "
         "drops nothing, as MaxText's sparse_matmul"
+    ),
+    "remat": (
+        "the balanced block's stages MaxText's remat policy also saves: plan, dispatch, received, "
+        "replicas, returned (comma-separated), all, or none (default: recomputed)"
     ),
     **{k: f"BalancerConfig.{k} (docs/api.md)" for k in _BALANCER_KEYS},
     **{k: f"Execution.{k} (docs/api.md)" for k in _EXECUTION_KEYS},
@@ -41,11 +47,15 @@ class Balancing:
         sizes the buffer so that nothing is ever dropped, as MaxText's own sparse_matmul.
       execution: planner, expert kernel, exchange backend and transfer chunks (`Execution`); the
         gated activation is MaxText's (``mlp_activations``) and may not be set here.
+      remat_saved: names of `uep.remat.NAMES` that MaxText's remat policy saves besides its own
+        (`remat.with_saved`): the backward pass reuses them instead of re-planning and redoing
+        the exchanges. () (default): MaxText's policy as it is.
     """
 
     balancer: BalancerConfig | None = BalancerConfig()
     capacity_factor: float | None = None
     execution: Execution = Execution()
+    remat_saved: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.balancer is not None and not isinstance(self.balancer, BalancerConfig):
@@ -65,6 +75,13 @@ class Balancing:
         if self.capacity_factor is not None:
             cf = check_finite("maxtext", "capacity_factor", self.capacity_factor, positive=True)
             object.__setattr__(self, "capacity_factor", cf)
+        saved = (self.remat_saved,) if isinstance(self.remat_saved, str) else self.remat_saved
+        unknown = [n for n in saved if n not in remat.NAMES]
+        if unknown:
+            raise ValueError(
+                f"maxtext: remat_saved {unknown} not of uep.remat.NAMES {list(remat.NAMES)}"
+            )
+        object.__setattr__(self, "remat_saved", tuple(saved))
 
 
 def balancing_from_keys(keys: dict[str, str]) -> Balancing:
@@ -76,6 +93,8 @@ def balancing_from_keys(keys: dict[str, str]) -> Balancing:
             f"maxtext: unknown key(s) {', '.join(PREFIX + k for k in unknown)}; the keys are "
             f"{', '.join(PREFIX + k for k in KEYS)}"
         )
+    keys = dict(keys)
+    remat_saved = names_from_text(keys.pop("remat", "none"))
     values = {k: _value(k, v) for k, v in keys.items()}
     switch = values.pop("balancer", "on")
     if switch not in ("on", "off"):
@@ -91,6 +110,7 @@ def balancing_from_keys(keys: dict[str, str]) -> Balancing:
         balancer=BalancerConfig(**balancer_args) if switch == "on" else None,
         capacity_factor=values.pop("capacity_factor", None),
         execution=Execution(**execution_args),
+        remat_saved=remat_saved,
     )
 
 
