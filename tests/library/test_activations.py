@@ -79,3 +79,11 @@ def test_clamped_swiglu_keeps_nan_and_passes_gradients_at_the_bounds():
     np.testing.assert_allclose(np.asarray(dg)[3:], want_dg[3:], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(du)[3:], want_du[3:], rtol=1e-5, atol=1e-6)
     assert np.asarray(dg)[3] != 0 and np.asarray(du)[[6, 7]].all()  # the bounds pass it
+
+
+@pytest.mark.parametrize("value, error", [("7", TypeError), (True, TypeError), (0.0, ValueError)])
+def test_clamped_swiglu_wrong_types_are_type_errors(value, error):
+    """A limit that is no number (a str, a bool) is a TypeError as elsewhere (was ValueError);
+    a number out of range stays a ValueError."""
+    with pytest.raises(error, match=r"^ClampedSwiGLU: limit must be a finite number > 0"):
+        uep.ClampedSwiGLU(limit=value)

@@ -326,6 +326,50 @@ def test_parallel_with_the_portable_planner_is_one_line():
         uep.plan(loads, CFG, parallel=True, planner="portable")
 
 
+def test_export_for_cpu_needs_the_plan_target_allowed():
+    """`jax.export` refuses a custom call without a compatibility guarantee: exporting `uep.plan`
+    (or a balanced layer) for CPU or CUDA needs ``DisabledSafetyCheck.custom_call("ultraep_plan")``
+    (``"ultraep_plan_parallel"`` with ``parallel=True``; docs/api.md). With it the export runs and
+    plans as the call does; without it, JAX's error."""
+    loads = _skewed_loads(np.random.default_rng(3), 8, 16)
+    spec = jax.ShapeDtypeStruct(loads.shape, jnp.int32)
+    with pytest.raises(ValueError, match=r"custom calls whose targets have no compatibility"):
+        jax.export.export(jax.jit(lambda l: uep.plan(l, CFG)), platforms=["cpu"])(spec)
+    for parallel, target in ((False, "ultraep_plan"), (np.bool_(True), "ultraep_plan_parallel")):
+        exported = jax.export.export(
+            jax.jit(lambda l, parallel=parallel: uep.plan(l, CFG, parallel=parallel)),
+            platforms=["cpu"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)],
+        )(spec)
+        assert f"custom_call @{target}(" in exported.mlir_module()
+        got, want = exported.call(loads), uep.plan(loads, CFG)
+        for name in ("slot_expert", "slot_quota", "master_quota", "rank_load"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        assert int(np.sum(got.slot_quota)) > 0
+
+
+def test_parallel_takes_numpy_bools_and_refuses_a_portable_platform():
+    """``parallel=np.bool_(True)`` is True (it said "must be a bool, got bool"); with the default
+    planner, lowering for a platform that plans portably (a TPU export) raised nothing and planned
+    serially: one line now. Other types stay TypeError, naming the type."""
+    loads = _skewed_loads(np.random.default_rng(4), 8, 16)
+    want = _as_numpy(uep.plan(loads, CFG, parallel=True))
+    assert_same = np.testing.assert_array_equal
+    for name, value in _as_numpy(uep.plan(loads, CFG, parallel=np.bool_(True))).items():
+        assert_same(value, want[name], err_msg=name)
+    uep.plan(loads, CFG, parallel=np.bool_(False))
+    with pytest.raises(TypeError, match=r"^plan: parallel must be a bool .*, got int 1$"):
+        uep.plan(loads, CFG, parallel=1)
+    spec = jax.ShapeDtypeStruct(loads.shape, jnp.int32)
+    match = r"^plan: parallel=True is a form of the native planner, and 'tpu' plans with the "
+    export = jax.export.export(
+        jax.jit(lambda l: uep.plan(l, CFG, parallel=True)), platforms=["tpu"]
+    )
+    with pytest.raises(ValueError, match=match + "portable planner") as err:
+        export(spec)
+    assert "\n" not in str(err.value)
+
+
 def test_imbalance():
     np.testing.assert_allclose(uep.imbalance(np.array([3, 1, 1, 3])), 1.5)
     np.testing.assert_allclose(uep.imbalance(np.array([[2, 2], [4, 0]])), [1.0, 2.0])

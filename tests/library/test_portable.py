@@ -98,19 +98,21 @@ def test_floors_tolerance_and_capacity_share_one_compiled_planner():
     assert _planner._portable_jit._cache_size() == 2
 
 
-@pytest.mark.parametrize("planner", ["fast", None, 1])
-def test_bad_planner_name_raises_one_line(planner):
+@pytest.mark.parametrize(
+    "planner, error", [("fast", ValueError), (None, TypeError), (1, TypeError)]
+)
+def test_bad_planner_name_raises_one_line(planner, error):
+    """An unknown name is a ValueError; a value of another type (None included) a TypeError, as
+    for the library's other arguments."""
     helpers.assert_raises_one_line(
-        ValueError,
+        error,
         "planner must be one of",
         uep.plan,
         np.ones((8, 16), np.int32),
         CFG,
         planner=planner,
     )
-    helpers.assert_raises_one_line(
-        ValueError, "planner must be one of", uep.Execution, planner=planner
-    )
+    helpers.assert_raises_one_line(error, "planner must be one of", uep.Execution, planner=planner)
 
 
 def test_portable_validates_as_the_core():

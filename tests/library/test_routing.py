@@ -633,7 +633,7 @@ def test_routed_experts_rejects_bad_arguments_in_one_line(kind, error, match):
         (lambda: SigmoidTopK(2, scale=math.inf), ValueError, "scale must be a finite number > 0"),
         (lambda: SigmoidTopK(2, scale=math.nan), ValueError, "scale must be a finite number > 0"),
         (lambda: SigmoidTopK(2, bias_rate=math.inf), ValueError, "bias_rate must be a finite"),
-        (lambda: SigmoidTopK(2, scale="2"), ValueError, "scale must be a finite number > 0"),
+        (lambda: SigmoidTopK(2, scale="2"), TypeError, "scale must be a finite number > 0"),
     ],
     ids=["renorm_str", "renorm_int", "scale_inf", "scale_nan", "rate_inf", "scale_str"],
 )

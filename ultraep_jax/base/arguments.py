@@ -37,15 +37,14 @@ def check_positive_int(owner: str, name: str, value, minimum: int = 1) -> int:
 
 
 def check_finite(owner: str, name: str, value, *, positive: bool) -> float:
-    """``value`` as a Python float; raises ValueError (one line naming ``owner.name``) unless it
-    is a finite real number (Python or NumPy; a bool is not one), > 0 if ``positive`` else >= 0."""
-    ok = (
-        not isinstance(value, (bool, np.bool_))
-        and isinstance(value, numbers.Real)
-        and math.isfinite(value)
-        and (value > 0 if positive else value >= 0)
-    )
-    if not ok:
-        bound = "> 0" if positive else ">= 0"
+    """``value`` as a Python float; raises (one line naming ``owner: name``) TypeError unless it
+    is a real number (Python or NumPy; a bool or a str is not one), and ValueError unless it is
+    finite and > 0 if ``positive`` else >= 0."""
+    bound = "> 0" if positive else ">= 0"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{owner}: {name} must be a finite number {bound}, got {type(value).__name__} {value!r}"
+        )
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
         raise ValueError(f"{owner}: {name} must be a finite number {bound}, got {value!r}")
     return float(value)

@@ -43,9 +43,14 @@ def check_platform(comm_backend: str, platform: str | None) -> None:
 
 
 def check_name(name: str, value, allowed, owner: str = "Execution") -> None:
-    """Raises ValueError (one line, ``owner: name must be one of ...``) unless ``value`` is one
-    of the names ``allowed`` (`BACKENDS`, `KERNELS`, `PLANNERS`)."""
-    if not isinstance(value, str) or value not in allowed:
+    """Raises one line (``owner: name must be one of ...``) unless ``value`` is one of the names
+    ``allowed`` (`BACKENDS`, `KERNELS`, `PLANNERS`): TypeError for a value that is no str (None
+    included), ValueError for a str not among them."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{owner}: {name} must be one of {tuple(allowed)}, got {type(value).__name__} {value!r}"
+        )
+    if value not in allowed:
         raise ValueError(f"{owner}: {name} must be one of {tuple(allowed)}, got {value!r}")
 
 

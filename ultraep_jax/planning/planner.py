@@ -90,7 +90,10 @@ def plan(
             the same plan bit for bit: on CUDA one block of warps per plan (threshold probes on
             separate warps, the argmaxes as warp reductions); on the CPU the same code with the
             lanes emulated in loops (slower than the default; it is there to test that code).
-            Opt-in until it has been timed and checked on a GPU. Native planner only.
+            Opt-in until it has been timed and checked on a GPU. Native planner only: with
+            ``planner="auto"``, lowering for a platform that plans portably (TPU, ROCm, CUDA
+            without the handler, as in a `jax.export` for TPU) raises one line rather than plan
+            serially. A ``numpy.bool_`` is accepted.
         planner: one of `PLANNERS`. "auto" (default) follows the platform the computation is
             lowered for (only that planner is traced and compiled; an export for TPU from a CPU
             process plans portably): the native handler on CPU, and on CUDA where the CUDA
@@ -116,8 +119,12 @@ def plan(
     """
     loads, config = _check_loads(loads, config)
     cap = _check_capacity(capacity)
-    if not isinstance(parallel, bool):
-        raise TypeError(f"plan: parallel must be a bool, got {type(parallel).__name__}")
+    if not isinstance(parallel, (bool, np.bool_)):
+        raise TypeError(
+            f"plan: parallel must be a bool (or numpy.bool_), got {type(parallel).__name__} "
+            f"{parallel!r}"
+        )
+    parallel = bool(parallel)
     check_name("planner", planner, PLANNERS, owner="plan")
     if parallel and planner == "portable":
         raise ValueError(
@@ -133,7 +140,7 @@ def plan(
     # mesh traced on names its devices' platform (inside a shard_map), "native" without a handler
     # there is refused now, before lowering would.
     if (platform := _traced_platform()) is not None:
-        platform_planner(planner, platform)
+        _check_parallel(parallel, platform_planner(planner, platform), platform)
     plan_ = Plan(*_plan_p.bind(loads, **params))
     return jax.tree.map(lambda a: vary(a, varying_axes(loads)), plan_)
 
@@ -185,6 +192,17 @@ def platform_planner(planner: str, platform: str) -> str:
     return "portable" if why is not None else chosen
 
 
+def _check_parallel(parallel: bool, chosen: str, platform: str) -> None:
+    """Raises one line when ``parallel`` asks for the native planner's parallel form where the
+    planner chosen for ``platform`` is the portable one (TPU, ROCm, CUDA without the handler):
+    it has no parallel form, and planning serially there would ignore the request."""
+    if parallel and chosen == "portable":
+        raise ValueError(
+            f"plan: parallel=True is a form of the native planner, and {platform!r} plans with "
+            "the portable planner (no native handler there); drop parallel=True for it"
+        )
+
+
 def _traced_platform() -> str | None:
     """The platform of the devices of the mesh being traced on (`jax.sharding.get_abstract_mesh`:
     a shard_map's, or one set with `jax.set_mesh`), or None when no mesh says."""
@@ -228,6 +246,8 @@ def _plan_abstract_eval(loads, **params):
 def _plan_lowering(ctx, loads, **params):
     platforms = ctx.module_context.platforms
     names = {p: platform_planner(params["planner"], p) for p in platforms}
+    for p, name in names.items():
+        _check_parallel(params["parallel"], name, p)
     _log.debug("ultraep_jax plan: planner %r lowered as %s", params["planner"], names)
     impls = {p: _impl(params, name) for p, name in names.items()}
     if len(impls) == 1:  # the usual case: one platform, one planner traced
