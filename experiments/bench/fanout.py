@@ -3,8 +3,8 @@
         python -m experiments.bench.fanout                  # every trace, EP size and mode
         python -m experiments.bench.fanout --traces=deepseek-r1 --ep=64 --json_out=/tmp/f.json
 
-Each layer of each trace is turned into a load matrix (`experiments.lab.loads.workloads`, the
-trace's own top-k, ``--tokens_per_rank`` tokens per rank) and planned by the real planner
+Each layer of each trace is turned into a load matrix (`experiments.lab.loads.traces.trace_batch`,
+the trace's own top-k, ``--tokens_per_rank`` tokens per rank) and planned by the real planner
 (`ultraep_jax.plan`, the FFI custom call, ``--slots_per_rank`` spare slots, at ``--balance_eps``
 and in exact mode, ``balance_eps=0``). The plan's replica transfer sends each replica its
 expert's weights, from the master's rank (direct) or through relays (`replicas.relay`, each
@@ -22,7 +22,6 @@ power of two, so it runs at the EP sizes of ``--qwen_ep``.
 
 from __future__ import annotations
 
-import functools
 import time
 
 import numpy as np
@@ -31,7 +30,7 @@ from absl import flags
 import ultraep_jax as uep
 from experiments.lab import cli
 from experiments.lab.batched import batched_planner
-from experiments.lab.loads import ranks, traces, workloads
+from experiments.lab.loads import ranks, traces
 from experiments.lab.output_files import write_json
 from experiments.lab.program import run_main
 from experiments.lab.stepmodel import calibration, layer, links, shapes
@@ -83,18 +82,6 @@ MODEL = shapes.ANCHOR.shape
 COPY_BYTES = MODEL.experts(shapes.ANCHOR.itemsize).expert_bytes()
 
 
-def trace_top_k(name: str) -> int:
-    """The traced model's own top-k (DeepSeek-R1: 8)."""
-    return traces.TRACE_TOP_K[name]
-
-
-@functools.cache
-def trace_batch(name: str, ep: int, tokens: int, stride: int, traces_dir) -> np.ndarray:
-    """int32 [N, R, E]: every ``stride``-th layer of the trace as a load matrix (seed 0)."""
-    rows = workloads.trace_workloads(name, ep, tokens, trace_top_k(name), 0, traces_dir)
-    return np.stack([loads for i, (_, loads) in enumerate(rows) if i % stride == 0])
-
-
 def max_fanout_of_one_expert(slot_expert_NRS: np.ndarray, num_experts: int) -> np.ndarray:
     """int [N]: the most replicas of one expert, per plan."""
     flat = slot_expert_NRS.reshape(slot_expert_NRS.shape[0], -1)
@@ -125,7 +112,7 @@ def expert_forward_ms(tokens_per_rank: int, tflops: float) -> float:
 
 def measure(name: str, ep: int, eps: float) -> dict:
     """The fan-out figures of one (trace, EP size, balance_eps) cell."""
-    batch = trace_batch(name, ep, _TOKENS.value, _STRIDE.value, _TRACES_DIR.value)
+    batch = traces.trace_batch(name, ep, _TOKENS.value, _STRIDE.value, _TRACES_DIR.value)
     num_experts = batch.shape[-1]
     cfg = uep.BalancerConfig(num_experts, ep, **{**_BALANCER(), "balance_eps": eps})
     plans = batched_planner(cfg)(batch)

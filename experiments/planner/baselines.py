@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 
 import ultraep_jax as uep
-from experiments.lab.loads import baselines, drift, policies
+from experiments.lab.loads import baselines, drift, policies, traces
 from experiments.lab.stepmodel.shapes import ANCHOR
 from experiments.lab.walltime import time_batched_plan
 from experiments.planner import setup
@@ -196,7 +196,7 @@ def _cases() -> Iterator[tuple[str, np.ndarray, list, tuple[int, int], bool]]:
     row group of the table; a trace whose files are missing is announced and skipped."""
     short = (setup.SHORT_WINDOW.value, setup.SHORT_INTERVAL.value)
     for name, ep, rows in setup.trace_cases():
-        yield (f"{name} EP{ep} top{setup.trace_top_k(name)}", *_trace_case(rows), short, True)
+        yield (f"{name} EP{ep} top{traces.trace_top_k(name)}", *_trace_case(rows), short, True)
     seeds, tokens = range(setup.BASE_SEEDS.value), setup.TOKENS.value
     R, E, k = ANCHOR.ep, ANCHOR.shape.num_experts, ANCHOR.shape.top_k
     at = f"EP{R} E{E}"

@@ -26,8 +26,8 @@ The variants live in this file (a copy of the planner's attempts and threshold s
 Python, which reproduces `ultraep_jax.plan` bit for bit: with no variant the plan of one domain,
 with ``fit`` the plan with ``ranks_per_domain = d``; both checked on every layer it plans).
 
-Loads: each layer as `experiments.planner` builds it (`experiments.lab.loads.workloads`, the trace's
-own top-k, ``--tokens_per_rank`` tokens per rank, seed 0), every ``--stride``-th layer.
+Loads: each layer as `experiments.planner` builds it (`experiments.lab.loads.traces.trace_batch`,
+the trace's own top-k, ``--tokens_per_rank`` tokens per rank, seed 0), every ``--stride``-th layer.
 Figures per case: slow-link copies per layer (median, p90, total over the layers) and the final
 max/mean rank load (mean and worst over the layers).
 """
@@ -42,7 +42,7 @@ from absl import flags
 import ultraep_jax as uep
 from experiments.lab import cli
 from experiments.lab.batched import batched_planner
-from experiments.lab.loads import traces, workloads
+from experiments.lab.loads import traces
 from experiments.lab.output_files import write_json
 from experiments.lab.program import run_main
 from experiments.lab.stepmodel import shapes
@@ -286,16 +286,9 @@ def _variant(name: str) -> tuple[str | None, int]:
     return (None if name == "planner" else name), 0
 
 
-def _trace_batch(name: str, ep: int) -> np.ndarray:
-    """int32 [N, R, E]: every ``--stride``-th layer of the trace (seed 0, its own top-k)."""
-    top_k = traces.TRACE_TOP_K[name]
-    rows = workloads.trace_workloads(name, ep, _TOKENS.value, top_k, 0, _TRACES_DIR.value)
-    return np.stack([loads for i, (_, loads) in enumerate(rows) if i % _STRIDE.value == 0])
-
-
 def measure(name: str, ep: int, dsz: int, variants: list[str]) -> dict:
     """Slow-link copies and final max/mean of every layer of one case, per variant."""
-    batch = _trace_batch(name, ep)
+    batch = traces.trace_batch(name, ep, _TOKENS.value, _STRIDE.value, _TRACES_DIR.value)
     E = batch.shape[2]
     b = _BALANCER()
     S, F, eps = b["slots_per_rank"], b["min_tokens_per_replica"], b["balance_eps"]

@@ -100,11 +100,6 @@ def balancer_note(**overrides) -> str:
     )
 
 
-def trace_top_k(name: str) -> int:
-    """top-8 for DeepSeek (its own); the model's own top-k for Qwen1.5-MoE (4) and Switch (1)."""
-    return 8 if name == "deepseek-r1" else traces.TRACE_TOP_K[name]
-
-
 @functools.cache
 def _zipf_matrix(initial: float, ep_size: int, num_experts: int, tokens: int, seed: int):
     return workloads.rank_zipf_loads(ep_size, num_experts, tokens, 8, initial, seed)
@@ -116,21 +111,17 @@ def zipf_batch(initial: float, ep_size: int, num_experts: int, seeds) -> np.ndar
     return np.stack([_zipf_matrix(initial, ep_size, num_experts, TOKENS.value, s) for s in seeds])
 
 
-@functools.cache
-def _trace_rows(name: str, ep: int, tokens: int, traces_dir: str | None) -> tuple:
-    loads = workloads.trace_workloads(name, ep, tokens, trace_top_k(name), 0, traces_dir)
-    return tuple(loads)
-
-
 def trace_rows(name: str, ep: int) -> tuple:
-    """Every ``(label, loads [R, E])`` of a trace at EP ``ep`` (seed 0, the trace's top-k);
-    FileNotFoundError when its files are not in ``--traces_dir``."""
-    return _trace_rows(name, ep, TOKENS.value, TRACES_DIR.value)
+    """Every ``(label, loads [R, E])`` of a trace at EP ``ep`` (`traces.trace_rows`: seed 0, the
+    trace's top-k) at ``--tokens_per_rank``; FileNotFoundError when its files are not in
+    ``--traces_dir``."""
+    return traces.trace_rows(name, ep, TOKENS.value, TRACES_DIR.value)
 
 
 def trace_batch(name: str, ep: int) -> np.ndarray:
-    """int32 ``[N, R, E]``: every layer of a trace (see :func:`trace_rows`)."""
-    return np.stack([loads for _, loads in trace_rows(name, ep)])
+    """int32 ``[N, R, E]``: every layer of a trace (`traces.trace_batch`, the rows of
+    :func:`trace_rows`)."""
+    return traces.trace_batch(name, ep, TOKENS.value, 1, TRACES_DIR.value)
 
 
 def trace_cases() -> Iterator[tuple[str, int, tuple]]:

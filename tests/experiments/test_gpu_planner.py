@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from experiments.lab.loads import workloads
+from experiments.lab.loads import traces
 from tests.helpers import needs_gpu
 from tests.helpers.planner_cases import KERNELS, PLANNER_CASES, skewed_load_batch
 from ultraep_jax.planning import native as _native
@@ -54,7 +54,7 @@ def test_cuda_parallel_planner_equals_cpu_planner_at_ep64(eps, capacity):
 
     loads = reference_loads(64, 256, 8192, 6)
     try:
-        rows = itertools.islice(workloads.trace_workloads("deepseek-r1", 64, 8192, 8, 0), 58)
+        rows = itertools.islice(traces.trace_workloads("deepseek-r1", 64, 8192, 8, 0), 58)
         loads = np.concatenate([loads, np.stack([l for _, l in rows])])
     except FileNotFoundError:
         pass  # the generated workloads alone

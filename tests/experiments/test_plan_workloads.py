@@ -11,7 +11,7 @@ import pytest
 from conftest import skip_without_traces
 
 import ultraep_jax as uep
-from experiments.lab.loads import workloads
+from experiments.lab.loads import traces, workloads
 from tests.helpers.planner_cases import FIELDS, assert_same_plan, native_plan, random_loads
 from tests.references.planner import check_plan_invariants, rank_loads_before, reference_plan
 
@@ -100,7 +100,7 @@ def _deepseek_r1(ep_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The DeepSeek-R1 trace's loads [N, R, E] for ``ep_size`` ranks and their max/mean before
     balancing by the reference (in Python: seconds), the same for every domain size."""
     try:
-        rows = list(workloads.trace_workloads("deepseek-r1", ep_size, 8192, 8, seed=0))
+        rows = list(traces.trace_workloads("deepseek-r1", ep_size, 8192, 8, seed=0))
     except FileNotFoundError as err:
         skip_without_traces(f"traces not available: {err}")
     batch = np.stack([loads for _, loads in rows])

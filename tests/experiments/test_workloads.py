@@ -226,13 +226,13 @@ def test_harmoeny_rows():
 )
 def test_trace_workloads(name, ep_size, top_k):
     num_experts = traces.TRACE_NUM_EXPERTS[name]
-    items = list(itertools.islice(workloads.trace_workloads(name, ep_size, 512, top_k, 0), 3))
+    items = list(itertools.islice(traces.trace_workloads(name, ep_size, 512, top_k, 0), 3))
     assert len(items) == 3
     assert len({label for label, _ in items}) == 3
     for label, loads in items:
         assert label.startswith(name + "/") and "layer" in label
         _check_matrix(loads, ep_size, num_experts, 512 * top_k)
-    again = list(itertools.islice(workloads.trace_workloads(name, ep_size, 512, top_k, 0), 3))
+    again = list(itertools.islice(traces.trace_workloads(name, ep_size, 512, top_k, 0), 3))
     for (la, a), (lb, b) in zip(items, again, strict=True):
         assert la == lb
         np.testing.assert_array_equal(a, b)
@@ -240,19 +240,35 @@ def test_trace_workloads(name, ep_size, top_k):
 
 @pytest.mark.usefixtures("needs_traces")
 def test_trace_workloads_deepseek_count_and_labels():
-    labels = [lab for lab, _ in workloads.trace_workloads("deepseek-r1", 8, 16, 8, 0)]
+    labels = [lab for lab, _ in traces.trace_workloads("deepseek-r1", 8, 16, 8, 0)]
     assert len(labels) == 12 * 58
     assert labels[0] == "deepseek-r1/decode_in1000out1000/layer03"
     assert labels[-1] == "deepseek-r1/prefill_in512/layer60"
 
 
+@pytest.mark.usefixtures("needs_traces")
+def test_trace_batch_is_every_stride_th_layer_at_the_traced_top_k():
+    """The one reader of a trace as a batch [N, R, E] (bench.fanout, planner, planner.domains):
+    the layers of `trace_workloads` at the traced model's own top-k, seed 0."""
+    assert [traces.trace_top_k(n) for n in traces.TRACE_NAMES] == [
+        traces.TRACE_TOP_K[n] for n in traces.TRACE_NAMES
+    ]
+    rows = list(traces.trace_workloads("qwen1.5-moe", 12, 16, traces.trace_top_k("qwen1.5-moe"), 0))
+    batch = traces.trace_batch("qwen1.5-moe", 12, 16, 5)
+    assert batch.shape == (-(-len(rows) // 5), 12, 60) and batch.dtype == np.int32
+    np.testing.assert_array_equal(batch, np.stack([loads for _, loads in rows[::5]]))
+    assert [label for label, _ in traces.trace_rows("qwen1.5-moe", 12, 16)] == [
+        label for label, _ in rows
+    ]
+
+
 def test_trace_workloads_errors(tmp_path):
     with pytest.raises(ValueError, match="not divisible"):
-        workloads.trace_workloads("qwen1.5-moe", 8, 100, 4, 0)
+        traces.trace_workloads("qwen1.5-moe", 8, 100, 4, 0)
     with pytest.raises(ValueError, match="unknown trace"):
-        workloads.trace_workloads("mixtral", 8, 100, 2, 0)
+        traces.trace_workloads("mixtral", 8, 100, 2, 0)
     with pytest.raises(FileNotFoundError):
-        workloads.trace_workloads("deepseek-r1", 8, 100, 8, 0, traces_dir=tmp_path / "nope")
+        traces.trace_workloads("deepseek-r1", 8, 100, 8, 0, traces_dir=tmp_path / "nope")
 
 
 # ----------------------------------------------------------------------------- trace folder

@@ -14,7 +14,7 @@ import numpy as np
 from conftest import skip_without_traces
 
 import ultraep_jax as uep
-from experiments.lab.loads import workloads
+from experiments.lab.loads import traces
 
 #: A plan's arrays, in the order the comparisons report them.
 FIELDS = ("slot_expert", "slot_quota", "master_quota", "rank_load")
@@ -124,7 +124,7 @@ def skewed_load_batch(rng, n, R, E, tokens=4096, exponent=(0.0, 2.0)) -> np.ndar
 def trace_batch(trace: str, ep_size: int) -> np.ndarray:
     """int32 [N, R, E]: the first 120 layers of a trace as the benchmarks plan them."""
     try:
-        rows = itertools.islice(workloads.trace_workloads(trace, ep_size, 8192, 8, 0), 120)
+        rows = itertools.islice(traces.trace_workloads(trace, ep_size, 8192, 8, 0), 120)
         return np.stack([loads for _, loads in rows])
     except FileNotFoundError as err:
         skip_without_traces(f"traces not available: {err}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.lab.loads.workloads import _check_layout, _pairs_per_rank, _zipf_weights
+from experiments.lab.loads.workloads import check_layout, pairs_per_rank, zipf_weights
 from ultraep_jax.tools import check_int
 
 
@@ -34,14 +34,14 @@ def expert_zipf_loads(
     Returns:
       int32 ``[R, E]``; every row sums to ``tokens_per_rank * top_k``.
     """
-    ep_size, num_experts = _check_layout(ep_size, num_experts)
-    n_pairs = _pairs_per_rank(ep_size, tokens_per_rank, top_k)
+    ep_size, num_experts = check_layout(ep_size, num_experts)
+    n_pairs = pairs_per_rank(ep_size, tokens_per_rank, top_k)
     if not float(exponent) >= 0.0:
         raise ValueError(f"exponent must be >= 0, got {exponent}")
     ss_perm, ss_draw = np.random.SeedSequence(seed).spawn(2)
     order = np.random.default_rng(ss_perm).permutation(num_experts)
     p = np.empty(num_experts, dtype=np.float64)
-    p[order] = _zipf_weights(num_experts, exponent)
+    p[order] = zipf_weights(num_experts, exponent)
     loads = np.random.default_rng(ss_draw).multinomial(n_pairs, p, size=ep_size)
     return loads.astype(np.int32)
 
@@ -83,8 +83,8 @@ def drifting_stream(
     Returns:
       int32 ``[T, R, E]``; every ``[R, E]`` row of every step sums to ``tokens_per_rank * top_k``.
     """
-    ep_size, num_experts = _check_layout(ep_size, num_experts)
-    n_pairs = _pairs_per_rank(ep_size, tokens_per_rank, top_k)
+    ep_size, num_experts = check_layout(ep_size, num_experts)
+    n_pairs = pairs_per_rank(ep_size, tokens_per_rank, top_k)
     steps = check_int("steps", steps)
     if not float(exponent) >= 0.0:
         raise ValueError(f"exponent must be >= 0, got {exponent}")

@@ -9,8 +9,10 @@ README names the sources (see :func:`default_traces_dir`):
 
 A trace read as runs of per-layer counts (`trace_runs`) and one (run, layer) for a top-k router
 (`trace_layer_counts`, `topk_counts`) feeds the simulator and the step model's programs. The
-traces count tokens per expert only; `experiments.lab.loads.workloads` turns them into load
-matrices ``[R, E]`` (``loads_from_expert_counts``, ``trace_workloads``).
+traces count tokens per expert only; every layer of a trace becomes a load matrix ``[R, E]``
+(`trace_workloads`, by `experiments.lab.loads.workloads.loads_from_expert_counts`), and the
+programs that plan them read them as one batch ``[N, R, E]`` at the traced model's own top-k
+(`trace_batch`, `trace_top_k`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
+from experiments.lab.loads.workloads import loads_from_expert_counts, pairs_per_rank
+from ultraep_jax.tools import check_int
 
 __all__ = [
     "DEEPSEEK_DENSE_LAYERS",
@@ -35,9 +40,13 @@ __all__ = [
     "default_traces_dir",
     "harmoeny_trace_rows",
     "topk_counts",
+    "trace_batch",
     "trace_items",
     "trace_layer_counts",
+    "trace_rows",
     "trace_runs",
+    "trace_top_k",
+    "trace_workloads",
     "traces_dir_for",
 ]
 
@@ -171,7 +180,7 @@ def harmoeny_trace_rows(csv_path) -> list[tuple[dict, np.ndarray]]:
 def trace_items(name: str, traces_dir=None) -> Iterator[tuple[str, np.ndarray]]:
     """``(label, counts)`` for every layer / row of the trace ``name``, in a fixed order: int64
     ``[E]`` tokens per expert, labelled by trace, file and layer (see
-    `experiments.lab.loads.workloads.trace_workloads`).
+    `trace_workloads`).
 
     ``traces_dir``: the folder holding the trace folders (default :func:`default_traces_dir`).
     FileNotFoundError, before the first item, when it, the trace's folder or its files are missing.
@@ -264,3 +273,73 @@ def trace_layer_counts(
     if TRACE_TOP_K[trace] >= top_k:
         return counts
     return topk_counts(counts, top_k, TOPK_DRAWS, seed=run * 1000 + layer)
+
+
+def trace_workloads(
+    name: str, ep_size: int, tokens_per_rank: int, top_k: int, seed: int, traces_dir=None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Every layer of a measured trace as a load matrix.
+
+    Yields one ``(label, loads)`` per (file, MoE layer) for ``"deepseek-r1"`` (12 files x 58
+    layers) and per CSV row for ``"qwen1.5-moe"`` (60 experts) and ``"switch-base-128"`` (128
+    experts); files are visited in sorted order. ``loads`` is int32 ``[R, E]`` built by
+    :func:`loads_from_expert_counts` (the traces have no per-source-rank split: it is drawn at
+    random, seeded) with a per-item seed derived from ``(seed, item index)``. Labels name the
+    trace, the file (without extension) and the layer, e.g.
+    ``deepseek-r1/prefill_in512/layer03`` or
+    ``qwen1.5-moe/expert_freq_qwen_policy_skew/skew0.9/iter07/layer11``.
+
+    Args:
+      name: one of `TRACE_NAMES`.
+      ep_size: ``R``; must divide the model's expert count (checked before the first item).
+      tokens_per_rank, top_k: each matrix holds ``R * tokens_per_rank * top_k`` pairs (the
+        model's own top-k is in `TRACE_TOP_K`; any value works).
+      seed: integer seed.
+      traces_dir: the folder holding the trace folders (see `default_traces_dir`).
+    """
+    if name not in TRACE_NAMES:
+        raise ValueError(f"unknown trace {name!r}; expected one of {', '.join(TRACE_NAMES)}")
+    ep_size = check_int("ep_size", ep_size)
+    num_experts = TRACE_NUM_EXPERTS[name]
+    if num_experts % ep_size != 0:
+        raise ValueError(f"{name} has {num_experts} experts, not divisible by ep_size={ep_size}")
+    pairs_per_rank(ep_size, tokens_per_rank, top_k)
+    items = trace_items(name, traces_dir)  # raises here when the files are missing
+
+    def generate() -> Iterator[tuple[str, np.ndarray]]:
+        for index, (label, counts) in enumerate(items):
+            if counts.shape[0] != num_experts:
+                raise ValueError(f"{label}: {counts.shape[0]} experts, expected {num_experts}")
+            item_seed = int(np.random.SeedSequence([int(seed), index]).generate_state(1)[0])
+            loads = loads_from_expert_counts(counts, ep_size, tokens_per_rank, top_k, item_seed)
+            yield label, loads
+
+    return generate()
+
+
+def trace_top_k(name: str) -> int:
+    """The traced model's own top-k (`TRACE_TOP_K`), at which the programs that plan a trace's
+    layers read them (`trace_rows`, `trace_batch`)."""
+    return TRACE_TOP_K[name]
+
+
+@functools.cache
+def trace_rows(
+    name: str, ep_size: int, tokens_per_rank: int, traces_dir: str | None = None
+) -> tuple[tuple[str, np.ndarray], ...]:
+    """Every ``(label, loads [R, E])`` of the trace ``name`` (`trace_workloads`, seed 0, the
+    traced model's own top-k, `trace_top_k`), read once per arguments (cached: do not write to
+    the arrays); FileNotFoundError when its files are not in ``traces_dir``."""
+    rows = trace_workloads(name, ep_size, tokens_per_rank, trace_top_k(name), 0, traces_dir)
+    return tuple(rows)
+
+
+@functools.cache
+def trace_batch(
+    name: str, ep_size: int, tokens_per_rank: int, stride: int = 1, traces_dir: str | None = None
+) -> np.ndarray:
+    """int32 ``[N, R, E]``: every ``stride``-th layer of the trace ``name`` as a load matrix
+    (`trace_rows`: seed 0, the traced model's own top-k), in the traces' fixed order (cached: do
+    not write to it)."""
+    rows = trace_rows(name, ep_size, tokens_per_rank, traces_dir)
+    return np.stack([loads for i, (_, loads) in enumerate(rows) if i % stride == 0])

@@ -14,11 +14,13 @@ Generated workloads:
   * `experiments.lab.loads.drift`: Zipf over experts with a given exponent (``expert_zipf_loads``)
     and a non-stationary stream of them (``drifting_stream``).
 
-Measured workloads (the trace files are read by `experiments.lab.loads.traces`):
+Measured workloads (the trace files are read, and every layer of a trace turned into ``loads``,
+by `experiments.lab.loads.traces`):
   * :func:`loads_from_expert_counts` -- turns a per-expert count vector into ``loads[R, E]``.
-  * :func:`trace_workloads` -- iterates every (file, layer) / CSV row of a trace as ``loads``.
 
-Metrics: :func:`master_rank_loads`, :func:`initial_imbalance`.
+Metrics: :func:`master_rank_loads`, :func:`initial_imbalance`. Checks and weights that
+`experiments.lab.loads.drift` and `traces` share: :func:`check_layout`, :func:`pairs_per_rank`,
+:func:`zipf_weights`.
 
 None of this imports JAX; all randomness goes through ``numpy.random.Generator`` seeded from the
 ``seed`` argument, so the same arguments always give the same matrix.
@@ -26,20 +28,20 @@ None of this imports JAX; all randomness goes through ``numpy.random.Generator``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 
-from experiments.lab.loads import ranks, traces
+from experiments.lab.loads import ranks
 from ultraep_jax.tools import check_int
 
 __all__ = [
+    "check_layout",
     "initial_imbalance",
     "loads_from_expert_counts",
     "master_rank_loads",
+    "pairs_per_rank",
     "rank_zipf_exponent",
     "rank_zipf_loads",
-    "trace_workloads",
+    "zipf_weights",
 ]
 
 #: Default Dirichlet concentration for splitting a rank's share among its masters.
@@ -51,7 +53,9 @@ DEFAULT_DIRICHLET_ALPHA = 1.0
 # --------------------------------------------------------------------------------------------
 
 
-def _check_layout(ep_size, num_experts) -> tuple[int, int]:
+def check_layout(ep_size, num_experts) -> tuple[int, int]:
+    """``(ep_size, num_experts)`` checked: ints >= 1, ``num_experts`` divisible by ``ep_size``
+    (ValueError otherwise)."""
     ep_size = check_int("ep_size", ep_size)
     num_experts = check_int("num_experts", num_experts)
     if num_experts % ep_size != 0:
@@ -59,7 +63,7 @@ def _check_layout(ep_size, num_experts) -> tuple[int, int]:
     return ep_size, num_experts
 
 
-def _pairs_per_rank(ep_size: int, tokens_per_rank, top_k) -> int:
+def pairs_per_rank(ep_size: int, tokens_per_rank, top_k) -> int:
     """Checked ``tokens_per_rank * top_k``, the pairs each of ``ep_size`` source ranks sends
     (their total must fit int32 loads)."""
     tokens_per_rank = check_int("tokens_per_rank", tokens_per_rank)
@@ -85,7 +89,7 @@ def master_rank_loads(loads) -> np.ndarray:
     if loads.ndim != 2:
         raise ValueError(f"loads must be 2-D [R, E], got shape {loads.shape}")
     num_ranks, num_experts = loads.shape
-    _check_layout(num_ranks, num_experts)
+    check_layout(num_ranks, num_experts)
     return ranks.home_rank_loads(loads.sum(axis=0, dtype=np.int64), num_ranks)
 
 
@@ -106,7 +110,7 @@ def initial_imbalance(loads) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def _zipf_weights(n: int, exponent: float) -> np.ndarray:
+def zipf_weights(n: int, exponent: float) -> np.ndarray:
     """Normalised Zipf weights ``i**-exponent / H`` for popularity positions ``i = 1..n``."""
     log_w = -float(exponent) * np.log(np.arange(1, n + 1, dtype=np.float64))
     w = np.exp(log_w - log_w.max())
@@ -119,7 +123,7 @@ _ZIPF_RTOL = 1e-4
 
 def _rank_zipf_args(ep_size: int, tokens_per_rank, top_k, target_imbalance) -> tuple[int, float]:
     """Checked ``(pairs per source rank, target imbalance)`` of a rank-Zipf workload."""
-    n_pairs = _pairs_per_rank(ep_size, tokens_per_rank, top_k)
+    n_pairs = pairs_per_rank(ep_size, tokens_per_rank, top_k)
     target = float(target_imbalance)
     if not (1.0 <= target < ep_size):
         raise ValueError(
@@ -154,7 +158,7 @@ def _rank_level_counts(R: int, n_pairs: int, target: float, uniforms_seed) -> tu
 
     def rank_counts(exponent: float) -> np.ndarray:
         """[R_src, R_pos] pairs from each source rank to each popularity position."""
-        cdf = np.concatenate(([0.0], np.cumsum(_zipf_weights(R, exponent))))
+        cdf = np.concatenate(([0.0], np.cumsum(zipf_weights(R, exponent))))
         cdf[-1] = 1.0
         edges = np.searchsorted(flat, cdf[None, :] + np.arange(R)[:, None], side="left")
         edges = edges - row_start[:, None]
@@ -254,7 +258,7 @@ def rank_zipf_loads(
     Returns:
       int32 ``[R, E]``; every row sums to ``tokens_per_rank * top_k``.
     """
-    ep_size, num_experts = _check_layout(ep_size, num_experts)
+    ep_size, num_experts = check_layout(ep_size, num_experts)
     n_pairs, target = _rank_zipf_args(ep_size, tokens_per_rank, top_k, target_imbalance)
     if not dirichlet_alpha > 0:
         raise ValueError(f"dirichlet_alpha must be positive, got {dirichlet_alpha}")
@@ -325,7 +329,7 @@ def loads_from_expert_counts(
     ep_size = check_int("ep_size", ep_size)
     if num_experts == 0 or num_experts % ep_size != 0:
         raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
-    n_pairs = _pairs_per_rank(ep_size, tokens_per_rank, top_k)
+    n_pairs = pairs_per_rank(ep_size, tokens_per_rank, top_k)
     if np.any(counts < 0) or not np.all(np.isfinite(counts)):
         raise ValueError("counts must be finite and non-negative")
     if counts.sum() <= 0:
@@ -339,45 +343,3 @@ def loads_from_expert_counts(
         remaining = remaining - loads[r]
     loads[ep_size - 1] = remaining
     return loads.astype(np.int32)
-
-
-def trace_workloads(
-    name: str, ep_size: int, tokens_per_rank: int, top_k: int, seed: int, traces_dir=None
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Every layer of a measured trace as a load matrix.
-
-    Yields one ``(label, loads)`` per (file, MoE layer) for ``"deepseek-r1"`` (12 files x 58
-    layers) and per CSV row for ``"qwen1.5-moe"`` (60 experts) and ``"switch-base-128"`` (128
-    experts); files are visited in sorted order. ``loads`` is int32 ``[R, E]`` built by
-    :func:`loads_from_expert_counts` (the traces have no per-source-rank split: it is drawn at
-    random, seeded) with a per-item seed derived from ``(seed, item index)``. Labels name the
-    trace, the file (without extension) and the layer, e.g.
-    ``deepseek-r1/prefill_in512/layer03`` or
-    ``qwen1.5-moe/expert_freq_qwen_policy_skew/skew0.9/iter07/layer11``.
-
-    Args:
-      name: one of `experiments.lab.loads.traces.TRACE_NAMES`.
-      ep_size: ``R``; must divide the model's expert count (checked before the first item).
-      tokens_per_rank, top_k: each matrix holds ``R * tokens_per_rank * top_k`` pairs (the
-        model's own top-k is in `experiments.lab.loads.traces.TRACE_TOP_K`; any value works).
-      seed: integer seed.
-      traces_dir: the folder holding the trace folders (see `experiments.lab.loads.traces`).
-    """
-    if name not in traces.TRACE_NAMES:
-        raise ValueError(f"unknown trace {name!r}; expected one of {', '.join(traces.TRACE_NAMES)}")
-    ep_size = check_int("ep_size", ep_size)
-    num_experts = traces.TRACE_NUM_EXPERTS[name]
-    if num_experts % ep_size != 0:
-        raise ValueError(f"{name} has {num_experts} experts, not divisible by ep_size={ep_size}")
-    _pairs_per_rank(ep_size, tokens_per_rank, top_k)
-    items = traces.trace_items(name, traces_dir)  # raises here when the files are missing
-
-    def generate() -> Iterator[tuple[str, np.ndarray]]:
-        for index, (label, counts) in enumerate(items):
-            if counts.shape[0] != num_experts:
-                raise ValueError(f"{label}: {counts.shape[0]} experts, expected {num_experts}")
-            item_seed = int(np.random.SeedSequence([int(seed), index]).generate_state(1)[0])
-            loads = loads_from_expert_counts(counts, ep_size, tokens_per_rank, top_k, item_seed)
-            yield label, loads
-
-    return generate()
