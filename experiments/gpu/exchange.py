@@ -29,7 +29,8 @@ from experiments.lab.walltime import median_seconds
 from ultraep_jax.tools import Exchange, fetch_replica_experts, ragged_exchange
 
 AXIS = "expert"
-_SKIP_RAGGED = (
+#: What the dry run (XLA:CPU) records in place of a ragged exchange's figures.
+SKIP_RAGGED = (
     "skipped: XLA:CPU cannot compile ragged_all_to_all (the dry run runs the portable path)"
 )
 
@@ -165,8 +166,9 @@ def device_copy():
     return jax.jit(lambda x, zero: x + zero)
 
 
-def _random(mesh, shape, dtype, seed: int):
-    """A normal array of ``shape`` split over the ranks on its first axis (drawn there)."""
+def random_split(mesh, shape, dtype, seed: int):
+    """A standard normal array of ``shape`` split over the ranks (``AXIS``) on its first axis,
+    drawn there from ``seed``."""
 
     draw = jax.jit(
         lambda k: jax.random.normal(k, shape, dtype),
@@ -193,7 +195,7 @@ def time_tokens(mesh, s: ExchangeSetup, backends) -> dict:
     R = mesh.size
     sizes = balanced_sizes(R, s.rows)
     src, dst = block_offsets(sizes)
-    operand = _random(mesh, (R * s.rows, s.d_model), s.dtype, 0)
+    operand = random_split(mesh, (R * s.rows, s.d_model), s.dtype, 0)
     payload = s.rows * s.d_model * jnp.dtype(s.dtype).itemsize
     zero = jnp.zeros((), s.dtype)
     copy = device_copy()
@@ -214,7 +216,7 @@ def random_masters(mesh, s: ExchangeSetup, seed: int) -> tuple:
     """Random (w_gate, w_up [R * E_m, D, F], w_down [R * E_m, F, D]), split over the ranks."""
     R, D, F = mesh.size, s.d_model, s.d_ff
     shapes = [(R * s.masters, D, F), (R * s.masters, D, F), (R * s.masters, F, D)]
-    return tuple(_random(mesh, shape, s.dtype, seed + i) for i, shape in enumerate(shapes))
+    return tuple(random_split(mesh, shape, s.dtype, seed + i) for i, shape in enumerate(shapes))
 
 
 def time_weights(mesh, s: ExchangeSetup, backends) -> dict:
@@ -226,7 +228,7 @@ def time_weights(mesh, s: ExchangeSetup, backends) -> dict:
     slots = filled_slots(R, s.masters, s.slots)
     expert = 3 * s.d_model * s.d_ff
     payload = s.slots * expert * jnp.dtype(s.dtype).itemsize
-    same_bytes = _random(mesh, (R * s.slots, expert), s.dtype, 20)
+    same_bytes = random_split(mesh, (R * s.slots, expert), s.dtype, 20)
     zero = jnp.zeros((), s.dtype)
     copy = device_copy()
     t_copy = median_seconds(lambda: copy(same_bytes, zero), s.repeats, s.inner)
@@ -238,8 +240,10 @@ def time_weights(mesh, s: ExchangeSetup, backends) -> dict:
     return out
 
 
-def _compare(got, want) -> dict:
-    """Bit equality and the largest absolute difference of two lists of arrays."""
+def compare_arrays(got, want) -> dict:
+    """``{"equal", "max_abs_diff", "finite"}`` of two lists of arrays ``got`` and ``want`` (same
+    shapes, pairwise): bit equality, the largest absolute difference (as float32) and whether
+    every value of ``got`` is finite."""
     got = [np.asarray(a, np.float32) for a in got]
     want = [np.asarray(a, np.float32) for a in want]
     return {
@@ -261,8 +265,8 @@ def token_values_and_vjp(mesh, s: ExchangeSetup, backend: str, seed: int = 1):
     sizes = random_sizes(rng, R, s.check_rows)
     src, dst = block_offsets(sizes)
     recv = int(sizes.sum(axis=0).max()) + 3  # some rows nobody writes
-    operand = _random(mesh, (R * s.check_rows, s.d_model), s.dtype, seed)
-    cot = _random(mesh, (R * recv, s.d_model), s.dtype, seed + 1)
+    operand = random_split(mesh, (R * s.check_rows, s.d_model), s.dtype, seed)
+    cot = random_split(mesh, (R * recv, s.d_model), s.dtype, seed + 1)
     fn = token_exchange(mesh, s.check_rows, recv, backend)
 
     @jax.jit
@@ -277,7 +281,7 @@ def token_values_and_vjp(mesh, s: ExchangeSetup, backend: str, seed: int = 1):
 def weight_cotangents(mesh, s: ExchangeSetup, masters, seed: int) -> list:
     """Random cotangents of the slots' weights, [R * S, ...] each, split over the ranks."""
     return [
-        _random(mesh, (mesh.size * s.slots,) + w.shape[1:], s.dtype, seed + 5 + i)
+        random_split(mesh, (mesh.size * s.slots,) + w.shape[1:], s.dtype, seed + 5 + i)
         for i, w in enumerate(masters)
     ]
 
@@ -305,15 +309,15 @@ def check_gradients(mesh, s: ExchangeSetup, dry: bool) -> dict:
     token exchange (random sizes) and the weight exchange: both only move rows, so they must be
     bit-equal."""
     if dry:
-        return {"status": _SKIP_RAGGED}
+        return {"status": SKIP_RAGGED}
     out = {}
     ragged = token_values_and_vjp(mesh, s, "ragged")
     portable = token_values_and_vjp(mesh, s, "portable")
-    out["tokens_forward"] = _compare([ragged[0]], [portable[0]])
-    out["tokens_vjp"] = _compare([ragged[1]], [portable[1]])
+    out["tokens_forward"] = compare_arrays([ragged[0]], [portable[0]])
+    out["tokens_vjp"] = compare_arrays([ragged[1]], [portable[1]])
     ragged = weight_values_and_vjp(mesh, s, "ragged")
     portable = weight_values_and_vjp(mesh, s, "portable")
-    out["weights_forward"] = _compare(ragged[0], portable[0])
-    out["weights_vjp"] = _compare(ragged[1], portable[1])
+    out["weights_forward"] = compare_arrays(ragged[0], portable[0])
+    out["weights_vjp"] = compare_arrays(ragged[1], portable[1])
     out["status"] = "ok" if all(v["equal"] and v["finite"] for v in out.values()) else "MISMATCH"
     return out

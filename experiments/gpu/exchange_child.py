@@ -19,15 +19,15 @@ from jax.sharding import PartitionSpec as P
 
 from experiments.gpu import hlo_schedule
 from experiments.gpu.exchange import (
-    _SKIP_RAGGED,
     AXIS,
+    SKIP_RAGGED,
     ExchangeSetup,
-    _compare,
-    _random,
     check_gradients,
+    compare_arrays,
     exchange_mesh,
     filled_slots,
     random_masters,
+    random_split,
     time_tokens,
     time_weights,
 )
@@ -67,7 +67,7 @@ def replica_step(mesh, s: ExchangeSetup, backend: str):
     sizes = np.tile(np.diff(np.linspace(0, s.check_rows, groups + 1).astype(np.int64)), R)
     args = (
         random_masters(mesh, s, 30),
-        _random(mesh, (R * s.check_rows, s.d_model), s.dtype, 40),
+        random_split(mesh, (R * s.check_rows, s.d_model), s.dtype, 40),
         jax.device_put(sizes.astype(np.int32)),
         filled_slots(R, s.masters, s.slots),
     )
@@ -101,7 +101,7 @@ def check_replica_step(mesh, s: ExchangeSetup, backends, hlo_path: str | None) -
             for a, b in zip(ragged, portable, strict=True)
         ]
         out["first_backward_ragged_vs_portable"] = {
-            **_compare(ragged, portable),
+            **compare_arrays(ragged, portable),
             "max_rel_diff": max(rel),
             "ok": max(rel) <= 1e-2 and all(np.all(np.isfinite(a)) for a in ragged),
         }
@@ -125,7 +125,7 @@ def run_variant(spec: dict) -> dict:
         "setup": dataclasses.asdict(s),
     }
     if dry:
-        out["ragged"] = _SKIP_RAGGED
+        out["ragged"] = SKIP_RAGGED
     parts = {
         "tokens": lambda: time_tokens(mesh, s, backends),
         "weights": lambda: time_weights(mesh, s, backends),
