@@ -24,7 +24,7 @@ from experiments.lab.output_files import write_json
 from experiments.lab.training import data
 from experiments.lab.training.build import build_model, make_mesh, place_on_mesh, train_step
 from experiments.lab.training.checkpoints import Checkpoints
-from experiments.lab.training.config import IDEAL_NOTE, TrainConfig
+from experiments.lab.training.config import IDEAL_NOTE, TrainConfig, one_ep_rank_note
 from experiments.lab.training.layer_stats import layer_record, load_profile
 from experiments.lab.training.workdir import (
     CONFIG_FILE,
@@ -165,7 +165,12 @@ def _open_run(cfg: TrainConfig, workdir, mesh, start: int, changed, num_files: i
         flush=True,
     )
     token_devices = mesh.shape["data"] * mesh.shape["expert"]
-    for note in (fallback_note(cfg, token_devices), cfg.balance == "ideal" and IDEAL_NOTE):
+    notes = (
+        one_ep_rank_note(cfg, mesh.shape["expert"], jax.device_count()),
+        fallback_note(cfg, token_devices),
+        cfg.balance == "ideal" and IDEAL_NOTE,
+    )
+    for note in notes:
         if note:
             print(note, flush=True)
 

@@ -27,6 +27,7 @@ from experiments.lab.training.config import (
     BALANCED_CAPACITY_FACTOR,
     TrainConfig,
     default_workdir,
+    one_ep_rank_note,
     parse_capacity_factor,
 )
 from experiments.lab.training.workdir import files_written, workdir_contents
@@ -223,6 +224,30 @@ def test_bad_tensor_size_is_one_line(values, message):
     with pytest.raises(ValueError, match=re.escape(message)) as err:
         TrainConfig.from_flat({"workdir": "w", **values}).check_devices(8)
     assert "\n" not in str(err.value)
+
+
+def test_one_ep_rank_with_balancing_is_one_line_or_a_note():
+    """--tensor_size=8 on 8 devices left one EP rank: the run balanced nothing and said nothing.
+    Now the flags check refuses it in one line; an explicit --ep_size=1 (one EP rank asked for)
+    runs with a note; without balancing the same mesh needs neither."""
+    message = (
+        "--tensor_size=8 leaves 1 of the 8 devices to the data x expert axes: one EP rank, "
+        "nothing for --balance=ultraep to balance; use a smaller --tensor_size, --balance=none, "
+        "or --ep_size=1 to run so anyway"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        TrainConfig.from_flat({"workdir": "w", "tensor_size": 8}).check_devices(8)
+    assert "\n" not in str(err.value)
+    for values in ({"tensor_size": 8, "ep_size": 1}, {"ep_size": 1}):
+        cfg = TrainConfig.from_flat({"workdir": "w", **values})
+        assert cfg.check_devices(8)[1] == 1
+        note = one_ep_rank_note(cfg, 1, 8)
+        assert note.startswith("note: one EP rank of 8 devices: --balance=ultraep has nothing")
+    plain = TrainConfig.from_flat({"workdir": "w", "balance": "none", "tensor_size": 8})
+    assert plain.check_devices(8)[1] == 1 and one_ep_rank_note(plain, 1, 8) == ""
+    balanced = TrainConfig.from_flat({"workdir": "w"})
+    assert one_ep_rank_note(balanced, *balanced.check_devices(8)[1:2], 8) == ""
+    assert one_ep_rank_note(balanced, 1, 1) == ""  # one device in all: nothing to say
 
 
 def test_the_execution_flags_reach_every_layer():

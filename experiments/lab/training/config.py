@@ -183,6 +183,29 @@ def _ep_size_error(ep: int, num_devices: int, tensor: int, num_experts: int) -> 
     )
 
 
+def _one_ep_rank_error(num_devices: int, tensor: int) -> str:
+    """The one line for --balance=ultraep where --tensor_size leaves the expert axis one device
+    (--ep_size=0: all it leaves): every expert on one rank, nothing to balance, and a run that
+    said nothing of it."""
+    return (
+        f"--tensor_size={tensor} leaves 1 of the {num_devices} devices to the data x expert "
+        "axes: one EP rank, nothing for --balance=ultraep to balance; use a smaller "
+        "--tensor_size, --balance=none, or --ep_size=1 to run so anyway"
+    )
+
+
+def one_ep_rank_note(cfg: TrainConfig, ep_size: int, num_devices: int) -> str:
+    """The note of a balanced run (--balance=ultraep) on one EP rank of several devices (an
+    explicit --ep_size=1: `TrainConfig.check_devices` refuses the implicit one): nothing to
+    balance; "" otherwise."""
+    if cfg.balance != "ultraep" or ep_size != 1 or num_devices == 1:
+        return ""
+    return (
+        f"note: one EP rank of {num_devices} devices: --balance=ultraep has nothing to balance "
+        "(every expert on the one EP rank; the layers run plain expert parallelism)"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run needs; `experiments.train` builds it from flags.
@@ -230,7 +253,11 @@ class TrainConfig:
         many more (0: no bound; the plans are the same for every value).
       transfer_chunks: the replica weights move as this many transfers of d_ff / n hidden
         columns each, so that XLA may overlap the transfer with the experts' matmuls (1: one
-        transfer; at most --d_ff / --tensor_size).
+        transfer; at most --d_ff / --tensor_size). Each chunk is its own transfer and slot
+        matmuls in the compiled step, so compile time and fixed costs grow with n: chunks stop
+        paying once a chunk is narrower than a kernel tile (d_ff / (tensor_size * n) < 128
+        columns) and on CPU (nothing overlaps there: keep 1); at tiny widths many chunks only
+        cost compile time.
       ranks_per_domain: EP ranks joined by fast links (the GPUs of one node), each domain that
         many consecutive ranks of the expert axis: the planner prefers targets near each expert
         and the replica weights cross the slow links once per domain that needs them; must
@@ -348,6 +375,8 @@ class TrainConfig:
             ranks_per_domain=self.ranks_per_domain,
             transfer_chunks=self.transfer_chunks,
         )
+        if self.balance == "ultraep" and sizes[1] == 1 < num_devices and self.ep_size == 0:
+            raise ValueError(_one_ep_rank_error(num_devices, sizes[2]))
         if self.batch_size % num_devices:
             raise ValueError(
                 f"--batch_size={self.batch_size} is not divisible by the {num_devices} devices"
