@@ -201,6 +201,7 @@ REFUSED = {
     "random_routing": (dict(use_random_routing=True), "use_random_routing"),
     "quantization": (dict(quantization="int8"), "quantization"),
     "activation": (dict(mlp_activations=["gelu", "tanh"]), "mlp_activations"),
+    "explicit_sharding": (dict(shard_mode="explicit"), "shard_mode=explicit"),
 }
 
 

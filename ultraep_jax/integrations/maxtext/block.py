@@ -64,6 +64,10 @@ def refusal(module, forced_routed_experts=None) -> str | None:
         (cfg.use_ring_of_experts, "use_ring_of_experts=True is MaxText's own EP strategy"),
         (name == "llama4", "Llama4's block (router scores scale the inputs) is not covered"),
         (
+            getattr(cfg.shard_mode, "value", cfg.shard_mode) != "auto",
+            f"shard_mode={getattr(cfg.shard_mode, 'value', cfg.shard_mode)} (only auto is covered)",
+        ),
+        (
             module._expert_parallelism_name != EXPERT_AXIS,
             f"the EP axis {module._expert_parallelism_name!r} (only {EXPERT_AXIS!r} is covered)",
         ),
