@@ -6,11 +6,11 @@ against plain EP (dropless, and at 1.05), busiest rank's step, on pinned rank pr
     python -m experiments.bench.breakeven --modes=prefill --tokens=64,512,4096 --skews=0,3
 
 For every mode (train: forward+backward; prefill: forward), router skew (bias toward the hot
-experts, `experiments.bench.moe`'s ``--skew``; 0: none) and tokens per rank, the three layers are
+experts, `experiments.lab.skewed_layer`'s skew; 0: none) and tokens per rank, the three layers are
 compiled and timed interleaved (medians of ``--repeats`` rounds) on ``--pinned_ranks`` processes,
 each pinned to a core of its own with one CPU device, so that the wall clock is the busiest
-rank's (a calibration line says how close). The layer shape is `experiments.bench.moe`'s flags
-(default here D=128, F=512, E=8, top-2, all hot experts on rank 0). Prints the table and the
+rank's (a calibration line says how close). The layer shape is the layer benchmarks' flags
+(`cli.define_layer_flags`; default here D=128, F=512, E=8, top-2, all hot experts on rank 0). Prints the table and the
 break-even per mode and skew (`breakeven_report`), writes ``--json_out`` and the plot ``--plot``
 (default: runs/breakeven/; ``--json_out=docs/breakeven.json --plot=docs/breakeven.png`` replaces
 the committed ones that docs/serving.md shows).
@@ -28,36 +28,25 @@ from absl import flags
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments.bench import (
-    breakeven_report,
-    moe,  # its flags: the layer's shape, the balancer, the skew
-)
-from experiments.lab import cli
+from experiments.bench import breakeven_report
+from experiments.lab import cli, skewed_layer
 from experiments.lab.concurrency import concurrency_check, concurrency_line
 from experiments.lab.output_files import write_json
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
 from experiments.lab.program import fail, run_main
 
-_TOKENS = flags.DEFINE_list(
-    "tokens",
-    [str(2**i) for i in range(6, 14)],
-    "Tokens per rank to measure (multiples of --seq_len).",
+_LAYER, _BALANCER = cli.define_layer_flags(
+    pinned_ranks=2, swept=("tokens_per_device", "skew"), **skewed_layer.BREAKEVEN_SHAPE
 )
-_SKEWS = flags.DEFINE_list("skews", ["0", "1.6", "3"], "Router skews to measure (0: none).")
-_MODES = flags.DEFINE_list("modes", ["train", "prefill"], "train and/or prefill.")
-_QUICK = flags.DEFINE_bool(
-    "quick", False, "A smoke test: tokens 64 and 256, skews 0 and 3, 3 rounds."
-)
+cli.define_sweep_flags([2**i for i in range(6, 14)], skews=True)
 _RUN = cli.run_folder("breakeven")
 _PLOT = flags.DEFINE_string(
     "plot",
     f"{_RUN}/breakeven.png",
     "Write the plot here (empty: no plot; docs/breakeven.png: the committed one).",
 )
-flags.FLAGS.set_default("d_model", 128)
-flags.FLAGS.set_default("d_ff", 512)
-flags.FLAGS.set_default("num_experts", 8)
-flags.FLAGS.set_default("pinned_ranks", 2)
+cli.define_json_out()
+cli.define_rank_flags()
 flags.FLAGS.set_default("json_out", f"{_RUN}/breakeven.json")
 
 FLAGS = flags.FLAGS
@@ -78,44 +67,41 @@ def sweep() -> tuple[list[int], list[float], list[str], int]:
     Raises:
       ValueError: one line naming a bad value.
     """
-    if _QUICK.value:
-        return [64, 256], [0.0, 3.0], list(_MODES.value), 3
+    tokens, modes, repeats = skewed_layer.sweep(
+        FLAGS.tokens, FLAGS.modes, FLAGS.repeats, FLAGS.seq_len, FLAGS.quick
+    )
+    if FLAGS.quick:
+        return tokens, list(skewed_layer.QUICK_SKEWS), modes, repeats
     try:
-        tokens = [int(t) for t in _TOKENS.value]
-        skews = [float(s) for s in _SKEWS.value]
+        skews = [float(s) for s in FLAGS.skews]
     except ValueError as err:
-        raise ValueError(f"--tokens must be integers and --skews numbers: {err}") from None
-    for t in tokens:
-        if t < 1 or t % FLAGS.seq_len:
-            raise ValueError(
-                f"--tokens={t} must be a positive multiple of --seq_len={FLAGS.seq_len}"
-            )
-    for m in _MODES.value:
-        if m not in ("train", "prefill"):
-            raise ValueError(f"--modes: {m!r} is not train or prefill")
-    return tokens, skews, list(_MODES.value), FLAGS.repeats
+        raise ValueError(f"--skews must be numbers: {err}") from None
+    return tokens, skews, modes, repeats
 
 
-def measure(mesh, mode: str, tokens: int, skew: float, repeats: int) -> dict:
-    """One point: the three layers compiled and timed interleaved (`experiments.bench.moe`)."""
-    FLAGS.mode, FLAGS.tokens_per_device, FLAGS.skew = mode, tokens, skew
+def measure(mesh, layer: skewed_layer.SkewedLayer, mode: str, repeats: int) -> dict:
+    """One point: the four layers compiled and timed interleaved (`skewed_layer`)."""
     R = mesh.size
-    x, router = moe._skewed_inputs(mesh, np.random.default_rng(FLAGS.seed), one_rank=True)
+    rng = np.random.default_rng(layer.seed)
+    x, router = skewed_layer.skewed_inputs(mesh, layer, rng, one_rank=True)
     # Always balance, whatever the layer's default fallback threshold: this finds it.
     balancer = uep.BalancerConfig(
-        num_experts=FLAGS.num_experts, ep_size=R, min_tokens_per_rank=0, **moe._BALANCER()
+        num_experts=layer.num_experts, ep_size=R, min_tokens_per_rank=0, **_BALANCER()
     )
     never = dataclasses.replace(balancer, balance_eps=NO_REPLICA_EPS)
     cf = FLAGS.capacity_factor
     layers = {
-        "balanced": moe._build(mesh, balancer, router, cf),
-        "dropless": moe._build(mesh, None, router, None),
-        "capped": moe._build(mesh, None, router, cf),
-        "no_replica": moe._build(mesh, never, router, None),
+        "balanced": skewed_layer.build(mesh, layer, balancer, router, cf),
+        "dropless": skewed_layer.build(mesh, layer, None, router, None),
+        "capped": skewed_layer.build(mesh, layer, None, router, cf),
+        "no_replica": skewed_layer.build(mesh, layer, never, router, None),
     }
-    runs = {name: moe._compile(layer, x, mode) for name, layer in layers.items()}
-    moe._time_interleaved(runs, repeats)
-    point = {"mode": mode, "skew": skew, "tokens": tokens}
+    runs = {
+        name: skewed_layer.compile_step(moe, x, mode, layer.tokens_per_device)
+        for name, moe in layers.items()
+    }
+    skewed_layer.time_interleaved(runs, repeats)
+    point = {"mode": mode, "skew": layer.skew, "tokens": layer.tokens_per_device}
     point.update({key: runs[name]["step_ms"] for name, key in LAYERS.items()})
     point["capped_dropped"] = runs["capped"]["dropped"]
     point["imbalance_before"] = runs["balanced"]["imbalance_before"]
@@ -130,7 +116,8 @@ def run() -> dict:
     """Every point of the sweep on this run's devices (every process runs it)."""
     tokens, skews, modes, repeats = sweep()
     mesh = jax.make_mesh((jax.device_count(),), ("expert",), axis_types=(AxisType.Auto,))
-    moe._check_shape(mesh.size)
+    base = skewed_layer.SkewedLayer(**_LAYER())
+    skewed_layer.check_shape(base, mesh.size, one_rank=bool(FLAGS.pinned_ranks))
     rows = FLAGS.top_k * max(tokens)
     calibration = concurrency_check(rows, FLAGS.d_model, FLAGS.d_ff)
     if jax.process_index() == 0:
@@ -139,7 +126,8 @@ def run() -> dict:
     for mode in modes:
         for skew in skews:
             for t in tokens:
-                points.append(measure(mesh, mode, t, skew, repeats))
+                layer = dataclasses.replace(base, tokens_per_device=t, skew=skew)
+                points.append(measure(mesh, layer, mode, repeats))
                 if jax.process_index() == 0:
                     p = points[-1]
                     print(
@@ -160,8 +148,8 @@ def run() -> dict:
             "hot_experts": FLAGS.hot_experts,
             "capacity_factor": FLAGS.capacity_factor,
             "repeats": repeats,
-            "quick": _QUICK.value,
-            **moe._BALANCER(),
+            "quick": FLAGS.quick,
+            **_BALANCER(),
         },
         "calibration": calibration,
         "points": points,

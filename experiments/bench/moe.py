@@ -35,48 +35,21 @@ from experiments.lab.program import fail, run_main
 
 force_cpu_devices(8, cpu_only=True)  # before JAX starts a backend (pinned ranks: 1 each)
 
-import math
-import resource
 import sys
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
-from flax import nnx
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments.lab import cli
-from experiments.lab.loads import ranks
+from experiments.lab import cli, skewed_layer
 
-_D = flags.DEFINE_integer("d_model", 64, "Token width D.")
-_F = flags.DEFINE_integer("d_ff", 128, "Expert hidden width F.")
-_E = flags.DEFINE_integer("num_experts", 16, "Experts E (divisible by the EP size).")
-_K = flags.DEFINE_integer("top_k", 2, "Experts per token.")
-_BALANCER = cli.define_balancer_flags(min_tokens_per_replica=16)
-_TOKENS = flags.DEFINE_integer("tokens_per_device", 256, "Tokens on each device.")
-_SEQ = flags.DEFINE_integer("seq_len", 64, "Sequence length (must divide tokens_per_device).")
-_HOT = flags.DEFINE_integer("hot_experts", 2, "Experts the skewed router favours.")
-_SKEW = flags.DEFINE_float("skew", 2.0, "Router bias strength toward the hot experts.")
-_CF = cli.define_capped_capacity_factor(
-    1.05, "Receive buffer of the capped layers, as a multiple of the pairs a rank routes."
-)
+_LAYER, _BALANCER = cli.define_layer_flags(pinned_ranks=0)
 _MODE = flags.DEFINE_enum(
-    "mode", "train", ["train", "prefill"], "train: forward+backward; prefill: forward only."
+    "mode", "train", list(skewed_layer.MODES), "train: forward+backward; prefill: forward only."
 )
-_REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds (medians are reported).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the inputs and parameters.")
 _JSON = cli.define_json_out()
-_PINNED = flags.DEFINE_integer(
-    "pinned_ranks",
-    0,
-    "EP ranks as this many processes, each pinned to its own core with one CPU device and at "
-    "real-time priority where the system allows it (the wall clock is then the busiest rank's); "
-    "0: 8 simulated devices in this process.",
-)
 _VERBOSE_RANKS = cli.define_verbose_ranks()
 _MALLOC = flags.DEFINE_enum(
     "malloc",
@@ -87,127 +60,7 @@ _MALLOC = flags.DEFINE_enum(
     "pinned rank processes, system otherwise.",
 )
 _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = cli.define_rank_flags()
-
-flags.register_validator("num_experts", lambda e: e > 0, "must be > 0")
-flags.register_validator("hot_experts", lambda n: n >= 0, "must be >= 0")
-flags.register_multi_flags_validator(
-    ["seq_len", "tokens_per_device"],
-    lambda v: v["seq_len"] > 0 and v["tokens_per_device"] % v["seq_len"] == 0,
-    "--seq_len must divide --tokens_per_device",
-)
-
-
-def _layer_shape() -> dict:
-    """The flags' layer shape, as ``uep.MoE`` keyword arguments."""
-    return {"d_model": _D.value, "d_ff": _F.value, "num_experts": _E.value, "top_k": _K.value}
-
-
-def hot_experts(num_experts: int, ep_size: int, count: int, one_rank: bool) -> np.ndarray:
-    """The experts the skewed router favours: the first ``count`` of rank 0 (``one_rank``), or
-    the first expert of each of ranks 0..count-1."""
-    if one_rank:
-        return np.arange(count)
-    return ranks.masters_of_ranks(num_experts, ep_size)[:count, 0]
-
-
-def _skewed_inputs(mesh, rng, one_rank: bool):
-    """x [batch, seq, D] (batch split over the mesh) and a router kernel [D, E] that sends most
-    tokens to the hot experts (x shares a direction u their columns align with)."""
-    D, E = _D.value, _E.value
-    batch = mesh.size * _TOKENS.value // _SEQ.value
-    u = rng.normal(size=D)
-    u /= np.linalg.norm(u)
-    x = rng.normal(size=(batch, _SEQ.value, D)) + 2.0 * u
-    router = rng.normal(size=(D, E)) * (2.0 / math.sqrt(D))  # logits of std ~2
-    hot = hot_experts(E, mesh.size, _HOT.value, one_rank)
-    router[:, hot] += _SKEW.value * u[:, None]
-    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    x = x.astype(np.float32)
-    # Every process makes the same x and places the rows of its own devices.
-    x = jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-    return x, router.astype(np.float32)
-
-
-def _build(mesh, balancer, router, capacity_factor, force_balanced=False):
-    """The layer with the skewed router written in."""
-    layer = uep.MoE(
-        **_layer_shape(),
-        mesh=mesh,
-        balancer=balancer,
-        capacity_factor=capacity_factor,
-        force_balanced=force_balanced,
-        rngs=nnx.Rngs(_SEED.value),
-    )
-    old = layer.router_kernel[...]
-    layer.router_kernel[...] = jax.make_array_from_callback(
-        router.shape, old.sharding, lambda index: router[index]
-    )
-    return layer
-
-
-def _step(layer, mode: str):
-    """(jitted step(params, rest, x), params, rest): forward+backward (``train``: the loss, the
-    stats and the gradient w.r.t. the parameters and x) or forward only (``prefill``: y and the
-    stats)."""
-    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-
-    def loss(params, rest, x):
-        y, stats = nnx.merge(graphdef, params, rest)(x)
-        return jnp.mean(jnp.square(y)), stats
-
-    def forward(params, rest, x):
-        y, stats = nnx.merge(graphdef, params, rest)(x)
-        return y, stats
-
-    if mode == "train":
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True)), params, rest
-    return jax.jit(forward), params, rest
-
-
-def _stats_of(out, mode: str):
-    return out[0][1] if mode == "train" else out[1]
-
-
-def _compile(layer, x, mode: str) -> dict:
-    """The layer's compiled step, its compile time and the stats of one step."""
-    step, params, rest = _step(layer, mode)
-    start = time.perf_counter()
-    compiled = step.lower(params, rest, x).compile()
-    compile_s = time.perf_counter() - start
-    stats = _stats_of(jax.block_until_ready(compiled(params, rest, x)), mode)  # warm-up
-    memory = compiled.memory_analysis()
-    return {
-        "run": lambda: compiled(params, rest, x),
-        "compile_s": compile_s,
-        # XLA:CPU allocates this block afresh on every call (one per device's program).
-        "temp_mib": memory.temp_size_in_bytes / 2**20 if memory is not None else None,
-        "buffer_rows": layer.capacity(_TOKENS.value),
-        "rank_load_before": np.asarray(stats.rank_load_before).tolist(),
-        "rank_load_after": np.asarray(stats.rank_load_after).tolist(),
-        "dropped": int(stats.dropped),
-        "replicas": int(stats.replicas),
-        "imbalance_before": float(stats.imbalance_before),
-        "imbalance_after": float(stats.imbalance_after),
-    }
-
-
-def _time_interleaved(layers: dict, repeats: int) -> None:
-    """Adds ``step_ms`` (median), ``step_ms_min`` and ``minor_faults`` (this process's minor page
-    faults per step, mean; unlike the clock, other load on the machine does not change them) to
-    each entry, timing one step of each layer per round."""
-    times = {name: [] for name in layers}
-    faults = dict.fromkeys(layers, 0)
-    for _ in range(repeats):
-        for name, r in layers.items():
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            start = time.perf_counter()
-            jax.block_until_ready(r["run"]())
-            times[name].append(time.perf_counter() - start)
-            faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    for name, r in layers.items():
-        r["step_ms"] = float(np.median(times[name])) * 1e3
-        r["step_ms_min"] = float(np.min(times[name])) * 1e3
-        r["minor_faults"] = faults[name] / repeats
+FLAGS = flags.FLAGS
 
 
 NAMES = {
@@ -293,43 +146,37 @@ RATIOS = {
 }
 
 
-def _check_shape(ep_size: int) -> None:
-    if _E.value % ep_size:
-        raise ValueError(f"--num_experts={_E.value} is not divisible by the EP size {ep_size}")
-    one_rank = bool(_PINNED.value)
-    most = _E.value // ep_size if one_rank else ep_size
-    if _HOT.value > most:
-        raise ValueError(
-            f"--hot_experts={_HOT.value} exceeds {most} "
-            f"({'experts on rank 0' if one_rank else 'one per rank'})"
-        )
-
-
 def run(pinned: bool) -> dict:
     """Builds, compiles and times the five layers on every device of this run; the results."""
     # Auto axes: the layer splits the work with shard_map itself.
     mesh = jax.make_mesh((jax.device_count(),), ("expert",), axis_types=(AxisType.Auto,))
     R = mesh.size
-    _check_shape(R)
+    layer = skewed_layer.SkewedLayer(**_LAYER())
+    skewed_layer.check_shape(layer, R, one_rank=bool(FLAGS.pinned_ranks))
     calibration = None
     if pinned:
-        rows = _K.value * _TOKENS.value
-        calibration = concurrency_check(rows, _D.value, _F.value)
-    x, router = _skewed_inputs(mesh, np.random.default_rng(_SEED.value), one_rank=pinned)
+        rows = layer.top_k * layer.tokens_per_device
+        calibration = concurrency_check(rows, layer.d_model, layer.d_ff)
+    rng = np.random.default_rng(layer.seed)
+    x, router = skewed_layer.skewed_inputs(mesh, layer, rng, one_rank=pinned)
     # Always balance (no fallback below the default threshold): this measures balancing.
     balancer = uep.BalancerConfig(
-        num_experts=_E.value, ep_size=R, min_tokens_per_rank=0, **_BALANCER()
+        num_experts=layer.num_experts, ep_size=R, min_tokens_per_rank=0, **_BALANCER()
     )
+    cf = FLAGS.capacity_factor
     layers = {
-        "plain_dropless": _build(mesh, None, router, None),
-        "plain_capped": _build(mesh, None, router, _CF.value),
-        "balanced_capped": _build(mesh, balancer, router, _CF.value),
-        "balanced_dropless": _build(mesh, balancer, router, None),
+        "plain_dropless": skewed_layer.build(mesh, layer, None, router, None),
+        "plain_capped": skewed_layer.build(mesh, layer, None, router, cf),
+        "balanced_capped": skewed_layer.build(mesh, layer, balancer, router, cf),
+        "balanced_dropless": skewed_layer.build(mesh, layer, balancer, router, None),
         # The force-balanced ideal: the router's pairs spread evenly, no balancing cost.
-        "ideal_capped": _build(mesh, None, router, _CF.value, force_balanced=True),
+        "ideal_capped": skewed_layer.build(mesh, layer, None, router, cf, force_balanced=True),
     }
-    runs = {name: _compile(layer, x, _MODE.value) for name, layer in layers.items()}
-    _time_interleaved(runs, _REPEATS.value)
+    runs = {
+        name: skewed_layer.compile_step(moe, x, _MODE.value, layer.tokens_per_device)
+        for name, moe in layers.items()
+    }
+    skewed_layer.time_interleaved(runs, FLAGS.repeats)
     for r in runs.values():
         del r["run"]
     res = {
@@ -337,15 +184,15 @@ def run(pinned: bool) -> dict:
             "device": str(jax.devices()[0].device_kind),
             "devices": jax.device_count(),
             "ep_size": R,
-            "pinned_ranks": _PINNED.value,
+            "pinned_ranks": FLAGS.pinned_ranks,
             "mode": _MODE.value,
-            **_layer_shape(),
+            **layer.shape,
             **_BALANCER(),
-            "tokens_per_device": _TOKENS.value,
-            "capacity_factor": _CF.value,
-            "hot_experts": _HOT.value,
-            "skew": _SKEW.value,
-            "repeats": _REPEATS.value,
+            "tokens_per_device": layer.tokens_per_device,
+            "capacity_factor": cf,
+            "hot_experts": layer.hot_experts,
+            "skew": layer.skew,
+            "repeats": FLAGS.repeats,
             "malloc": _malloc_mode(),
         },
         "runs": runs,
@@ -367,10 +214,11 @@ def _malloc_mode() -> str:
 def main(argv):
     """Starts the pinned rank processes (``--pinned_ranks``), or runs the benchmark in this
     process (one of them) and, on the first, prints the tables and writes ``--json_out``."""
-    if _PINNED.value and _NUM_PROCESSES.value == 1:
+    pinned = FLAGS.pinned_ranks
+    if pinned and _NUM_PROCESSES.value == 1:
         try:
             code = launch_pinned_ranks(
-                _PINNED.value, "experiments.bench.moe", sys.argv[1:], _VERBOSE_RANKS.value
+                pinned, "experiments.bench.moe", sys.argv[1:], _VERBOSE_RANKS.value
             )
         except ValueError as err:
             fail(err)
@@ -379,9 +227,9 @@ def main(argv):
         keep_freed_memory()  # time the kernels, not the page faults
     try:
         start_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-        if _PINNED.value and jax.device_count() != _PINNED.value:
-            raise ValueError(f"--pinned_ranks={_PINNED.value} found {jax.device_count()} devices")
-        res = run(pinned=bool(_PINNED.value))
+        if pinned and jax.device_count() != pinned:
+            raise ValueError(f"--pinned_ranks={pinned} found {jax.device_count()} devices")
+        res = run(pinned=bool(pinned))
     except ValueError as err:
         fail(err)
     if jax.process_index() == 0:

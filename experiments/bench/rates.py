@@ -6,9 +6,9 @@
     python -m experiments.bench.rates --parts=rest --json_out=experiments/results/rates_cpu.json
 
 The break-even's layers (`experiments.bench.breakeven`: D=128, F=512, E=8, top-2, EP=2 as two
-pinned processes) take their time from a few rates, each measured here on its own, so that the
-step model (`experiments.stepmodel_programs.pinned`) predicts their ratios without being fitted
-to them:
+pinned processes; `experiments.lab.skewed_layer`) take their time from a few rates, each measured
+here on its own, so that the step model (`experiments.stepmodel_programs.pinned`) predicts their
+ratios without being fitted to them:
 
   experts      the tiled expert kernel (`experts.registry.grouped_glu`, what the layer runs on
                CPU) on one rank's buffer of C rows with ``rows`` of them in ``groups`` groups,
@@ -53,13 +53,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType
 
 import ultraep_jax as uep
-from experiments.bench import (
-    breakeven,  # the layer's shape and sweep flags (--tokens, --modes)
-    moe,
-    step_rest,
-)
+from experiments.bench import step_rest
 from experiments.bench.rates_file import PARTS, merged
-from experiments.lab import cli
+from experiments.lab import cli, skewed_layer
 from experiments.lab.concurrency import concurrency_check, concurrency_line
 from experiments.lab.output_files import write_json
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
@@ -69,10 +65,15 @@ from experiments.lab.walltime import median_seconds, seconds_per_plan
 from models.presets import PRESETS
 from ultraep_jax import tools
 
+# The break-even's layer (bench.breakeven's shape, ranks and buffer), its tokens and modes.
+_LAYER, _BALANCER = cli.define_layer_flags(
+    pinned_ranks=2, swept=("tokens_per_device", "skew"), repeats=5, **skewed_layer.BREAKEVEN_SHAPE
+)
+cli.define_sweep_flags([256, 1024, 2048, 4096, 8192], skews=False)
+cli.define_json_out()
+cli.define_rank_flags()
 # experiments/results/rates_cpu.json, which the step model's tests read, only when named.
 flags.FLAGS.set_default("json_out", f"{cli.run_folder('rates')}/rates_cpu.json")
-flags.FLAGS.set_default("tokens", ["256", "1024", "2048", "4096", "8192"])
-flags.FLAGS.set_default("repeats", 5)
 FLAGS = flags.FLAGS
 _PARTS = flags.DEFINE_list("parts", list(PARTS), f"Parts to measure, of {', '.join(PARTS)}.")
 flags.register_validator(
@@ -172,7 +173,7 @@ def stage_points(mode: str, tokens: list[int], repeats: int, replicas: int) -> l
     ``replicas`` (0 or 1) replicas, every rank at the same rows, over the buffers and rows of
     `expert_points`; a replica's slot takes an even share of the rows."""
     D, F, K, R = FLAGS.d_model, FLAGS.d_ff, FLAGS.top_k, jax.device_count()
-    em, slots = FLAGS.num_experts // R, moe._BALANCER()["slots_per_rank"]
+    em, slots = FLAGS.num_experts // R, _BALANCER()["slots_per_rank"]
     mesh = jax.make_mesh((R,), ("x",), axis_types=(AxisType.Explicit,))
     sharding = jax.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     slot_expert = np.full((R, slots), -1, np.int32)
@@ -222,7 +223,7 @@ def planner_seconds(repeats: int) -> float:
     """Seconds per `uep.plan` call on a skewed [R, E] load with the layer's capacity
     (`walltime.seconds_per_plan`): what each rank runs per layer in the balanced programs."""
     R, E = jax.device_count(), FLAGS.num_experts
-    cfg = uep.BalancerConfig(num_experts=E, ep_size=R, min_tokens_per_rank=0, **moe._BALANCER())
+    cfg = uep.BalancerConfig(num_experts=E, ep_size=R, min_tokens_per_rank=0, **_BALANCER())
     loads = np.full((R, E), 256, np.int32)
     loads[:, : FLAGS.hot_experts] *= 4
     capacity = math.ceil(FLAGS.capacity_factor * int(loads.sum()) // R)
@@ -232,18 +233,18 @@ def planner_seconds(repeats: int) -> float:
 def layer_points(mode: str, tokens: list[int], repeats: int) -> list[dict]:
     """The plain layers (dropless, capacity factor 1.05) with an unbiased router at each
     ``tokens``: their step (busiest rank's clock), buffer rows and busiest rank's rows."""
-    FLAGS.skew = 0.0
     mesh = jax.make_mesh((jax.device_count(),), ("expert",), axis_types=(AxisType.Auto,))
     out = []
     for t in tokens:
-        FLAGS.mode, FLAGS.tokens_per_device = mode, t
-        x, router = moe._skewed_inputs(mesh, np.random.default_rng(FLAGS.seed), one_rank=True)
+        layer = skewed_layer.SkewedLayer(**_LAYER(), tokens_per_device=t, skew=0.0)
+        rng = np.random.default_rng(layer.seed)
+        x, router = skewed_layer.skewed_inputs(mesh, layer, rng, one_rank=True)
         layers = {
-            "dropless": moe._build(mesh, None, router, None),
-            "capped": moe._build(mesh, None, router, FLAGS.capacity_factor),
+            "dropless": skewed_layer.build(mesh, layer, None, router, None),
+            "capped": skewed_layer.build(mesh, layer, None, router, FLAGS.capacity_factor),
         }
-        runs = {name: moe._compile(layer, x, mode) for name, layer in layers.items()}
-        moe._time_interleaved(runs, repeats)
+        runs = {name: skewed_layer.compile_step(moe, x, mode, t) for name, moe in layers.items()}
+        skewed_layer.time_interleaved(runs, repeats)
         for name, r in runs.items():
             rows = min(r["buffer_rows"], max(r["rank_load_before"]))
             out.append(
@@ -260,7 +261,9 @@ def layer_points(mode: str, tokens: list[int], repeats: int) -> list[dict]:
 
 def measure() -> dict:
     """Every layer rate of the module docstring on this run's ranks (every process runs it)."""
-    tokens, _, modes, repeats = breakeven.sweep()
+    tokens, modes, repeats = skewed_layer.sweep(
+        FLAGS.tokens, FLAGS.modes, FLAGS.repeats, FLAGS.seq_len, FLAGS.quick
+    )
     out = {"a2a": a2a_points(tokens, repeats), "modes": {}}
     multihost_utils.sync_global_devices("rates:collectives")
     out["planner_s"] = planner_seconds(repeats)
@@ -305,7 +308,8 @@ def main(argv):
         sys.exit(code)
     keep_freed_memory()  # as the break-even's ranks: time the kernels, not page faults
     start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-    moe._check_shape(jax.device_count())
+    layer = skewed_layer.SkewedLayer(**_LAYER())
+    skewed_layer.check_shape(layer, jax.device_count(), one_rank=bool(FLAGS.pinned_ranks))
     cal = concurrency_check(FLAGS.top_k * 8192, FLAGS.d_model, FLAGS.d_ff)
     parts = list(_PARTS.value)
     rates = measure() if "layer" in parts else {}

@@ -22,13 +22,14 @@ slows every mode alike). For each training case of ``--train_cases`` (a router o
   softmax     the softmax router on ``--data`` (default: the trainer's corpus, the standard
               library's .py files)
   sigmoid     DeepSeek-V3's sigmoid router with the aux-loss-free bias, on ``--data``
-  skewed      the softmax router on a mix of its own (`CASE_DATA`): the standard library's
-              top-level modules ``s[t-z]*.py``, stat.py to sysconfig.py, of which 40 steps of
-              32 x 128 bytes read stat, statistics, string, stringprep (Unicode tables), struct
-              and most of subprocess. On this text the router, as it trains, sends 76 % / 84 %
-              of its pairs per layer to one EP2 rank (max/mean 1.52 / 1.68 plain; the whole
-              corpus: 1.22 / 1.35), the largest of the mixes tried (docs/results.md: found by
-              measuring, not predicted); ``--data`` with it is an error
+  skewed      the softmax router on a mix of its own (`step_cases.CASE_DATA`): the standard
+              library's top-level modules ``s[t-z]*.py``, stat.py to sysconfig.py, of which 40
+              steps of 32 x 128 bytes read stat, statistics, string, stringprep (Unicode
+              tables), struct and most of subprocess. On this text the router, as it trains,
+              sends 76 % / 84 % of its pairs per layer to one EP2 rank (max/mean 1.52 / 1.68
+              plain; the whole corpus: 1.22 / 1.35), the largest of the mixes tried
+              (docs/results.md: found by measuring, not predicted); ``--data`` with it is an
+              error
 
 it reports each mode's busiest-rank median step time (the median over
 rounds of each run's median step, with the rounds' min-max), tokens/s, pairs dropped, per-layer
@@ -51,7 +52,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import pathlib
 import shlex
 import shutil
@@ -67,9 +67,11 @@ from experiments.bench.step_report import (
     plot,
     print_case,
 )
+from experiments.lab import cli
 from experiments.lab.output_files import write_json
 from experiments.lab.program import run_main
 from experiments.lab.records import read_metrics
+from experiments.lab.step_cases import CASES, CORPUS_BYTES, MODES, case_data
 from experiments.lab.stepmodel.layer import expert_fwd_flops
 from experiments.lab.training.config import (
     IDEAL_NOTE,
@@ -79,28 +81,7 @@ from experiments.lab.training.config import (
 )
 from experiments.lab.training.data import default_corpus_root
 from models.moe_lm import ModelConfig
-from models.presets import PRESETS
 
-#: The four modes: the trainer's flags of each.
-MODES = {
-    "ideal": ("--balance=ideal",),
-    "balanced": ("--balance=ultraep",),
-    "plain": ("--balance=none", "--capacity_factor=none"),
-    "plain@1.25": ("--balance=none", "--capacity_factor=1.25"),
-}
-#: The training cases (a router on a text): the trainer's flags of each.
-CASES = {
-    "softmax": ("--router=softmax",),
-    "sigmoid": ("--router=sigmoid",),
-    "skewed": ("--router=softmax",),
-}
-#: Cases that train on a text mix of their own: a glob under the Python standard library's
-#: folder (`default_corpus_root`, resolved at run time: the same files wherever this Python is).
-#: The other cases read --data (default: the trainer's corpus, the standard library's .py files).
-CASE_DATA = {"skewed": "s[t-z]*.py"}
-#: The text each run reads at most: more than 40 steps of 32 x 128 bytes (a smaller text is read
-#: again from its start).
-CORPUS_BYTES = 2 << 20
 #: Flags the benchmark sets itself: --train_flags may not give them.
 _OWN_FLAGS = (
     "balance",
@@ -114,35 +95,13 @@ _OWN_FLAGS = (
     "data",
 )
 
-_PINNED = flags.DEFINE_integer(
-    "pinned_ranks",
-    2,
-    "EP ranks as this many pinned processes per run (experiments.train --pinned_ranks; the clock "
-    "is the busiest rank's); 0: 8 simulated devices in one process (the clock is the total work).",
-)
-_ROUNDS = flags.DEFINE_integer("rounds", 5, "Alternated rounds (medians over them).")
-_STEPS = flags.DEFINE_integer("steps", 40, "Steps per run (the first compiles: untimed).")
+cli.define_step_case_flags(modes=MODES, cases=["softmax"], rounds=5)
 _PROFILE = flags.DEFINE_integer(
     "profile_steps",
     3,
     "The last steps of each run traced to split the step into terms (experiments.train "
     "--profile_steps; left out of the median step time); at most --steps - 2, and only with "
     "--pinned_ranks (one device per process). 0: no split.",
-)
-_PRESET = flags.DEFINE_enum("preset", "moe_heavy", sorted(PRESETS), "Model preset.")
-_BATCH = flags.DEFINE_integer("batch_size", 32, "Global batch (sequences).")
-_SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed (the same in every run).")
-_DATA = flags.DEFINE_string(
-    "data",
-    None,
-    "Training text (experiments.train --data) of the cases without a text of their own.",
-)
-_MODES = flags.DEFINE_list("modes", list(MODES), f"Modes to run, of {', '.join(MODES)}.")
-_CASES = flags.DEFINE_list(
-    "train_cases",
-    ["softmax"],
-    f"Training cases, each a router on a text, of {', '.join(CASES)} (skewed: the softmax "
-    "router on a text of its own that skews it more).",
 )
 _TRAIN_FLAGS = flags.DEFINE_string(
     "train_flags", "", "More experiments.train flags for every run, e.g. '--d_model=64 --top_k=4'."
@@ -158,31 +117,19 @@ _REPORT_ONLY = flags.DEFINE_bool(
 )
 #: The flags the JSON records as the run's settings.
 _SETTINGS = (
-    _PINNED,
-    _ROUNDS,
-    _STEPS,
-    _PROFILE,
-    _PRESET,
-    _BATCH,
-    _SEED,
-    _DATA,
-    _MODES,
-    _CASES,
-    _TRAIN_FLAGS,
+    "pinned_ranks",
+    "rounds",
+    "steps",
+    "profile_steps",
+    "preset",
+    "batch_size",
+    "seed",
+    "data",
+    "modes",
+    "train_cases",
+    "train_flags",
 )
-
-
-def _check_names(kind: str, known):
-    def check(names):
-        unknown = [n for n in names if n not in known]
-        if unknown or not names:
-            raise flags.ValidationError(
-                f"unknown {kind} {', '.join(unknown) or '(none given)'}; expected some of "
-                f"{', '.join(known)}"
-            )
-        return True
-
-    return check
+FLAGS = flags.FLAGS
 
 
 def _check_train_flags(text: str) -> bool:
@@ -204,35 +151,13 @@ def _check_profile(values: dict) -> bool:
     return True
 
 
-def _check_data_and_cases(values: dict) -> bool:
-    own = [c for c in values["train_cases"] or () if c in CASE_DATA]
-    if values["data"] is not None and own:
-        raise flags.ValidationError(
-            f"--data conflicts with case {', '.join(own)}, which trains on its own mix "
-            f"({'; '.join(CASE_DATA[c] for c in own)} under the standard library's folder): "
-            "run that case without --data"
-        )
-    return True
-
-
-flags.register_validator("modes", _check_names("mode", MODES))
-flags.register_validator("train_cases", _check_names("case", CASES))
-flags.register_multi_flags_validator(["data", "train_cases"], _check_data_and_cases)
 flags.register_validator("train_flags", _check_train_flags)
-flags.register_validator("rounds", lambda v: v >= 1, "must be >= 1")
-flags.register_validator("steps", lambda v: v >= 2, "must be >= 2 (the first step compiles)")
 flags.register_multi_flags_validator(["steps", "profile_steps", "pinned_ranks"], _check_profile)
-flags.register_validator(
-    "pinned_ranks",
-    lambda v: 0 <= v <= len(os.sched_getaffinity(0)),
-    f"must be 0 (simulated devices) or at most the {len(os.sched_getaffinity(0))} cores this "
-    "process may use (a pinned rank takes a core of its own)",
-)
 
 
 def clock_text() -> str:
     """Whose clock the step times are: the busiest pinned rank's, or simulated devices' total."""
-    return "busiest rank's" if _PINNED.value else "8 simulated devices' (total work)"
+    return "busiest rank's" if FLAGS.pinned_ranks else "8 simulated devices' (total work)"
 
 
 def rotated(names: list[str], offset: int) -> list[str]:
@@ -241,24 +166,16 @@ def rotated(names: list[str], offset: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def case_data(case: str) -> str | None:
-    """The ``--data`` the runs of ``case`` read: its own mix (`CASE_DATA`, a glob made absolute
-    under `default_corpus_root`), else ``--data`` (None: the trainer's default corpus)."""
-    if case in CASE_DATA:
-        return str(default_corpus_root() / CASE_DATA[case])
-    return _DATA.value
-
-
 def train_command(case: str, mode: str, workdir: pathlib.Path) -> list[str]:
     """The trainer's command line for one run of ``mode`` in ``case``."""
-    steps = _STEPS.value
-    cmd = [sys.executable, "-m", "experiments.train", f"--pinned_ranks={_PINNED.value}"]
-    cmd += [f"--workdir={workdir}", f"--preset={_PRESET.value}", f"--steps={steps}"]
-    cmd += [f"--batch_size={_BATCH.value}", f"--seed={_SEED.value}", "--eval_batches=1"]
+    steps = FLAGS.steps
+    cmd = [sys.executable, "-m", "experiments.train", f"--pinned_ranks={FLAGS.pinned_ranks}"]
+    cmd += [f"--workdir={workdir}", f"--preset={FLAGS.preset}", f"--steps={steps}"]
+    cmd += [f"--batch_size={FLAGS.batch_size}", f"--seed={FLAGS.seed}", "--eval_batches=1"]
     cmd += [f"--profile_steps={_PROFILE.value}"]
     # Evaluate and checkpoint only after the last step.
     cmd += [f"--eval_every={steps}", f"--checkpoint_every={steps}", f"--print_every={steps}"]
-    data = case_data(case)
+    data = case_data(case, FLAGS.data, default_corpus_root())
     cmd += [f"--max_corpus_bytes={CORPUS_BYTES}"] + ([f"--data={data}"] if data else [])
     return cmd + [*CASES[case], *MODES[mode], *shlex.split(_TRAIN_FLAGS.value)]
 
@@ -307,7 +224,7 @@ def read_finished(case: str, mode: str, workdir: pathlib.Path) -> tuple[dict, di
 def run_rounds(out: pathlib.Path) -> tuple[dict[str, list[dict]], dict]:
     """Every case's rounds (each ``{mode: read_run figures}``), the modes rotated each round,
     and the first run's configuration; trained afresh, or read back with ``--report_only``."""
-    modes, cases, rounds = list(_MODES.value), list(_CASES.value), _ROUNDS.value
+    modes, cases, rounds = list(FLAGS.modes), list(FLAGS.train_cases), FLAGS.rounds
     results, config = {case: [] for case in cases}, None
     for r in range(rounds):
         for case in cases:
@@ -349,7 +266,7 @@ def main(argv):
         print(f"error: unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
         sys.exit(2)
     out = pathlib.Path(_OUT.value)
-    ideal = "ideal" in _MODES.value
+    ideal = "ideal" in FLAGS.modes
     if ideal:
         print(IDEAL_NOTE, flush=True)
     try:
@@ -361,10 +278,13 @@ def main(argv):
     report = {
         "command": shlex.join(["python", "-m", "experiments.bench.step", *sys.argv[1:]]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "settings": {f.name: f.value for f in _SETTINGS},
+        "settings": {name: FLAGS[name].value for name in _SETTINGS},
         "flop_shares": flop_shares(model, config["seq_len"]),
         "cases": {
-            case: {"data": case_data(case), **case_report(rounds)}
+            case: {
+                "data": case_data(case, FLAGS.data, default_corpus_root()),
+                **case_report(rounds),
+            }
             for case, rounds in results.items()
         },
         "calibration": calibration_summary(results),
@@ -373,7 +293,7 @@ def main(argv):
     shares = ", ".join(f"{k} {v:.1%}" for k, v in report["flop_shares"].items() if v)
     print(f"\nthe step's FLOPs by part (from the shapes): {shares}", flush=True)
     for case, data in report["cases"].items():
-        print_case(case, data, clock_text(), _ROUNDS.value)
+        print_case(case, data, clock_text(), FLAGS.rounds)
     if report["calibration"]:
         print(report["calibration"]["line"])
     json_path, png_path = out / "bench_step.json", out / "bench_step.png"

@@ -6,16 +6,16 @@ one pair of pinned ranks.
 
 `experiments.bench.step` trains each mode as a run of its own, in processes of its own; where a
 machine's runs differ by tens of percent from one start to the next (cores shared with other
-machines, the processes' placement), that noise hides a gap of a few percent. Here both models
-of a case (``--modes``, default the ideal and balanced; `experiments.bench.step`'s modes and
-cases, its flags) are built in the same ``--pinned_ranks`` processes from the same seed and
-train on the same batches, one step of each in turn (the order rotating each step), each step
-timed as the trainer times it (the jitted step, the loss read back, the layers' figures read
-back). The first step of each model compiles and is left out. Per case and round: each mode's
-median step, and every other mode's step over balanced's as the median over steps of that ratio
-(the ideal's: balanced's percentage of the ideal; plain's: balanced's speed-up); over rounds, the
-median of those. The processes are the same for both modes,
-so what differs between them is their programs.
+machines, the processes' placement), that noise hides a gap of a few percent. Here both models of a
+case (``--modes``, default the ideal and balanced; `experiments.bench.step`'s modes and cases and
+their flags, `experiments.lab.step_cases`) are built in the same ``--pinned_ranks`` processes from
+the same seed and train on the same batches, one step of each in turn (the order rotating each
+step), each step timed as the trainer times it (the jitted step, the loss read back, the layers'
+figures read back). The first step of each model compiles and is left out. Per case and round: each
+mode's median step, and every other mode's step over balanced's as the median over steps of that
+ratio (the ideal's: balanced's percentage of the ideal; plain's: balanced's speed-up); over rounds,
+the median of those. The processes are the same for both modes, so what differs between them is
+their programs.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments.bench import step as bench_step  # its cases, modes and flags
-from experiments.lab import cli
+from experiments.lab import cli, step_cases
 from experiments.lab.concurrency import concurrency_check, concurrency_line
 from experiments.lab.output_files import write_json
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
@@ -43,10 +42,7 @@ from experiments.lab.training.config import TrainConfig
 from models.presets import preset
 
 FLAGS = flags.FLAGS
-FLAGS.set_default("train_cases", list(bench_step.CASES))
-FLAGS.set_default("modes", ["ideal", "balanced"])
-FLAGS.set_default("rounds", 3)
-FLAGS.set_default("profile_steps", 0)  # nothing here is profiled
+cli.define_step_case_flags(modes=["ideal", "balanced"], cases=step_cases.CASES, rounds=3)
 _JSON = cli.define_json_out()
 _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = cli.define_rank_flags()
 
@@ -54,16 +50,15 @@ _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = cli.define_rank_flags()
 def case_config(case: str, mode: str) -> TrainConfig:
     """The trainer's configuration of ``mode`` in ``case``, as `bench.step` runs it."""
     chosen = preset(FLAGS.preset)
-    given = dict(
-        flag[2:].split("=", 1) for flag in (*bench_step.CASES[case], *bench_step.MODES[mode])
-    )
+    flat = (*step_cases.CASES[case], *step_cases.MODES[mode])
+    given = dict(flag[2:].split("=", 1) for flag in flat)
     values = {
         **given,
         "steps": FLAGS.steps,
         "batch_size": FLAGS.batch_size,
         "seed": FLAGS.seed,
-        "max_corpus_bytes": bench_step.CORPUS_BYTES,
-        "data": bench_step.case_data(case),
+        "max_corpus_bytes": step_cases.CORPUS_BYTES,
+        "data": step_cases.case_data(case, FLAGS.data, data.default_corpus_root()),
         "slots_per_rank": chosen.slots_per_rank,
     }
     if "capacity_factor" in values:
@@ -174,7 +169,7 @@ def main(argv):
         if not FLAGS.pinned_ranks:
             fail("--pinned_ranks=0: this benchmark times pinned ranks only (use 2 or more)")
         # The rank processes parse these flags again on one core each: --pinned_ranks=0 there
-        # passes bench.step's check of the cores (they never launch).
+        # passes the check of the cores (they never launch).
         argv = [*sys.argv[1:], "--pinned_ranks=0"]
         try:
             code = launch_pinned_ranks(FLAGS.pinned_ranks, "experiments.bench.step_pair", argv)

@@ -1,5 +1,7 @@
 """The experiments' flags: absl flags made from a configuration dataclass's fields, and the flags
-several programs share (the balancer's, ``--json_out``, ``--traces_dir``).
+several programs share (the balancer's, ``--json_out``, ``--traces_dir``, the layer benchmarks'
+and their sweep's, the whole-step benchmarks'): a program takes its shared flags from here, never
+from another program.
 
 A field's flag has the field's name, its default, the type of its annotation (``int``, ``float``,
 ``str``, ``bool``, or one of them ``| None``) and, as help, the field's entry in the ``Attributes:``
@@ -20,14 +22,13 @@ module, plus a dependency.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
-import re
-import types
-import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 
 from absl import flags
+
+from experiments.lab.dataclass_fields import all_fields, flag_fields, scalar_type
 
 # The flags defined here belong to the module calling `define_flags` (--helpshort lists them
 # there), as if it had called DEFINE_* itself.
@@ -35,12 +36,15 @@ flags.disclaim_key_flags()
 
 __all__ = [
     "AUTO",
-    "attribute_help",
     "check_capacity_factor",
     "define_capped_capacity_factor",
     "define_balancer_flags",
     "define_flags",
     "define_json_out",
+    "define_layer_flags",
+    "define_rank_flags",
+    "define_step_case_flags",
+    "define_sweep_flags",
     "define_traces_dir",
     "define_verbose_ranks",
     "flag_text",
@@ -55,7 +59,6 @@ _DEFINE = {
     float: flags.DEFINE_float,
     str: flags.DEFINE_string,
 }
-_ENTRY = re.compile(r"(\w+):\s*(.*)")
 #: The BalancerConfig fields a benchmark sets from the command line (the sizes come from its setup).
 _BALANCER_FIELDS = ("slots_per_rank", "min_tokens_per_replica", "balance_eps")
 
@@ -151,81 +154,6 @@ def define_capped_capacity_factor(
     )
 
 
-def attribute_help(cls) -> dict[str, str]:
-    """``{name: text}`` of the ``Attributes:`` section of ``cls``'s docstring (Google style:
-    ``name: text`` lines, continued on more deeply indented lines; double backquotes dropped)."""
-    lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
-    if "Attributes:" not in lines:
-        return {}
-    out: dict[str, list[str]] = {}
-    indent, name = None, None
-    for line in lines[lines.index("Attributes:") + 1 :]:
-        if not line.strip():
-            continue
-        depth = len(line) - len(line.lstrip())
-        indent = depth if indent is None else indent
-        if depth < indent or depth == 0:
-            break  # the section ended
-        entry = _ENTRY.fullmatch(line.strip()) if depth == indent else None
-        if entry:
-            name = entry.group(1)
-            out[name] = [entry.group(2)]
-        elif name is not None:
-            out[name].append(line.strip())
-    return {key: " ".join(words).replace("``", "") for key, words in out.items()}
-
-
-def _flat_fields(cls, only: Iterable[str] | None) -> Iterator[tuple[str, type, object, str]]:
-    """``(name, type, default, help)`` of every flag of ``cls``, nested dataclasses flattened;
-    only the fields named in ``only`` when it is given.
-
-    Raises:
-      TypeError: a field has no docstring entry, or an annotation that is not one type or one
-        type ``| None``.
-      ValueError: ``only`` names a field ``cls`` does not have.
-    """
-    fields = list(_all_fields(cls))
-    if only is not None:
-        only = list(only)
-        unknown = sorted(set(only) - {field[0] for field in fields})
-        if unknown:
-            raise ValueError(f"no flag for {cls.__name__} field(s) {unknown}")
-        fields = [field for field in fields if field[0] in only]
-    for name, hint, default, help_text, owner in fields:
-        if help_text is None:
-            raise TypeError(f"{owner}.{name} has no entry under Attributes:")
-        yield name, hint, default, help_text[:1].upper() + help_text[1:]
-
-
-def _all_fields(cls) -> Iterator[tuple[str, type, object, str | None, str]]:
-    """``(name, type, default, help or None, class name)`` of every field of ``cls``, nested
-    dataclasses flattened."""
-    hints = typing.get_type_hints(cls)
-    docs = attribute_help(cls)
-    for field in dataclasses.fields(cls):
-        hint = hints[field.name]
-        if dataclasses.is_dataclass(hint):
-            yield from _all_fields(hint)
-            continue
-        if field.default is not dataclasses.MISSING:
-            default = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            default = field.default_factory()
-        else:
-            default = None
-        yield field.name, hint, default, docs.get(field.name), cls.__name__
-
-
-def _scalar_type(name: str, hint) -> type:
-    """``int`` for ``int`` or ``int | None``, and so on; TypeError for anything else."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = args[0] if len(args) == 1 else hint
-    if hint not in _DEFINE:
-        raise TypeError(f"field {name}: no flag type for {hint!r}; give it a parser")
-    return hint
-
-
 def flag_text(value) -> str:
     """A configuration value as it is written on the command line (``none`` for None)."""
     return "none" if value is None else str(value)
@@ -253,7 +181,7 @@ def define_flags(
       flags.DuplicateFlagError: two fields, or a field and an existing flag, share a name.
     """
     parsers, defaults, helps = parsers or {}, defaults or {}, helps or {}
-    fields = list(_flat_fields(cls, only))
+    fields = list(flag_fields(cls, only))
     unknown = sorted((set(defaults) | set(helps)) - {name for name, *_ in fields})
     if unknown:
         raise ValueError(f"no flag for {cls.__name__} field(s) {unknown}")
@@ -262,7 +190,7 @@ def define_flags(
         if name in parsers:
             flags.DEFINE_string(name, flag_text(default), help_text, flag_values=flag_values)
         else:
-            define = _DEFINE[_scalar_type(name, hint)]
+            define = _DEFINE[scalar_type(name, hint)]
             define(name, default, help_text, flag_values=flag_values)
     names = [name for name, *_ in fields]
     return lambda: _read(names, parsers, flag_values, given_only=False)
@@ -275,7 +203,7 @@ def given_values(
 ) -> dict[str, object]:
     """``{name: value}`` of the flags of ``cls`` that the command line set, by flat name, with
     ``parsers`` applied (a parser's ValueError propagates)."""
-    names = [name for name, *_ in _all_fields(cls)]
+    names = [name for name, *_ in all_fields(cls)]
     return _read(names, parsers or {}, flag_values, given_only=True)
 
 
@@ -336,4 +264,115 @@ def define_traces_dir() -> flags.FlagHolder:
         "traces_dir",
         str(traces.default_traces_dir()),
         "Folder holding the real expert-load traces (one folder per trace).",
+    )
+
+
+def define_layer_flags(
+    *, pinned_ranks: int, swept: Iterable[str] = (), repeats: int = 15, **defaults
+) -> tuple[Callable[[], dict], Callable[[], dict]]:
+    """The flags of the skewed-router layer benchmarks (`experiments.lab.skewed_layer`): one per
+    `SkewedLayer` field but those the program sweeps itself (``swept``; ``defaults`` replace
+    fields' defaults), the balancer's (`define_balancer_flags`, at least 16 tokens a replica),
+    ``--capacity_factor`` (auto: 1.05; never none), ``--repeats`` and ``--pinned_ranks``.
+
+    Returns (the flags' `SkewedLayer` keywords, the balancer's `BalancerConfig` keywords).
+    """
+    from experiments.lab.skewed_layer import SkewedLayer
+
+    fields = [f.name for f in dataclasses.fields(SkewedLayer) if f.name not in set(swept)]
+    layer = define_flags(SkewedLayer, only=fields, defaults=defaults)
+    balancer = define_balancer_flags(min_tokens_per_replica=16)
+    define_capped_capacity_factor(
+        1.05, "Receive buffer of the capped layers, as a multiple of the pairs a rank routes."
+    )
+    flags.DEFINE_integer("repeats", repeats, "Timed rounds (medians are reported).")
+    flags.DEFINE_integer(
+        "pinned_ranks",
+        pinned_ranks,
+        "EP ranks as this many processes, each pinned to its own core with one CPU device and at "
+        "real-time priority where the system allows it (the wall clock is then the busiest "
+        "rank's); 0: 8 simulated devices in this process.",
+    )
+    flags.register_validator("num_experts", lambda e: e > 0, "must be > 0")
+    flags.register_validator("hot_experts", lambda n: n >= 0, "must be >= 0")
+    if "tokens_per_device" in fields:
+        flags.register_multi_flags_validator(
+            ["seq_len", "tokens_per_device"],
+            lambda v: v["seq_len"] > 0 and v["tokens_per_device"] % v["seq_len"] == 0,
+            "--seq_len must divide --tokens_per_device",
+        )
+    return layer, balancer
+
+
+def define_sweep_flags(tokens: Iterable[int], skews: bool) -> None:
+    """``--tokens`` (default ``tokens``), ``--modes``, ``--quick`` and, with ``skews``,
+    ``--skews``: a layer benchmark's sweep (`skewed_layer.sweep` reads them)."""
+    from experiments.lab import skewed_layer as sl
+
+    flags.DEFINE_list(
+        "tokens", [str(t) for t in tokens], "Tokens per rank to measure (multiples of --seq_len)."
+    )
+    flags.DEFINE_list("modes", list(sl.MODES), "train and/or prefill.")
+    quick = " and ".join(map(str, sl.QUICK_TOKENS))
+    if skews:
+        flags.DEFINE_list("skews", ["0", "1.6", "3"], "Router skews to measure (0: none).")
+        quick += ", skews " + " and ".join(f"{s:g}" for s in sl.QUICK_SKEWS)
+    flags.DEFINE_bool("quick", False, f"A smoke test: tokens {quick}, {sl.QUICK_REPEATS} rounds.")
+
+
+def _validation(message: str | None) -> bool:
+    """A validator's answer: True, or `flags.ValidationError` with ``message``."""
+    if message is not None:
+        raise flags.ValidationError(message)
+    return True
+
+
+def define_step_case_flags(*, modes: Iterable[str], cases: Iterable[str], rounds: int) -> None:
+    """The whole-step benchmarks' flags (`experiments.lab.step_cases`): ``--pinned_ranks`` (2, at
+    most the cores this process may use), ``--rounds`` (default ``rounds``), ``--steps``,
+    ``--preset``, ``--batch_size``, ``--seed``, ``--data``, ``--modes`` and ``--train_cases``
+    (defaults ``modes`` and ``cases``), with their checks."""
+    from experiments.lab import step_cases as sc
+    from models.presets import PRESETS
+
+    cores = len(os.sched_getaffinity(0))
+    flags.DEFINE_integer(
+        "pinned_ranks",
+        2,
+        "EP ranks as this many pinned processes per run (experiments.train --pinned_ranks; the "
+        "clock is the busiest rank's); 0: 8 simulated devices in one process (the clock is the "
+        "total work).",
+    )
+    flags.DEFINE_integer("rounds", rounds, "Alternated rounds (medians over them).")
+    flags.DEFINE_integer("steps", 40, "Steps per run (the first compiles: untimed).")
+    flags.DEFINE_enum("preset", "moe_heavy", sorted(PRESETS), "Model preset.")
+    flags.DEFINE_integer("batch_size", 32, "Global batch (sequences).")
+    flags.DEFINE_integer("seed", 0, "Initialisation seed (the same in every run).")
+    flags.DEFINE_string(
+        "data",
+        None,
+        "Training text (experiments.train --data) of the cases without a text of their own.",
+    )
+    flags.DEFINE_list("modes", list(modes), f"Modes to run, of {', '.join(sc.MODES)}.")
+    flags.DEFINE_list(
+        "train_cases",
+        list(cases),
+        f"Training cases, each a router on a text, of {', '.join(sc.CASES)} (skewed: the softmax "
+        "router on a text of its own that skews it more).",
+    )
+    flags.register_validator("modes", lambda v: _validation(sc.unknown_names("mode", v, sc.MODES)))
+    flags.register_validator(
+        "train_cases", lambda v: _validation(sc.unknown_names("case", v, sc.CASES))
+    )
+    flags.register_multi_flags_validator(
+        ["data", "train_cases"],
+        lambda v: _validation(sc.data_conflict(v["data"], v["train_cases"])),
+    )
+    flags.register_validator("rounds", lambda v: v >= 1, "must be >= 1")
+    flags.register_validator("steps", lambda v: v >= 2, "must be >= 2 (the first step compiles)")
+    flags.register_validator(
+        "pinned_ranks",
+        lambda v: 0 <= v <= cores,
+        f"must be 0 (simulated devices) or at most the {cores} cores this process may use (a "
+        "pinned rank takes a core of its own)",
     )

@@ -15,6 +15,7 @@ import pytest
 from absl import flags
 
 from experiments.bench import step, step_report
+from experiments.lab import step_cases
 from experiments.lab.training.config import TrainConfig
 from experiments.lab.training.data import (
     corpus_files,
@@ -49,7 +50,7 @@ def _bench(args, timeout=900):
 
 
 def test_rotated_orders_and_logged_steps():
-    modes = list(step.MODES)
+    modes = list(step_cases.MODES)
     assert [step.rotated(modes, r)[0] for r in range(5)] == [*modes, modes[0]]
     assert step_report.logged_steps(40) == ["1", "10", "20", "30", "40"]
     assert step_report.logged_steps(3) == ["1", "2", "3"]
@@ -212,7 +213,7 @@ def _train_commands(*argvs: list[str]) -> list[dict[str, list[str]]]:
         "for argv in json.loads(sys.argv[1]):\n"
         "    flags.FLAGS.unparse_flags(); flags.FLAGS(['step', *argv])\n"
         "    out.append({c: step.train_command(c, 'plain', step.pathlib.Path('w'))\n"
-        "                for c in step._CASES.value})\n"
+        "                for c in flags.FLAGS.train_cases})\n"
         "print(json.dumps(out))"
     )
     env = program_env()
@@ -230,7 +231,7 @@ def _train_commands(*argvs: list[str]) -> list[dict[str, list[str]]]:
 def test_the_skewed_case_reads_its_own_mix_and_the_others_data():
     """skewed: the softmax router on `CASE_DATA`'s glob under this Python's standard library;
     the other cases read --data when given, else the trainer's default corpus (no --data)."""
-    mix = str(default_corpus_root() / step.CASE_DATA["skewed"])
+    mix = str(default_corpus_root() / step_cases.CASE_DATA["skewed"])
     cmds, with_data = _train_commands(
         ["--train_cases=softmax,skewed"], ["--train_cases=softmax,sigmoid", "--data=a.txt"]
     )
@@ -244,8 +245,8 @@ def test_the_skewed_mix_resolves_to_non_empty_text_files():
     """The mix exists on this Python (a glob under the standard library, not a path of one
     machine), opens with the modules docs/results.md names, every file holds bytes, and its
     training part holds 40 default batches (32 x 128 bytes): 40 steps read no byte twice."""
-    assert not pathlib.Path(step.CASE_DATA["skewed"]).is_absolute()
-    files = corpus_files(str(default_corpus_root() / step.CASE_DATA["skewed"]))
+    assert not pathlib.Path(step_cases.CASE_DATA["skewed"]).is_absolute()
+    files = corpus_files(str(default_corpus_root() / step_cases.CASE_DATA["skewed"]))
     names = [f.name for f in files]
     assert names[:5] == ["stat.py", "statistics.py", "string.py", "stringprep.py", "struct.py"]
     assert all(f.is_file() and f.suffix == ".py" and f.stat().st_size > 0 for f in files)
@@ -278,7 +279,8 @@ def test_the_flag_of_the_cases_is_train_cases():
     """A case is a router on a text ("skewed" is a text), not a router: --train_cases, not
     --routers (and not --cases, planner.domains' flag, nor --workloads, sim's and replay's)."""
     assert "train_cases" in flags.FLAGS and "routers" not in flags.FLAGS
-    assert step._CASES.name == "train_cases" and step._CASES.default == ["softmax"]
+    assert flags.FLAGS["train_cases"].name == "train_cases"
+    assert flags.FLAGS["train_cases"].default == ["softmax"]
 
 
 def _one_round_report() -> dict:
@@ -288,7 +290,7 @@ def _one_round_report() -> dict:
     modes = {
         m: {"step_time_s": {"median": 0.25, "min": 0.24, "max": 0.26, "rounds": [0.25]}}
         | {"profile": profile}
-        for m in step.MODES
+        for m in step_cases.MODES
     }
     return {"cases": {"softmax": {"modes": modes}}}
 
@@ -348,7 +350,7 @@ def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
     report = json.loads((tmp_path / "bench_step.json").read_text())
     assert (tmp_path / "bench_step.png").stat().st_size > 0
     case = report["cases"]["softmax"]
-    assert list(case["modes"]) == list(step.MODES)
+    assert list(case["modes"]) == list(step_cases.MODES)
     (raw,) = case["rounds"]
     for name, (a, b, scale) in step_report.RATIOS.items():
         want = raw[a]["step_time_s"] / raw[b]["step_time_s"] * scale
@@ -379,7 +381,7 @@ def test_tiny_run_reports_four_modes_from_its_rounds(tmp_path):
             assert profile["terms_ms"]["replica_transfer"] == 0, mode
     if pinned:  # the trainer's own files of a profiled run: what the report above read
         _check_profiled_run(tmp_path / "softmax" / "round0" / "balanced", pinned)
-    assert sorted(case["gap_to_ideal_ms"]) == sorted(m for m in step.MODES if m != "ideal")
+    assert sorted(case["gap_to_ideal_ms"]) == sorted(m for m in step_cases.MODES if m != "ideal")
     tiny = dataclasses.replace(preset("moe_heavy").model, **TINY_MODEL)
     assert report["flop_shares"] == pytest.approx(step.flop_shares(tiny, 32))
     assert (report["calibration"] is not None) == bool(pinned)
