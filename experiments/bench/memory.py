@@ -1,6 +1,6 @@
 r"""Memory per device of the MoE layer's training step at DeepSeek-V3's shape, compiled, never run.
 
-    python -m experiments.bench.memory          # D=7168 F=2048 E=256 top-8, 4096 tokens/rank, bf16
+    python -m experiments.bench.memory          # DeepSeek-V3's layer, 4096 tokens/rank, bf16
     python -m experiments.bench.memory --ep_sizes=8 --modes=balanced,ideal --d_model=1792
     python -m experiments.bench.memory --json_out=experiments/results/memory.json \
         --table_out=experiments/results/memory.txt
@@ -36,7 +36,6 @@ provenance (machine, commit, command, date) and, with ``--table_out``, the table
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 import resource
 import time
@@ -49,6 +48,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
+from experiments.bench.memory_config import MemoryConfig, check_ep_size
 from experiments.bench.memory_report import per_buffer_row, table
 from experiments.lab import cli
 from experiments.lab.devices import force_cpu_devices
@@ -60,7 +60,6 @@ from experiments.lab.stepmodel.calibration import provenance
 MODES = ("balanced", "dropless", "plain", "ideal")
 #: The EP sizes of the default sweep.
 EP_SIZES = (8, 16, 32, 64)
-DTYPES = ("bfloat16", "float32")
 #: Where the program writes its JSON by default (the committed one only when the flag names it).
 JSON_OUT = f"{cli.run_folder('memory')}/memory.json"
 #: XLA's memory analysis fields read, by the name the record gives them.
@@ -71,64 +70,6 @@ FIELDS = {
     "alias_bytes": "alias_size_in_bytes",
     "generated_code_bytes": "generated_code_size_in_bytes",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryConfig:
-    """The layer shape compiled at every EP size and mode (default: DeepSeek-V3's MoE layer).
-
-    Attributes:
-      d_model: D, the token width.
-      d_ff: F, each routed expert's hidden width.
-      num_experts: E, routed experts; divisible by every EP size.
-      top_k: experts per token.
-      tokens_per_rank: T, tokens on each device (x is [R, T, D], one sequence per device).
-      dtype: x's and the parameters' dtype, bfloat16 or float32 (router math is float32).
-      balanced_factor: receive buffer of the balanced layer and the ideal, x the pairs a rank
-        routes (T x top_k).
-      plain_factor: receive buffer of the capped plain layer, x the pairs a rank routes.
-      slots_per_rank: S, spare expert slots per rank of the balanced layer.
-    """
-
-    d_model: int = 7168
-    d_ff: int = 2048
-    num_experts: int = 256
-    top_k: int = 8
-    tokens_per_rank: int = 4096
-    dtype: str = "bfloat16"
-    balanced_factor: float = 1.05
-    plain_factor: float = 1.25
-    slots_per_rank: int = 2
-
-    def __post_init__(self):
-        for name in ("d_model", "d_ff", "num_experts", "top_k", "tokens_per_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"--top_k={self.top_k} exceeds --num_experts={self.num_experts}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("balanced_factor", "plain_factor"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"--{name} must be a finite number > 0, got {getattr(self, name)}")
-        if self.slots_per_rank < 1:
-            raise ValueError(f"--slots_per_rank must be >= 1, got {self.slots_per_rank}")
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes of one element of x and of the parameters."""
-        return jnp.dtype(self.dtype).itemsize
-
-    @property
-    def pairs_per_rank(self) -> int:
-        """(token, choice) pairs each rank routes: T x top_k."""
-        return self.tokens_per_rank * self.top_k
-
-
-def check_ep_size(config: MemoryConfig, ep_size: int) -> None:
-    """Raises ValueError (one line) when ``ep_size`` does not divide E or is < 1."""
-    if ep_size < 1 or config.num_experts % ep_size:
-        raise ValueError(f"EP size {ep_size} does not divide --num_experts={config.num_experts}")
 
 
 def layer_options(config: MemoryConfig, mode: str, ep_size: int) -> dict:

@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from experiments.bench.memory import MemoryConfig
+    from experiments.bench.memory_config import MemoryConfig
 
 
 def per_buffer_row(rows: list[dict], config: MemoryConfig) -> dict[int, float | None]:

@@ -6,12 +6,13 @@ import math
 
 import pytest
 
-from experiments.bench import memory, memory_report
+from experiments.bench import memory, memory_config, memory_report
+from experiments.lab.stepmodel import shapes
 
 
 def test_memory_sweep_fields_and_buffers():
     R = 4
-    config = memory.MemoryConfig(
+    config = memory_config.MemoryConfig(
         d_model=16, d_ff=8, num_experts=8, top_k=2, tokens_per_rank=32, dtype="bfloat16"
     )
     rows = memory.sweep(config, [R], memory.MODES, report=lambda line: None)
@@ -44,9 +45,18 @@ def test_memory_sweep_fields_and_buffers():
 
 
 def test_config_errors_are_one_line():
-    config = memory.MemoryConfig(num_experts=8)
+    config = memory_config.MemoryConfig(num_experts=8)
     for bad in (3, 0):
         with pytest.raises(ValueError, match=f"^EP size {bad} does not divide --num_experts=8$"):
-            memory.check_ep_size(config, bad)
+            memory_config.check_ep_size(config, bad)
     with pytest.raises(ValueError, match="^--dtype must be one of bfloat16, float32, got"):
-        memory.MemoryConfig(dtype="float16")
+        memory_config.MemoryConfig(dtype="float16")
+
+
+def test_the_default_shape_is_deepseek_v3_as_shapes_toml_states_it():
+    """DeepSeek-V3's D, F, E and top-k are stated once, in shapes.toml; the program's defaults
+    read them there."""
+    config, model = memory_config.MemoryConfig(), shapes.MODELS["deepseek-v3-671b"]
+    shape = (config.d_model, config.d_ff, config.num_experts, config.top_k)
+    assert shape == (model.hidden, model.expert_ffn, model.num_experts, model.top_k)
+    assert model.hidden == 7168  # the published hidden_size (deepseek-ai/DeepSeek-V3)
