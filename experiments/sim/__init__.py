@@ -16,6 +16,7 @@ Modules, in the order the data flows:
   streams    load streams per (DP group, sampled layer): traces and generated Zipf; Sampling
   balancers  none, eplb_periodic, eplb_exact, eplb_plus (experiments.lab.loads.baselines), ultraep
   cell       one (model, layout, workload) cell: every balancer, step times, table rows
-  report     the assumptions, the tables and the verdict
+  assumptions  the assumptions printed before the tables
+  report     the calibration, the tables and the verdict
   main       the flags and the run (``python -m experiments.sim``)
 """

@@ -14,7 +14,7 @@ from experiments.lab.output_files import write_json
 from experiments.lab.stepmodel.calibration import Calibration, ExpertCost
 from experiments.lab.stepmodel.layer import CostParams
 from experiments.lab.stepmodel.shapes import MODELS, SCENARIOS
-from experiments.sim import balancers, cell, report
+from experiments.sim import assumptions, balancers, cell, report
 from experiments.sim.streams import Sampling
 
 _MODELS = flags.DEFINE_list("models", list(MODELS), f"Model shapes: {', '.join(MODELS)}.")
@@ -134,7 +134,7 @@ def main(argv):
     sampling = Sampling(**_SAMPLING())
     cfg_kwargs = _BALANCER()
     chosen = balancers.make_balancers(_BASELINES.value, _TIMING_BATCH.value)
-    print("\n".join(report.assumptions(params, cfg_kwargs, sampling)))
+    print("\n".join(assumptions.assumption_lines(params, cfg_kwargs, sampling)))
     print(f"Baselines: {', '.join(chosen)} (experiments.lab.loads.baselines)")
     print(f"Planner timed on: {jax.devices()[0].device_kind} (CPU), not a GPU\n")
     cells = cell.run_all(

@@ -1,13 +1,14 @@
-"""The domain experiment's planner copy (experiments.planner.domains): with no variant it is the
-planner of ffi/PLANNER.md with one domain, and with the variant "fit" the planner with fast
-domains (the NumPy reference and the native plan, on the default path); with one domain every
-variant is the planner; the slow-link copy count on a hand-worked plan."""
+"""The domain experiment's planner copy (experiments.planner.domain_planner, used by
+experiments.planner.domains): with no variant it is the planner of ffi/PLANNER.md with one
+domain, and with the variant "fit" the planner with fast domains (the NumPy reference and the
+native plan, on the default path); with one domain every variant is the planner; the slow-link
+copy count on a hand-worked plan."""
 
 import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from experiments.planner import domains
+from experiments.planner import domain_planner, domains
 from tests.references.planner import reference_plan_info
 
 VARIANTS = [("tie", 0), ("fit", 0), ("fit-home", 0), ("near", 0), (None, 4096)]
@@ -27,7 +28,7 @@ def _cases():
 def test_no_variant_is_the_planner():
     for loads, S, F in _cases():
         R = loads.shape[0]
-        replicas, rank_load = domains.plan_replicas(loads, S, F, 1, 0.01, max(1, R // 2))
+        replicas, rank_load = domain_planner.plan_replicas(loads, S, F, 1, 0.01, max(1, R // 2))
         _, info = reference_plan_info(loads, S, F, 0.01, 1)
         assert replicas == [tuple(r) for r in info["replicas"]]
         cfg = uep.BalancerConfig(loads.shape[1], R, S, F, 0.01, 1)
@@ -41,13 +42,14 @@ def test_fit_is_the_planner_with_domains():
     for loads, S, F in _cases():
         R = loads.shape[0]
         for d in sorted({1, max(1, R // 4), max(1, R // 2)}):
-            replicas, rank_load = domains.plan_replicas(loads, S, F, 1, 0.01, d, "fit")
+            replicas, rank_load = domain_planner.plan_replicas(loads, S, F, 1, 0.01, d, "fit")
             _, info = reference_plan_info(loads, S, F, 0.01, 1, ranks_per_domain=d)
             assert replicas == [tuple(r) for r in info["replicas"]]
             cfg = uep.BalancerConfig(loads.shape[1], R, S, F, 0.01, 1, ranks_per_domain=d)
-            plan = {k: np.asarray(getattr(uep.plan(loads, cfg), k)) for k in domains.PLAN_FIELDS}
-            domains.assert_is_library(replicas, rank_load, plan, (R, S, F, d))
-            changed += replicas != domains.plan_replicas(loads, S, F, 1, 0.01, d)[0]
+            library = uep.plan(loads, cfg)
+            plan = {k: np.asarray(getattr(library, k)) for k in domain_planner.PLAN_FIELDS}
+            domain_planner.assert_is_library(replicas, rank_load, plan, (R, S, F, d))
+            changed += replicas != domain_planner.plan_replicas(loads, S, F, 1, 0.01, d)[0]
     assert changed > 0  # the domains changed some of these plans
 
 
@@ -55,8 +57,8 @@ def test_fit_is_the_planner_with_domains():
 def test_one_domain_every_variant_is_the_planner(mode, far_floor):
     for loads, S, F in _cases():
         R = loads.shape[0]
-        want = domains.plan_replicas(loads, S, F, 1, 0.01, R)
-        got = domains.plan_replicas(loads, S, F, 1, 0.01, R, mode, far_floor)
+        want = domain_planner.plan_replicas(loads, S, F, 1, 0.01, R)
+        got = domain_planner.plan_replicas(loads, S, F, 1, 0.01, R, mode, far_floor)
         assert got[0] == want[0]
         np.testing.assert_array_equal(got[1], want[1])
 

@@ -15,7 +15,7 @@ from conftest import skip_without_traces
 import ultraep_jax as uep
 from experiments.lab.loads import baselines, policies, ranks, traces
 from experiments.lab.stepmodel import calibration, layer, links, shapes
-from experiments.sim import balancers, cell, report, streams
+from experiments.sim import assumptions, balancers, cell, report, streams
 from tests.xla_settings import program_env
 
 # A tiny model whose FLOPs are easy to count by hand:
@@ -275,7 +275,7 @@ def test_table_builds_for_one_small_model():
         + report.verdict([result])
     )
     assert "glm-4.5-106b" in text and "ultraep" in text and "94.3 %" in text
-    assert len(report.assumptions(params, cfg, sampling)) > 10
+    assert len(assumptions.assumption_lines(params, cfg, sampling)) > 10
     with pytest.raises(ValueError, match="unknown baselines"):
         balancers.make_balancers(["none", "eplb"], 8)
 
