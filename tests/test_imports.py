@@ -3,7 +3,10 @@ one way (the graph of its modules, and of its parts: subpackages and top-level m
 cycle); each public name is found where it is listed; experiments/ and models/ import only what
 the library exports (`ultraep_jax`, `ultraep_jax.config`, `ultraep_jax.tools`), nothing private
 and nothing from tests/; experiments/ is one shared part (`experiments.lab`) and programs that
-are leaves over it: no program imports another, the shared part imports none."""
+are leaves over it: no program imports another, the shared part imports none; inside a folder
+too, a program (a module with a ``main``) reaches no other program through its imports, a
+module that is neither lab nor a program serves one program, and no module of experiments/
+imports another one's private (underscored) names."""
 
 from __future__ import annotations
 
@@ -57,10 +60,9 @@ def imported_homes(path: pathlib.Path) -> dict[str, str]:
     }
 
 
-def library_graph() -> dict[str, set[str]]:
-    """The import graph of the package's modules: module -> the package modules it imports
-    (``from a import b`` counts as importing module a.b when there is one, else a)."""
-    modules = library_modules()
+def module_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """The import graph of ``modules`` (by dotted name): module -> the modules of ``modules`` it
+    imports (``from a import b`` counts as importing module a.b when there is one, else a)."""
     graph = {}
     for name, path in modules.items():
         edges = set()
@@ -71,6 +73,11 @@ def library_graph() -> dict[str, set[str]]:
                 edges.add(imported)
         graph[name] = edges
     return graph
+
+
+def library_graph() -> dict[str, set[str]]:
+    """The import graph of the package's modules (`module_graph`)."""
+    return module_graph(library_modules())
 
 
 def part(module: str) -> str:
@@ -312,3 +319,186 @@ def test_modules_import_no_test_module():
         if name.startswith("tests.") and any(p.startswith("test_") for p in name.split("."))
     ]
     assert not found, found
+
+
+# -- Programs as leaves, module by module ------------------------------------------------------
+
+
+def defines_main(source: str) -> bool:
+    """Whether a module's ``source`` defines ``main`` at its top level: a program, the module
+    ``python -m`` runs (a package's ``__main__.py`` imports its program's ``main``, defining
+    none)."""
+    return any(
+        isinstance(node, ast.FunctionDef) and node.name == "main" for node in ast.parse(source).body
+    )
+
+
+def experiments_modules() -> dict[str, pathlib.Path]:
+    """Every module of experiments/, by dotted name."""
+    return {module_name(p): p for p in sorted((ROOT / "experiments").rglob("*.py"))}
+
+
+def programs_of(modules: dict[str, pathlib.Path]) -> set[str]:
+    """The programs among ``modules``: those that define ``main`` (`defines_main`)."""
+    return {name for name, path in modules.items() if defines_main(path.read_text())}
+
+
+def reached(graph: dict[str, set[str]], start: str, programs: set[str]) -> set[str]:
+    """The modules ``start``'s imports reach, directly or through modules that are not programs
+    (a program reached is not entered)."""
+    seen: set[str] = set()
+    stack = sorted(graph.get(start, ()))
+    while stack:
+        module = stack.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        if module not in programs:
+            stack += sorted(graph.get(module, ()))
+    return seen
+
+
+def programs_reached(graph: dict[str, set[str]], programs: set[str]) -> list[str]:
+    """``"a -> b"`` for each program a whose imports reach another program b (`reached`)."""
+    return sorted(
+        f"{a} -> {b}" for a in programs for b in reached(graph, a, programs) & programs if b != a
+    )
+
+
+def shared_helpers(graph: dict[str, set[str]], programs: set[str]) -> dict[str, list[str]]:
+    """``{module: [programs]}`` of each module outside `LAB` that is no program and that more
+    than one program reaches: code two programs share, which belongs in the shared part."""
+    users: dict[str, list[str]] = {}
+    for program in sorted(programs):
+        for module in reached(graph, program, programs) - programs:
+            if not experiments_part(module).startswith(LAB):
+                users.setdefault(module, []).append(program)
+    return {module: found for module, found in sorted(users.items()) if len(found) > 1}
+
+
+def private_names_used(source: str) -> list[str]:
+    """The private names (a part with a leading underscore, not a dunder) of experiments/ that
+    ``source`` uses: imported (``from experiments.a import _b``), or read off an imported
+    module (``from experiments import a`` then ``a._b``)."""
+
+    def private(name: str) -> bool:
+        return any(p.startswith("_") and not p.startswith("__") for p in name.split("."))
+
+    tree = ast.parse(source)
+    found, modules = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("experiments"):
+            for alias in node.names:
+                found += [f"{node.module}.{alias.name}"] if private(alias.name) else []
+                modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("experiments") and alias.asname:
+                    modules[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id in modules and private(node.attr):
+                found.append(f"{modules[node.value.id]}.{node.attr}")
+    return sorted(set(found))
+
+
+def test_defines_main_sees_a_program():
+    assert defines_main("import sys\n\ndef main(argv):\n    return 0\n")
+    assert not defines_main("from experiments.train.main import main\n\nmain([])\n")
+    assert not defines_main("class A:\n    def main(self):\n        pass\n")
+    assert not defines_main("def run():\n    def main():\n        pass\n")
+
+
+def test_programs_reached_sees_a_program_importing_another():
+    """On a made-up graph: a program importing another directly, or through a helper of its own,
+    is seen; one that imports the lab and its own helpers is not."""
+    programs = {"experiments.x.a", "experiments.x.b", "experiments.y.c"}
+    graph = {
+        "experiments.x.a": {"experiments.x.a_report", "experiments.lab.cli"},
+        "experiments.x.a_report": {"experiments.x.b"},  # a reaches b through its report
+        "experiments.x.b": {"experiments.lab.cli", "experiments.x.b_rest"},
+        "experiments.y.c": {"experiments.x.b"},
+        "experiments.lab.cli": set(),
+    }
+    assert programs_reached(graph, programs) == [
+        "experiments.x.a -> experiments.x.b",
+        "experiments.y.c -> experiments.x.b",
+    ]
+    assert reached(graph, "experiments.y.c", programs) == {"experiments.x.b"}  # not entered
+    graph["experiments.x.a_report"] = set()
+    graph["experiments.y.c"] = {"experiments.lab.cli"}
+    assert programs_reached(graph, programs) == []
+
+
+def test_shared_helpers_sees_a_helper_of_two_programs():
+    programs = {"experiments.x.a", "experiments.x.b"}
+    graph = {
+        "experiments.x.a": {"experiments.x.common", "experiments.lab.cli"},
+        "experiments.x.b": {"experiments.x.common", "experiments.lab.cli"},
+        "experiments.x.common": set(),
+        "experiments.lab.cli": set(),
+    }
+    assert shared_helpers(graph, programs) == {
+        "experiments.x.common": ["experiments.x.a", "experiments.x.b"]
+    }
+    graph["experiments.x.b"] = {"experiments.lab.cli"}
+    assert shared_helpers(graph, programs) == {}
+
+
+def test_private_names_used_sees_both_ways_in():
+    source = (
+        "from experiments.gpu.exchange import AXIS, _compare\n"
+        "from experiments.bench import moe\n"
+        "import experiments.lab.cli as cli\n"
+        "x = moe._build(1) + moe.run() + cli._DEFINE + moe.__doc__\n"
+    )
+    assert private_names_used(source) == [
+        "experiments.bench.moe._build",
+        "experiments.gpu.exchange._compare",
+        "experiments.lab.cli._DEFINE",
+    ]
+    assert private_names_used("from experiments.lab import cli\ncli.define_json_out()\n") == []
+
+
+def test_no_program_reaches_another_program():
+    """A program (a module with a ``main``: bench.moe, bench.breakeven, ...) imports the lab, its
+    own helpers, models and the library, never another program, even in the same folder:
+    breakeven and rates borrowed bench.moe's flags and layer, step_pair bench.step's."""
+    modules = experiments_modules()
+    graph, programs = module_graph(modules), programs_of(modules)
+    assert {"experiments.bench.moe", "experiments.train.main", "experiments.sim.main"} <= programs
+    assert "experiments.bench.__init__" not in programs and "experiments.train" not in programs
+    assert "experiments.bench.step_report" in graph["experiments.bench.step"]  # the scan sees
+    found = programs_reached(graph, programs)
+    assert not found, "take the shared part from experiments.lab: " + "; ".join(found)
+
+
+def test_a_helper_serves_one_program():
+    """A module that is neither in experiments.lab nor a program (a program's report, its
+    setup) is reached by one program only: code two programs share lives in the lab."""
+    modules = experiments_modules()
+    graph, programs = module_graph(modules), programs_of(modules)
+    found = shared_helpers(graph, programs)
+    assert not found, "move to experiments.lab: " + "; ".join(
+        f"{module} ({', '.join(users)})" for module, users in found.items()
+    )
+
+
+def test_experiments_import_no_private_name():
+    """A file split in two imported the other half's private names (lab/loads/drift.py from
+    workloads.py, gpu/exchange_child.py from gpu/exchange.py), programs the private helpers of
+    another (bench.breakeven and bench.rates bench.moe's): what crosses a module is public."""
+    found = {
+        str(path.relative_to(ROOT)): names
+        for path in experiments_modules().values()
+        if (names := private_names_used(path.read_text()))
+    }
+    assert not found, found
+
+
+def test_experiments_modules_import_one_way():
+    """Module by module, experiments/'s imports have no cycle (bench/memory.py and its report
+    imported each other)."""
+    assert cycle(module_graph(experiments_modules())) is None, cycle(
+        module_graph(experiments_modules())
+    )
