@@ -8,12 +8,13 @@ against plain EP (dropless, and at 1.05), busiest rank's step, on pinned rank pr
 For every mode (train: forward+backward; prefill: forward), router skew (bias toward the hot
 experts, `experiments.lab.skewed_layer`'s skew; 0: none) and tokens per rank, the three layers are
 compiled and timed interleaved (medians of ``--repeats`` rounds) on ``--pinned_ranks`` processes,
-each pinned to a core of its own with one CPU device, so that the wall clock is the busiest
-rank's (a calibration line says how close). The layer shape is the layer benchmarks' flags
-(`cli.define_layer_flags`; default here D=128, F=512, E=8, top-2, all hot experts on rank 0). Prints the table and the
-break-even per mode and skew (`breakeven_report`), writes ``--json_out`` and the plot ``--plot``
-(default: runs/breakeven/; ``--json_out=docs/breakeven.json --plot=docs/breakeven.png`` replaces
-the committed ones that docs/serving.md shows).
+each pinned to a core of its own with one CPU device, so that the wall clock is the busiest rank's
+(a calibration line says how close). The layer shape is the layer benchmarks' flags
+(`cli.define_layer_flags`; default here D=128, F=512, E=8, top-2, all hot experts on rank 0).
+Prints the table and the break-even per mode and skew (`breakeven_report`), writes ``--json_out``
+and the plot ``--plot`` (default: runs/breakeven/;
+``--json_out=docs/breakeven.json --plot=docs/breakeven.png`` replaces the committed ones that
+docs/serving.md shows).
 Needs a quiet machine: other load on the cores changes the clock.
 """
 

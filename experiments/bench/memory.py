@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 import ultraep_jax as uep
 from experiments.bench.memory_config import MemoryConfig, check_ep_size
 from experiments.bench.memory_report import per_buffer_row, table
-from experiments.lab import cli
+from experiments.lab import cli, dataclass_flags
 from experiments.lab.devices import force_cpu_devices
 from experiments.lab.output_files import check_output_path, write_json
 from experiments.lab.program import fail, run_main
@@ -269,7 +269,7 @@ def _define_flags():
     """The program's flags (defined when it runs, not on import: tests import this module beside
     programs with flags of the same names)."""
     global _CONFIG
-    _CONFIG = cli.define_flags(MemoryConfig)
+    _CONFIG = dataclass_flags.define_flags(MemoryConfig)
     flags.DEFINE_list("ep_sizes", [str(r) for r in EP_SIZES], "EP sizes R to compile for.")
     flags.DEFINE_list("modes", list(MODES), f"Layers to compile: some of {', '.join(MODES)}.")
     flags.DEFINE_string("json_out", JSON_OUT, "The rows as JSON ('' for none).")

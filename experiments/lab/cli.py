@@ -1,22 +1,7 @@
-"""The experiments' flags: absl flags made from a configuration dataclass's fields, and the flags
-several programs share (the balancer's, ``--json_out``, ``--traces_dir``, the layer benchmarks'
-and their sweep's, the whole-step benchmarks'): a program takes its shared flags from here, never
-from another program.
-
-A field's flag has the field's name, its default, the type of its annotation (``int``, ``float``,
-``str``, ``bool``, or one of them ``| None``) and, as help, the field's entry in the ``Attributes:``
-section of the class docstring. A field whose type is itself a dataclass contributes one flag per
-field of that class, under the nested field's own (flat) name. A field listed in ``parsers`` is a
-string flag whose text the parser turns into the value.
-
-Why our own helper rather than ``ml_collections.config_flags.DEFINE_config_dataclass`` (the Flax
-examples' convention): that one defines a single ``--config`` flag overridden as
-``--config.model.d_model=32``, while our README commands, tests and saved ``config.json`` files
-use flat names (``--d_model=32``) that name the same field in every program; ``--helpshort``
-lists each of our flags with its docstring help, where config_flags lists only ``--config``; and
-`given_values` tells which flags the command line set, so that a ``--preset`` supplies the other
-values. Keeping those for a user would mean wrapping config_flags in about as much code as this
-module, plus a dependency.
+"""The flags several programs share: the balancer's, the ranks', ``--capacity_factor`` (its
+values, `parse_capacity_factor`), ``--json_out``, ``--traces_dir``, the layer benchmarks' and
+their sweep's, the whole-step benchmarks'. A program takes its shared flags from here, never from
+another program; flags made from a configuration dataclass are `experiments.lab.dataclass_flags`.
 """
 
 from __future__ import annotations
@@ -28,9 +13,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 from absl import flags
 
-from experiments.lab.dataclass_fields import all_fields, flag_fields, scalar_type
+from experiments.lab.dataclass_flags import define_flags
 
-# The flags defined here belong to the module calling `define_flags` (--helpshort lists them
+# The flags defined here belong to the module calling a define_* function (--helpshort lists them
 # there), as if it had called DEFINE_* itself.
 flags.disclaim_key_flags()
 
@@ -39,7 +24,6 @@ __all__ = [
     "check_capacity_factor",
     "define_capped_capacity_factor",
     "define_balancer_flags",
-    "define_flags",
     "define_json_out",
     "define_layer_flags",
     "define_rank_flags",
@@ -47,18 +31,10 @@ __all__ = [
     "define_sweep_flags",
     "define_traces_dir",
     "define_verbose_ranks",
-    "flag_text",
-    "given_values",
     "parse_capacity_factor",
     "run_folder",
 ]
 
-_DEFINE = {
-    bool: flags.DEFINE_bool,
-    int: flags.DEFINE_integer,
-    float: flags.DEFINE_float,
-    str: flags.DEFINE_string,
-}
 #: The BalancerConfig fields a benchmark sets from the command line (the sizes come from its setup).
 _BALANCER_FIELDS = ("slots_per_rank", "min_tokens_per_replica", "balance_eps")
 
@@ -152,70 +128,6 @@ def define_capped_capacity_factor(
         f"{help_text} A number > 0, or auto ({auto:g}). Not none (dropless): {none_reason}.",
         serializer=flags.ArgumentSerializer(),
     )
-
-
-def flag_text(value) -> str:
-    """A configuration value as it is written on the command line (``none`` for None)."""
-    return "none" if value is None else str(value)
-
-
-def define_flags(
-    cls,
-    parsers: Mapping[str, Callable[[str], object]] | None = None,
-    flag_values: flags.FlagValues = flags.FLAGS,
-    *,
-    only: Iterable[str] | None = None,
-    defaults: Mapping[str, object] | None = None,
-    helps: Mapping[str, str] | None = None,
-) -> Callable[[], dict[str, object]]:
-    """Defines one flag per field of the dataclass ``cls`` (see the module doc), or per field
-    named in ``only``, for the module calling this; ``defaults`` and ``helps`` replace fields'
-    defaults and docstring help (for a program whose default means something of its own).
-
-    Returns a function that reads every one of these flags' values (``parsers`` applied) as
-    keyword arguments of ``cls``; `given_values` reads only those the command line set.
-
-    Raises:
-      TypeError: a field has no help or no flag type.
-      ValueError: ``only``, ``defaults`` or ``helps`` names a field that gets no flag.
-      flags.DuplicateFlagError: two fields, or a field and an existing flag, share a name.
-    """
-    parsers, defaults, helps = parsers or {}, defaults or {}, helps or {}
-    fields = list(flag_fields(cls, only))
-    unknown = sorted((set(defaults) | set(helps)) - {name for name, *_ in fields})
-    if unknown:
-        raise ValueError(f"no flag for {cls.__name__} field(s) {unknown}")
-    for name, hint, default, help_text in fields:
-        default, help_text = defaults.get(name, default), helps.get(name, help_text)
-        if name in parsers:
-            flags.DEFINE_string(name, flag_text(default), help_text, flag_values=flag_values)
-        else:
-            define = _DEFINE[scalar_type(name, hint)]
-            define(name, default, help_text, flag_values=flag_values)
-    names = [name for name, *_ in fields]
-    return lambda: _read(names, parsers, flag_values, given_only=False)
-
-
-def given_values(
-    cls,
-    parsers: Mapping[str, Callable[[str], object]] | None = None,
-    flag_values: flags.FlagValues = flags.FLAGS,
-) -> dict[str, object]:
-    """``{name: value}`` of the flags of ``cls`` that the command line set, by flat name, with
-    ``parsers`` applied (a parser's ValueError propagates)."""
-    names = [name for name, *_ in all_fields(cls)]
-    return _read(names, parsers or {}, flag_values, given_only=True)
-
-
-def _read(names, parsers, flag_values, given_only: bool) -> dict[str, object]:
-    """``{name: value}`` of the flags ``names`` (those the command line set, if ``given_only``),
-    ``parsers`` applied."""
-    out = {}
-    for name in names:
-        if flag_values[name].present or not given_only:
-            value = flag_values[name].value
-            out[name] = parsers[name](value) if name in parsers else value
-    return out
 
 
 def define_balancer_flags(helps: Mapping[str, str] | None = None, **defaults) -> Callable[[], dict]:

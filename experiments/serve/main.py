@@ -45,7 +45,7 @@ import time
 
 from absl import flags, logging
 
-from experiments.lab import cli
+from experiments.lab import cli, dataclass_flags
 from experiments.lab.concurrency import concurrency_check
 from experiments.lab.devices import force_cpu_devices
 from experiments.lab.output_files import check_output_path, write_json
@@ -57,7 +57,7 @@ from experiments.serve.config import OUTPUT_FILE, ServeConfig
 from experiments.serve.prompts import Prompt, as_text, pad_batch, read_prompts
 from experiments.serve.report import report
 
-_VALUES = cli.define_flags(ServeConfig, {"capacity_factor": cli.parse_capacity_factor})
+_VALUES = dataclass_flags.define_flags(ServeConfig, {"capacity_factor": cli.parse_capacity_factor})
 flags.DEFINE_integer(
     "cpu_devices", 8, "Simulated CPU devices per process when there is no accelerator."
 )

@@ -9,7 +9,7 @@ import time
 import jax
 from absl import flags
 
-from experiments.lab import cli
+from experiments.lab import cli, dataclass_flags
 from experiments.lab.output_files import write_json
 from experiments.lab.stepmodel.calibration import Calibration, ExpertCost
 from experiments.lab.stepmodel.layer import CostParams
@@ -27,9 +27,11 @@ _WORKLOADS = flags.DEFINE_list(
 _BASELINES = flags.DEFINE_list(
     "baselines", list(balancers.BASELINE_ORDER), "Baselines to report (none is always in)."
 )
-_SAMPLING = cli.define_flags(Sampling)
-_COST = cli.define_flags(CostParams, only=("tokens_per_rank", "seq_len", "relay_fanout"))
-_RATES = cli.define_flags(Calibration, only=("gemm_efficiency", "link_efficiency"))
+_SAMPLING = dataclass_flags.define_flags(Sampling)
+_COST = dataclass_flags.define_flags(
+    CostParams, only=("tokens_per_rank", "seq_len", "relay_fanout")
+)
+_RATES = dataclass_flags.define_flags(Calibration, only=("gemm_efficiency", "link_efficiency"))
 _BALANCER = cli.define_balancer_flags()
 _TIMING_BATCH = flags.DEFINE_integer("timing_batch", 256, "Matrices per timed planner call.")
 _JSON = cli.define_json_out()

@@ -52,7 +52,7 @@ import time
 
 from absl import flags
 
-from experiments.lab import cli
+from experiments.lab import cli, dataclass_flags
 from experiments.lab.output_files import write_json
 from experiments.lab.program import run_main
 from experiments.lab.stepmodel.calibration import Calibration, provenance
@@ -133,8 +133,8 @@ def _define_flags():
     flags.DEFINE_string("table_out", TABLE_OUT, "The markdown tables ('' for none).")
     flags.DEFINE_string("plot", PLOT_OUT, "The PNG plot ('' for none).")
     cli.define_traces_dir()
-    _COST = cli.define_flags(CostParams, only=("tokens_per_rank", "seq_len"))
-    _RATES = cli.define_flags(Calibration, only=("gemm_efficiency", "link_efficiency"))
+    _COST = dataclass_flags.define_flags(CostParams, only=("tokens_per_rank", "seq_len"))
+    _RATES = dataclass_flags.define_flags(Calibration, only=("gemm_efficiency", "link_efficiency"))
     _BALANCER = cli.define_balancer_flags()
     flags.register_validator("traces", lambda v: set(v) <= set(TRACES), "unknown trace")
     flags.register_validator("topologies", lambda v: set(v) <= set(TOPOLOGIES), "unknown cluster")

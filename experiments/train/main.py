@@ -49,7 +49,7 @@ import sys
 
 from absl import flags, logging
 
-from experiments.lab import cli
+from experiments.lab import cli, dataclass_flags
 from experiments.lab.devices import force_cpu_devices
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
 from experiments.lab.program import fail, run_main
@@ -58,7 +58,7 @@ from models.presets import PRESETS, preset
 
 # Fields whose flag is text that a parser turns into the value (auto, none or a number).
 _PARSERS = {"capacity_factor": cli.parse_capacity_factor}
-cli.define_flags(TrainConfig, _PARSERS)
+dataclass_flags.define_flags(TrainConfig, _PARSERS)
 _DEFAULT_PRESET = "tiny"
 flags.DEFINE_enum(
     "preset",
@@ -91,7 +91,7 @@ def config_from_flags() -> TrainConfig:
     the ``--preset``'s model and spare slots; without ``--workdir``, the model's own
     (`default_workdir`). ValueError names a bad flag."""
     chosen = preset(FLAGS.preset)
-    given = cli.given_values(TrainConfig, _PARSERS)
+    given = dataclass_flags.given_values(TrainConfig, _PARSERS)
     given.setdefault("slots_per_rank", chosen.slots_per_rank)
     if "workdir" not in given:
         named = None if FLAGS.preset == _DEFAULT_PRESET else FLAGS.preset

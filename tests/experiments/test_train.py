@@ -21,7 +21,7 @@ import pytest
 from absl import flags
 
 import ultraep_jax as uep
-from experiments.lab import cli
+from experiments.lab import dataclass_flags
 from experiments.lab.training import build
 from experiments.lab.training.config import (
     BALANCED_CAPACITY_FACTOR,
@@ -513,7 +513,7 @@ _PARSERS = {"capacity_factor": parse_capacity_factor}
 
 def _fresh_flags(*args: str) -> flags.FlagValues:
     values = flags.FlagValues()
-    cli.define_flags(TrainConfig, _PARSERS, flag_values=values)
+    dataclass_flags.define_flags(TrainConfig, _PARSERS, flag_values=values)
     values(["prog", *args])
     return values
 
@@ -597,7 +597,7 @@ def test_only_flags_given_override_the_base_model():
     values = _fresh_flags(
         "--d_model=32", "--capacity_factor=none", "--steps=5", "--noprofile_loads"
     )
-    given = cli.given_values(TrainConfig, _PARSERS, flag_values=values)
+    given = dataclass_flags.given_values(TrainConfig, _PARSERS, flag_values=values)
     assert given == {"d_model": 32, "capacity_factor": None, "steps": 5, "profile_loads": False}
     base = ModelConfig(d_model=64, num_layers=3, num_heads=2, max_seq_len=256)  # a "preset"
     cfg = TrainConfig.from_flat(given, base)

@@ -12,8 +12,9 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from experiments.lab.cli import AUTO, check_capacity_factor, flag_text
+from experiments.lab.cli import AUTO, check_capacity_factor
 from experiments.lab.cli import parse_capacity_factor as parse_capacity_factor  # the flag's parser
+from experiments.lab.dataclass_flags import flag_text
 from models.moe_lm import ModelConfig, check_positive_ints
 from ultraep_jax.config import DEFAULT_MIN_TOKENS_PER_RANK, BalancerConfig, Execution
 from ultraep_jax.tools import check_int
