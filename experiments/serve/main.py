@@ -51,7 +51,8 @@ from experiments.lab.devices import force_cpu_devices
 from experiments.lab.output_files import check_output_path, write_json
 from experiments.lab.pinned_ranks import keep_freed_memory, launch_pinned_ranks, start_distributed
 from experiments.lab.program import fail
-from experiments.lab.training.config import balancer_options, execution_of, mesh_sizes
+from experiments.lab.training.config import balancer_options, execution_of
+from experiments.lab.training.mesh_sizes import mesh_sizes
 from experiments.lab.walltime import median_seconds
 from experiments.serve.config import OUTPUT_FILE, ServeConfig
 from experiments.serve.prompts import Prompt, as_text, pad_batch, read_prompts
