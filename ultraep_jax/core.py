@@ -4,7 +4,7 @@
 the expert weights in, its tokens' output and the call's stats out. It runs the stages
 
   plan:     exact loads of this microbatch, all-gathered over the EP axis (`planning.loads`) ->
-            the FFI planner (`planning.planner`)
+            the planner (`planning.planner`: the native FFI call or the portable one in JAX)
   dispatch: reroute counts and offsets (`dispatch.plan_dispatch`) -> token all-to-all (`comm`)
   experts:  replica weights fetched (`replicas`: relayed, in chunks) -> grouped gated MLP over
             masters and slots (`experts.registry`)
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ultraep_jax import comm, remat
-from ultraep_jax._vma import vary, varying_axes
+from ultraep_jax._vma import vary
 from ultraep_jax.checks import check_local_inputs
 from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.dispatch import combine, from_groups, plan_dispatch, to_groups
@@ -197,23 +197,23 @@ def _exchange(operand, exchange, ep: ExpertParallel) -> jax.Array:
         return comm.local_exchange(operand, exchange)
     backend = ep.execution.comm_backend
     with jax.named_scope("exchange"):  # a profile's "exchange" term (`experiments.lab.step_terms`)
-        return comm.ragged_exchange(operand, exchange, axis_name=ep.expert_axis, backend=backend)
+        return comm.exchange_by_backend(
+            operand, exchange, axis_name=ep.expert_axis, backend=backend
+        )
 
 
 def _plan(experts_N, masked, ep: ExpertParallel, balancer: BalancerConfig | None, capacity: int):
     """(loads [R, E], masked tokens [R], plan) of this EP group: the exact loads and masked
     counts all-gathered over the EP axis, and their plan (every expert on its master without a
-    balancer)."""
+    balancer), typed varying as the loads are (by the planner: identical across the EP group,
+    different between EP groups)."""
     axis = ep.expert_axis if ep.has_ep_axis else None
     loads_RE, masked_R = gathered_loads(experts_N, masked, ep.num_experts, axis)
     if balancer is None:
         plan = masters_only_plan(loads_RE)
     else:
         plan = make_plan(loads_RE, balancer, capacity=capacity, planner=ep.execution.planner)
-    # The FFI result carries no sharding type: it is identical across the EP group but differs
-    # between EP groups, so it varies over whatever the loads vary over.
-    axes = varying_axes(loads_RE)
-    return loads_RE, masked_R, jax.tree.map(lambda a: vary(a, axes), plan)
+    return loads_RE, masked_R, plan
 
 
 def _relay_schedule(plan, masters, balancer: BalancerConfig) -> relay.RelaySchedule:

@@ -1,4 +1,5 @@
-"""`MoE`: the Flax NNX layer: a router, `over_mesh.routed_experts`, shared experts."""
+"""`MoE`: the Flax NNX layer: a router, the routed experts over the mesh (`over_mesh`), shared
+experts."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ultraep_jax.base.arguments import check_positive_int
-from ultraep_jax.checks import check_chunks, check_dtype
+from ultraep_jax.checks import check_call_inputs, check_chunks, check_dtype
 from ultraep_jax.config import BalancerConfig, ExpertParallel
 from ultraep_jax.experts.dense import dense_glu
 from ultraep_jax.ideal import force_balanced
-from ultraep_jax.over_mesh import routed_experts
+from ultraep_jax.over_mesh import routed_over_mesh
 from ultraep_jax.routers import (
     Routing,
     SigmoidTopK,
@@ -104,7 +105,8 @@ class MoE(nnx.Module):
         ``execution`` (an `Execution`) or its fields as keywords:
         ``activation`` ("silu", "gelu", "gelu_tanh", "relu", or a `ClampedSwiGLU`: gpt-oss's
         clamped unit; the shared expert uses it too),
-        ``comm_backend``, ``expert_kernel`` and ``transfer_chunks`` (at most ``d_ff``).
+        ``comm_backend``, ``expert_kernel``, ``transfer_chunks`` (at most ``d_ff``) and
+        ``planner`` ("auto", "native" or "portable").
 
     Parameters: ``router_kernel`` [D, E] (replicated); ``w_gate``, ``w_up`` [E, D, F] and
     ``w_down`` [E, F, D], split over the EP axis (and F over the ``tensor_axis``, if any:
@@ -313,7 +315,10 @@ def _forward(ep, router, ideal, x, token_mask, router_kernel, bias, experts, sha
     if ideal:
         with jax.named_scope("force_balanced"):
             ids = force_balanced(ids, ep, token_mask)
-    y, stats = routed_experts(x, ids, weights, experts, ep, token_mask)
+    # The layer's one entry wrapper is `__call__`'s (`with_auto_axes` and this jit): the routed
+    # experts run here without `routed_experts`' own.
+    check_call_inputs(x, ids, weights, experts, ep, token_mask)
+    y, stats = routed_over_mesh(ep, x, ids, weights, token_mask, *experts)
     if shared is not None:
         with jax.named_scope("shared_experts"):
             s = dense_glu(x, *shared[:3], activation=ep.execution.activation)

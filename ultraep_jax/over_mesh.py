@@ -9,7 +9,6 @@ directly.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -61,9 +60,7 @@ def routed_experts(
       (0 for masked tokens), and the call's `MoEStats`. Differentiable in x, weights and params.
     """
     check_call_inputs(x, experts, weights, params, ep, token_mask)
-    T = math.prod(x.shape[:-1])
-    pad = -T % ep.token_devices
-    return with_auto_axes(_moe_call, (ep, pad), x, experts, weights, token_mask, *params)
+    return with_auto_axes(_moe_call, (ep,), x, experts, weights, token_mask, *params)
 
 
 def _padded(a, pad: int, value):
@@ -73,12 +70,13 @@ def _padded(a, pad: int, value):
     return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=value)
 
 
-# Jitted so that a call outside `jax.jit` compiles once per shape, not op by op on every call;
-# inside a jitted step it is inlined.
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _moe_call(ep: ExpertParallel, pad: int, x, experts, weights, token_mask, *params):
+def routed_over_mesh(ep: ExpertParallel, x, experts, weights, token_mask, *params):
+    """`routed_experts` without its entry wrapper (the input checks, the Explicit-axes typing,
+    the `jit`): the tokens padded to the token devices, placed, and one `shard_map` over the mesh
+    around `routed_experts_local`. For a caller that has that wrapper already (`layer.MoE`)."""
     lead, D, K = x.shape[:-1], x.shape[-1], experts.shape[-1]
     T = math.prod(lead)
+    pad = -T % ep.token_devices
     mask = token_mask
     if mask is None and pad:
         mask = jnp.ones(lead, bool)
@@ -105,3 +103,8 @@ def _moe_call(ep: ExpertParallel, pad: int, x, experts, weights, token_mask, *pa
     if pad:
         stats = dataclasses.replace(stats, masked=stats.masked - pad)
     return y[:T].reshape(*lead, D), stats
+
+
+# Jitted so that a call outside `jax.jit` compiles once per shape, not op by op on every call;
+# inside a jitted step it is inlined.
+_moe_call = jax.jit(routed_over_mesh, static_argnums=0)

@@ -78,7 +78,41 @@ def _check_top_k(router: str, top_k: int, num_experts: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class SoftmaxTopK:
+class _SoftmaxRouter:
+    """What `SoftmaxTopK` and `TopKSoftmax` share: K, no bias, float32 logits in and `Routing`
+    out with `_losses` over the softmax of every expert's logit; a subclass chooses the experts
+    and their weights (`_choose`)."""
+
+    top_k: int
+
+    uses_bias = False
+
+    def __post_init__(self):
+        name = type(self).__name__
+        object.__setattr__(self, "top_k", check_positive_int(name, "top_k", self.top_k))
+
+    def check_experts(self, num_experts: int) -> None:
+        """Raises ValueError (one line) unless this router can choose among ``num_experts``."""
+        _check_top_k(type(self).__name__, self.top_k, num_experts)
+
+    def __call__(
+        self, logits_TE: jax.Array, bias_E: jax.Array | None = None, mask_T: jax.Array | None = None
+    ) -> Routing:
+        del bias_E
+        self.check_experts(logits_TE.shape[-1])
+        logits_TE = logits_TE.astype(jnp.float32)
+        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+        weights_TK, experts_TK = self._choose(logits_TE, probs_TE)
+        experts_TK = experts_TK.astype(jnp.int32)
+        return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK, mask_T))
+
+    def _choose(self, logits_TE: jax.Array, probs_TE: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(weights float32 [T, K], experts [T, K]) from float32 logits and their softmax."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxTopK(_SoftmaxRouter):
     """Softmax top-k routing.
 
     Attributes:
@@ -87,37 +121,23 @@ class SoftmaxTopK:
         probabilities themselves (False); a bool.
     """
 
-    top_k: int
     renormalize: bool = True
 
     def __post_init__(self):
-        object.__setattr__(self, "top_k", check_positive_int("SoftmaxTopK", "top_k", self.top_k))
+        super().__post_init__()
         if not isinstance(self.renormalize, (bool, np.bool_)):
             raise TypeError(f"SoftmaxTopK: renormalize must be a bool, got {self.renormalize!r}")
         object.__setattr__(self, "renormalize", bool(self.renormalize))
 
-    uses_bias = False
-
-    def check_experts(self, num_experts: int) -> None:
-        """Raises ValueError (one line) unless this router can choose among ``num_experts``."""
-        _check_top_k("SoftmaxTopK", self.top_k, num_experts)
-
-    def __call__(
-        self, logits_TE: jax.Array, bias_E: jax.Array | None = None, mask_T: jax.Array | None = None
-    ) -> Routing:
-        del bias_E
-        self.check_experts(logits_TE.shape[-1])
-        logits_TE = logits_TE.astype(jnp.float32)
-        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+    def _choose(self, logits_TE, probs_TE):
         weights_TK, experts_TK = jax.lax.top_k(probs_TE, self.top_k)
         if self.renormalize:
             weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
-        experts_TK = experts_TK.astype(jnp.int32)
-        return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK, mask_T))
+        return weights_TK, experts_TK
 
 
 @dataclasses.dataclass(frozen=True)
-class TopKSoftmax:
+class TopKSoftmax(_SoftmaxRouter):
     """Top-k-then-softmax routing (gpt-oss): the k largest logits, their weights a softmax over
     those k (so they sum to 1). The losses are `SoftmaxTopK`'s: the aux loss's scores are the
     softmax over all the experts.
@@ -126,28 +146,9 @@ class TopKSoftmax:
       top_k: K, experts per token (an int >= 1; NumPy integers accepted).
     """
 
-    top_k: int
-
-    def __post_init__(self):
-        object.__setattr__(self, "top_k", check_positive_int("TopKSoftmax", "top_k", self.top_k))
-
-    uses_bias = False
-
-    def check_experts(self, num_experts: int) -> None:
-        """Raises ValueError (one line) unless this router can choose among ``num_experts``."""
-        _check_top_k("TopKSoftmax", self.top_k, num_experts)
-
-    def __call__(
-        self, logits_TE: jax.Array, bias_E: jax.Array | None = None, mask_T: jax.Array | None = None
-    ) -> Routing:
-        del bias_E
-        self.check_experts(logits_TE.shape[-1])
-        logits_TE = logits_TE.astype(jnp.float32)
+    def _choose(self, logits_TE, probs_TE):
         chosen_TK, experts_TK = jax.lax.top_k(logits_TE, self.top_k)
-        weights_TK = jax.nn.softmax(chosen_TK, axis=-1)
-        experts_TK = experts_TK.astype(jnp.int32)
-        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-        return Routing(experts_TK, weights_TK, *_losses(logits_TE, probs_TE, experts_TK, mask_T))
+        return jax.nn.softmax(chosen_TK, axis=-1), experts_TK
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The GPU check's exchange section (`experiments.gpu.exchange`) on the 8 simulated CPU
-devices: the layer's portable token exchange, values and vjp, against a NumPy rendering of ragged
+devices: the layer's padded token exchange, values and vjp, against a NumPy rendering of ragged
 all-to-all's contract on the sizes and offsets the section builds (the replica-weight exchange
 has its NumPy check in test_pinned.py); and the schedule reader (`experiments.gpu.hlo_schedule`)
 on a hand-written schedule."""
@@ -45,9 +45,9 @@ def numpy_exchange_vjp(cot, sizes, src, dst, send_rows, recv_rows):
     return grad
 
 
-def test_portable_token_exchange_and_vjp_equal_numpy():
+def test_padded_token_exchange_and_vjp_equal_numpy():
     out, grad, (operand, cot, sizes, recv) = gpu_exchange.token_values_and_vjp(
-        _mesh(), SETUP, "portable"
+        _mesh(), SETUP, "padded"
     )
     # The sizes cover the cases that matter: empty blocks, unsent rows, unwritten output rows.
     assert (sizes == 0).any() and (sizes.sum(axis=1) < SETUP.check_rows).any()

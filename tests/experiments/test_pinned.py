@@ -44,7 +44,7 @@ def _reference_fetch(masters, slot_expert):
     ]
 
 
-@pytest.mark.parametrize("backend", ["portable", "auto"])
+@pytest.mark.parametrize("backend", ["padded", "auto"])
 @pytest.mark.parametrize(
     "slot_expert",
     [

@@ -7,6 +7,7 @@ of integer arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
 from ultraep_jax import comm
-from ultraep_jax.config import execution
+from ultraep_jax.config import resolve
 from ultraep_jax.replicas import transfer
 
 #: The meshes the layer tests run on, by name: (data size, EP size).
@@ -221,14 +222,17 @@ def random_slots(rng, R, em, S, fill, hot):
     return slots
 
 
-def portable_exchange(monkeypatch):
-    """Runs the ragged transfer's hops through the portable exchange (XLA:CPU has no ragged
-    all-to-all), so that its layout and indexing are checked here."""
-    real = comm.ragged_exchange
+def padded_exchange(monkeypatch):
+    """Runs the ragged path's exchanges (the token exchange, the transfer's exchanged hops)
+    through the padded exchange (XLA:CPU has no ragged all-to-all), so that the ragged path's
+    layout and indexing are checked here."""
+    real = comm.exchange_by_backend
 
     def exchange(operand, ex, *, axis_name, backend="auto"):
-        return real(operand, ex, axis_name=axis_name, backend="portable")
+        return real(operand, ex, axis_name=axis_name, backend="padded")
 
-    monkeypatch.setattr(transfer.comm, "ragged_exchange", exchange)
-    # The layer refuses "ragged" on CPU devices; here its exchanges run the portable way.
-    monkeypatch.setattr(execution, "check_platform", lambda backend, platform: None)
+    monkeypatch.setattr(comm, "exchange_by_backend", exchange)
+    # The resolver refuses "ragged" on CPU devices; here its exchanges run the padded way.
+    ragged, padded = resolve.CANDIDATES["comm_backend"]
+    anywhere = dataclasses.replace(ragged, supported=lambda platform, facts: True)
+    monkeypatch.setitem(resolve.CANDIDATES, "comm_backend", (anywhere, padded))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ultraep_jax as uep
-from tests.helpers import layer_cases, portable_exchange, random_slots
+from tests.helpers import layer_cases, padded_exchange, random_slots
 from tests.references.relay import reference_schedule, reference_slow_copies
 from ultraep_jax.replicas import relay
 
@@ -138,11 +138,11 @@ def test_bad_ranks_per_domain_raises_one_line(value, match):
     [("ep8", 2, 0, 2), ("ep8", 4, 0, 2), ("dp2ep4", 2, 3, 2)],
 )
 def test_layer_over_domains_equals_dense_reference(mesh_kind, d, seed, chunks, monkeypatch):
-    """The balanced layer (relays f = 2, the ragged transfer run through the portable exchange;
+    """The balanced layer (relays f = 2, the ragged transfer run through the padded exchange;
     1 or 2 streamed chunks) over fast domains of ``d`` ranks: values and gradients equal the
     dense reference, a gateway relays inside its remote domain, and the reported largest send
     is the reference schedule's."""
-    portable_exchange(monkeypatch)
+    padded_exchange(monkeypatch)
     mesh = layer_cases.make_mesh(mesh_kind)
     G, R = layer_cases.mesh_groups(mesh)
     rng = np.random.default_rng(seed)

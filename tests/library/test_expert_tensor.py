@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
 from tests import helpers
-from tests.helpers import layer_cases, portable_exchange
+from tests.helpers import layer_cases, padded_exchange
 from tests.references.moe import reference_moe
 from tests.references.relay import reference_schedule, reference_send_copies
 
@@ -43,8 +43,8 @@ TP = 2
 E, TOP_K, BATCH, SEQ, SLOTS = 8, 2, 8, 8, 2
 
 #: Variant -> (balanced, max_fanout, comm_backend, transfer_chunks). "relay1" and "chunks2" run the
-#: ragged transfer (its hops through the portable exchange: XLA:CPU has no ragged all-to-all),
-#: which follows the relay schedule; the portable transfer sends every copy from the master.
+#: ragged transfer (its hops through the padded exchange: XLA:CPU has no ragged all-to-all),
+#: which follows the relay schedule; the padded (dense) transfer sends every copy from the master.
 VARIANTS = {
     "plain": (False, 2, None, 1),
     "balanced": (True, 2, None, 1),
@@ -107,7 +107,7 @@ def inputs(seed: int = 0):
 
 def run(case: Case):
     """The layer of ``case`` on `inputs`: (y, stats, d/dx, d/dparams) as NumPy, its mesh and
-    balancer. A ragged variant needs `portable_exchange` patched in first."""
+    balancer. A ragged variant needs `padded_exchange` patched in first."""
     balanced, fanout, backend, chunks = VARIANTS[case.variant]
     mesh = make_mesh(case.mesh, case.axis_types)
     x, params, cot, _ = inputs()
@@ -146,7 +146,7 @@ def test_values_and_grads_equal_dense_reference(case, monkeypatch):
     one-device reference; a balanced layer replicates, drops nothing, and each rank sends the
     reference schedule's copies of its own F slice only (bytes per link / TP)."""
     if VARIANTS[case.variant][2] == "ragged":
-        portable_exchange(monkeypatch)
+        padded_exchange(monkeypatch)
     (y, stats, gx, gp), mesh, balancer = run(case)
     ref_y, ref_gx, ref_gp = inputs()[3]
     layer_cases.assert_close(y, ref_y, "y")
@@ -160,7 +160,7 @@ def test_values_and_grads_equal_dense_reference(case, monkeypatch):
         return
     assert int(stats["replicas"]) > 0, "no replica"
     assert stats["imbalance_after"] < stats["imbalance_before"]
-    if VARIANTS[case.variant][2] == "ragged":  # the portable transfer sends every copy directly
+    if VARIANTS[case.variant][2] == "ragged":  # the padded transfer sends every copy directly
         send_max, hops = reference_transfer(mesh, balancer)
         assert float(stats["transfer_send_max"]) == send_max
         if case.mesh == "ep4tp2":  # 2 EP ranks (dp2ep2tp2) leave nothing to relay

@@ -5,7 +5,7 @@ against the independent dense references (tests/references), balanced and not.
 
 Each mesh case is one layer program balanced and one plain (value and gradient each), chosen so
 that together they take every path a replica's biases travel: ep8 the tiled kernel with masters
-and slots in one loop (the portable transfer); dp2ep4 `ragged_dot`, the transfer streamed in two
+and slots in one loop (the padded transfer); dp2ep4 `ragged_dot`, the transfer streamed in two
 chunks of F (the down bias with the first only) through the ragged exchange with relays
 (``max_fanout=1``); (data 2, expert 2, tensor 2) the gate and up biases split over F, the down
 bias added once over the tensor ranks, two chunks, the tiled kernel.
@@ -30,8 +30,8 @@ from tests.helpers import (
     draw_routed_inputs,
     layer_value_and_grads,
     make_mesh,
+    padded_exchange,
     place_batch,
-    portable_exchange,
 )
 from tests.references.layer import BIAS_NAMES, EXPERT_NAMES, reference_layer
 from tests.references.routing import Router, router_weights, select_experts
@@ -102,7 +102,7 @@ def test_block_equals_dense_reference_balanced_or_not(mesh_kind, monkeypatch):
     there the balanced y equals the plain one."""
     options = CASES[mesh_kind]
     if options.get("comm_backend") == "ragged":
-        portable_exchange(monkeypatch)
+        padded_exchange(monkeypatch)
     mesh = _mesh(mesh_kind)
     x, params, cot, _, want, g_x, g_p = _inputs()
     results = []

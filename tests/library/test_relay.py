@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
-from tests.helpers import fetch_with_grads, layer_cases, portable_exchange, random_slots
+from tests.helpers import fetch_with_grads, layer_cases, padded_exchange, random_slots
 from tests.references.relay import reference_schedule, reference_send_copies
 from ultraep_jax.replicas import relay, streaming, transfer
 
@@ -130,10 +130,10 @@ def _assert_fetch_equals_numpy(got, grads, masters, slot_expert, cot):
 
 
 # f = 0 (no relay) on the ragged transfer only: its one hop's operand is sized for a master that
-# sends every copy itself (`relay.hop_send_bound`); the portable transfer ignores f.
+# sends every copy itself (`relay.hop_send_bound`); the padded (dense) transfer ignores f.
 @pytest.mark.parametrize(
     "f, backend",
-    [(1, "portable"), (2, "portable"), (1, "ragged"), (2, "ragged"), (0, "ragged")],
+    [(1, "padded"), (2, "padded"), (1, "ragged"), (2, "ragged"), (0, "ragged")],
 )
 def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch, ep8_mesh):
     """8 ranks, 2 masters each, 2 slots: expert 0 on 6 ranks (relayed through 2 or 3 levels with
@@ -141,7 +141,7 @@ def test_relayed_fetch_and_its_gradient_equal_numpy(f, backend, monkeypatch, ep8
     2; every slot gets its expert, and each master's gradient is the sum of the cotangents of
     every slot holding it (summed through the relays)."""
     if backend == "ragged":
-        portable_exchange(monkeypatch)
+        padded_exchange(monkeypatch)
     R, em, S = 8, 2, 2
     E = R * em
     slot_expert = np.array(
@@ -191,7 +191,7 @@ def test_dense_fetch_moving_only_the_columns_in_use_equals_numpy(used, ep8_mesh)
         rng.normal(size=(R * em, 4)).astype(np.float32),
     ]
     cot = [rng.normal(size=(R * S, *w.shape[1:])).astype(np.float32) for w in masters]
-    got, grads = fetch_with_grads(ep8_mesh, masters, slot_expert, cot, backend="portable")
+    got, grads = fetch_with_grads(ep8_mesh, masters, slot_expert, cot, backend="padded")
     assert (slot_expert >= 0).any() == bool(used)
     _assert_fetch_equals_numpy(got, grads, masters, slot_expert, cot)
 
@@ -250,7 +250,7 @@ def _relayed_layer_case(mesh, f, backend, monkeypatch, chunks=1, seed=0):
     """The balanced layer on skewed inputs (E=8, top-2) with ``max_fanout=f``; returns its
     results, the reference's and the plans' slots of each EP group (by the FFI planner)."""
     if backend == "ragged":
-        portable_exchange(monkeypatch)
+        padded_exchange(monkeypatch)
     G, R = layer_cases.mesh_groups(mesh)
     rng = np.random.default_rng(seed)
     E, k, batch, seq = LAYER_EXPERTS, 2, 8, 8
@@ -287,19 +287,19 @@ def want_send_max(slots, f) -> float:
     return float(copies * 3 * layer_cases.D * layer_cases.F * 4)
 
 
-# The portable transfer ignores f (its dense hop sends every copy from the master), so f enters
+# The padded transfer ignores f (its dense hop sends every copy from the master), so f enters
 # its layer only through the relay schedule of the `transfer_send_max` stat (computed the same
-# way whatever the backend), the code the ragged cases run: one portable case. f changes only the
+# way whatever the backend), the code the ragged cases run: one padded case. f changes only the
 # schedule's values and its number of hops, and the data axis only splits the batch into groups
 # that each run ep8's code at 4 ranks: the ragged transfer runs once at each f, the tree (f = 2)
 # on ep8 and the chain (f = 1, 3 hops) on dp2ep4. (Before, every (f, backend) ran on both meshes:
 # 6 compiles of the layer's value and gradients. ep8's 7-hop chain runs in `routed_experts`, the
 # layer's core, in test_robustness's ragged capacity case at f = 1, and alone in the fetch test
-# here; the portable transfer on dp2ep4 in test_moe's balanced dp2ep4 cases and the streamed
+# here; the padded transfer on dp2ep4 in test_moe's balanced dp2ep4 cases and the streamed
 # case below.)
 @pytest.mark.parametrize(
     "mesh, f, backend",
-    [("ep8", 2, "ragged"), ("ep8", 2, "portable"), ("dp2ep4", 1, "ragged")],
+    [("ep8", 2, "ragged"), ("ep8", 2, "padded"), ("dp2ep4", 1, "ragged")],
     indirect=["mesh"],
 )
 def test_layer_with_relays_equals_dense_reference(mesh, f, backend, monkeypatch):
@@ -319,12 +319,12 @@ def test_layer_with_relays_equals_dense_reference(mesh, f, backend, monkeypatch)
 # 2 and 4 chunks run the same loop over the chunks, a rank's own code that the data axis leaves as
 # it is (it only splits the batch into groups): each backend runs the loop once, each case a
 # compile of the layer's step, the ragged transfer at 4 chunks on ep8 (every hop in every chunk)
-# and the portable one at 2 on dp2ep4. (Before, each mesh and backend took both counts: 4 cases.
-# More counts run in test_robustness's capacity cases, ragged at 2 and 3 chunks and portable at
+# and the padded one at 2 on dp2ep4. (Before, each mesh and backend took both counts: 4 cases.
+# More counts run in test_robustness's capacity cases, ragged at 2 and 3 chunks and padded at
 # 4, in test_domains, ragged at 2 on both meshes, and in test_expert_tensor.)
 @pytest.mark.parametrize(
     "mesh, chunks, backend",
-    [("ep8", 4, "ragged"), ("dp2ep4", 2, "portable")],
+    [("ep8", 4, "ragged"), ("dp2ep4", 2, "padded")],
     indirect=["mesh"],
 )
 def test_layer_with_streamed_transfer_equals_dense_reference(mesh, chunks, backend, monkeypatch):
@@ -423,7 +423,7 @@ def test_transfer_send_max_is_zero_without_replicas(ep8_mesh):
 def test_layer_computes_the_relay_schedule_once_per_call(monkeypatch, ep8_mesh):
     """One relay schedule per layer call, shared by every chunk's transfer (the relayed, ragged
     exchange's layout) and the `transfer_send_max` stat, which counts that schedule's sends."""
-    portable_exchange(monkeypatch)
+    padded_exchange(monkeypatch)
     calls = []
     real = relay.relay_schedule
 

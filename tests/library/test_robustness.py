@@ -26,7 +26,7 @@ from tests.helpers import (
     assert_raises_one_line,
     expert_mesh,
     fetch_with_grads,
-    portable_exchange,
+    padded_exchange,
     random_slots,
     routed_value_and_grads,
 )
@@ -143,15 +143,15 @@ def _routed_grads_program(ep):
 
 
 # Each case one compile of the layer's value and gradients, run at two non-finite values (data,
-# not program): 4 values in all, on the portable transfer at 1 chunk and the ragged one relayed
+# not program): 4 values in all, on the padded transfer at 1 chunk and the ragged one relayed
 # (f = 2) in 2 chunks. (Before, one compile per value: (inf, f 2, 1 chunk) and (nan, f 1,
-# 2 chunks) portable, where f only enters the stats; (inf, f 0, 1 chunk), a single hop that the
+# 2 chunks) padded, where f only enters the stats; (inf, f 0, 1 chunk), a single hop that the
 # relayed case's first hop runs, and (-inf, f 2, 2 chunks) ragged; each chunk's transfer runs the
 # code of an unstreamed one on a column slice.)
 @pytest.mark.parametrize(
     "bads, max_fanout, chunks, backend",
-    [((np.inf, np.nan), 2, 1, "portable"), ((-np.inf, np.nan), 2, 2, "ragged")],
-    ids=["inf-nan-f2-1chunk-portable", "-inf-nan-f2-2chunks-ragged"],
+    [((np.inf, np.nan), 2, 1, "padded"), ((-np.inf, np.nan), 2, 2, "ragged")],
+    ids=["inf-nan-f2-1chunk-padded", "-inf-nan-f2-2chunks-ragged"],
 )
 def test_nonfinite_weights_of_a_cold_expert_stay_there(
     bads, max_fanout, chunks, backend, monkeypatch
@@ -161,7 +161,7 @@ def test_nonfinite_weights_of_a_cold_expert_stay_there(
     another expert may see it. The replica transfer gathers every master row of a rank, so a
     0/1 mask product would make inf * 0 = NaN in the slots of other experts."""
     if backend == "ragged":
-        portable_exchange(monkeypatch)  # the exchanged hops, through the CPU's exchange
+        padded_exchange(monkeypatch)  # the exchanged hops, through the CPU's exchange
     R, E, k, B, L = 8, 16, 2, 8, 16
     rng = np.random.default_rng(0)
     x = rng.normal(size=(B, L, D)).astype(np.float32)
@@ -201,13 +201,13 @@ def test_nonfinite_weights_of_a_cold_expert_stay_there(
             assert_close(g, rg, f"d/d{name} ({bad})")
 
 
-@pytest.mark.parametrize("backend", ["portable", "ragged"])
+@pytest.mark.parametrize("backend", ["padded", "ragged"])
 def test_nonfinite_master_reaches_only_its_own_slots(backend, monkeypatch):
     """The replica transfer alone: one expert's master rows hold inf and NaN; every slot holding
     another expert gets exactly its weights, and a NaN cotangent on the bad expert's slots reaches
     only that expert's gradient (the transfer's transpose)."""
     if backend == "ragged":
-        portable_exchange(monkeypatch)
+        padded_exchange(monkeypatch)
     R, em, S, f = 8, 2, 2, 1
     E = R * em
     # Expert 0 relayed through 3 levels; expert 1 (the bad one, same master rank) on 2 ranks.
@@ -279,7 +279,7 @@ def capacity_case(seed, max_fanout, chunks, backend, monkeypatch, poison_dropped
     buffer of 13 rows (capacity factor 0.8: below the mean, so the plan replicates and still
     drops). Returns the layer's and the reference's results, the kept pairs and the plan."""
     if backend == "ragged":
-        portable_exchange(monkeypatch)
+        padded_exchange(monkeypatch)
     R, E, k, B, L = 8, 8, 2, 8, 8
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(B, L, D)).astype(np.float32)
@@ -306,12 +306,12 @@ def capacity_case(seed, max_fanout, chunks, backend, monkeypatch, poison_dropped
 
 # The ragged f = 1 case relays through 7 hops, each in every chunk (each hop's exchange compiled
 # once per chunk): 2 chunks there; 4 chunks run through the same chunk loop at f = 3. The
-# portable transfer ignores f (its dense hop sends every copy from the master) and this test
-# reads no stat of f: one portable case, at 4 chunks (a portable case at f = 1 and 2 chunks, the
+# padded (dense) transfer ignores f (its dense hop sends every copy from the master) and this
+# test reads no stat of f: one padded case, at 4 chunks (a padded case at f = 1 and 2 chunks, the
 # same data, ran the same chunk loop here before).
 @pytest.mark.parametrize(
     "max_fanout, chunks, backend",
-    [(2, 3, "ragged"), (3, 4, "portable"), (1, 2, "ragged")],
+    [(2, 3, "ragged"), (3, 4, "padded"), (1, 2, "ragged")],
 )
 def test_capacity_drops_with_relays_and_streaming_equal_reference(
     max_fanout, chunks, backend, monkeypatch
@@ -336,7 +336,7 @@ def test_nonfinite_weights_of_dropped_pairs_are_ignored(monkeypatch):
     """The pairs dropped for capacity carry NaN and inf weights: nothing of them reaches a token
     or a gradient (the weights' gradient is exactly 0 on them)."""
     (y, stats, gx, gw, gp), (ry, _, rgx, rgw, rgp), keep, _ = capacity_case(
-        4, 2, 2, "portable", monkeypatch, poison_dropped=True
+        4, 2, 2, "padded", monkeypatch, poison_dropped=True
     )
     assert int(stats.dropped) == int((~keep).sum()) > 0
     assert np.isfinite(y).all(), f"{int((~np.isfinite(y).all(-1)).sum())} tokens not finite"
@@ -483,7 +483,7 @@ def test_plan_of_no_ranks_raises_one_line():
 def test_ragged_backend_on_cpu_devices_raises_at_construction():
     assert_raises_one_line(
         ValueError,
-        r"comm_backend='ragged' cannot run on CPU devices",
+        r"comm_backend='ragged': cannot run on CPU devices",
         uep.ExpertParallel,
         expert_mesh(8),
         8,
@@ -584,54 +584,6 @@ def test_integer_arguments_follow_one_rule():
     ValueError for an integer below the minimum; NumPy integers accepted."""
     for name, fn in _integer_arguments():
         assert_integer_rule(name, fn)
-
-
-# -- 1 (kernels). a group's inf/NaN stays in its rows ---------------------------------------------
-
-
-def test_pallas_grouped_matmul_keeps_nonfinite_values_in_their_group():
-    """The Pallas kernel (interpreted on CPU) with 16-row tiles and groups that share tiles: inf in
-    group 1's weights, NaN in one of group 1's rows, NaN in the cotangent of another of them.
-    Every other group's rows, their input gradients and every other group's weight gradient equal
-    NumPy's (a product of rows zeroed before it would be 0 * inf = NaN across the shared tile)."""
-    from ultraep_jax.experts import gmm_pallas
-
-    rng = np.random.default_rng(10)
-    M, K, N = 48, 16, 16
-    sizes = np.array([10, 9, 20, 0, 5])  # group 1 spans rows 10..18: tiles 0 and 1
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    group = np.repeat(np.arange(len(sizes)), sizes)
-    lhs = rng.normal(size=(M, K)).astype(np.float32)
-    rhs = rng.normal(size=(len(sizes), K, N)).astype(np.float32)
-    rhs[1, 3, 4] = np.inf
-    lhs[starts[1] + 2, 5] = np.nan
-    cot = rng.normal(size=(M, N)).astype(np.float32)
-    cot[starts[1] + 4, 1] = np.nan
-
-    def loss(lhs, rhs):
-        out = gmm_pallas.grouped_matmul(
-            lhs, rhs, jnp.asarray(sizes, jnp.int32), tile_m=16, tile_n=16, tile_k=16, interpret=True
-        )
-        return jnp.sum(out * cot), out
-
-    (_, out), (d_lhs, d_rhs) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        jnp.asarray(lhs), jnp.asarray(rhs)
-    )
-    out, d_lhs, d_rhs = np.asarray(out), np.asarray(d_lhs), np.asarray(d_rhs)
-    total = int(sizes.sum())
-    lhs64, rhs64, cot64 = (a.astype(np.float64) for a in (lhs, rhs, cot))
-    for m in range(M):
-        g = group[m] if m < total else -1
-        if g == 1:
-            continue
-        want = lhs64[m] @ rhs64[g] if g >= 0 else np.zeros(N)
-        want_dx = cot64[m] @ rhs64[g].T if g >= 0 else np.zeros(K)
-        np.testing.assert_allclose(out[m], want, rtol=1e-5, atol=1e-5, err_msg=f"row {m}")
-        np.testing.assert_allclose(d_lhs[m], want_dx, rtol=1e-5, atol=1e-5, err_msg=f"dx {m}")
-    for g in (0, 2, 3, 4):
-        rows = slice(starts[g], starts[g] + sizes[g])
-        want = lhs64[rows].T @ cot64[rows]
-        np.testing.assert_allclose(d_rhs[g], want, rtol=1e-5, atol=1e-5, err_msg=f"d_rhs {g}")
 
 
 # -- settings that could not do what they say are one-line errors ----------------------------------

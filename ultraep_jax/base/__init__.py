@@ -6,4 +6,7 @@ layout.py       `Layout`: the instance layout of an EP group (expert e's master 
 activations.py  `ACTIVATIONS`: the gated experts' activations, by name
 arguments.py    `check_int`, `check_positive_int`, `check_finite`: one-line checks of the
                 values a user gives
+operands.py     which operands and devices the grouped-matmul kernels take (`MgpuTiles`,
+                `mgpu_unsupported`, `mosaic_tpu_unsupported`, `is_hopper`): the facts the
+                resolver's predicates read (`config.resolve`)
 """

@@ -1,6 +1,7 @@
-"""Communication over the EP axis: one entry point for ragged row exchange, whatever the backend
-(one file each: "portable" is `padded.padded_all_to_all`, "ragged" is
-`ragged.ragged_all_to_all`), used by the token exchange and the replica transfer.
+"""Communication over the EP axis: one dispatcher of ragged row exchanges,
+`exchange_by_backend`, over one file per backend ("padded" is `padded.padded_all_to_all`,
+"ragged" is `ragged.ragged_all_to_all`), used by the token exchange and the replica transfer.
+Which backend "auto" is on a platform is `config.resolve`'s rule.
 
 An `Exchange` (`comm.exchange`) holds every size and offset of one ragged all-to-all for
 the whole EP group, so the return trip is `Exchange.reversed` and each call passes one argument.
@@ -14,45 +15,37 @@ import jax.numpy as jnp
 from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.comm import padded, ragged
 from ultraep_jax.comm.exchange import Exchange
-from ultraep_jax.config.execution import AUTO, BACKENDS
+from ultraep_jax.config import resolve
+from ultraep_jax.config.execution import BACKENDS
 
 __all__ = [
     "BACKENDS",
+    "EXCHANGES",
     "Exchange",
-    "by_backend",
+    "exchange_by_backend",
     "local_exchange",
-    "ragged_exchange",
 ]
 
-# Each backend's `ragged_all_to_all`-like exchange (operand, output, exchange, *, axis_name), by
-# the names of `config.execution.BACKENDS`.
-EXCHANGES = {"portable": padded.padded_all_to_all, "ragged": ragged.ragged_all_to_all}
+#: Each backend's `ragged_all_to_all`-like exchange (operand, output, exchange, *, axis_name), by
+#: the names of `config.execution.BACKENDS`.
+EXCHANGES = {"padded": padded.padded_all_to_all, "ragged": ragged.ragged_all_to_all}
 
 
-def by_backend(backend: str, impls: dict, *args):
-    """``impls[backend](*args)``, one implementation per name of `EXCHANGES`; "auto" picks one
-    per platform as `config.execution.AUTO` says, when the computation is lowered."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown communication backend {backend!r}; expected one of {BACKENDS}")
-    if backend != "auto":
-        return impls[backend](*args)
-    auto = AUTO["comm_backend"]
-    return jax.lax.platform_dependent(*args, **{p: impls[name] for p, name in auto.items()})
-
-
-def ragged_exchange(
+def exchange_by_backend(
     operand: jax.Array, exchange: Exchange, *, axis_name: str, backend: str = "auto"
 ) -> jax.Array:
     """[recv_rows, ...]: ``operand`` [send_rows, ...] sent in ragged blocks to every peer on
-    ``axis_name`` as ``exchange`` says; rows nobody writes are zero.
+    ``axis_name`` as ``exchange`` says, by the exchange of ``backend``; rows nobody writes are
+    zero.
 
     ``backend``: "ragged" (`jax.lax.ragged_all_to_all`: only the needed bytes move; GPU/TPU),
-    "portable" (a fixed-size all-to-all of ``R * max_chunk`` rows; any platform), or "auto":
-    portable on CPU, ragged elsewhere, chosen per platform at lowering time.
+    "padded" (a fixed-size all-to-all of ``R * max_chunk`` rows; any platform), or "auto":
+    padded on CPU, ragged elsewhere, for the platform of the mesh traced on
+    (`resolve.by_platform`).
     """
     if operand.shape[0] != exchange.send_rows:
         raise ValueError(
-            f"ragged_exchange: operand has {operand.shape[0]} rows, the exchange sends from "
+            f"exchange_by_backend: operand has {operand.shape[0]} rows, the exchange sends from "
             f"{exchange.send_rows}"
         )
     output = jnp.zeros((exchange.recv_rows,) + operand.shape[1:], operand.dtype)
@@ -60,15 +53,15 @@ def ragged_exchange(
     # explicitly (some transposes drop the type) so that every platform branch has one type.
     axes = tuple(sorted({axis_name} | varying_axes(operand)))
 
-    def typed(run):
-        return lambda *a: vary(run(*a, axis_name=axis_name), axes)
+    def run(platform):
+        exchange_ = EXCHANGES[resolve.choose("comm_backend", backend, platform)]
+        return lambda *a: vary(exchange_(*a, axis_name=axis_name), axes)
 
-    impls = {name: typed(run) for name, run in EXCHANGES.items()}
-    return by_backend(backend, impls, operand, output, exchange)
+    return resolve.by_platform("comm_backend", backend, run, operand, output, exchange)
 
 
 def local_exchange(operand: jax.Array, exchange: Exchange) -> jax.Array:
-    """`ragged_exchange` over an EP axis of one device (or none): [recv_rows, ...], the first
+    """`exchange_by_backend` over an EP axis of one device (or none): [recv_rows, ...], the first
     ``sizes_RR[0, 0]`` rows of ``operand`` [send_rows, ...] from row 0, zeros after; no
     collective."""
     if exchange.sizes_RR.shape != (1, 1):

@@ -1,4 +1,4 @@
-"""The "portable" backend: `ragged_all_to_all` semantics built from a fixed-size (padded)
+"""The "padded" backend: `ragged_all_to_all` semantics built from a fixed-size (padded)
 `all_to_all`.
 
 Runs on every platform (XLA:CPU cannot compile `ragged_all_to_all`) and is what the tests use.

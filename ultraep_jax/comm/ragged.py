@@ -1,7 +1,7 @@
 """The "ragged" backend: `jax.lax.ragged_all_to_all`, which moves only the rows that are needed.
 
 For GPU and TPU; XLA:CPU cannot compile it. On GPU with 8+ ranks, XLA's implementation may fall
-back to a host-synchronising path unless its device-kernel mode is on; keep the portable backend
+back to a host-synchronising path unless its device-kernel mode is on; keep the padded backend
 (`comm.padded`) selectable for that case.
 """
 

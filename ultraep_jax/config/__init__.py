@@ -1,6 +1,7 @@
 """The configuration: what the planner may do (`BalancerConfig`), where routed experts run
 (`ExpertParallel`: mesh, axes, sizes, capacity) and how (`Execution`: planner, kernel,
-communication backend, transfer chunks, activation). Its modules import no kernel or collective
+communication backend, transfer chunks, activation); what each name, "auto" included, is on a
+platform (`resolve`: the one resolver). Its modules import no kernel or collective
 (the package's `__init__`, which an import of this runs first, loads the stages; not Flax)."""
 
 from ultraep_jax.config.balancer import (

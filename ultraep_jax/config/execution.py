@@ -1,6 +1,7 @@
 """`Execution`: how the routed experts run (planner, expert kernel, communication backend,
 transfer chunks, activation), and the names each choice may take. Names only: no kernel or
-collective is imported here (`experts.registry` and `comm` map the names to code)."""
+collective is imported here; what a name is on each platform, "auto" included, is
+`config.resolve` (the one resolver), and `experts.registry` and `comm` map the names to code."""
 
 from __future__ import annotations
 
@@ -8,72 +9,60 @@ import dataclasses
 
 from ultraep_jax.base.activations import ClampedSwiGLU, check_activation
 from ultraep_jax.base.arguments import check_positive_int
+from ultraep_jax.config import resolve
 
-#: What "auto" is on each platform (`jax.lax.platform_dependent` keywords). The planner's is
-#: resolved when the computation is lowered, on every mesh (`planning.planner.plan`: only that
-#: planner is traced); the others' on a mesh of CPU devices when the configuration is built (only
-#: that branch is traced), on any other mesh when the computation is lowered
-#: (`comm.by_backend`, `experts.registry`). XLA:CPU
-#: cannot compile `ragged_all_to_all`. The kernel "cuda" is JAX's Mosaic GPU kernels on Hopper
-#: where the shapes suit them, else XLA's `ragged_dot` (not the Pallas Triton backend, which JAX
-#: 0.12 deprecates); TPU and ROCm run JAX's own
-#: `ragged_all_to_all` and `ragged_dot`. The planner: the native FFI handler on CPU and on CUDA
-#: (there only where the CUDA handler was built, `planning.planner.plan`), else the portable one.
-AUTO = {
-    "comm_backend": {"cpu": "portable", "default": "ragged"},
-    "expert_kernel": {"cuda": "cuda", "cpu": "tiled", "default": "ragged_dot"},
-    "planner": {"cpu": "native", "cuda": "native", "default": "portable"},
-}
 #: The communication backends of the token exchange and the replica transfer (`comm`).
-BACKENDS = ("auto", "portable", "ragged")
+BACKENDS = resolve.NAMES["comm_backend"]
 #: The expert kernels (`experts.registry`).
-KERNELS = ("auto", "tiled", "ragged_dot", "pallas", "mgpu")
+KERNELS = resolve.NAMES["expert_kernel"]
 #: The planners (`planning.planner.plan`): the FFI handler or the same plans in JAX.
-PLANNERS = ("auto", "native", "portable")
+PLANNERS = resolve.NAMES["planner"]
 
 
-def check_platform(comm_backend: str, platform: str | None) -> None:
-    """Raises ValueError (one line naming the backend) when devices of ``platform`` cannot run
-    ``comm_backend``: "ragged" on CPU (XLA:CPU has no `ragged_all_to_all`)."""
-    if comm_backend == "ragged" and platform == "cpu":
-        raise ValueError(
-            "Execution: comm_backend='ragged' cannot run on CPU devices (XLA:CPU has no "
-            "ragged_all_to_all); use 'portable' or 'auto'"
-        )
-
-
-def check_name(name: str, value, allowed, owner: str = "Execution") -> None:
-    """Raises one line (``owner: name must be one of ...``) unless ``value`` is one of the names
-    ``allowed`` (`BACKENDS`, `KERNELS`, `PLANNERS`): TypeError for a value that is no str (None
-    included), ValueError for a str not among them."""
+def check_name(name: str, value, allowed, owner: str = "Execution") -> str:
+    """``value`` as the choice ``name`` takes it (``allowed``: `BACKENDS`, `KERNELS`,
+    `PLANNERS`; a deprecated alias mapped, with a DeprecationWarning); raises one line (``owner:
+    name must be one of ...``, or what replaced a retired name): TypeError for a value that is no
+    str (None included), ValueError for a str not among them."""
+    if name in resolve.NAMES:
+        return resolve.check_name(name, value, owner)
     if not isinstance(value, str):
         raise TypeError(
             f"{owner}: {name} must be one of {tuple(allowed)}, got {type(value).__name__} {value!r}"
         )
     if value not in allowed:
         raise ValueError(f"{owner}: {name} must be one of {tuple(allowed)}, got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
     """How the routed experts run: a frozen, hashable configuration (it keys compiled code).
 
+    Every choice is a name ("auto" by default), resolved for the platform of the mesh the
+    experts are traced on (`config.resolve`; docs/gpu.md's tables say what each name is where).
+
     Attributes:
-      comm_backend: "auto" (fixed-size collectives on CPU, `ragged_all_to_all` elsewhere),
-        "portable" or "ragged": the token exchange's and the replica transfer's (`comm`).
-      expert_kernel: one of `KERNELS` ("auto": Mosaic GPU on Hopper where the shapes suit it,
-        else `jax.lax.ragged_dot`, on CUDA; the tiled loop on CPU; `experts.registry`; "pallas"
-        is Pallas' Triton backend, deprecated by JAX 0.12, and only an explicit choice).
+      comm_backend: one of `BACKENDS`: "ragged" (`jax.lax.ragged_all_to_all`: only the needed
+        rows move; not on CPU), "padded" (a fixed-size all_to_all, and a dense reduce-scatter for
+        the replica transfer; any platform), or "auto" (padded on CPU, ragged elsewhere): the
+        token exchange's and the replica transfer's (`comm`). "portable" is a deprecated name
+        of "padded".
+      expert_kernel: one of `KERNELS`: "tiled" (the CPU's loop), "ragged_dot" (XLA's), "mgpu"
+        (JAX's Mosaic GPU kernels, Hopper), "tokamax" (tokamax's ragged dot, its extra), or
+        "auto": tiled on CPU; on CUDA Mosaic GPU on Hopper where the operands suit it, else
+        `jax.lax.ragged_dot`; on TPU tokamax's Mosaic TPU kernel where it is installed and takes
+        the operands, else `ragged_dot` (`experts.registry`).
       transfer_chunks: n >= 1 (at most d_ff): the replica weights move as n transfers of d_ff / n
         hidden columns each, and each chunk's slot matmuls read only that chunk, so XLA may
         overlap transfer and compute (`replicas.streaming`; ffi/TRANSFER.md). 1: one transfer.
       activation: the experts' gated activation, a name of `ACTIVATIONS`: "silu" (SwiGLU,
         default), "gelu" (GeGLU, exact GELU), "gelu_tanh", "relu" (ReGLU); or a
         `ClampedSwiGLU` (gpt-oss's clamped unit, its limit and alpha as settings).
-      planner: one of `PLANNERS`: "auto" (the native FFI handler on CPU, and on CUDA where the
-        CUDA handler was built; the portable planner on TPU, ROCm and CUDA without the handler;
-        chosen for the platform the step is lowered for), "native" or "portable" (the same plans,
-        bit for bit).
+      planner: one of `PLANNERS`: "native" (the FFI handler), "portable" (the same plans in JAX,
+        bit for bit), or "auto": native on CPU, and on CUDA where the CUDA handler was built;
+        portable on TPU, ROCm and CUDA without the handler; chosen for each platform the step
+        is lowered for (`planning.planner.plan`).
     """
 
     comm_backend: str = "auto"
@@ -83,27 +72,22 @@ class Execution:
     planner: str = "auto"
 
     def __post_init__(self):
-        check_name("comm_backend", self.comm_backend, BACKENDS)
+        backend = check_name("comm_backend", self.comm_backend, BACKENDS)
+        object.__setattr__(self, "comm_backend", backend)
         check_name("expert_kernel", self.expert_kernel, KERNELS)
         check_activation(self.activation, "Execution")
         check_name("planner", self.planner, PLANNERS)
         chunks = check_positive_int("Execution", "transfer_chunks", self.transfer_chunks)
         object.__setattr__(self, "transfer_chunks", chunks)
 
-    def on(self, platform: str | None, exchanges: bool = True) -> Execution:
-        """This execution for devices of ``platform`` (None: not known before lowering): "auto"
-        resolved by `AUTO` on CPU; raises one line for a backend the platform cannot run when
-        anything is ``exchanges`` (an EP group of more than one rank)."""
+    def check_on(self, platform: str | None, device_kind: str | None, exchanges: bool) -> None:
+        """Raises our one-line refusal (`resolve.resolve`) for an explicit kernel, or a backend
+        when anything is ``exchanges`` (an EP group of more than one rank), that devices of
+        ``platform`` (None: not known before tracing: nothing to check) cannot run. "auto" is
+        resolved when the experts are traced, from the same mesh."""
+        if platform is None:
+            return
+        facts = resolve.Facts(device_kind=device_kind)
         if exchanges:
-            check_platform(self.comm_backend, platform)
-        if platform != "cpu":
-            return self
-        # The planner's "auto" stays: `planning.planner.plan` resolves it when the step is
-        # lowered, by the platform it is lowered for (one planner traced either way), so a step
-        # built on CPU devices and exported for TPU plans portably there.
-        resolved = {
-            name: table.get(platform, table["default"])
-            for name, table in AUTO.items()
-            if getattr(self, name) == "auto" and name != "planner"
-        }
-        return dataclasses.replace(self, **resolved)
+            resolve.resolve("comm_backend", self.comm_backend, platform, facts)
+        resolve.resolve("expert_kernel", self.expert_kernel, platform, facts)

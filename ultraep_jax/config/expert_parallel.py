@@ -1,6 +1,7 @@
 """`ExpertParallel`: where routed experts run (the mesh, its axes, the sizes, the receive buffer),
-with its `Execution` (how: planner, kernel, communication backend, transfer chunks, activation)
-checked against the mesh's platform once. Frozen and hashable: it keys compiled code."""
+with its `Execution` (how: planner, kernel, communication backend, transfer chunks, activation),
+whose explicit choices are checked against the mesh's platform once. Frozen and hashable: it
+keys compiled code."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from ultraep_jax.base.arguments import check_finite, check_positive_int
 from ultraep_jax.base.layout import check_divisible
+from ultraep_jax.config import resolve
 from ultraep_jax.config.balancer import BalancerConfig
 from ultraep_jax.config.execution import Execution
 
@@ -26,10 +28,10 @@ class ExpertParallel:
 
     Attributes:
       mesh: the device mesh (a `Mesh`, or an `AbstractMesh` to trace and export for devices this
-        host may lack; since jax 0.11 the CUDA lowering of the Pallas kernel with no GPU attached
-        needs one, for the GPU's kind: build the layer under `nnx.eval_shape`). Stored with every
-        axis in Auto mode (`shard_map` does the splitting); calls accept arrays typed on the
-        mesh's Explicit form too.
+        host may lack: its abstract device's platform and kind are what "auto" is resolved for;
+        build the layer under `nnx.eval_shape`). Stored with every axis in Auto mode
+        (`shard_map` does the splitting); calls accept arrays typed on the mesh's Explicit form
+        too.
       num_experts: E; divisible by the EP size (an int; NumPy integers accepted).
       balancer: a `BalancerConfig`, or None for plain expert parallelism. Stored with E and the
         EP size filled in (leave them out of it; if it states them, they must agree). Ignored
@@ -57,11 +59,12 @@ class ExpertParallel:
         returning the same way), and the partial outputs are summed over the tensor axis. It
         must be an axis of the mesh other than the EP axis and not a token axis; F must be
         divisible by its size.
-      execution: how the experts run (`Execution`), resolved for the mesh's platform when the
-        configuration is built: on CPU devices "auto" is the portable exchange and the tiled
-        kernel; "ragged" raises there (with more than one EP rank).
+      execution: how the experts run (`Execution`), its names kept as given: "auto" is
+        resolved when the experts are traced, for the platform of this mesh (`config.resolve`).
+        An explicit choice the mesh's devices cannot run is refused when the configuration is
+        built: "ragged" on CPU devices (with more than one EP rank), "mgpu" off Hopper.
       comm_backend, expert_kernel, transfer_chunks, activation, planner: keywords that set the
-        fields of the same names of ``execution`` (and read them back as attributes).
+        fields of the same names of ``execution``, and read them back as attributes.
     """
 
     mesh: Mesh | AbstractMesh
@@ -167,8 +170,8 @@ class ExpertParallel:
 
     def _resolved_execution(self, how: tuple) -> Execution:
         """``execution`` with the keywords in ``how`` (comm_backend, expert_kernel,
-        transfer_chunks, activation, planner; None: as ``execution`` says) set, for the mesh's
-        platform (`Execution.on`)."""
+        transfer_chunks, activation, planner; None: as ``execution`` says) set, checked against
+        the mesh's platform (`Execution.check_on`)."""
         if not isinstance(self.execution, Execution):
             raise TypeError(
                 "ExpertParallel: execution must be an Execution, got "
@@ -178,7 +181,8 @@ class ExpertParallel:
         execution = dataclasses.replace(
             self.execution, **{k: v for k, v in given.items() if v is not None}
         )
-        return execution.on(self.platform, exchanges=self.ep_size > 1)
+        execution.check_on(self.platform, self.device_kind, exchanges=self.ep_size > 1)
+        return execution
 
     def _checked_token_axes(self) -> tuple[str, ...]:
         """``token_axes`` as a tuple of mesh axes in mesh order (the default when None); raises
@@ -271,10 +275,13 @@ class ExpertParallel:
     @property
     def platform(self) -> str | None:
         """The platform of the mesh's devices ("cpu", "gpu", ...; an abstract mesh's when its
-        abstract device says; None otherwise)."""
-        if isinstance(self.mesh, Mesh):
-            return self.mesh.devices.flat[0].platform
-        return getattr(getattr(self.mesh, "abstract_device", None), "platform", None)
+        abstract device says; None otherwise): `resolve.platform_of`."""
+        return resolve.platform_of(self.mesh)
+
+    @property
+    def device_kind(self) -> str | None:
+        """The kind of the mesh's devices ("cpu", "NVIDIA H100 80GB HBM3", ...), as `platform`."""
+        return resolve.device_kind_of(self.mesh)
 
     @property
     def token_spec(self) -> P:
@@ -334,14 +341,19 @@ def _auto_axes_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
     )
 
 
-#: The `Execution` fields that `ExpertParallel` also takes (and reads back) as keywords.
+#: The `Execution` fields that `ExpertParallel` also takes as keywords.
 _HOW = tuple(f.name for f in dataclasses.fields(Execution))
-for _name in _HOW:
-    setattr(
-        ExpertParallel,
-        _name,
-        property(
-            lambda self, name=_name: getattr(self.execution, name), doc=f"``execution.{_name}``"
-        ),
-    )
-del _name
+
+
+def _read_back(name: str) -> property:
+    return property(lambda self: getattr(self.execution, name), doc=f"``execution.{name}``")
+
+
+# The keywords read back (``ep.comm_backend`` is ``ep.execution.comm_backend``), set once the
+# dataclass has its fields: a property in the class body would be taken for the InitVar's
+# default, and without these an instance would read the InitVar's default, None.
+ExpertParallel.comm_backend = _read_back("comm_backend")
+ExpertParallel.expert_kernel = _read_back("expert_kernel")
+ExpertParallel.transfer_chunks = _read_back("transfer_chunks")
+ExpertParallel.activation = _read_back("activation")
+ExpertParallel.planner = _read_back("planner")

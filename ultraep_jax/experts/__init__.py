@@ -1,11 +1,15 @@
 """The experts stage: gated MLPs (SwiGLU by default) over rows grouped by local instance.
 
-registry.py    `grouped_glu` / `local_experts`: the kernel table, one entry per kernel name
-dense.py       `dense_glu`: one expert on every token (the shared expert)
-tiled.py       the tiled loop (CPU); gmm_mgpu.py (JAX's Mosaic GPU kernels, "auto" on Hopper)
-               and gmm_pallas.py (Pallas on its Triton backend, deprecated by JAX 0.12: an
-               explicit choice): the GPU grouped matmuls, imported when a layer using them is
-               traced; "auto" elsewhere on CUDA is XLA's `ragged_dot`
+registry.py     `grouped_glu` / `local_experts`: each kernel name's code ("auto" and what a name
+                is on a platform: `ultraep_jax.config.resolve`)
+dense.py        `dense_glu`: one expert on every token (the shared expert)
+tiled.py        the tiled loop ("auto" on CPU)
+gmm_mgpu.py     JAX's Mosaic GPU ragged-dot kernels ("auto" on Hopper where the operands suit
+                them; "auto" elsewhere on CUDA is XLA's `ragged_dot`)
+gmm_tokamax.py  tokamax's ragged dot with the platform's implementation ("auto" on TPU where
+                tokamax is installed: its Mosaic TPU kernel)
 
-The gated activations by name are `ultraep_jax.base.activations`.
+The GPU and tokamax grouped matmuls are imported when a layer using them is traced. The gated
+activations by name are `ultraep_jax.base.activations`; which operands each kernel takes,
+`ultraep_jax.base.operands`.
 """

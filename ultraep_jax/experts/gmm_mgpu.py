@@ -1,64 +1,47 @@
-"""`grouped_matmul_mgpu`: `gmm_pallas.grouped_matmul`'s function through JAX's own Hopper kernels
-written in Pallas' Mosaic GPU backend (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`` and
-``transposed_ragged_dot_mgpu``: TMA loads and wgmma, a persistent grid), with the same VJP
-(bf16/f16 only; Hopper only; no interpreter).
+"""`grouped_matmul_mgpu`: ``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` through JAX's own Hopper
+kernels written in Pallas' Mosaic GPU backend (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``
+and ``transposed_ragged_dot_mgpu``: TMA loads and wgmma, a persistent grid), differentiable
+(bf16/f16 only; Hopper only; no interpreter). They read the host's GPU when lowered, so they
+lower only on a Hopper host. Which operands they take: `base.operands` (`MgpuTiles`,
+`mgpu_unsupported`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from ultraep_jax._vma import vary, varying_axes
-from ultraep_jax.experts.gmm_pallas import group_bounds, pad_to, round_up
+from ultraep_jax.base.operands import MgpuTiles, mgpu_unsupported
+from ultraep_jax.base.operands import host_is_hopper as is_hopper
+
+__all__ = ["MgpuTiles", "grouped_matmul_mgpu", "is_hopper", "mgpu_unsupported"]
 
 
-class MgpuTiles(NamedTuple):
-    """Tile settings of JAX's Mosaic GPU ragged-dot kernels (see `grouped_matmul_mgpu`).
-
-    The defaults were the fastest forward + backward of those timed on an H100 (bf16, K=7168,
-    N=2048, G=8, M=32768; experiments/results/gpu_h100.txt): 5 pipeline stages, column tiles
-    traversed in groups of 4 (grid_block_n=1 was 1.7x slower)."""
-
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
-    max_concurrent_steps: int = 5
-    grid_block_n: int = 4
+def _round_up(x: int, m: int) -> int:
+    """The least multiple of ``m`` that is >= ``x``."""
+    return -(-x // m) * m
 
 
-def mgpu_unsupported(lhs_shape, rhs_shape, dtype, tiles: MgpuTiles | None = None) -> str | None:
-    """Why `grouped_matmul_mgpu` cannot take these operands (None: it can): the dtype must be
-    bf16/f16, and K, N must be multiples of the tiles (the kernels do not pad)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"dtype {jnp.dtype(dtype).name} (needs bfloat16 or float16)"
-    (_, K), (_, _, N) = lhs_shape, rhs_shape
-    t = MgpuTiles() if tiles is None else tiles
-    for name, dim, tile in (
-        ("K", K, t.block_k),  # forward: K in block_k chunks
-        ("N", N, t.block_k),  # d_lhs: N in block_k chunks
-        ("N", N, t.block_n),  # forward columns, d_rhs columns
-        ("K", K, t.block_m),  # d_rhs rows
-    ):
-        if dim % tile:
-            return f"{name}={dim} is not a multiple of {tile}"
-    return None
+def _pad_rows(x: jax.Array, size: int) -> jax.Array:
+    """``x`` zero-padded along axis 0 to ``size`` rows (a no-op when already that size)."""
+    if x.shape[0] == size:
+        return x
+    return jnp.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
-def is_hopper() -> bool:
-    """Whether JAX's default device is an NVIDIA GPU of compute capability 9.x."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+def _group_bounds(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """int32 [G] row ranges ``[starts[g], ends[g])`` of the groups, clipped to ``num_rows``."""
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), num_rows)
+    ends = jnp.maximum(ends, 0)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return starts, ends
 
 
 def _clipped_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-    starts, ends = group_bounds(group_sizes, num_rows)
+    starts, ends = _group_bounds(group_sizes, num_rows)
     return ends - starts
 
 
@@ -115,12 +98,13 @@ _gmm_mgpu.defvjp(_gmm_mgpu_fwd, _gmm_mgpu_bwd)
 def grouped_matmul_mgpu(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tiles: MgpuTiles | None = None
 ) -> jax.Array:
-    """`grouped_matmul` through JAX's Hopper (Mosaic GPU) ragged-dot kernels, differentiable.
+    """``jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`` through JAX's Hopper
+    (Mosaic GPU) ragged-dot kernels, differentiable.
 
-    Same semantics as `grouped_matmul` (rows past ``sum(group_sizes)`` give zeros, a sum above M
-    is clipped to M), for bf16/f16 operands of one dtype on an H100/H200; K and N must be
-    multiples of the tiles (`mgpu_unsupported` says why not). Accumulates in float32; the
-    result has the operands' dtype.
+    Rows past ``sum(group_sizes)`` give zeros, a sum above M is clipped to M; for bf16/f16
+    operands of one dtype on an H100/H200; K and N must be multiples of the tiles
+    (`mgpu_unsupported` says why not). Accumulates in float32; the result has the operands'
+    dtype.
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
@@ -143,6 +127,6 @@ def grouped_matmul_mgpu(
     sizes = _clipped_sizes(group_sizes, M)
     # The kernels' TMA tiles need the row count to be a multiple of the row tiles: pad with zero
     # rows past every group (they give zeros and get zero gradient), then crop.
-    Mp = round_up(M, max(tiles.block_m, tiles.block_k, 8))
-    out = _gmm_mgpu(pad_to(lhs, 0, Mp), rhs, sizes, tiles)
+    Mp = _round_up(M, max(tiles.block_m, tiles.block_k, 8))
+    out = _gmm_mgpu(_pad_rows(lhs, Mp), rhs, sizes, tiles)
     return out[:M] if Mp != M else out

@@ -2,15 +2,17 @@
 applied to rows grouped by expert, with or without biases.
 
 Every kernel runs rows through the groups of one or more weight stacks, laid out one after the
-other from row 0 (a rank's masters, then its slots). `_KERNELS` maps each kernel's name
-(`config.execution.KERNELS`) to its implementation, and "auto" picks one per platform as
-`config.execution.AUTO` says: adding a kernel is one file (its grouped matmul), its name there and
-one entry here. The GPU grouped matmuls are imported when a layer using them is traced, so
-importing the library loads no Pallas or Mosaic kernel module.
+other from row 0 (a rank's masters, then its slots). Which kernel a name is on the platform of the
+mesh being traced on, "auto" included, is `config.resolve`'s rule (its candidates, in the order
+"auto" tries them); `_MATMULS` maps each grouped-matmul kernel's name to its code, and "tiled" is
+the one kernel that runs a whole stack at once. Adding a kernel is one file (its grouped matmul),
+its candidate there and one entry here. The GPU and tokamax grouped matmuls are imported when a
+layer using them is traced, so importing the library loads no Pallas, Mosaic or tokamax module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,24 +20,16 @@ import jax.numpy as jnp
 
 from ultraep_jax._ops import exclusive_cumsum
 from ultraep_jax.base.activations import check_activation, glu
-from ultraep_jax.config.execution import AUTO, KERNELS
+from ultraep_jax.config import resolve
 from ultraep_jax.experts.tiled import tiled_glu_parts
 
 
-def _ragged_dot(lhs, rhs, group_sizes):
+def _ragged_dot(lhs, rhs, group_sizes, platform, facts):
     """`jax.lax.ragged_dot`, its products float32 (not rounded to bf16 inputs' dtype)."""
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
 
 
-def _pallas(lhs, rhs, group_sizes):
-    """The Pallas grouped matmul on Pallas' Triton backend (`gmm_pallas`; deprecated by JAX 0.12,
-    so only an explicit choice: never "auto"), imported when first traced; float32 products."""
-    from ultraep_jax.experts import gmm_pallas
-
-    return gmm_pallas.grouped_matmul(lhs, rhs, group_sizes, out_dtype=jnp.float32)
-
-
-def _mgpu(lhs, rhs, group_sizes):
+def _mgpu(lhs, rhs, group_sizes, platform, facts):
     """JAX's Hopper (Mosaic GPU) ragged-dot kernels (`gmm_mgpu`), imported when first traced;
     accumulated in float32, the products in the operands' dtype (the kernels write no other)."""
     from ultraep_jax.experts import gmm_mgpu
@@ -43,19 +37,33 @@ def _mgpu(lhs, rhs, group_sizes):
     return gmm_mgpu.grouped_matmul_mgpu(lhs, rhs, group_sizes)
 
 
-def _cuda_grouped(lhs, rhs, group_sizes):
-    """The CUDA grouped matmul of "auto": JAX's Hopper (Mosaic GPU) ragged-dot kernels on an
-    H100/H200 when the operands suit them, else XLA's `jax.lax.ragged_dot` (no Pallas Triton
-    kernel: JAX 0.12 deprecates that backend)."""
-    from ultraep_jax.experts import gmm_mgpu
+def _tokamax(lhs, rhs, group_sizes, platform, facts):
+    """tokamax's ragged dot with the implementation of ``platform`` (`gmm_tokamax`), imported
+    when first traced; float32 products."""
+    from ultraep_jax.experts import gmm_tokamax
 
-    if (
-        gmm_mgpu.is_hopper()
-        and lhs.dtype == rhs.dtype
-        and not gmm_mgpu.mgpu_unsupported(lhs.shape, rhs.shape, lhs.dtype)
-    ):
-        return _mgpu(lhs, rhs, group_sizes)
-    return _ragged_dot(lhs, rhs, group_sizes)
+    return gmm_tokamax.grouped_matmul_tokamax(
+        lhs, rhs, group_sizes, platform=platform, device_kind=facts.device_kind
+    )
+
+
+#: Each grouped matmul by its kernel name: (lhs [M, K], rhs [G, K, N], group_sizes [G], the
+#: platform, `resolve.Facts`) -> [M, N], `jax.lax.ragged_dot`'s semantics.
+_MATMULS = {"ragged_dot": _ragged_dot, "mgpu": _mgpu, "tokamax": _tokamax}
+
+
+def _resolved_matmul(kernel: str, platform: str | None, facts: resolve.Facts):
+    """``ragged_dot(lhs, rhs, group_sizes)`` by the grouped matmul that ``kernel`` is on
+    ``platform`` for each call's own operands ("auto" on CUDA: Mosaic GPU where the operands
+    suit it, else `ragged_dot`)."""
+
+    def grouped(lhs, rhs, group_sizes):
+        given = dataclasses.replace(facts, operands=resolve.Operands.of(lhs, rhs))
+        name = resolve.choose("expert_kernel", kernel, platform, given)
+        target = resolve.canonical_platform(platform, facts.device_kind)
+        return _MATMULS[name](lhs, rhs, group_sizes, target, given)
+
+    return grouped
 
 
 def _tiled(rows, stacks, starts, group_sizes, activation):
@@ -115,22 +123,25 @@ def _by_matmul(grouped):
     return run
 
 
-# Each kernel: (rows [C, D], stacks, starts [G], group_sizes [G], activation) -> [C, D], where
-# ``stacks`` lists (weights, first group, end group) of the stacks to run; "cuda" is what "auto"
-# is on CUDA (`config.execution.AUTO`).
-_KERNELS = {
-    "tiled": _tiled,
-    "ragged_dot": _by_matmul(_ragged_dot),
-    "pallas": _by_matmul(_pallas),
-    "mgpu": _by_matmul(_mgpu),
-    "cuda": _by_matmul(_cuda_grouped),
-}
+def _glu_on(platform: str | None, kernel: str, rows, stacks, starts, group_sizes, activation):
+    """[C, D]: ``stacks`` (weights, first group, end group) through ``kernel`` as it resolves on
+    ``platform``: the tiled loop over every stack at once, or each stack as its grouped
+    matmuls' calls (`_by_matmul`)."""
+    facts = resolve.traced_facts()
+    if resolve.choose("expert_kernel", kernel, platform, facts) == "tiled":
+        return _tiled(rows, stacks, starts, group_sizes, activation)
+    run = _by_matmul(_resolved_matmul(kernel, platform, facts))
+    return run(rows, stacks, starts, group_sizes, activation)
 
 
 def fuses_stacks(kernel: str) -> bool:
-    """Whether ``kernel`` runs every weight stack in one loop ("tiled"), rather than each stack as
-    its own calls ("auto" counts as the latter: it is the matmul kernels on GPU)."""
-    return kernel == "tiled"
+    """Whether ``kernel`` runs every weight stack in one loop (it is "tiled" on the platform of
+    the mesh traced on), rather than each stack as its own calls ("auto" where no mesh names the
+    platform counts as the latter)."""
+    platform = resolve.traced_platform()
+    if platform is None:
+        return kernel == "tiled"
+    return resolve.choose("expert_kernel", kernel, platform, resolve.traced_facts()) == "tiled"
 
 
 def grouped_glu(
@@ -155,20 +166,20 @@ def grouped_glu(
       group_sizes: int32 [G], G = sum of the G_i.
       kernel: one of `config.execution.KERNELS`: "tiled" (`tiled`: a loop over row tiles whose cost
         tracks the rows present; all stacks in one loop), "ragged_dot" (`jax.lax.ragged_dot`; a
-        masked dense product on CPU, in which inf or NaN in one group's weights reaches every row as
-        0 * inf; the tiled and Pallas kernels keep a group's non-finite values in its own rows),
-        "pallas" (the Pallas kernel of `gmm_pallas` on Pallas' Triton backend, which JAX 0.12
-        deprecates), "mgpu" (JAX's Hopper Mosaic GPU kernels, `gmm_mgpu`), or "auto": on CUDA
-        Mosaic GPU on Hopper where the shapes suit it, else `jax.lax.ragged_dot`; tiled on CPU;
-        chosen per platform at lowering time. The matmul kernels run each
-        stack as its own calls, so that the masters' work does not wait for the replica weights to
-        arrive.
+        masked dense product on CPU, in which inf or NaN in one group's weights reaches every row
+        as 0 * inf; the tiled kernel keeps a group's non-finite values in its own rows), "mgpu"
+        (JAX's Hopper Mosaic GPU kernels, `gmm_mgpu`), "tokamax" (tokamax's ragged dot with the
+        platform's implementation, `gmm_tokamax`), or "auto", resolved for the platform of the
+        mesh traced on (`config.resolve`): tiled on CPU; on CUDA Mosaic GPU on Hopper where the
+        operands suit it, else `jax.lax.ragged_dot`; on TPU tokamax's Mosaic TPU kernel where
+        it is installed and takes the operands, else `ragged_dot`. The matmul kernels run each
+        stack as its own calls, so that the masters' work does not wait for the replica weights
+        to arrive.
       activation: a name of `activations.ACTIVATIONS` (default "silu": SwiGLU) or an
         `activations.ClampedSwiGLU`.
     """
     check_activation(activation)
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
+    resolve.check_name("expert_kernel", kernel, "grouped_glu")
     sizes = group_sizes.astype(jnp.int32)
     unknown = sizes.shape[0] - sum(s[0].shape[0] for s in stacks if s is not None)
     given, first = [], 0  # (weights, first group, end group) of each given stack
@@ -178,12 +189,11 @@ def grouped_glu(
             given.append((stack, first, first + count))
         first += count
     starts = exclusive_cumsum(sizes, 0)
-    if kernel != "auto":
-        return _KERNELS[kernel](rows, given, starts, sizes, activation)
-    args = (rows, given, starts, sizes, activation)
-    auto = AUTO["expert_kernel"]
-    branches = {p: functools.partial(_KERNELS[name], *args) for p, name in auto.items()}
-    return jax.lax.platform_dependent(**branches)
+
+    def run(platform):
+        return functools.partial(_glu_on, platform, kernel, rows, given, starts, sizes, activation)
+
+    return resolve.by_platform("expert_kernel", kernel, run)
 
 
 def local_experts(

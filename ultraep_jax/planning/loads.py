@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.base.layout import Layout
 from ultraep_jax.planning.plan_type import Plan
 
@@ -52,8 +53,10 @@ def gathered_loads(
 
 
 def masters_only_plan(loads: jax.Array) -> Plan:
-    """The plan without balancing: every expert's tokens stay on its master (S = 0)."""
+    """The plan without balancing: every expert's tokens stay on its master (S = 0), typed
+    varying as the loads are (as `planner.plan`'s)."""
     R = loads.shape[0]
     load_E = jnp.sum(loads, axis=0, dtype=jnp.int32)
     empty_RS = jnp.zeros((R, 0), jnp.int32)
-    return Plan(empty_RS, empty_RS, load_E, Layout.of(loads).master_loads(load_E))
+    plan = Plan(empty_RS, empty_RS, load_E, Layout.of(loads).master_loads(load_E))
+    return jax.tree.map(lambda a: vary(a, varying_axes(loads)), plan)

@@ -1,6 +1,9 @@
 """The plan: which hot experts to replicate onto which ranks, and how many tokens each instance
-takes. Computed by the native planner through an XLA FFI custom call (C++ on CPU, CUDA on GPU),
-so it runs inside `jax.jit`, `vmap`, `lax.map` and `shard_map` with no host round-trip."""
+takes. Computed by the native planner through an XLA FFI custom call (C++ on CPU, CUDA on GPU) or
+by the portable planner (the same plans in JAX, `planning.portable`), so it runs inside
+`jax.jit`, `vmap`, `lax.map` and `shard_map` with no host round-trip. Which planner a name is on
+a platform is `config.resolve`'s rule; it is applied for each platform the computation is
+lowered for (`_plan_lowering`)."""
 
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ import numpy as np
 from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.base.arguments import INT64_MAX, check_int
 from ultraep_jax.base.layout import check_divisible
+from ultraep_jax.config import resolve
 from ultraep_jax.config.balancer import BalancerConfig
-from ultraep_jax.config.execution import AUTO, PLANNERS, check_name
+from ultraep_jax.config.execution import PLANNERS, check_name
 from ultraep_jax.planning import native as _native
 from ultraep_jax.planning import portable as _portable
 from ultraep_jax.planning.plan_type import Plan
@@ -94,11 +98,12 @@ def plan(
             ``planner="auto"``, lowering for a platform that plans portably (TPU, ROCm, CUDA
             without the handler, as in a `jax.export` for TPU) raises one line rather than plan
             serially. A ``numpy.bool_`` is accepted.
-        planner: one of `PLANNERS`. "auto" (default) follows the platform the computation is
-            lowered for (only that planner is traced and compiled; an export for TPU from a CPU
-            process plans portably): the native handler on CPU, and on CUDA where the CUDA
-            handler was built (`native.has_cuda_handler`); the portable planner elsewhere (TPU,
-            ROCm, CUDA without the handler). Both give the same plan bit for bit.
+        planner: one of `PLANNERS`. "auto" (default) is resolved (`config.resolve`) for each
+            platform the computation is lowered for (only that planner is traced and compiled;
+            an export for TPU from a CPU process plans portably): the native handler on CPU, and
+            on CUDA where the CUDA handler was built (`native.has_cuda_handler`); the portable
+            planner elsewhere (TPU, ROCm, CUDA without the handler). Both give the same plan bit
+            for bit.
 
     Returns:
         The `Plan`. The planner is a pure, deterministic function of ``loads``. Every plan is valid
@@ -132,82 +137,35 @@ def plan(
             "none (use planner='native' or 'auto')"
         )
     params = dict(config=config, cap=cap, parallel=parallel, planner=planner, batch_dims=0)
+    axes = varying_axes(loads)
     if planner == "portable":
-        impl = _varying(_impl(params, "portable"), varying_axes(loads))
-        return impl(loads)
-    # "auto" and "native" are chosen when the computation is lowered, by the platform it is
-    # lowered for (`_plan_lowering`): only the chosen planner is traced and compiled. Where the
-    # mesh traced on names its devices' platform (inside a shard_map), "native" without a handler
-    # there is refused now, before lowering would.
-    if (platform := _traced_platform()) is not None:
-        _check_parallel(parallel, platform_planner(planner, platform), platform)
-    plan_ = Plan(*_plan_p.bind(loads, **params))
-    return jax.tree.map(lambda a: vary(a, varying_axes(loads)), plan_)
+        plan_ = _impl(params, "portable")(loads)
+    else:
+        # "auto" and "native" are resolved for each platform the computation is lowered for
+        # (`_plan_lowering`): only that planner is traced and compiled. Where the mesh traced on
+        # names its devices' platform (inside a shard_map), a refusal there comes now, before
+        # lowering would.
+        if (platform := resolve.traced_platform()) is not None:
+            _planner_for(planner, parallel, platform, resolve.traced_facts().device_kind)
+        plan_ = Plan(*_plan_p.bind(loads, **params))
+    # Inside a shard_map the plan varies as the loads do, whichever planner made it (the FFI
+    # call's outputs lose that type, the portable planner's keep it).
+    return jax.tree.map(lambda a: vary(a, axes), plan_)
 
 
-def _varying(impl, axes):
-    """``impl`` with its plan typed as varying over ``axes`` (the loads'): inside a shard_map
-    the plan varies as the loads do, whichever planner made it (the FFI call's outputs lose that
-    type and the portable planner's keep it)."""
-    return lambda loads: jax.tree.map(lambda a: vary(a, axes), impl(loads))
-
-
-def _no_native_handler(platform: str | None) -> str | None:
-    """Why devices of ``platform`` have no native planner handler in this install (None: they
-    have one, or the platform is not known yet)."""
-    if platform in (None, "cpu"):
-        return None
-    if platform in ("gpu", "cuda"):
-        if _native.has_cuda_handler():
-            return None
-        return (
-            "this install has no CUDA planner handler (built only when nvcc is on the PATH at "
-            "install time)"
-        )
-    return f"no native planner handler exists for {platform!r} devices"
-
-
-def _native_refusal(why: str) -> str:
-    """The one line that refuses ``planner='native'`` where there is no handler."""
-    return (
-        f"planner='native': {why}; use planner='auto' (the portable planner there) or "
-        "'portable' (docs/gpu.md)"
-    )
-
-
-def platform_planner(planner: str, platform: str) -> str:
-    """The planner ("native" or "portable") that ``planner`` ("auto" or "native") runs on
-    devices of ``platform``; raises `_native_refusal`'s line for "native" where this install has
-    no handler (CUDA without the CUDA handler, built only when nvcc was on the PATH at install
-    time; TPU, ROCm), so that such a step never reaches XLA's error for an unregistered custom
-    call. "auto" follows `AUTO`, but for CUDA without the CUDA handler. The one rule of the
-    planner choice: `plan` asks it for the platform it is traced on (when the mesh says) and the
-    lowering for each platform it is lowered for."""
-    why = _no_native_handler(platform)
-    if planner == "native":
-        if why is not None:
-            raise ValueError(_native_refusal(why))
-        return "native"
-    chosen = AUTO["planner"].get(platform, AUTO["planner"]["default"])
-    return "portable" if why is not None else chosen
-
-
-def _check_parallel(parallel: bool, chosen: str, platform: str) -> None:
-    """Raises one line when ``parallel`` asks for the native planner's parallel form where the
-    planner chosen for ``platform`` is the portable one (TPU, ROCm, CUDA without the handler):
-    it has no parallel form, and planning serially there would ignore the request."""
+def _planner_for(planner: str, parallel: bool, platform: str, device_kind=None) -> str:
+    """The planner ("native" or "portable") that ``planner`` is on devices of ``platform``
+    (`resolve.resolve`: "native" where this install has no handler there is its one-line
+    refusal, before XLA's error for an unregistered custom call); raises one line when
+    ``parallel`` asks for the native planner's parallel form where the portable one runs."""
+    facts = resolve.Facts(device_kind=device_kind, cuda_handler=_native.has_cuda_handler())
+    chosen = resolve.resolve("planner", planner, platform, facts)
     if parallel and chosen == "portable":
         raise ValueError(
             f"plan: parallel=True is a form of the native planner, and {platform!r} plans with "
             "the portable planner (no native handler there); drop parallel=True for it"
         )
-
-
-def _traced_platform() -> str | None:
-    """The platform of the devices of the mesh being traced on (`jax.sharding.get_abstract_mesh`:
-    a shard_map's, or one set with `jax.set_mesh`), or None when no mesh says."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return getattr(device, "platform", None)
+    return chosen
 
 
 def _impl(params: dict, name: str):
@@ -223,10 +181,12 @@ def _impl(params: dict, name: str):
     return fn
 
 
-# "auto" and "native" as one primitive whose lowering picks the planner for the platform it is
-# lowered for, so that a step traced once plans natively on CPU and CUDA and portably on TPU and
-# ROCm (`jax.export` for TPU from a CPU host included), and only that planner is traced (at
-# lowering) and compiled. The plan is integer-valued: no derivative rule is needed.
+# "auto" and "native" as one primitive whose lowering resolves the planner (`resolve.resolve`) for
+# the platform it is lowered for, so that a step traced once plans natively on CPU and CUDA and
+# portably on TPU and ROCm (`jax.export` for TPU of a layer on CPU devices included: the one
+# choice a mesh's platform cannot make, since the native planner lowers nowhere else), and only
+# that planner is traced (at lowering) and compiled. The plan is integer-valued: no derivative
+# rule is needed.
 _plan_p = jax.extend.core.Primitive("plan_for_platform")
 _plan_p.multiple_results = True
 #: The planner as a jaxpr shows it ("auto" and "native"; tests count its calls).
@@ -245,17 +205,13 @@ def _plan_abstract_eval(loads, **params):
 
 def _plan_lowering(ctx, loads, **params):
     platforms = ctx.module_context.platforms
-    names = {p: platform_planner(params["planner"], p) for p in platforms}
-    for p, name in names.items():
-        _check_parallel(params["parallel"], name, p)
+    names = {p: _planner_for(params["planner"], params["parallel"], p) for p in platforms}
     _log.debug("ultraep_jax plan: planner %r lowered as %s", params["planner"], names)
+    # One platform (the usual case): one planner traced; an export for several: each its own,
+    # chosen when the program runs.
     impls = {p: _impl(params, name) for p, name in names.items()}
-    if len(impls) == 1:  # the usual case: one platform, one planner traced
-        (fn,) = impls.values()
-    else:  # an export for several platforms: each its own, chosen when the program runs
-        fn = lambda l: jax.lax.platform_dependent(l, **impls)  # noqa: E731
     return jax.interpreters.mlir.lower_fun(
-        lambda l: list(jax.tree.leaves(fn(l))), multiple_results=True
+        lambda l: list(jax.tree.leaves(resolve.per_platform(impls, l))), multiple_results=True
     )(ctx, loads)
 
 

@@ -6,11 +6,11 @@ replica's weight gradient back along the same path, summed at every relay and ad
 master's gradient: no custom VJP needed. Nothing here waits on the masters' own matmuls, so XLA is
 free to overlap the transfer with them.
 
-Each hop has two implementations behind `fetch_replica_experts`: a dense one for the "portable"
-backend (a row selection and a reduce-scatter of ``R * S`` rows, cheaper on XLA:CPU than an
-all-to-all, and nothing when no slot receives)
-and, for every other backend of `comm`, an exchange of only the receiving slots (for "ragged"
-`jax.lax.ragged_all_to_all`; GPU/TPU; a relay hop with no work is skipped by a `lax.cond`).
+The transfer has two paths behind `fetch_replica_experts`, by the communication backend
+(`TRANSFERS`): "dense" for the "padded" backend (one hop: a row selection and a reduce-scatter of
+``R * S`` rows, cheaper on XLA:CPU than the padded all-to-all, which would move R times its
+rows), and "exchanged" for "ragged" (each relay hop one exchange of only the receiving slots,
+`jax.lax.ragged_all_to_all`; GPU/TPU; a hop with no work is skipped by a `lax.cond`).
 
 Shapes follow the package's axis legend (`ultraep_jax`); P is the weights of one expert, flattened.
 """
@@ -24,12 +24,18 @@ import numpy as np
 from ultraep_jax import comm
 from ultraep_jax._vma import vary, varying_axes
 from ultraep_jax.comm.exchange import Exchange
+from ultraep_jax.config import resolve
 from ultraep_jax.replicas import relay
+
+#: The transfer's path for each communication backend: "dense" (a reduce-scatter of every slot
+#: column in use, one hop) for "padded", "exchanged" (a ragged exchange of the receiving slots per
+#: relay hop) for "ragged".
+TRANSFERS = {"padded": "dense", "ragged": "exchanged"}
 
 
 def _hop_exchange(table_NP, sender_RS, source_RS, axis_name: str, backend: str, send_rows: int):
-    """[S, P] by one ragged exchange (`comm.ragged_exchange` by ``backend``) that moves only the
-    slots receiving in this hop (zeros for the others): slot (me, s) gets row
+    """[S, P] by one ragged exchange (`comm.exchange_by_backend` by ``backend``) that moves only
+    the slots receiving in this hop (zeros for the others): slot (me, s) gets row
     ``source_RS[me, s]`` of rank ``sender_RS[me, s]``'s table.
 
     Args:
@@ -65,7 +71,7 @@ def _hop_exchange(table_NP, sender_RS, source_RS, axis_name: str, backend: str, 
         recv_rows=S,
         max_chunk=min(S, send_rows),
     )
-    received = comm.ragged_exchange(operand, exchange, axis_name=axis_name, backend=backend)
+    received = comm.exchange_by_backend(operand, exchange, axis_name=axis_name, backend=backend)
     # Back to slot order: slot s sits at its rank among (sender, slot) pairs.
     key_S = sender_RS[me] * S + slot_S
     return received[jnp.sum(key_S[None, :] < key_S[:, None], axis=1)]
@@ -185,14 +191,16 @@ def fetch_replica_experts(
         and their biases if any).
       slot_expert_RS: int32 [R, S], the plan's slots (identical on every rank of the EP group).
       axis_name: the EP mesh axis.
-      backend: "portable" (the dense exchange), "ragged" (`ragged_all_to_all`), or "auto":
-        dense on CPU, ragged elsewhere, chosen per platform at lowering time.
+      backend: a communication backend (`config.execution.BACKENDS`), whose transfer path is
+        `TRANSFERS`' : "padded" (the dense path), "ragged" (the exchanged path,
+        `ragged_all_to_all`), or "auto": padded on CPU, ragged elsewhere, for the platform of the
+        mesh traced on (`resolve.by_platform`).
       max_fanout: the relay bound f (`BalancerConfig.max_fanout`; ffi/TRANSFER.md); 0: every
-        master sends every copy itself, in one exchange. The "portable" (dense) exchange ignores
-        it: there every rank sends the same rows in a hop whoever holds the weights, so it moves
-        every copy in one hop.
+        master sends every copy itself, in one exchange. The dense path ignores it: there every
+        rank sends the same rows in a hop whoever holds the weights, so it moves every copy in
+        one hop.
       domain_size: ranks per fast domain (`BalancerConfig.ranks_per_domain`; None: one); the
-        "portable" exchange ignores it as it does ``max_fanout``.
+        dense path ignores it as it does ``max_fanout``.
       schedule: ``relay.relay_schedule(slot_expert_RS, E_m, max_fanout, domain_size)``, with
         this call's ``max_fanout`` and ``domain_size`` (the exchanged hops' operands are sized by
         them, `relay.hop_send_bound`), when the caller has it already (the layer computes it once
@@ -237,10 +245,12 @@ def fetch_replica_experts(
 
     num_hops = relay.schedule_hops(R, max_fanout, domain_size)
 
-    # Every backend's hop is its exchange of the receiving slots, but for "portable": its
-    # fixed-size all-to-all moves R times the rows of the dense hop's reduce-scatter.
-    impls = {name: exchanged(name) for name in comm.EXCHANGES} | {"portable": dense}
-    return _unflattened(comm.by_backend(backend, impls), masters)
+    paths = {"dense": dense, "exchanged": exchanged("ragged")}
+
+    def run(platform):
+        return paths[TRANSFERS[resolve.choose("comm_backend", backend, platform)]]
+
+    return _unflattened(resolve.by_platform("comm_backend", backend, run), masters)
 
 
 def _unflattened(received_SP: jax.Array, masters: tuple) -> tuple[jax.Array, ...]:

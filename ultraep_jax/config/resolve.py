@@ -1,0 +1,419 @@
+"""The one resolver: what "auto", or an explicit name, is for the planner, the expert kernel and
+the communication backend on a platform.
+
+Each kind has one ordered list of `Candidate`s (`CANDIDATES`), each with its ``supported``
+predicate (True, or why not: the reason our one-line refusal gives) and its ``auto`` predicate
+(whether "auto" takes it there); "auto" is the first candidate of the list that both allow
+(tokamax's ragged dot, whose ``IMPLEMENTATIONS`` and ``supported_on`` are the model, keeps the
+same two lists: every implementation, and the order its default tries them in). `resolve` is the
+rule; nothing else decides.
+
+Where the platform comes from: the mesh the code is traced on, at trace time, on every mesh: a
+concrete mesh's devices or an abstract mesh's device (`platform_of`; `traced_platform` inside a
+`shard_map`). The expert kernel and the exchange are resolved there, once, in Python (`choose`:
+"auto" resolved; an explicit name as given, checked where the configuration is built,
+`Execution.check_on`, for its mesh's platform). Where no mesh names the platform (an abstract
+mesh without a device, no mesh at all: a program exported for several platforms), `by_platform`
+picks each platform's choice when the program is lowered (`per_platform`:
+`jax.lax.platform_dependent`, used nowhere else). The planner, whose native
+candidate is a custom call registered per platform and not differentiated, is resolved by the
+same rule for each platform the program is lowered for (`planning.planner`), so that a step
+traced on CPU devices and exported for TPU plans portably there.
+
+The facts a predicate reads beside the platform (`Facts`: the mesh's device kind, the planner's
+CUDA handler, one grouped matmul's operands) are given by the caller: this module imports no
+stage. The operand rules themselves are `base.operands`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+
+from ultraep_jax.base import operands
+
+#: The platforms a program is lowered for (`jax.export` names), and the one that stands for any
+#: other in `by_platform`.
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+OTHER = "other"
+
+
+class Operands(NamedTuple):
+    """One grouped matmul's operands: lhs [M, K] and rhs [G, K, N], their shapes and dtypes."""
+
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    lhs_dtype: object
+    rhs_dtype: object
+
+    @classmethod
+    def of(cls, lhs, rhs) -> Operands:
+        return cls(tuple(lhs.shape), tuple(rhs.shape), lhs.dtype, rhs.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What a candidate's predicates read beside the platform.
+
+    Attributes:
+      device_kind: the mesh's device kind ("cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite"), or
+        None when no mesh says.
+      cuda_handler: whether this install has the native planner's CUDA handler
+        (`planning.native.has_cuda_handler`).
+      operands: one grouped matmul's `Operands`, or None where the choice is made for every
+        matmul of a kernel at once (then no predicate refuses for the operands).
+    """
+
+    device_kind: str | None = None
+    cuda_handler: bool = False
+    operands: Operands | None = None
+
+
+Predicate = Callable[[str, Facts], "bool | str"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One choice of a kind.
+
+    Attributes:
+      name: its name (`Execution`'s field takes it).
+      doc: what it is, one line (docs/gpu.md's table is checked against it).
+      supported: ``(platform, facts) -> True | reason``: whether it runs there; an explicit
+        choice is refused with the reason where it does not.
+      auto: ``(platform, facts) -> bool``: whether "auto" takes it there (where supported).
+      instead: what the refusal suggests instead.
+    """
+
+    name: str
+    doc: str
+    supported: Predicate
+    auto: Callable[[str, Facts], bool]
+    instead: str
+
+    def refusal(self, kind: str, platform: str, facts: Facts) -> str | None:
+        """Our one-line refusal of this candidate on ``platform`` (None: it is supported)."""
+        why = self.supported(platform, facts)
+        if why is True:
+            return None
+        return f"{kind}={self.name!r}: {why}; {self.instead}"
+
+
+def _anywhere(platform: str, facts: Facts) -> bool:
+    return True
+
+
+def _on(*platforms: str) -> Callable[[str, Facts], bool]:
+    return lambda platform, facts: platform in platforms
+
+
+def _native_supported(platform: str, facts: Facts) -> bool | str:
+    """The FFI handler is registered for the platform: CPU always; CUDA where it was built."""
+    if platform == "cpu" or (platform == "cuda" and facts.cuda_handler):
+        return True
+    if platform == "cuda":
+        return (
+            "this install has no CUDA planner handler (built only when nvcc is on the PATH at "
+            "install time)"
+        )
+    return f"no native planner handler exists for {platform!r} devices"
+
+
+def _ragged_supported(platform: str, facts: Facts) -> bool | str:
+    if platform == "cpu":
+        return "cannot run on CPU devices (XLA:CPU has no ragged_all_to_all)"
+    return True
+
+
+def _mgpu_supported(platform: str, facts: Facts) -> bool | str:
+    """JAX's Mosaic GPU kernels: a Hopper target, lowered on a Hopper host, bf16/f16 operands of
+    one dtype whose K and N fit the tiles (`operands.mgpu_unsupported`)."""
+    if platform != "cuda":
+        return f"JAX's Mosaic GPU kernels run on NVIDIA GPUs, not {platform!r} devices"
+    if facts.device_kind is not None and not operands.is_hopper(facts.device_kind):
+        return f"JAX's Mosaic GPU ragged-dot kernels need a Hopper GPU, not {facts.device_kind!r}"
+    if not operands.host_is_hopper():
+        return (
+            "JAX's Mosaic GPU kernels read this host's GPU when they are lowered, and this host "
+            "has no Hopper GPU (a CUDA export from it can use 'ragged_dot')"
+        )
+    ops = facts.operands
+    if ops is None:
+        return True
+    if ops.lhs_dtype != ops.rhs_dtype:
+        return f"operand dtypes differ ({ops.lhs_dtype} and {ops.rhs_dtype})"
+    why = operands.mgpu_unsupported(ops.lhs_shape, ops.rhs_shape, ops.lhs_dtype)
+    return True if why is None else f"unsupported operands: {why}"
+
+
+def tokamax_installed() -> bool:
+    """Whether tokamax can be imported (its extra: Python >= 3.12, jax >= 0.11.1)."""
+    return importlib.util.find_spec("tokamax") is not None
+
+
+def _tokamax_supported(platform: str, facts: Facts) -> bool | str:
+    """tokamax's ragged dot with the platform's implementation (`experts.gmm_tokamax`): installed,
+    and for CUDA lowered on a GPU host (its Mosaic GPU kernel picks its variant from this host's
+    device, whatever the target)."""
+    if not tokamax_installed():
+        return "tokamax is not installed (pip install 'ultraep_jax[tokamax]': Python >= 3.12)"
+    if platform == "cuda" and not _host_has_gpu():
+        return (
+            "tokamax's Mosaic GPU kernel picks its variant from this host's device, and this "
+            "host has no GPU, so it cannot lower for CUDA here (it raises 'Unsupported GPU "
+            "architecture'); lower on the GPU host"
+        )
+    return True
+
+
+def _tokamax_auto(platform: str, facts: Facts) -> bool:
+    """ "auto" takes tokamax on TPU, where its Mosaic TPU kernel takes the device and the
+    operands, forward and backward. Not on CUDA until a GPU A/B against JAX's Mosaic GPU
+    kernels ("mgpu", the only GPU kernel measured) decides."""
+    if platform != "tpu":
+        return False
+    ops = facts.operands
+    shapes = ((128, 128), (1, 128, 128)) if ops is None else (ops.lhs_shape, ops.rhs_shape)
+    return operands.mosaic_tpu_unsupported(*shapes, facts.device_kind) is None
+
+
+def _host_has_gpu() -> bool:
+    try:
+        return jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
+_INSTEAD_KERNEL = "use expert_kernel='auto' or 'ragged_dot'"
+
+#: Each kind's candidates, in the order "auto" tries them.
+CANDIDATES: dict[str, tuple[Candidate, ...]] = {
+    "planner": (
+        Candidate(
+            "native",
+            "the FFI custom call (C++ on CPU, CUDA where its handler was built)",
+            _native_supported,
+            _anywhere,
+            "use planner='auto' (the portable planner there) or 'portable' (docs/gpu.md)",
+        ),
+        Candidate(
+            "portable",
+            "the same plans written in JAX (planning/portable.py)",
+            _anywhere,
+            _anywhere,
+            "use planner='auto'",
+        ),
+    ),
+    "expert_kernel": (
+        Candidate(
+            "tokamax",
+            "tokamax's ragged dot with the target's implementation (Mosaic TPU on TPU v5+)",
+            _tokamax_supported,
+            _tokamax_auto,
+            _INSTEAD_KERNEL,
+        ),
+        Candidate(
+            "mgpu",
+            "JAX's Mosaic GPU ragged-dot kernels (Hopper; bf16/f16, K and N multiples of tiles)",
+            _mgpu_supported,
+            _anywhere,
+            _INSTEAD_KERNEL,
+        ),
+        Candidate(
+            "ragged_dot",
+            "XLA's jax.lax.ragged_dot",
+            _anywhere,
+            lambda platform, facts: platform != "cpu",
+            _INSTEAD_KERNEL,
+        ),
+        Candidate(
+            "tiled",
+            "the tiled loop over row tiles (its cost tracks the rows present)",
+            _anywhere,
+            _on("cpu"),
+            _INSTEAD_KERNEL,
+        ),
+    ),
+    "comm_backend": (
+        Candidate(
+            "ragged",
+            "jax.lax.ragged_all_to_all: only the rows needed move",
+            _ragged_supported,
+            _anywhere,
+            "use comm_backend='padded' or 'auto'",
+        ),
+        Candidate(
+            "padded",
+            "a fixed-size all_to_all of R x max_chunk rows (the transfer: a dense reduce-scatter)",
+            _anywhere,
+            _anywhere,
+            "use comm_backend='auto'",
+        ),
+    ),
+}
+
+#: The names each kind takes: "auto" and its candidates'.
+NAMES = {kind: ("auto", *(c.name for c in found)) for kind, found in CANDIDATES.items()}
+
+#: Names no longer taken, with the line that says what replaced them.
+RETIRED = {
+    ("expert_kernel", "pallas"): (
+        "expert_kernel='pallas' (our Pallas kernel on Pallas' Triton backend, which JAX "
+        "deprecates) was removed; use expert_kernel='tokamax' (tokamax's maintained ragged dot) "
+        "or 'mgpu' (JAX's Mosaic GPU kernels, Hopper)"
+    ),
+}
+
+#: Deprecated names and the names they stand for.
+ALIASES = {("comm_backend", "portable"): "padded"}
+
+
+def check_name(kind: str, name, owner: str) -> str:
+    """``name`` as ``kind`` takes it: a name of `NAMES` (a deprecated alias mapped, with one
+    DeprecationWarning naming its replacement); raises one line prefixed by ``owner``:
+    TypeError for a value that is no str (None included), ValueError for a retired or unknown
+    name."""
+    allowed = NAMES[kind]
+    if not isinstance(name, str):
+        raise TypeError(
+            f"{owner}: {kind} must be one of {allowed}, got {type(name).__name__} {name!r}"
+        )
+    if (kind, name) in ALIASES:
+        new = ALIASES[kind, name]
+        warnings.warn(
+            f"{kind}={name!r} is deprecated: it is {kind}={new!r} (the name 'portable' is the "
+            "planner written in JAX)",
+            DeprecationWarning,
+            stacklevel=_caller_level(),
+        )
+        return new
+    if (kind, name) in RETIRED:
+        raise ValueError(f"{owner}: {RETIRED[kind, name]}")
+    if name not in allowed:
+        raise ValueError(f"{owner}: {kind} must be one of {allowed}, got {name!r}")
+    return name
+
+
+def choose(kind: str, name: str, platform: str | None, facts: Facts | None = None) -> str:
+    """What the code traced for ``platform`` runs: "auto" resolved (`resolve`); an explicit name
+    as it is (the user's choice, checked once where the configuration is built,
+    `Execution.check_on`, so that a step on CPU devices exported for CUDA may still name
+    "ragged")."""
+    name = check_name(kind, name, "choose")
+    return name if name != "auto" else resolve(kind, name, platform, facts)
+
+
+def _caller_level() -> int:
+    """`warnings.warn`'s stacklevel of the first frame outside this package (and outside the
+    dataclasses' generated code): the user's call, which a warning filter then names."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(package) or name == "<string>" or name == dataclasses.__file__):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
+def canonical_platform(platform: str | None, device_kind: str | None = None) -> str | None:
+    """A device's platform as a lowering names it: "gpu" is "cuda", or "rocm" for an AMD
+    device kind; None stays None (unknown)."""
+    if platform is None:
+        return None
+    platform = platform.lower()
+    if platform == "gpu":
+        return "rocm" if "AMD" in (device_kind or "").upper() else "cuda"
+    return platform
+
+
+def resolve(kind: str, name: str, platform: str | None, facts: Facts | None = None) -> str:
+    """The concrete choice of ``kind`` ("planner", "expert_kernel", "comm_backend") that
+    ``name`` is on ``platform`` ("cpu", "gpu"/"cuda", "rocm", "tpu"), given ``facts``.
+
+    "auto": the first of `CANDIDATES`\\ [kind] whose ``auto`` and ``supported`` predicates both
+    hold. A candidate's name: itself where ``supported`` holds, else a ValueError (one line:
+    why, and what instead); on an unknown platform (None) every explicit name is itself, and
+    "auto" is an error (`by_platform` resolves it per platform)."""
+    facts = Facts() if facts is None else facts
+    name = check_name(kind, name, "resolve")
+    platform = canonical_platform(platform, facts.device_kind)
+    if name != "auto":
+        if platform is not None:
+            (candidate,) = (c for c in CANDIDATES[kind] if c.name == name)
+            if (refusal := candidate.refusal(kind, platform, facts)) is not None:
+                raise ValueError(refusal)
+        return name
+    if platform is None:
+        raise ValueError(f"resolve: {kind}='auto' needs a platform (by_platform picks one)")
+    for candidate in CANDIDATES[kind]:
+        if candidate.auto(platform, facts) and candidate.supported(platform, facts) is True:
+            return candidate.name
+    raise AssertionError(f"no {kind} candidate for {platform!r}")  # the last one runs anywhere
+
+
+def _device(mesh):
+    """A device of ``mesh`` (a `Mesh`'s first; an `AbstractMesh`'s abstract device), or None."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0]
+    return getattr(mesh, "abstract_device", None)
+
+
+def platform_of(mesh) -> str | None:
+    """The platform of a mesh's devices ("cpu", "gpu", "tpu"): a `Mesh`'s, or an abstract
+    mesh's device's; None when it has none (or ``mesh`` is None)."""
+    return getattr(_device(mesh), "platform", None)
+
+
+def device_kind_of(mesh) -> str | None:
+    """The device kind of a mesh's devices (as `platform_of`), or None."""
+    return getattr(_device(mesh), "device_kind", None)
+
+
+def traced_platform() -> str | None:
+    """The platform of the mesh being traced on (`jax.sharding.get_abstract_mesh`: a shard_map's,
+    or one set with `jax.set_mesh`), or None when no mesh says."""
+    return platform_of(jax.sharding.get_abstract_mesh())
+
+
+def traced_facts(**given) -> Facts:
+    """`Facts` with the traced mesh's device kind, and ``given``."""
+    return Facts(device_kind=device_kind_of(jax.sharding.get_abstract_mesh()), **given)
+
+
+def by_platform(kind: str, name: str, run: Callable[[str | None], Callable], *args):
+    """``run(platform)(*args)`` for the platform of the traced mesh (``run`` resolves ``name``
+    for the platform it is given). For "auto" where no mesh names the platform, every platform's
+    ``run`` is traced and the lowering picks its own (`per_platform`); an explicit name needs no
+    platform (``run(None)``)."""
+    platform = traced_platform()
+    if platform is not None or name != "auto":
+        return run(platform)(*args)
+    return per_platform({p: run(p) for p in (*PLATFORMS, OTHER)}, *args)
+
+
+def per_platform(impls: dict, *args):
+    """``impls[p](*args)`` for the platform p the program is lowered for, when it is lowered
+    (``impls``: by platform, `OTHER` for any other): the one use of
+    `jax.lax.platform_dependent`, for a program whose platform nothing named when it was traced
+    (an abstract mesh without a device, no mesh, an export to several platforms). One entry is
+    called as it is."""
+    if len(impls) == 1:
+        (impl,) = impls.values()
+        return impl(*args)
+    branches = {p: impl for p, impl in impls.items() if p != OTHER}
+    if OTHER in impls:
+        branches["default"] = impls[OTHER]
+    return jax.lax.platform_dependent(*args, **branches)
+
+
+def candidate_table() -> tuple[tuple[str, str, str], ...]:
+    """(kind, name, doc) of every candidate, in `CANDIDATES` order (for the docs' tables)."""
+    return tuple((kind, c.name, c.doc) for kind, found in CANDIDATES.items() for c in found)
