@@ -19,7 +19,7 @@ ratios without being fitted to them:
                its ``lax.cond``, and with a replica the transfer of its weights, a reduce-scatter
                forward and an all-gather backward), with no replica and with one, fitted alike
   a2a          gloo between the two pinned processes: the token all-to-all at each size the
-               layer sends (R x T x k rows of D float32, the portable exchange's fixed size)
+               layer sends (R x T x k rows of D float32, the padded exchange's fixed size)
   planner      `uep.plan` at R=2, E=8 on one rank, per call
   overhead     the plain layers (dropless and capacity 1.05) with an unbiased router (skew 0)
                timed whole; what the experts and all-to-alls above leave of them is the layer's
@@ -157,7 +157,7 @@ def _stage_fn(mesh, slot_expert: np.ndarray, mode: str):
             chunks=1,
             max_fanout=0,
             axis_name="x",
-            backend="portable",
+            backend="padded",
         )
 
     def loss(*args):
@@ -202,7 +202,7 @@ def stage_points(mode: str, tokens: list[int], repeats: int, replicas: int) -> l
 
 def a2a_points(tokens: list[int], repeats: int) -> list[list[float]]:
     """[[bytes per rank, seconds], ...]: the token all-to-all between the ranks at each
-    ``tokens``, the size the portable exchange sends (R x T x k rows of D float32)."""
+    ``tokens``, the size the padded exchange sends (R x T x k rows of D float32)."""
     D, K, R = FLAGS.d_model, FLAGS.top_k, jax.device_count()
     mesh = jax.make_mesh((R,), ("x",), axis_types=(AxisType.Explicit,))
     spec = jax.sharding.PartitionSpec("x")
@@ -213,7 +213,7 @@ def a2a_points(tokens: list[int], repeats: int) -> list[list[float]]:
     fn = jax.jit(jax.shard_map(a2a, mesh=mesh, in_specs=spec, out_specs=spec))
     points = []
     for t in tokens:
-        rows = R * K * t  # the portable exchange: R x max_chunk rows, max_chunk = T x k
+        rows = R * K * t  # the padded exchange: R x max_chunk rows, max_chunk = T x k
         data = jax.device_put(jnp.zeros((R * rows, D)), jax.NamedSharding(mesh, spec))
         points.append([rows * D * 4, _timed(lambda data=data: fn(data), repeats)])
     return points

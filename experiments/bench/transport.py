@@ -75,7 +75,7 @@ def transfer_fn(mesh, slot_expert_RS: np.ndarray):
 
     def forward(w_gate, w_up, w_down):
         got = tools.fetch_replica_experts(
-            (w_gate, w_up, w_down), slots, axis_name=AXIS, backend="portable"
+            (w_gate, w_up, w_down), slots, axis_name=AXIS, backend="padded"
         )
         return jnp.concatenate([g.reshape(g.shape[0], -1) for g in got], axis=1)
 

@@ -23,9 +23,9 @@ planner  (a) the CUDA planner's plans equal the CPU handler's, bit for bit, on r
          jitted function (the difference to a chain of 8, per plan; includes one tiny fused add
          per plan), single-plan wall latency, batched ``jit(vmap(plan))``.
 gmm      (c) grouped matmul, bf16, the anchor's expert shape (DeepSeek-V3's, stepmodel/shapes.toml):
-         K = d_model, N = expert d_ff: TFLOP/s of our Pallas (Triton) kernel (each of
-         --gmm_configs), of JAX's Hopper Mosaic GPU ragged-dot kernels (each of
-         --mgpu_configs), of ``jax.lax.ragged_dot``
+         K = d_model, N = expert d_ff: TFLOP/s of JAX's Hopper Mosaic GPU ragged-dot kernels
+         (each of --mgpu_configs), of tokamax's ragged dot (where installed), of
+         ``jax.lax.ragged_dot``
          and of a dense [M, K] @ [K, N] matmul of the same FLOPs, forward and forward + backward,
          at M = --gmm_rows, G = 8, balanced; then the fastest of each kind over G in --gmm_groups,
          M in --gmm_sizes, balanced and skewed group sizes (Zipf 1.2 over the groups). Relative
@@ -33,8 +33,8 @@ gmm      (c) grouped matmul, bf16, the anchor's expert shape (DeepSeek-V3's, ste
 exchange (e) the token exchange (the anchor's tokens x top-k of D bf16 per rank) and the
          replica-weight exchange (its slots of D / F experts per rank) over every GPU (EP = 1 on
          one), for
-         the ragged and portable backends, in GB/s against a device copy of the same bytes; the
-         ragged path's values and gradients against the portable path's; the replica step's
+         the ragged and padded backends, in GB/s against a device copy of the same bytes; the
+         ragged path's values and gradients against the padded path's; the replica step's
          compiled schedule (does the transfer run while the masters' matmuls do?); each under
          every --exchange_variants XLA flag setting, in a child process (a flag this jaxlib does
          not know is reported as such). `experiments.gpu.exchange`.
@@ -81,11 +81,6 @@ _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed samples (medians are repor
 _INNER = flags.DEFINE_integer("inner", 4, "Back-to-back calls per timed sample.")
 _PLAN_BATCH = flags.DEFINE_integer("plan_batch", 1024, "Matrices per batched planner call.")
 _GMM_ROWS = flags.DEFINE_integer("gmm_rows", 32768, "M of the kernel-settings sweep.")
-_GMM_CONFIGS = flags.DEFINE_list(
-    "gmm_configs",
-    ["128x128x64w4s3", "128x256x64w8s3", "64x128x64w4s4", "128x128x32w4s4", "256x128x64w8s3"],
-    "Triton kernel settings to time: TMxTNxTK, then w<num_warps>s<num_stages>.",
-)
 _MGPU_CONFIGS = flags.DEFINE_list(
     "mgpu_configs",
     ["128x128x64c4g1", "128x128x64c4g4", "128x192x64c4g4", "128x128x64c6g8", "64x128x64c6g4"],
@@ -97,7 +92,7 @@ _MOE_TOKENS = flags.DEFINE_integer("moe_tokens", 8192, "Tokens per MoE step (d).
 _MOE_KERNELS = flags.DEFINE_list(
     "moe_kernels",
     ["auto"],
-    "MoE rows: expert kernels, each optionally with /<comm_backend> (e.g. auto/portable).",
+    "MoE rows: expert kernels, each optionally with /<comm_backend> (e.g. auto/padded).",
 )
 _EXCHANGE_VARIANTS = flags.DEFINE_list(
     "exchange_variants",
@@ -152,7 +147,6 @@ def _run_section(name: str, device, dry: bool) -> dict:
     if name == "gmm":
         sweep = gpu_gmm.GmmSweep(
             rows=_GMM_ROWS.value,
-            configs=tuple(_GMM_CONFIGS.value),
             mgpu_configs=tuple(_MGPU_CONFIGS.value),
             groups=tuple(int(g) for g in _GMM_GROUPS.value),
             sizes=tuple(int(m) for m in _GMM_SIZES.value),

@@ -1,7 +1,7 @@
-"""The GPU check's exchange section: the layer's token exchange (`comm.ragged_exchange`) and its
+"""The GPU check's exchange section: the layer's token exchange (`comm.exchange_by_backend`) and its
 replica-weight exchange (`transfer.fetch_replica_experts`), each timed against a plain device
-copy of the same bytes, for the "ragged" (`jax.lax.ragged_all_to_all`) and "portable" backends,
-under each XLA flag variant; the ragged path's values and gradients against the portable path's;
+copy of the same bytes, for the "ragged" (`jax.lax.ragged_all_to_all`) and "padded" backends,
+under each XLA flag variant; the ragged path's values and gradients against the padded path's;
 and where the replica transfer sits in the compiled schedule of the experts' forward + backward
 (`hlo_schedule`). See `experiments.gpu.check`.
 
@@ -10,7 +10,7 @@ each variant runs in a child process (``python -m experiments.gpu.exchange_child
 `experiments.gpu.exchange_run` starts the children and reads their results); a
 child that dies naming an unknown flag is reported as "flag not known to this jaxlib". The ranks
 are every GPU of the machine (EP = 1 on one GPU still runs the collective kernels); the dry run
-uses 4 CPU devices, where XLA cannot compile ``ragged_all_to_all``: only the portable path runs.
+uses 4 CPU devices, where XLA cannot compile ``ragged_all_to_all``: only the padded path runs.
 """
 
 from __future__ import annotations
@@ -26,13 +26,11 @@ from jax.sharding import PartitionSpec as P
 
 from experiments.lab.stepmodel.shapes import ANCHOR
 from experiments.lab.walltime import median_seconds
-from ultraep_jax.tools import Exchange, fetch_replica_experts, ragged_exchange
+from ultraep_jax.tools import Exchange, exchange_by_backend, fetch_replica_experts
 
 AXIS = "expert"
 #: What the dry run (XLA:CPU) records in place of a ragged exchange's figures.
-SKIP_RAGGED = (
-    "skipped: XLA:CPU cannot compile ragged_all_to_all (the dry run runs the portable path)"
-)
+SKIP_RAGGED = "skipped: XLA:CPU cannot compile ragged_all_to_all (the dry run runs the padded path)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +125,14 @@ def block_offsets(sizes_RR: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def token_exchange(mesh, send_rows: int, recv_rows: int, backend: str):
     """jit: (operand [R * send_rows, D] split over the ranks, sizes_RR, src_start_RR,
-    dst_start_RR) -> [R * recv_rows, D]: `comm.ragged_exchange` on every rank with the layer's
+    dst_start_RR) -> [R * recv_rows, D]: `comm.exchange_by_backend` on every rank with the layer's
     ``max_chunk`` (``min(send_rows, recv_rows)``)."""
 
     def per_rank(operand, sizes, src, dst):
         rank = jax.lax.axis_index(AXIS)
         chunk = min(send_rows, recv_rows)
         ex = Exchange(sizes, src, dst, rank, send_rows, recv_rows, chunk)
-        return ragged_exchange(operand, ex, axis_name=AXIS, backend=backend)
+        return exchange_by_backend(operand, ex, axis_name=AXIS, backend=backend)
 
     specs = (P(AXIS), P(), P(), P())
     return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=P(AXIS)))
@@ -203,7 +201,7 @@ def time_tokens(mesh, s: ExchangeSetup, backends) -> dict:
     out = {
         "payload_bytes_per_rank": payload,
         "copy": _rate(payload, t_copy, t_copy),
-        "portable_rows_moved_per_rank": R * min(s.rows, s.capacity),
+        "padded_rows_moved_per_rank": R * min(s.rows, s.capacity),
     }
     for backend in backends:
         fn = token_exchange(mesh, s.rows, s.capacity, backend)
@@ -305,19 +303,19 @@ def weight_values_and_vjp(mesh, s: ExchangeSetup, backend: str, seed: int = 2):
 
 
 def check_gradients(mesh, s: ExchangeSetup, dry: bool) -> dict:
-    """The ragged path's values and vjp against the portable path's on the same inputs, for the
+    """The ragged path's values and vjp against the padded path's on the same inputs, for the
     token exchange (random sizes) and the weight exchange: both only move rows, so they must be
     bit-equal."""
     if dry:
         return {"status": SKIP_RAGGED}
     out = {}
     ragged = token_values_and_vjp(mesh, s, "ragged")
-    portable = token_values_and_vjp(mesh, s, "portable")
-    out["tokens_forward"] = compare_arrays([ragged[0]], [portable[0]])
-    out["tokens_vjp"] = compare_arrays([ragged[1]], [portable[1]])
+    padded = token_values_and_vjp(mesh, s, "padded")
+    out["tokens_forward"] = compare_arrays([ragged[0]], [padded[0]])
+    out["tokens_vjp"] = compare_arrays([ragged[1]], [padded[1]])
     ragged = weight_values_and_vjp(mesh, s, "ragged")
-    portable = weight_values_and_vjp(mesh, s, "portable")
-    out["weights_forward"] = compare_arrays(ragged[0], portable[0])
-    out["weights_vjp"] = compare_arrays(ragged[1], portable[1])
+    padded = weight_values_and_vjp(mesh, s, "padded")
+    out["weights_forward"] = compare_arrays(ragged[0], padded[0])
+    out["weights_vjp"] = compare_arrays(ragged[1], padded[1])
     out["status"] = "ok" if all(v["equal"] and v["finite"] for v in out.values()) else "MISMATCH"
     return out

@@ -77,7 +77,7 @@ def replica_step(mesh, s: ExchangeSetup, backend: str):
 def check_replica_step(mesh, s: ExchangeSetup, backends, hlo_path: str | None) -> dict:
     """Per backend: the replica step's median ms and where each collective of its compiled
     schedule sits (`hlo_schedule.overlap_report`; the first is the forward transfer); the first
-    call's value and gradients of the ragged path against the portable path's."""
+    call's value and gradients of the ragged path against the padded path's."""
 
     out, first = {}, {}
     for backend in backends:
@@ -94,14 +94,14 @@ def check_replica_step(mesh, s: ExchangeSetup, backends, hlo_path: str | None) -
                 f.write(text)
         out[backend] = row
     if len(first) == 2:
-        ragged, portable = first["ragged"], first["portable"]
+        ragged, padded = first["ragged"], first["padded"]
         rel = [
             float(np.linalg.norm(a.astype(np.float32) - b.astype(np.float32)))
             / max(float(np.linalg.norm(b.astype(np.float32))), 1e-30)
-            for a, b in zip(ragged, portable, strict=True)
+            for a, b in zip(ragged, padded, strict=True)
         ]
-        out["first_backward_ragged_vs_portable"] = {
-            **compare_arrays(ragged, portable),
+        out["first_backward_ragged_vs_padded"] = {
+            **compare_arrays(ragged, padded),
             "max_rel_diff": max(rel),
             "ok": max(rel) <= 1e-2 and all(np.all(np.isfinite(a)) for a in ragged),
         }
@@ -115,7 +115,7 @@ def run_variant(spec: dict) -> dict:
     dry = spec["dry"]
     devices = jax.devices("cpu")[:4] if dry else [d for d in jax.devices() if d.platform == "gpu"]
     mesh = exchange_mesh(devices)
-    backends = ("portable",) if dry else ("ragged", "portable")
+    backends = ("padded",) if dry else ("ragged", "padded")
     out = {
         "variant": spec["variant"],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),

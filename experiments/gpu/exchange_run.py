@@ -162,23 +162,23 @@ def exchange_lines(d: dict) -> list[str]:
                 ragged = _rate_text(p.get("ragged", v.get("ragged")))
                 lines.append(
                     f"      {part:<8} copy {_rate_text(p['copy'])} | ragged {ragged} | "
-                    f"portable {_rate_text(p.get('portable'))}"
+                    f"padded {_rate_text(p.get('padded'))}"
                 )
         g = v.get("grad_check")
         if isinstance(g, dict):
-            lines.append(f"      gradients ragged vs portable: {g.get('status', g.get('error'))}")
+            lines.append(f"      gradients ragged vs padded: {g.get('status', g.get('error'))}")
         step = v.get("replica_step", {})
-        for backend in ("ragged", "portable"):
+        for backend in ("ragged", "padded"):
             row = step.get(backend) if isinstance(step, dict) else None
             if row:
                 first = row["verdicts"][0] if row["verdicts"] else "no collective in the schedule"
                 lines.append(
                     f"      replica step {backend}: {row['ms']:.2f} ms; forward transfer: {first}"
                 )
-        if isinstance(step, dict) and "first_backward_ragged_vs_portable" in step:
-            c = step["first_backward_ragged_vs_portable"]
+        if isinstance(step, dict) and "first_backward_ragged_vs_padded" in step:
+            c = step["first_backward_ragged_vs_padded"]
             lines.append(
-                f"      replica step first backward ragged vs portable: max rel diff "
+                f"      replica step first backward ragged vs padded: max rel diff "
                 f"{c['max_rel_diff']:.2e} ({'ok' if c['ok'] else 'MISMATCH'})"
             )
     return lines

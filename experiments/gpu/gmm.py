@@ -1,10 +1,12 @@
-"""The GPU check's grouped-matmul section: our Pallas (Triton) kernel, JAX's Mosaic GPU ragged-dot
-kernels, ``jax.lax.ragged_dot`` and a dense matmul, bf16, timed and checked against a float32
-reference (see `experiments.gpu.check`)."""
+"""The GPU check's grouped-matmul section: JAX's Mosaic GPU ragged-dot kernels, tokamax's ragged
+dot (where it is installed: the A/B that decides whether "auto" takes it on Hopper),
+``jax.lax.ragged_dot`` and a dense matmul, bf16, timed and checked against a float32 reference
+(see `experiments.gpu.check`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import time
 
@@ -25,19 +27,6 @@ def _adaptive_median_seconds(fn, repeats: int, inner: int) -> float:
     if once > 0.02:
         return median_seconds(fn, max(3, repeats // 4), 1)
     return median_seconds(fn, repeats, inner)
-
-
-def _parse_config(text: str) -> dict:
-    tiles, _, rest = text.partition("w")
-    tm, tn, tk = (int(v) for v in tiles.split("x"))
-    warps, _, stages = rest.partition("s")
-    return {
-        "tile_m": tm,
-        "tile_n": tn,
-        "tile_k": tk,
-        "num_warps": int(warps) if warps else None,
-        "num_stages": int(stages) if stages else None,
-    }
 
 
 def _parse_mgpu(text: str) -> tools.MgpuTiles:
@@ -98,13 +87,11 @@ def _fwd_bwd(mm):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def _impls(dry: bool, configs, mgpu_configs) -> dict:
+def _impls(dry: bool, mgpu_configs) -> dict:
     impls = {"ragged_dot": jax.lax.ragged_dot}
-    for text in configs:
-        kw = _parse_config(text)
-        impls[f"pallas {text}"] = lambda x, r, g, kw=kw: tools.grouped_matmul(
-            x, r, g, interpret=dry, **kw
-        )
+    if importlib.util.find_spec("tokamax") is not None:
+        platform = "cpu" if dry else "cuda"  # on CPU tokamax's XLA implementation
+        impls["tokamax"] = lambda x, r, g: tools.grouped_matmul_tokamax(x, r, g, platform=platform)
     if not dry:
         for text in mgpu_configs:
             tiles = _parse_mgpu(text)
@@ -182,7 +169,6 @@ class GmmSweep:
 
     Attributes:
       rows: M of the kernel-settings sweep.
-      configs: Triton kernel settings, ``TMxTNxTK`` then ``w<num_warps>s<num_stages>``.
       mgpu_configs: Mosaic GPU settings, ``BMxBNxBK`` then
         ``c<max_concurrent_steps>g<grid_block_n>``.
       groups, sizes: G and M of the shape sweep.
@@ -190,7 +176,6 @@ class GmmSweep:
     """
 
     rows: int
-    configs: tuple[str, ...]
     mgpu_configs: tuple[str, ...]
     groups: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -198,8 +183,8 @@ class GmmSweep:
     inner: int
 
 
-#: The dry run's sweep: tiny shapes, the Triton kernel interpreted on CPU.
-DRY_SWEEP = GmmSweep(64, ("16x16x16",), (), (4,), (64,), repeats=2, inner=1)
+#: The dry run's sweep: tiny shapes on CPU (ragged_dot, and tokamax's XLA implementation).
+DRY_SWEEP = GmmSweep(64, (), (4,), (64,), repeats=2, inner=1)
 
 
 def section_gmm(device, dry: bool, sweep: GmmSweep) -> dict:
@@ -210,7 +195,7 @@ def section_gmm(device, dry: bool, sweep: GmmSweep) -> dict:
     sweep = DRY_SWEEP if dry else sweep
     G, timing = 4 if dry else 8, (sweep.repeats, sweep.inner)
     out = {"shape": {"K": K, "N": N, "dtype": "bfloat16"}, "sweep": [], "shapes": []}
-    impls = _impls(dry, sweep.configs, sweep.mgpu_configs)
+    impls = _impls(dry, sweep.mgpu_configs)
     out["sweep"] = _gmm_case(device, sweep.rows, K, N, G, False, impls, True, timing)
 
     def best(prefix):
@@ -219,7 +204,7 @@ def section_gmm(device, dry: bool, sweep: GmmSweep) -> dict:
 
     # The shape sweep times the fastest setting of each of our kernels (ragged_dot, several
     # times slower and slow to compile at large shapes, only in the settings sweep above).
-    chosen = [b for b in (best("pallas"), best("mgpu")) if b] or ["ragged_dot"]
+    chosen = [b for b in (best("tokamax"), best("mgpu")) if b] or ["ragged_dot"]
     out["chosen"] = chosen
     impls = {k: impls[k] for k in chosen}
     for G in sweep.groups:

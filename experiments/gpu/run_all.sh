@@ -192,7 +192,7 @@ for part in "${WANT[@]}"; do
     gmm)
       run_part gmm "$DIR/gmm.log" $PY -m experiments.gpu.check $DRYFLAG --out="$DIR/gmm" \
         --sections=env,gmm --gmm_groups=8 --gmm_sizes=16384,65536 \
-        --gmm_configs=128x128x64w4s3 --mgpu_configs=128x128x64c4g4,128x128x64c5g4 ;;
+        --mgpu_configs=128x128x64c4g4,128x128x64c5g4 ;;
     summary) ;;
     *) echo "run_all.sh: unknown part $part" >&2; exit 2 ;;
   esac

@@ -134,8 +134,8 @@ def exchange_bar(exchange: dict | None, cmds: dict) -> list[str]:
         f"- per rank: tokens {s['rows']} x D={s['d_model']} {s['dtype']}, weights {s['slots']} "
         f"experts of D={s['d_model']} F={s['d_ff']}",
         "",
-        "| variant | tokens copy | tokens ragged | tokens portable | weights copy | weights ragged "
-        "| weights portable | ragged grads == portable |",
+        "| variant | tokens copy | tokens ragged | tokens padded | weights copy | weights ragged "
+        "| weights padded | ragged grads == padded |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, v in e["variants"].items():
@@ -147,9 +147,9 @@ def exchange_bar(exchange: dict | None, cmds: dict) -> list[str]:
         skipped = v.get("ragged")  # the dry run's reason
         lines.append(
             f"| {name} | {_rate(t.get('copy'))} | {_rate(t.get('ragged', skipped))} | "
-            f"{_rate(t.get('portable'))} | {_rate(w.get('copy'))} | "
+            f"{_rate(t.get('padded'))} | {_rate(w.get('copy'))} | "
             f"{_rate(w.get('ragged', skipped))} | "
-            f"{_rate(w.get('portable'))} | {grads.get('status', grads.get('error', '-'))} |"
+            f"{_rate(w.get('padded'))} | {grads.get('status', grads.get('error', '-'))} |"
         )
     correct = {
         name: v["tokens"]["ragged"]
@@ -169,18 +169,18 @@ def overlap_bar(exchange: dict | None, check: dict | None, cmds: dict) -> list[s
     lines = []
     for name, v in (e or {}).get("variants", {}).items():
         step = v.get("replica_step")
-        backend = next((b for b in ("ragged", "portable") if b in (step or {})), None)
+        backend = next((b for b in ("ragged", "padded") if b in (step or {})), None)
         if not isinstance(step, dict) or backend is None:
             lines.append(f"- {name}: {v.get('status')} (no replica step)")
             continue
         verdicts = step[backend]["verdicts"]
         first = verdicts[0] if verdicts else "no collective in the schedule (XLA removed it?)"
         line = f"- {name}, {backend} backend: forward transfer {first}"
-        check_ = step.get("first_backward_ragged_vs_portable")
+        check_ = step.get("first_backward_ragged_vs_padded")
         if check_:
             ok = "ok" if check_.get("ok") else "MISMATCH"
             diff = check_["max_rel_diff"]
-            line += f"; first backward ragged vs portable: max rel diff {diff:.1e} ({ok})"
+            line += f"; first backward ragged vs padded: max rel diff {diff:.1e} ({ok})"
         lines.append(line)
     moe = (check or {}).get("moe")
     if isinstance(moe, dict) and "balanced_overlap" in moe:
