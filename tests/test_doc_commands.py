@@ -88,6 +88,8 @@ def documented_commands() -> dict[str, list[list[str]]]:
     for page in PAGES:
         for line in _shell_lines(page.read_text()):
             for part in re.split(r"&&|;|\|", line):
+                if "-m experiments" not in part:
+                    continue  # other commands (a quoted ``python -c "...; ..."`` splits here)
                 words = shlex.split(part.replace("[", "").replace("]", ""), comments=True)
                 if "-m" not in words or "python" not in words:
                     continue
