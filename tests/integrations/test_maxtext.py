@@ -329,6 +329,11 @@ def test_training_through_the_command_has_maxtext_losses(tmp_path):
     balanced, reference = metrics("balanced"), metrics("stock")
     assert len(balanced) == len(reference) == TRAIN["steps"]
     losses = [m["learning/loss"] for m in balanced]
+    print(
+        "losses (ultraep_jax EP4 x FSDP2, MaxText EP1):",
+        losses,
+        [m["learning/loss"] for m in reference],
+    )
     assert losses == pytest.approx([m["learning/loss"] for m in reference], rel=2e-5)
     assert losses[-1] < losses[0]  # the comparison is of a run that learns
     assert all(m["ultraep/replicas"] > 0 and m["ultraep/dropped"] == 0 for m in balanced)
