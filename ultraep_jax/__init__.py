@@ -21,6 +21,7 @@ from ultraep_jax.base.activations import ACTIVATIONS, ClampedSwiGLU
 from ultraep_jax.config import TENSOR_AXIS_NAMES, BalancerConfig, Execution, ExpertParallel
 from ultraep_jax.core import routed_experts_local
 from ultraep_jax.dispatch import reroute
+from ultraep_jax.exporting import export
 from ultraep_jax.ideal import force_balanced
 from ultraep_jax.over_mesh import routed_experts
 from ultraep_jax.planning.plan_type import Plan
@@ -63,6 +64,7 @@ __all__ = [
     "ClampedSwiGLU",
     "Execution",
     "ExpertParallel",
+    "export",
     "force_balanced",
     "MoE",
     "MoEStats",

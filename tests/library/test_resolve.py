@@ -298,9 +298,10 @@ RAGGED_DOT_OP = re.compile(r'"?chlo\.ragged_dot"?\s*%|stablehlo\.composite "chlo
 RAGGED_ALL_TO_ALLS = 4 + 2 * relay.static_hops(8, uep.BalancerConfig().max_fanout)
 
 
-def _step_export(mesh, platforms, checks=("ragged_all_to_all",)):
+def _step_export(mesh, platforms, checks=("ragged_all_to_all",), export=jax.export.export):
     """The balanced layer's training step (loss and gradients, 2 slots, D=F=8) built on ``mesh``
-    and exported for ``platforms`` with jax.export's checks, but for ``checks``' custom calls."""
+    and exported for ``platforms`` by ``export`` with jax.export's checks, but for ``checks``'
+    custom calls."""
     balancer = layer_cases.balancer_config(mesh, 8, slots=2)
     layer = nnx.eval_shape(lambda: layer_cases.build_layer(mesh, 8, 2, balancer, 1.25))
     x = helpers.abstract_batch(mesh, (8, 8, layer_cases.D), jnp.float32)
@@ -311,7 +312,7 @@ def _step_export(mesh, platforms, checks=("ragged_all_to_all",)):
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 2)))
     disabled = [jax.export.DisabledSafetyCheck.custom_call(c) for c in checks]
-    exported = jax.export.export(step, platforms=platforms, disabled_checks=disabled)
+    exported = export(step, platforms=platforms, disabled_checks=disabled)
     return exported(params, rest, x).mlir_module()
 
 
@@ -328,6 +329,43 @@ def test_tpu_export_from_an_abstract_tpu_mesh_carries_no_cpu_only_choice(no_toka
     # Experts: 3 ragged_dots forward and 2 per matmul backward, for masters and slots.
     assert len(RAGGED_DOT_OP.findall(text)) == 18
     assert calls.count("ragged_all_to_all") == RAGGED_ALL_TO_ALLS
+
+
+def test_tpu_export_from_a_concrete_cpu_mesh_carries_no_cpu_only_choice(no_tokamax):
+    """`uep.export` of a step built on CPU devices, for TPU: TPU's choices, as from a TPU mesh
+    (no planner call, no tiled kernel; XLA's ragged_dots, JAX's ragged all-to-alls)."""
+    text = _step_export(helpers.expert_mesh(8), ["tpu"], export=uep.export)
+    calls = CALLS.findall(text)
+    assert "ultraep_plan" not in calls and "callback" not in text and TILED not in text
+    assert len(RAGGED_DOT_OP.findall(text)) == 18
+    assert calls.count("ragged_all_to_all") == RAGGED_ALL_TO_ALLS
+
+
+def test_export_for_another_platform_than_the_meshs_is_refused_without_the_helper():
+    """`jax.export` for TPU of a step whose "auto" followed its CPU devices: our one line naming
+    `uep.export`, not the CPU's choices run on TPU."""
+    helpers.assert_raises_one_line(
+        ValueError, "ultraep_jax.export", _step_export, helpers.expert_mesh(8), ["tpu"]
+    )
+
+
+def test_export_for_several_platforms_from_a_concrete_cpu_mesh(no_tokamax):
+    """`uep.export` for CPU and TPU from CPU devices: each platform's choices, as from a mesh
+    that names none."""
+    text = _step_export(
+        helpers.expert_mesh(8),
+        ["cpu", "tpu"],
+        checks=("ragged_all_to_all", "ultraep_plan"),
+        export=uep.export,
+    )
+    assert TILED in text and len(RAGGED_DOT_OP.findall(text)) == 18
+
+
+def test_lowering_for_refuses_unknown_platforms():
+    for bad in ((), ("tpu", "metal")):
+        with pytest.raises(ValueError, match="lowering_for: platforms must name some of"):
+            with resolve.lowering_for(bad):
+                pass
 
 
 def test_export_for_several_platforms_from_a_mesh_that_names_none(no_tokamax):

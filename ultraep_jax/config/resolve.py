@@ -8,17 +8,20 @@ predicate (True, or why not: the reason our one-line refusal gives) and its ``au
 same two lists: every implementation, and the order its default tries them in). `resolve` is the
 rule; nothing else decides.
 
-Where the platform comes from: the mesh the code is traced on, at trace time, on every mesh: a
-concrete mesh's devices or an abstract mesh's device (`platform_of`; `traced_platform` inside a
-`shard_map`). The expert kernel and the exchange are resolved there, once, in Python (`choose`:
-"auto" resolved; an explicit name as given, checked where the configuration is built,
-`Execution.check_on`, for its mesh's platform). Where no mesh names the platform (an abstract
-mesh without a device, no mesh at all: a program exported for several platforms), `by_platform`
-picks each platform's choice when the program is lowered (`per_platform`:
-`jax.lax.platform_dependent`, used nowhere else). The planner, whose native
-candidate is a custom call registered per platform and not differentiated, is resolved by the
-same rule for each platform the program is lowered for (`planning.planner`), so that a step
-traced on CPU devices and exported for TPU plans portably there.
+Where the platform comes from, at trace time (`traced_platform`): the platforms a program is
+traced to be exported for, where the caller said (`lowering_for`, which `ultraep_jax.export`
+sets); else the mesh the code is traced on, on every mesh: a concrete mesh's devices or an
+abstract mesh's device (`platform_of`; inside a `shard_map`, its mesh). The expert kernel and the
+exchange are resolved there, once, in Python (`choose`: "auto" resolved; an explicit name as
+given, checked where the configuration is built, `Execution.check_on`, for its mesh's platform).
+"auto" resolved from a mesh's devices holds only for that platform: lowered for another (a TPU
+export of a step on CPU devices, made without `lowering_for`), it raises our one line instead of
+running the mesh's choice there (`_lowered_only_for`). Where nothing names one platform (an
+export for several, an abstract mesh without a device, no mesh at all), `by_platform` picks each
+platform's choice when the program is lowered (`per_platform`: `jax.lax.platform_dependent`, used
+nowhere else). The planner, whose native candidate is a custom call registered per platform and
+not differentiated, is resolved by the same rule for each platform the program is lowered for
+(`planning.planner`).
 
 The facts a predicate reads beside the platform (`Facts`: the mesh's device kind, the planner's
 CUDA handler, one grouped matmul's operands) are given by the caller: this module imports no
@@ -27,6 +30,7 @@ stage. The operand rules themselves are `base.operands`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -36,6 +40,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.extend
+import jax.interpreters.ad
+import jax.interpreters.batching
+import jax.interpreters.mlir
 
 from ultraep_jax.base import operands
 
@@ -377,26 +385,113 @@ def device_kind_of(mesh) -> str | None:
     return getattr(_device(mesh), "device_kind", None)
 
 
+#: The platforms the program being traced is to be lowered for, where the caller said
+#: (`lowering_for`), else None: a JAX user context, so that a jitted function traced under other
+#: targets is traced again, not served from JAX's cache.
+_TARGETS = jax.make_user_context(None)
+
+
+@contextlib.contextmanager
+def lowering_for(platforms):
+    """Within: "auto" is resolved for ``platforms`` (names of `PLATFORMS`; "gpu" is "cuda"), not
+    for the mesh's devices: one platform's choices, or for several each platform's, picked when
+    the program is lowered. For `jax.export` of a step traced on another platform's devices
+    (`ultraep_jax.export` wraps it); raises one line for an empty or unknown platform list."""
+    if isinstance(platforms, str):
+        platforms = (platforms,)
+    targets = tuple(dict.fromkeys(canonical_platform(p) for p in platforms))
+    unknown = [p for p in targets if p not in PLATFORMS]
+    if not targets or unknown:
+        raise ValueError(
+            f"lowering_for: platforms must name some of {PLATFORMS}, got {tuple(platforms)!r}"
+        )
+    with _TARGETS(targets):
+        yield
+
+
+def _mesh_platform() -> str | None:
+    return canonical_platform(platform_of(jax.sharding.get_abstract_mesh()), _mesh_kind())
+
+
+def _mesh_kind() -> str | None:
+    return device_kind_of(jax.sharding.get_abstract_mesh())
+
+
 def traced_platform() -> str | None:
-    """The platform of the mesh being traced on (`jax.sharding.get_abstract_mesh`: a shard_map's,
-    or one set with `jax.set_mesh`), or None when no mesh says."""
+    """The platform the code being traced is for: the one of `lowering_for` where it names one;
+    None where it names several; else the platform of the mesh traced on
+    (`jax.sharding.get_abstract_mesh`: a shard_map's, or one set with `jax.set_mesh`), or None
+    when no mesh says."""
+    targets = _TARGETS.value
+    if targets is not None:
+        return targets[0] if len(targets) == 1 else None
     return platform_of(jax.sharding.get_abstract_mesh())
 
 
 def traced_facts(**given) -> Facts:
-    """`Facts` with the traced mesh's device kind, and ``given``."""
-    return Facts(device_kind=device_kind_of(jax.sharding.get_abstract_mesh()), **given)
+    """`Facts` with the traced mesh's device kind (where the mesh's platform is the one traced
+    for: none for an export to another), and ``given``."""
+    kind = _mesh_kind()
+    targets = _TARGETS.value
+    if targets is not None and targets != (_mesh_platform(),):
+        kind = None
+    return Facts(device_kind=kind, **given)
 
 
 def by_platform(kind: str, name: str, run: Callable[[str | None], Callable], *args):
-    """``run(platform)(*args)`` for the platform of the traced mesh (``run`` resolves ``name``
-    for the platform it is given). For "auto" where no mesh names the platform, every platform's
-    ``run`` is traced and the lowering picks its own (`per_platform`); an explicit name needs no
-    platform (``run(None)``)."""
+    """``run(platform)(*args)`` for the platform traced for (`traced_platform`; ``run`` resolves
+    ``name`` for the platform it is given). For "auto" where no one platform is named, every
+    named platform's ``run`` (`lowering_for`'s, else every platform's) is traced and the
+    lowering picks its own (`per_platform`); an explicit name needs no platform (``run(None)``).
+    "auto" resolved from the mesh's devices is marked to be lowered for their platform alone."""
     platform = traced_platform()
-    if platform is not None or name != "auto":
-        return run(platform)(*args)
-    return per_platform({p: run(p) for p in (*PLATFORMS, OTHER)}, *args)
+    targets = _TARGETS.value
+    if platform is None and name == "auto":
+        names = targets if targets is not None else (*PLATFORMS, OTHER)
+        return per_platform({p: run(p) for p in names}, *args)
+    out = run(platform)(*args)
+    if name == "auto" and targets is None:
+        out = _lowered_only_for(kind, canonical_platform(platform, _mesh_kind()), out)
+    return out
+
+
+def _lowered_only_for(kind: str, platform: str, tree):
+    """``tree`` with its first leaf marked (`_platform_check_p`, an identity) so that lowering
+    it for another platform than ``platform`` raises our one line."""
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves[0] = _platform_check_p.bind(leaves[0], kind=kind, platform=platform)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# An identity on one array that lowers to nothing, checking the platforms it is lowered for.
+_platform_check_p = jax.extend.core.Primitive("ultraep_resolved_for")
+_platform_check_p.def_impl(lambda x, **params: x)
+_platform_check_p.def_abstract_eval(lambda x, **params: x)
+
+
+def _check_lowering(ctx, x, *, kind: str, platform: str):
+    lowered = tuple(ctx.module_context.platforms)
+    if lowered != (platform,):
+        raise ValueError(
+            f"ultraep_jax: {kind}='auto' was resolved for {platform!r} from the mesh's devices, "
+            f"and the program is lowered for {lowered}; trace it within "
+            f"ultraep_jax.export(..., platforms={list(lowered)}) (or lowering_for), on a mesh "
+            f"of the target, or name the {kind}"
+        )
+    return [x]
+
+
+def _check_jvp(primals, tangents, **params):
+    return _platform_check_p.bind(primals[0], **params), tangents[0]
+
+
+def _check_batch(args, dims, **params):
+    return _platform_check_p.bind(args[0], **params), dims[0]
+
+
+jax.interpreters.mlir.register_lowering(_platform_check_p, _check_lowering)
+jax.interpreters.ad.primitive_jvps[_platform_check_p] = _check_jvp
+jax.interpreters.batching.primitive_batchers[_platform_check_p] = _check_batch
 
 
 def per_platform(impls: dict, *args):
