@@ -21,20 +21,19 @@ def export(fun_jit, *, platforms, **kwargs):
 
     Args:
       fun_jit: a `jax.jit`-wrapped function, as `jax.export.export` takes.
-      platforms: the platforms to export for ("cpu", "cuda", "rocm", "tpu").
+      platforms: the platforms to export for: "cpu", "cuda" (or "gpu"), "rocm", "tpu"; one
+        line names an unknown one.
       **kwargs: `jax.export.export`'s other arguments (``disabled_checks``).
 
     Returns:
       ``(*args, **kwargs) -> jax.export.Exported``, as `jax.export.export` returns.
     """
-    platforms = tuple([platforms] if isinstance(platforms, str) else platforms)
-    with resolve.lowering_for(platforms):  # checks the names before anything is traced
-        pass
-    exporter = jax.export.export(fun_jit, platforms=platforms, **kwargs)
+    targets = resolve.target_platforms(platforms)
+    exporter = jax.export.export(fun_jit, platforms=targets, **kwargs)
 
     @functools.wraps(exporter)
     def traced(*args, **kw):
-        with resolve.lowering_for(platforms):
+        with resolve.lowering_for(targets):
             return exporter(*args, **kw)
 
     return traced

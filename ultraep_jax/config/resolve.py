@@ -391,21 +391,24 @@ def device_kind_of(mesh) -> str | None:
 _TARGETS = jax.make_user_context(None)
 
 
-@contextlib.contextmanager
-def lowering_for(platforms):
-    """Within: "auto" is resolved for ``platforms`` (names of `PLATFORMS`; "gpu" is "cuda"), not
-    for the mesh's devices: one platform's choices, or for several each platform's, picked when
-    the program is lowered. For `jax.export` of a step traced on another platform's devices
-    (`ultraep_jax.export` wraps it); raises one line for an empty or unknown platform list."""
+def target_platforms(platforms) -> tuple[str, ...]:
+    """``platforms`` (a name or names of `PLATFORMS`; "gpu" is "cuda") as lowering names them,
+    once each; raises one line for none or an unknown one."""
     if isinstance(platforms, str):
         platforms = (platforms,)
     targets = tuple(dict.fromkeys(canonical_platform(p) for p in platforms))
-    unknown = [p for p in targets if p not in PLATFORMS]
-    if not targets or unknown:
-        raise ValueError(
-            f"lowering_for: platforms must name some of {PLATFORMS}, got {tuple(platforms)!r}"
-        )
-    with _TARGETS(targets):
+    if not targets or any(p not in PLATFORMS for p in targets):
+        raise ValueError(f"platforms must name some of {PLATFORMS}, got {tuple(platforms)!r}")
+    return targets
+
+
+@contextlib.contextmanager
+def lowering_for(platforms):
+    """Within: "auto" is resolved for ``platforms`` (`target_platforms`), not for the mesh's
+    devices: one platform's choices, or for several each platform's, picked when the program is
+    lowered. For `jax.export` of a step traced on another platform's devices
+    (`ultraep_jax.export` wraps it)."""
+    with _TARGETS(target_platforms(platforms)):
         yield
 
 
