@@ -454,7 +454,7 @@ def by_platform(kind: str, name: str, run: Callable[[str | None], Callable], *ar
         return per_platform({p: run(p) for p in names}, *args)
     out = run(platform)(*args)
     if name == "auto" and targets is None:
-        out = _lowered_only_for(kind, canonical_platform(platform, _mesh_kind()), out)
+        out = _lowered_only_for(kind, _mesh_platform(), out)
     return out
 
 
