@@ -5,12 +5,14 @@ export for several platforms from a mesh that names none carries each platform's
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh
@@ -298,22 +300,35 @@ RAGGED_DOT_OP = re.compile(r'"?chlo\.ragged_dot"?\s*%|stablehlo\.composite "chlo
 RAGGED_ALL_TO_ALLS = 4 + 2 * relay.static_hops(8, uep.BalancerConfig().max_fanout)
 
 
-def _step_export(mesh, platforms, checks=("ragged_all_to_all",), export=jax.export.export):
+def _step(mesh, concrete=False, **options):
     """The balanced layer's training step (loss and gradients, 2 slots, D=F=8) built on ``mesh``
-    and exported for ``platforms`` by ``export`` with jax.export's checks, but for ``checks``'
-    custom calls."""
+    (``options``: more `uep.MoE` keywords), jitted, and its arguments: abstract, or with the
+    layer's values and a batch of ones when ``concrete``."""
     balancer = layer_cases.balancer_config(mesh, 8, slots=2)
-    layer = nnx.eval_shape(lambda: layer_cases.build_layer(mesh, 8, 2, balancer, 1.25))
+    build = functools.partial(layer_cases.build_layer, mesh, 8, 2, balancer, 1.25, **options)
+    layer = build() if concrete else nnx.eval_shape(build)
     x = helpers.abstract_batch(mesh, (8, 8, layer_cases.D), jnp.float32)
+    if concrete:
+        x = helpers.place_batch(mesh, jnp.linspace(-1, 1, x.size).reshape(x.shape))
     fn, params, rest = layer_cases.pure_forward(layer)
 
     def loss(params, rest, x):
         return jnp.sum(fn(params, rest, x)[0] ** 2)
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 2)))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 2))), (params, rest, x)
+
+
+def _exported(mesh, platforms, checks=("ragged_all_to_all",), export=jax.export.export, **kw):
+    """`_step` on ``mesh`` exported for ``platforms`` by ``export`` with jax.export's checks,
+    but for ``checks``' custom calls."""
+    step, args = _step(mesh, **kw)
     disabled = [jax.export.DisabledSafetyCheck.custom_call(c) for c in checks]
-    exported = export(step, platforms=platforms, disabled_checks=disabled)
-    return exported(params, rest, x).mlir_module()
+    return export(step, platforms=platforms, disabled_checks=disabled)(*args)
+
+
+def _step_export(mesh, platforms, checks=("ragged_all_to_all",), export=jax.export.export, **kw):
+    """The module of `_exported`."""
+    return _exported(mesh, platforms, checks, export, **kw).mlir_module()
 
 
 def test_tpu_export_from_an_abstract_tpu_mesh_carries_no_cpu_only_choice(no_tokamax):
@@ -349,16 +364,89 @@ def test_export_for_another_platform_than_the_meshs_is_refused_without_the_helpe
     )
 
 
-def test_export_for_several_platforms_from_a_concrete_cpu_mesh(no_tokamax):
-    """`uep.export` for CPU and TPU from CPU devices: each platform's choices, as from a mesh
-    that names none."""
-    text = _step_export(
-        helpers.expert_mesh(8),
+def test_export_for_cpu_and_tpu_runs_on_cpu_as_the_jitted_step(no_tokamax):
+    """`uep.export` for CPU and TPU from CPU devices is compiled whole on CPU, TPU's branch
+    included: every platform takes choices XLA:CPU compiles (no ragged_all_to_all, no
+    ragged_dot: the tiled kernel and the padded exchange), and the artifact runs on CPU equal
+    to the jitted step, bit for bit."""
+    mesh = helpers.expert_mesh(8)
+    step, args = _step(mesh, concrete=True)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("ultraep_plan")]
+    exported = uep.export(step, platforms=["cpu", "tpu"], disabled_checks=checks)(*args)
+    text = exported.mlir_module()
+    assert TILED in text and not RAGGED_DOT_OP.findall(text)
+    assert "ragged_all_to_all" not in CALLS.findall(text)
+    for got, want in zip(
+        jax.tree.leaves(exported.call(*args)), jax.tree.leaves(step(*args)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("mesh_kind", ["concrete", "abstract"])
+def test_export_for_several_platforms_on_a_data_axis(mesh_kind, no_tokamax):
+    """dp2 x ep4, exported for CPU and TPU, and for CUDA and TPU: each platform's planner branch
+    has the loads' type (the FFI call's outputs lost it: "switch branches must have equal output
+    types")."""
+    mesh = helpers.expert_mesh(4, 2)
+    if mesh_kind == "abstract":
+        mesh = AbstractMesh(mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types)
+        text = _step_export(mesh, ["cuda", "tpu"], checks=("ragged_all_to_all", "ultraep_plan"))
+        assert "ragged_all_to_all" in CALLS.findall(text)
+    text = _step_export(mesh, ["cpu", "tpu"], checks=("ultraep_plan",), export=uep.export)
+    assert TILED in text and "ragged_all_to_all" not in CALLS.findall(text)
+
+
+def test_ops_xla_cpu_cannot_compile_are_refused_beside_cpu(no_tokamax):
+    """An explicit choice whose ops XLA:CPU cannot compile, in an export for CPU and another
+    platform, is refused in one line when traced; "auto" from a mesh that names no platform,
+    lowered for CPU and TPU by `jax.export` alone, raises our one line naming `uep.export`."""
+    mesh = helpers.expert_mesh(8)
+    helpers.assert_raises_one_line(
+        ValueError,
+        r"^expert_kernel='ragged_dot': an export for \('cpu', 'tpu'\) is compiled whole on CPU, "
+        r"'tpu' branch included",
+        _step_export,
+        mesh,
+        ["cpu", "tpu"],
+        checks=("ultraep_plan",),
+        export=uep.export,
+        execution=uep.Execution(expert_kernel="ragged_dot"),
+    )
+    helpers.assert_raises_one_line(
+        ValueError,
+        r"^ultraep_jax: comm_backend='auto' on 'tpu' lowers to ops XLA:CPU cannot compile.*"
+        r"ultraep_jax\.export",
+        _step_export,
+        AbstractMesh((8,), ("expert",)),
         ["cpu", "tpu"],
         checks=("ragged_all_to_all", "ultraep_plan"),
-        export=uep.export,
     )
-    assert TILED in text and len(RAGGED_DOT_OP.findall(text)) == 18
+
+
+def test_explicit_names_are_checked_for_an_exports_platforms(no_tokamax):
+    """An abstract mesh without a device names no platform: an explicit name is checked for the
+    export's platforms (`uep.export`), or, where none is named, refused where no platform
+    takes it, in the one line a concrete mesh gets."""
+    mesh = AbstractMesh((8,), ("expert",))
+    helpers.assert_raises_one_line(
+        ValueError,
+        r"^expert_kernel='mgpu': JAX's Mosaic GPU kernels run on NVIDIA GPUs, not 'tpu'",
+        _step_export,
+        mesh,
+        ["tpu"],
+        export=uep.export,
+        execution=uep.Execution(expert_kernel="mgpu"),
+    )
+    for export in (uep.export, jax.export.export):
+        helpers.assert_raises_one_line(
+            ValueError,
+            r"^expert_kernel='tokamax': tokamax is not installed",
+            _step_export,
+            mesh,
+            ["tpu"],
+            export=export,
+            execution=uep.Execution(expert_kernel="tokamax"),
+        )
 
 
 def test_export_platforms_are_named_as_lowering_names_them():
@@ -370,15 +458,14 @@ def test_export_platforms_are_named_as_lowering_names_them():
 
 
 def test_export_for_several_platforms_from_a_mesh_that_names_none(no_tokamax):
-    """An abstract mesh without a device: each platform's choice, picked when the program runs
-    (the CPU's planner call and tiled kernel beside TPU's ragged_dots and ragged all-to-alls)."""
+    """An abstract mesh without a device, exported for CUDA and TPU: each platform's choice,
+    picked when the program runs (ragged all-to-alls on both; no tiled kernel, CPU's)."""
     mesh = AbstractMesh((8,), ("expert",))
-    text = _step_export(mesh, ["cpu", "tpu"], checks=("ragged_all_to_all", "ultraep_plan"))
+    text = _step_export(mesh, ["cuda", "tpu"], checks=("ragged_all_to_all", "ultraep_plan"))
     calls = CALLS.findall(text)
-    assert calls.count("ultraep_plan") == 1  # the CPU's planner; TPU plans portably
-    assert TILED in text
-    assert len(RAGGED_DOT_OP.findall(text)) == 18  # TPU's experts; the CPU's are the tiled loop
-    assert calls.count("ragged_all_to_all") == RAGGED_ALL_TO_ALLS
+    assert calls.count("ragged_all_to_all") == 2 * RAGGED_ALL_TO_ALLS
+    assert TILED not in text
+    assert RAGGED_DOT_OP.findall(text)  # the experts, on both
 
 
 def test_auto_on_a_cpu_mesh_is_resolved_when_traced():

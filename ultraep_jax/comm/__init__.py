@@ -9,6 +9,8 @@ the whole EP group, so the return trip is `Exchange.reversed` and each call pass
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -48,14 +50,19 @@ def exchange_by_backend(
             f"exchange_by_backend: operand has {operand.shape[0]} rows, the exchange sends from "
             f"{exchange.send_rows}"
         )
-    output = jnp.zeros((exchange.recv_rows,) + operand.shape[1:], operand.dtype)
-    # The result varies over the exchange axis and whatever its inputs vary over; say so
-    # explicitly (some transposes drop the type) so that every platform branch has one type.
-    axes = tuple(sorted({axis_name} | varying_axes(operand)))
+    # The result varies over the exchange axis and whatever its inputs vary over. It is typed so
+    # by construction: `ragged_all_to_all` types its result after ``output`` (jax <= 0.12.0), so
+    # the buffer is made varying before the call. A cast of the result after the call would be
+    # wrong: its transpose would psum the receive buffer's cotangent over the EP group, and each
+    # sender would get every receiver's cotangent summed.
+    inputs = (operand, *jax.tree.leaves(exchange))
+    axes = tuple(sorted({axis_name}.union(*map(varying_axes, inputs))))
+    operand = vary(operand, axes)
+    output = vary(jnp.zeros((exchange.recv_rows,) + operand.shape[1:], operand.dtype), axes)
 
     def run(platform):
         exchange_ = EXCHANGES[resolve.choose("comm_backend", backend, platform)]
-        return lambda *a: vary(exchange_(*a, axis_name=axis_name), axes)
+        return functools.partial(exchange_, axis_name=axis_name)
 
     return resolve.by_platform("comm_backend", backend, run, operand, output, exchange)
 

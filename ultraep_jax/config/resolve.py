@@ -98,6 +98,10 @@ class Candidate:
         choice is refused with the reason where it does not.
       auto: ``(platform, facts) -> bool``: whether "auto" takes it there (where supported).
       instead: what the refusal suggests instead.
+      cpu_compiles: whether XLA:CPU compiles what it lowers to for any platform. An export for
+        several platforms, CPU among them, is compiled whole on CPU, every other platform's
+        branch included: there a candidate that XLA:CPU cannot compile (a collective or kernel
+        it lacks) is refused for every platform, and "auto" passes it over.
     """
 
     name: str
@@ -105,21 +109,30 @@ class Candidate:
     supported: Predicate
     auto: Callable[[str, Facts], bool]
     instead: str
+    cpu_compiles: bool = True
 
     def refusal(self, kind: str, platform: str, facts: Facts) -> str | None:
         """Our one-line refusal of this candidate on ``platform`` (None: it is supported)."""
         why = self.supported(platform, facts)
+        if why is True and platform != "cpu" and not self.cpu_compiles and _beside_cpu():
+            why = (
+                f"an export for {_TARGETS.value} is compiled whole on CPU, {platform!r} "
+                "branch included, and XLA:CPU cannot compile its ops; export for "
+                f"{platform!r} apart"
+            )
         if why is True:
             return None
         return f"{kind}={self.name!r}: {why}; {self.instead}"
 
 
+def _beside_cpu() -> bool:
+    """Whether the program traced is lowered for CPU among other platforms (`lowering_for`)."""
+    targets = _TARGETS.value
+    return targets is not None and len(targets) > 1 and "cpu" in targets
+
+
 def _anywhere(platform: str, facts: Facts) -> bool:
     return True
-
-
-def _on(*platforms: str) -> Callable[[str, Facts], bool]:
-    return lambda platform, facts: platform in platforms
 
 
 def _native_supported(platform: str, facts: Facts) -> bool | str:
@@ -226,6 +239,7 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
             _tokamax_supported,
             _tokamax_auto,
             _INSTEAD_KERNEL,
+            cpu_compiles=False,
         ),
         Candidate(
             "mgpu",
@@ -233,6 +247,7 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
             _mgpu_supported,
             _anywhere,
             _INSTEAD_KERNEL,
+            cpu_compiles=False,
         ),
         Candidate(
             "ragged_dot",
@@ -240,12 +255,13 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
             _anywhere,
             lambda platform, facts: platform != "cpu",
             _INSTEAD_KERNEL,
+            cpu_compiles=False,  # off CPU it lowers to XLA's ragged-dot, which XLA:CPU lacks
         ),
         Candidate(
             "tiled",
             "the tiled loop over row tiles (its cost tracks the rows present)",
             _anywhere,
-            _on("cpu"),
+            lambda platform, facts: platform == "cpu" or _beside_cpu(),
             _INSTEAD_KERNEL,
         ),
     ),
@@ -256,6 +272,7 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
             _ragged_supported,
             _anywhere,
             "use comm_backend='padded' or 'auto'",
+            cpu_compiles=False,
         ),
         Candidate(
             "padded",
@@ -315,7 +332,35 @@ def choose(kind: str, name: str, platform: str | None, facts: Facts | None = Non
     `Execution.check_on`, so that a step on CPU devices exported for CUDA may still name
     "ragged")."""
     name = check_name(kind, name, "choose")
-    return name if name != "auto" else resolve(kind, name, platform, facts)
+    if name == "auto":
+        return resolve(kind, name, platform, facts)
+    targets = _TARGETS.value
+    if targets is not None:  # an export's platforms: each must take the name
+        for target in targets:
+            resolve(kind, name, target, _facts_for(target, facts))
+    elif platform is None:  # no platform known: refused where it runs on none
+        _check_runs_somewhere(kind, name, facts)
+    return name
+
+
+def _facts_for(target: str, facts: Facts | None) -> Facts:
+    """``facts`` without the mesh's device kind where the mesh is not of ``target``."""
+    facts = Facts() if facts is None else facts
+    if canonical_platform(platform_of(jax.sharding.get_abstract_mesh()), facts.device_kind) != (
+        target
+    ):
+        facts = dataclasses.replace(facts, device_kind=None)
+    return facts
+
+
+def _check_runs_somewhere(kind: str, name: str, facts: Facts | None) -> None:
+    """Raises the first platform's refusal of the explicit ``name`` where no platform takes it
+    (tokamax not installed, say)."""
+    candidate = _candidate(kind, name)
+    # The accelerators first: their refusal says why a kernel or exchange of theirs cannot run.
+    refusals = [candidate.refusal(kind, p, facts or Facts()) for p in (*PLATFORMS[1:], "cpu")]
+    if all(r is not None for r in refusals):
+        raise ValueError(refusals[0])
 
 
 def _caller_level() -> int:
@@ -355,14 +400,13 @@ def resolve(kind: str, name: str, platform: str | None, facts: Facts | None = No
     platform = canonical_platform(platform, facts.device_kind)
     if name != "auto":
         if platform is not None:
-            (candidate,) = (c for c in CANDIDATES[kind] if c.name == name)
-            if (refusal := candidate.refusal(kind, platform, facts)) is not None:
+            if (refusal := _candidate(kind, name).refusal(kind, platform, facts)) is not None:
                 raise ValueError(refusal)
         return name
     if platform is None:
         raise ValueError(f"resolve: {kind}='auto' needs a platform (by_platform picks one)")
     for candidate in CANDIDATES[kind]:
-        if candidate.auto(platform, facts) and candidate.supported(platform, facts) is True:
+        if candidate.auto(platform, facts) and candidate.refusal(kind, platform, facts) is None:
             return candidate.name
     raise AssertionError(f"no {kind} candidate for {platform!r}")  # the last one runs anywhere
 
@@ -450,19 +494,38 @@ def by_platform(kind: str, name: str, run: Callable[[str | None], Callable], *ar
     platform = traced_platform()
     targets = _TARGETS.value
     if platform is None and name == "auto":
-        names = targets if targets is not None else (*PLATFORMS, OTHER)
-        return per_platform({p: run(p) for p in names}, *args)
+        if targets is not None:
+            return per_platform({p: run(p) for p in targets}, *args)
+        # No platform named at all: a lowering for several, CPU among them, compiles every
+        # branch on CPU, so a branch of ops XLA:CPU cannot compile is marked to refuse that.
+        facts = traced_facts()
+        impls = {}
+        for p in (*PLATFORMS, OTHER):
+            impls[p] = run(p)
+            if p in PLATFORMS and not _candidate(kind, resolve(kind, name, p, facts)).cpu_compiles:
+                impls[p] = _marked(impls[p], kind=kind, platform=p, rule="not_beside_cpu")
+        return per_platform(impls, *args)
     out = run(platform)(*args)
     if name == "auto" and targets is None:
-        out = _lowered_only_for(kind, _mesh_platform(), out)
+        out = _mark(out, kind=kind, platform=_mesh_platform(), rule="only")
     return out
 
 
-def _lowered_only_for(kind: str, platform: str, tree):
+def _candidate(kind: str, name: str) -> Candidate:
+    (found,) = (c for c in CANDIDATES[kind] if c.name == name)
+    return found
+
+
+def _marked(fn: Callable, **params) -> Callable:
+    """``fn`` whose result is marked as `_mark` marks it."""
+    return lambda *args: _mark(fn(*args), **params)
+
+
+def _mark(tree, **params):
     """``tree`` with its first leaf marked (`_platform_check_p`, an identity) so that lowering
-    it for another platform than ``platform`` raises our one line."""
+    it where ``params``' rule forbids raises our one line (`_check_lowering`)."""
     leaves, treedef = jax.tree.flatten(tree)
-    leaves[0] = _platform_check_p.bind(leaves[0], kind=kind, platform=platform)
+    leaves[0] = _platform_check_p.bind(leaves[0], **params)
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -472,8 +535,20 @@ _platform_check_p.def_impl(lambda x, **params: x)
 _platform_check_p.def_abstract_eval(lambda x, **params: x)
 
 
-def _check_lowering(ctx, x, *, kind: str, platform: str):
+def _check_lowering(ctx, x, *, kind: str, platform: str, rule: str):
+    """Rule "only": "auto" resolved for ``platform`` from the mesh is lowered for it alone.
+    Rule "not_beside_cpu": ``platform``'s branch, of ops XLA:CPU cannot compile, is not lowered
+    beside CPU's (XLA:CPU would compile it)."""
     lowered = tuple(ctx.module_context.platforms)
+    if rule == "not_beside_cpu":
+        if len(lowered) > 1 and "cpu" in lowered:
+            raise ValueError(
+                f"ultraep_jax: {kind}='auto' on {platform!r} lowers to ops XLA:CPU cannot "
+                f"compile, and a program lowered for {lowered} is compiled whole on CPU; trace "
+                f"it within ultraep_jax.export(..., platforms={list(lowered)}), which takes "
+                f"choices XLA:CPU compiles for every platform, or export CPU apart"
+            )
+        return [x]
     if lowered != (platform,):
         raise ValueError(
             f"ultraep_jax: {kind}='auto' was resolved for {platform!r} from the mesh's devices, "

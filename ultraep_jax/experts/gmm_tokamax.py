@@ -114,11 +114,25 @@ def grouped_matmul_tokamax(
     platform the program is traced for; None: "xla") on devices of ``device_kind``
     (`implementations`)."""
     impls = implementations(platform, lhs.shape, rhs.shape, device_kind)
+    lhs, rhs, group_sizes = _typed_alike(lhs, rhs, group_sizes.astype(jnp.int32))
     M = lhs.shape[0]
     rows = _tpu_rows(M) if impls[0] == "mosaic_tpu" else M
     padded = jnp.pad(lhs, ((0, rows - M), (0, 0))) if rows != M else lhs
-    out = _gmm(padded, rhs, group_sizes.astype(jnp.int32), impls)
+    out = _gmm(padded, rhs, group_sizes, impls)
     return out[:M] if rows != M else out
+
+
+def _typed_alike(*operands) -> tuple:
+    """``operands``, each typed varying over every axis any of them varies over, cast before
+    `_gmm`'s `custom_vjp`: its rule gives each cotangent the type of the products, which vary as
+    all operands together (weights invariant over "data" against rows varying over it, say), and
+    a cotangent must have its primal's type. The cast's transpose (a psum of the weights'
+    cotangent over the extra axes) then runs outside the rule, where the cast is; a caller inside
+    a branch chosen by a plan casts before the branch (`replicas.streaming`), and this cast is a
+    no-op there. Returning cotangents of the primals' types instead would put that psum in the
+    rule, inside any such branch: a collective that groups taking the other branch never reach."""
+    axes = frozenset().union(*map(varying_axes, operands))
+    return tuple(vary(a, tuple(sorted(axes))) for a in operands)
 
 
 def _tpu_rows(M: int) -> int:

@@ -178,7 +178,18 @@ def _impl(params: dict, name: str):
         fn = functools.partial(_portable_plan, config=config, cap=cap)
     for _ in range(params["batch_dims"]):
         fn = jax.vmap(fn)
-    return fn
+    return _typed_as_loads(fn)
+
+
+def _typed_as_loads(fn):
+    """``fn`` whose outputs vary as its loads do: the FFI call's outputs lose shard_map's type
+    and the portable planner's keep it, and the branches of an export for several platforms
+    (`resolve.per_platform`) must have one type."""
+
+    def typed(loads):
+        return jax.tree.map(lambda a: vary(a, varying_axes(loads)), fn(loads))
+
+    return typed
 
 
 # "auto" and "native" as one primitive whose lowering resolves the planner (`resolve.resolve`) for

@@ -80,6 +80,12 @@ def experts_with_replicas(
     no slot work, what plain expert parallelism runs. The plan is identical on every rank of the
     EP group, so every rank takes the same branch.
     """
+    # The plan is agreed over the EP axis only: groups of other axes (data, FSDP) may take other
+    # branches below. So the masters are typed to vary as the plan and the rows do before any
+    # branch: an implicit cast inside one would transpose to a psum over those axes there, a
+    # collective some groups never reach (a hang). Cast here, its psum runs outside, once.
+    plan_axes = varying_axes(rows) | varying_axes(slot_expert_RS)
+    masters = tuple(vary(w, plan_axes) for w in masters)
     run = functools.partial(
         grouped_glu, rows, group_sizes=group_sizes, kernel=kernel, activation=activation
     )
