@@ -233,6 +233,10 @@ def test_platform_of_concrete_and_abstract_meshes():
     assert resolve.platform_of(AbstractMesh((8,), ("expert",))) is None
     assert resolve.platform_of(None) is None
     assert resolve.canonical_platform("gpu", "AMD Instinct MI300X") == "rocm"
+    # XLA's ROCm executor may report the architecture as the kind.
+    for kind in ("gfx942:sramecc+:xnack-", "gfx950", "AMD Radeon gfx1100"):
+        assert resolve.canonical_platform("gpu", kind) == "rocm", kind
+    assert resolve.canonical_platform("gpu", H100) == "cuda"
 
 
 # -- names: one meaning each ------------------------------------------------------------------
@@ -266,8 +270,22 @@ def test_portable_comm_backend_is_a_deprecated_name_of_padded():
     with pytest.warns(DeprecationWarning, match="'padded'") as caught:
         ep = uep.ExpertParallel(helpers.expert_mesh(8), 8, comm_backend="portable")
     assert len(caught) == 1 and ep.comm_backend == "padded"
-    # The warning names the caller's line, not the library's.
+    # The warning names the caller's line, not the library's (nor flax's, which builds uep.MoE).
     assert caught[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match="'padded'") as caught:
+        layer = nnx.eval_shape(
+            lambda: uep.MoE(
+                mesh=helpers.expert_mesh(8),
+                d_model=8,
+                d_ff=8,
+                num_experts=8,
+                top_k=2,
+                rngs=nnx.Rngs(0),
+                comm_backend="portable",
+            )
+        )
+    assert len(caught) == 1 and caught[0].filename == __file__
+    assert layer.ep.comm_backend == "padded"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         uep.Execution(planner="portable")  # the planner's name: no warning
@@ -455,6 +473,13 @@ def test_export_platforms_are_named_as_lowering_names_them():
         helpers.assert_raises_one_line(
             ValueError, "platforms must name some of", uep.export, jax.jit(abs), platforms=bad
         )
+    helpers.assert_raises_one_line(
+        TypeError,
+        r"^platforms must be a platform name or a list of them .*, got NoneType None$",
+        uep.export,
+        jax.jit(abs),
+        platforms=None,
+    )
 
 
 def test_export_for_several_platforms_from_a_mesh_that_names_none(no_tokamax):

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -365,12 +366,15 @@ def _check_runs_somewhere(kind: str, name: str, facts: Facts | None) -> None:
 
 def _caller_level() -> int:
     """`warnings.warn`'s stacklevel of the first frame outside this package (and outside the
-    dataclasses' generated code): the user's call, which a warning filter then names."""
+    dataclasses' generated code and flax, whose module construction calls our `uep.MoE`): the
+    user's call, which a warning filter then names."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flax = sys.modules.get("flax")
+    inside = (package,) + (() if flax is None else (os.path.dirname(flax.__file__),))
     frame, level = sys._getframe(1), 1
     while frame is not None:
         name = frame.f_code.co_filename
-        if not (name.startswith(package) or name == "<string>" or name == dataclasses.__file__):
+        if not (name.startswith(inside) or name == "<string>" or name == dataclasses.__file__):
             return level
         frame, level = frame.f_back, level + 1
     return 1
@@ -378,13 +382,18 @@ def _caller_level() -> int:
 
 def canonical_platform(platform: str | None, device_kind: str | None = None) -> str | None:
     """A device's platform as a lowering names it: "gpu" is "cuda", or "rocm" for an AMD
-    device kind; None stays None (unknown)."""
+    device kind (XLA's ROCm executor reports a product name, "AMD Instinct MI300X", or the
+    architecture, "gfx942:sramecc+:xnack-", "gfx950"); None stays None (unknown)."""
     if platform is None:
         return None
     platform = platform.lower()
     if platform == "gpu":
-        return "rocm" if "AMD" in (device_kind or "").upper() else "cuda"
+        return "rocm" if _AMD_KIND.search(device_kind or "") else "cuda"
     return platform
+
+
+#: An AMD GPU's device kind: its product name or its gfx architecture.
+_AMD_KIND = re.compile(r"\b(AMD|Radeon|Instinct)\b|\bgfx\d", re.IGNORECASE)
 
 
 def resolve(kind: str, name: str, platform: str | None, facts: Facts | None = None) -> str:
@@ -440,6 +449,11 @@ def target_platforms(platforms) -> tuple[str, ...]:
     once each; raises one line for none or an unknown one."""
     if isinstance(platforms, str):
         platforms = (platforms,)
+    if not isinstance(platforms, (tuple, list)):
+        raise TypeError(
+            f"platforms must be a platform name or a list of them ({PLATFORMS}), got "
+            f"{type(platforms).__name__} {platforms!r}"
+        )
     targets = tuple(dict.fromkeys(canonical_platform(p) for p in platforms))
     if not targets or any(p not in PLATFORMS for p in targets):
         raise ValueError(f"platforms must name some of {PLATFORMS}, got {tuple(platforms)!r}")
