@@ -9,7 +9,19 @@ from __future__ import annotations
 import os
 import re
 
+from absl import flags
+
 from experiments.lab.devices import DEVICE_FLAG
+
+#: Every program that starts pinned ranks takes it (off by default: a rank at real-time priority
+#: starves the machine's other work, a niced test run included).
+REALTIME_RANKS = flags.DEFINE_bool(
+    "realtime_ranks",
+    False,
+    "With --pinned_ranks: run the ranks at round-robin real-time priority where the system allows "
+    "it (as root), so that other programs barely move the clock; it starves them. Off: the "
+    "calibration line says the ranks ran at normal priority.",
+)
 
 
 def keep_freed_memory() -> None:
@@ -40,19 +52,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pin(core: int):
-    """A child's set-up: run on ``core`` only, under round-robin real-time scheduling where the
-    system allows it (other programs on the machine then barely disturb the clock; the kernel
-    still keeps a share of every second for them), else at normal priority."""
+def _pin(core: int, realtime: bool):
+    """A child's set-up: run on ``core`` only; with ``realtime``, under round-robin real-time
+    scheduling where the system allows it (other programs on the machine then barely disturb the
+    clock; the kernel still keeps a share of every second for them), else at normal priority."""
 
     def setup():
         os.sched_setaffinity(0, {core})
+        if not realtime:
+            return
         try:
             os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
         except (PermissionError, OSError):
             pass
 
     return setup
+
+
+def realtime_requested(realtime: bool | None = None) -> bool:
+    """``realtime``, or where None the ``--realtime_ranks`` flag's value once flags are parsed
+    (False before)."""
+    if realtime is not None:
+        return realtime
+    return flags.FLAGS.is_parsed() and REALTIME_RANKS.value
 
 
 #: What the ranks' libraries print as they join (gloo's "[Gloo] Rank 0 is connected to 1 peer
@@ -77,9 +99,12 @@ def _forward_lines(source, sink, verbose: bool, lock) -> None:
     source.close()
 
 
-def launch_pinned_ranks(num_ranks: int, module: str, argv: list[str], verbose: bool = False) -> int:
+def launch_pinned_ranks(
+    num_ranks: int, module: str, argv: list[str], verbose: bool = False, realtime=None
+) -> int:
     """Runs ``python -m module *argv`` as ``num_ranks`` processes, process i pinned to core i with
-    one CPU device (and real-time priority where allowed, see `_pin`), joined by
+    one CPU device (at real-time priority where allowed only when asked: ``realtime``, None for
+    the ``--realtime_ranks`` flag, `realtime_requested`; see `_pin`), joined by
     `jax.distributed` over 127.0.0.1 (each gets ``--num_processes``,
     ``--process_id`` and ``--coordinator_address``). Forwards SIGINT / SIGTERM to them, passes
     on what they print, but their libraries' joining lines unless ``verbose``
@@ -103,12 +128,15 @@ def launch_pinned_ranks(num_ranks: int, module: str, argv: list[str], verbose: b
     address = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {DEVICE_FLAG}=1")
     env["JAX_PLATFORMS"] = "cpu"
+    realtime = realtime_requested(realtime)
     procs, readers, lock = [], [], threading.Lock()
     for i in range(num_ranks):
         cmd = [sys.executable, "-m", module, *argv, f"--num_processes={num_ranks}"]
         cmd += [f"--process_id={i}", f"--coordinator_address={address}"]
         pipe = subprocess.PIPE
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_pin(cores[i]), stdout=pipe, stderr=pipe)
+        proc = subprocess.Popen(
+            cmd, env=env, preexec_fn=_pin(cores[i], realtime), stdout=pipe, stderr=pipe
+        )
         procs.append(proc)
         for source, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             reader = threading.Thread(

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.lab import pinned_ranks
 from experiments.lab.pinned_ranks import _forward_lines, is_rank_library_line, launch_pinned_ranks
 from tests.helpers import expert_mesh, fetch_with_grads
 from tests.xla_settings import program_env
@@ -122,6 +123,9 @@ def test_moe_bench_on_two_pinned_ranks(tmp_path):
     res = json.loads(out.read_text())
     assert res["config"]["ep_size"] == 2 and res["config"]["devices"] == 2
     assert res["calibration"]["processes"] == 2 and res["calibration"]["ratio"] > 0
+    # Real-time priority is opt-in (--realtime_ranks): the ranks of a test run at normal priority.
+    assert res["calibration"]["realtime"] is False
+    assert "not at real-time priority" in done.stdout
     runs = res["runs"]
     pairs = 2 * 2 * 128  # ranks x top_k x tokens per rank
     for run in runs.values():
@@ -137,3 +141,17 @@ def test_moe_bench_on_two_pinned_ranks(tmp_path):
     # The force-balanced ideal spreads the pairs evenly over the ranks and drops none.
     assert runs["ideal_capped"]["rank_load_after"] == [pairs // 2] * 2
     assert runs["ideal_capped"]["dropped"] == 0
+
+
+def test_ranks_take_real_time_priority_only_when_asked(monkeypatch):
+    """A rank's set-up pins it to its core, and raises its scheduling class only with
+    ``realtime`` (``--realtime_ranks``, off by default): it would starve the machine's other
+    work."""
+    calls = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: calls.append(("pin", cores)))
+    monkeypatch.setattr(os, "sched_setscheduler", lambda *a: calls.append(("realtime",)))
+    pinned_ranks._pin(1, realtime=False)()
+    assert calls == [("pin", {1})]
+    pinned_ranks._pin(1, realtime=True)()
+    assert calls[1:] == [("pin", {1}), ("realtime",)]
+    assert pinned_ranks.realtime_requested() is False  # the flag's default
