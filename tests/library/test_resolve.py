@@ -512,8 +512,13 @@ KERNEL_ROWS = {
     ("CPU", "any"): ("cpu", "cpu", False, True, None),
     (
         "NVIDIA Hopper (H100, H200), lowered on a Hopper host",
-        "bf16/f16, K and N multiples of the tiles (64, 128)",
+        "bf16/f16, K and N multiples of 128",
     ): ("gpu", H100, True, True, _ops((512, 256), (8, 256, 384))),
+    (
+        "NVIDIA, kind not known (a CUDA export through `uep.export`, an abstract mesh without a "
+        "device), lowered on a Hopper host",
+        "bf16/f16, K and N multiples of 128",
+    ): ("gpu", None, True, True, _ops((512, 256), (8, 256, 384))),
     ("NVIDIA Hopper, lowered on a Hopper host", "float32, or other shapes"): (
         "gpu",
         H100,

@@ -236,7 +236,9 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     "expert_kernel": (
         Candidate(
             "tokamax",
-            "tokamax's ragged dot with the target's implementation (Mosaic TPU on TPU v5+)",
+            "tokamax's ragged dot with the target's implementation (Mosaic TPU on TPU v5+ where "
+            "K, N >= 128; its XLA implementation, jax.lax.ragged_dot's values, on TPU v4 or below "
+            "128)",
             _tokamax_supported,
             _tokamax_auto,
             _INSTEAD_KERNEL,
@@ -244,7 +246,7 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
         ),
         Candidate(
             "mgpu",
-            "JAX's Mosaic GPU ragged-dot kernels (Hopper; bf16/f16, K and N multiples of tiles)",
+            "JAX's Mosaic GPU ragged-dot kernels (Hopper; bf16/f16, K and N multiples of 128)",
             _mgpu_supported,
             _anywhere,
             _INSTEAD_KERNEL,
