@@ -280,63 +280,120 @@ def test_command_help_names_every_key(capsys):
     assert "unknown key" in capsys.readouterr().err
 
 
-#: The training comparison: deepseek3-tiny (one dense layer, one MoE layer), a learning rate at
-#: which the loss moves, the loss-free bias on (it changes the routing from the second step).
+#: The training comparison: deepseek3-tiny (one dense layer, two MoE layers), a learning rate at
+#: which the loss moves, the loss-free bias on (it changes the routing from the second step); the
+#: batch is large enough that the EP groups of the FSDP axis plan apart: in some call one group's
+#: plan has a replica and another's has none, so they take different branches of the plan's
+#: `lax.cond` (the run that aborted, "Termination timeout for all reduce", while the masters' cast
+#: to varying over FSDP sat inside those branches).
 TRAIN = dict(
     model_name="deepseek3-tiny",
+    base_num_decoder_layers=3,
     first_num_dense_layers=1,
+    vocab_size=512,
+    max_target_length=64,
+    per_device_batch_size=2,
     sparse_matmul=True,
     routed_bias_update_rate=0.01,
-    steps=4,
+    steps=8,
     learning_rate=0.01,
     warmup_steps_fraction=0.0,
 )
+#: The balanced runs, by name: the meshes and settings, on the balancer's small thresholds.
+BALANCED_RUNS = {
+    "ep4_fsdp2": dict(
+        ici_expert_parallelism=4,
+        ici_fsdp_parallelism=2,
+        ultraep_remat="plan,dispatch",  # saved by MaxText's full remat: the same losses
+    ),
+    "ep2_fsdp2_tp2": dict(
+        ici_expert_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2
+    ),
+}
+SMALL_THRESHOLDS = dict(ultraep_min_tokens_per_replica=2, ultraep_min_tokens_per_rank=1)
+#: The command with each device's plans recorded (argv: the record's path, then the command's):
+#: every call of the balanced experts (`streaming.experts_with_replicas`, the plan's branches)
+#: appends the device's mesh coordinates and its plan's slots [R, S] (-1: empty) to the record,
+#: by a `jax.debug.callback` that changes no value.
+PLAN_PROBE = """
+import json, runpy, sys, threading
+import jax
+from ultraep_jax.replicas import streaming
+path, lock, experts = sys.argv.pop(1), threading.Lock(), streaming.experts_with_replicas
+def record(coords, slots):
+    with lock, open(path, "a") as f:
+        f.write(json.dumps([{a: int(i) for a, i in coords.items()}, slots.tolist()]) + "\\n")
+def probed(rows, masters, slot_expert_RS, *args, **kwargs):
+    axes = jax.sharding.get_abstract_mesh().axis_names
+    jax.debug.callback(record, {a: jax.lax.axis_index(a) for a in axes}, slot_expert_RS)
+    return experts(rows, masters, slot_expert_RS, *args, **kwargs)
+streaming.experts_with_replicas = probed
+runpy.run_module("ultraep_jax.integrations.maxtext", run_name="__main__", alter_sys=True)
+"""
+
+
+def plans_per_group(path) -> dict[tuple, list]:
+    """{EP group (its coordinates on every mesh axis but the EP axis): [slots [R, S] of each
+    call, in the order the calls ran]} from `PLAN_PROBE`'s record; every device of a group
+    recorded the same plans (the plan is agreed over the EP axis)."""
+    calls = {}
+    for line in pathlib.Path(path).read_text().splitlines():
+        coords, slots = json.loads(line)
+        calls.setdefault(tuple(sorted(coords.items())), []).append(slots)
+    groups = {}
+    for device, plans in calls.items():
+        group = tuple((a, i) for a, i in device if a != "expert")
+        assert groups.setdefault(group, plans) == plans, f"plans differ within EP group {group}"
+    return groups
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("maxtext_training")  # beside the block tests, in a process of its own
 def test_training_through_the_command_has_maxtext_losses(tmp_path):
-    def start(module, run, overrides):
+    """MaxText's trainer through our command at EP4 x FSDP2 and EP2 x FSDP2 x TP2, 8 steps: every
+    step's loss is MaxText's own (its trainer, unbalanced, at EP = 1), while the EP groups of
+    the FSDP axis took different branches of their plans (one with a replica, another without
+    in the same call, `PLAN_PROBE`'s record)."""
+
+    def start(argv, run, overrides):
         keys = {**TINY, **TRAIN, **overrides, "run_name": run}
         keys.update(base_output_directory=tmp_path, metrics_file=tmp_path / f"{run}.jsonl")
-        argv = [sys.executable, "-m", module, str(BASE_CONFIG)]
-        argv += [f"{k}={v}" for k, v in keys.items()]
+        argv = [sys.executable, *argv, str(BASE_CONFIG)] + [f"{k}={v}" for k, v in keys.items()]
         log = open(tmp_path / f"{run}.log", "w")  # noqa: SIM115 (closed with the process)
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ), log
 
-    ours = start(
-        "ultraep_jax.integrations.maxtext",
-        "balanced",
-        dict(
-            ici_expert_parallelism=4,
-            ici_fsdp_parallelism=2,
-            ultraep_min_tokens_per_replica=2,
-            ultraep_min_tokens_per_rank=1,
-            ultraep_remat="plan,dispatch",  # saved by MaxText's full remat: the same losses
-        ),
-    )
-    stock = start("maxtext.trainers.pre_train.train", "stock", dict(ici_fsdp_parallelism=8))
-    for process, log in (ours, stock):
+    runs = {
+        name: start(
+            ["-c", PLAN_PROBE, tmp_path / f"{name}.plans"], name, {**run, **SMALL_THRESHOLDS}
+        )
+        for name, run in BALANCED_RUNS.items()
+    }
+    stock = dict(ici_fsdp_parallelism=8)
+    runs["stock"] = start(["-m", "maxtext.trainers.pre_train.train"], "stock", stock)
+    for process, log in runs.values():
         process.wait(timeout=900)
         log.close()
-        text = pathlib.Path(log.name).read_text()
-        assert process.returncode == 0, text[-3000:]
+        assert process.returncode == 0, pathlib.Path(log.name).read_text()[-3000:]
 
     def metrics(run):
         lines = (tmp_path / f"{run}.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines]
 
-    balanced, reference = metrics("balanced"), metrics("stock")
-    assert len(balanced) == len(reference) == TRAIN["steps"]
-    losses = [m["learning/loss"] for m in balanced]
-    print(
-        "losses (ultraep_jax EP4 x FSDP2, MaxText EP1):",
-        losses,
-        [m["learning/loss"] for m in reference],
-    )
-    assert losses == pytest.approx([m["learning/loss"] for m in reference], rel=2e-5)
-    assert losses[-1] < losses[0]  # the comparison is of a run that learns
-    assert all(m["ultraep/replicas"] > 0 and m["ultraep/dropped"] == 0 for m in balanced)
-    assert all(m["ultraep/imbalance_after"] < m["ultraep/imbalance_before"] for m in balanced)
-    log = (tmp_path / "balanced.log").read_text()
-    assert log.count("ultraep step ") == TRAIN["steps"]
+    reference = [m["learning/loss"] for m in metrics("stock")]
+    assert len(reference) == TRAIN["steps"] and reference[-1] < reference[0]  # a run that learns
+    for name in BALANCED_RUNS:
+        balanced = metrics(name)
+        losses = [m["learning/loss"] for m in balanced]
+        print(f"losses (ultraep_jax {name}, MaxText EP1):", losses, reference)  # -s shows
+        assert losses == pytest.approx(reference, rel=2e-5), name
+        assert all(m["ultraep/replicas"] > 0 and m["ultraep/dropped"] == 0 for m in balanced)
+        assert all(m["ultraep/imbalance_after"] < m["ultraep/imbalance_before"] for m in balanced)
+        assert (tmp_path / f"{name}.log").read_text().count("ultraep step ") == TRAIN["steps"]
+
+        groups = plans_per_group(tmp_path / f"{name}.plans")
+        calls = {len(plans) for plans in groups.values()}
+        assert len(groups) > 1 and len(calls) == 1, (name, calls)
+        with_replica = [[max(map(max, slots)) >= 0 for slots in g] for g in groups.values()]
+        apart = [i for i, had in enumerate(zip(*with_replica, strict=True)) if len(set(had)) > 1]
+        print(f"{name}: calls whose EP groups' plans took different branches:", apart)
+        assert apart, f"{name}: the EP groups never planned apart; the run no longer tests that"

@@ -96,6 +96,39 @@ def test_layer_with_tokamax_equals_dense_reference():
         layer_cases.assert_close(gp[name], ref_gp[name], f"d/d{name}")
 
 
+#: A layer case on the dp2 x ep4 mesh: the expert weights enter invariant over "data", the rows
+#: vary over it.
+DATA_CASE = layer_cases.Case("dp2ep4", 8, 2, 8, 12, slots=2, skew=True, seed=3)
+
+
+@pytest.mark.xdist_group("tokamax_dp2ep4")  # one process: `run_case` computes the case once
+@pytest.mark.parametrize("key", ["balanced", "plain"])
+def test_layer_with_tokamax_on_a_data_axis_equals_references(key):
+    """The layer (balanced, and plain expert parallelism) with ``expert_kernel="tokamax"`` on
+    the dp2 x ep4 mesh: `jax.value_and_grad` runs (the weights' cotangent, varying over "data"
+    inside the kernel's rule, is summed over it outside), and y and the gradients of x and
+    every parameter equal the dense reference's and the layer's with the tiled kernel."""
+    case = layer_cases.run_case(DATA_CASE)
+    ref_y, ref_gx, ref_gp = case["ref"]
+    tiled_y, tiled_stats, tiled_gx, tiled_gp = case[key]
+    mesh = helpers.make_mesh(DATA_CASE.mesh)
+    balancer = case["balancer"] if key == "balanced" else None
+    layer = layer_cases.build_layer(
+        mesh, 8, 2, balancer, None, case["params"], expert_kernel="tokamax"
+    )
+    y, stats, gx, gp = layer_cases.layer_value_and_grads(
+        layer, helpers.place_batch(mesh, case["x"]), jnp.asarray(case["cotangent"])
+    )
+    assert (stats["replicas"] > 0) == (key == "balanced") == (tiled_stats["replicas"] > 0)
+    for want, what in ((ref_y, "reference"), (tiled_y, "tiled")):
+        layer_cases.assert_close(y, want, f"y vs {what}")
+    for want, what in ((ref_gx, "reference"), (tiled_gx, "tiled")):
+        layer_cases.assert_close(gx, want, f"d/dx vs {what}")
+    for name in layer_cases.PARAM_NAMES:
+        for want, what in ((ref_gp, "reference"), (tiled_gp, "tiled")):
+            layer_cases.assert_close(gp[name], want[name], f"d/d{name} vs {what}")
+
+
 def _export_on_abstract_mesh(fn, platform, device_kind, M=256, K=128, N=256, G=4):
     """``fn(lhs, rhs, sizes)``'s value and gradients, inside a shard_map over 2 abstract devices
     of ``device_kind``, exported for ``platform`` with Mosaic's custom calls allowed: (the
