@@ -7,7 +7,12 @@ catch what it is for (tests/test_readme.py runs them on the pages and on bad str
   -2, ...);
 - `section`, `setup_violations`: README's set-up section holds no ``m:ss`` timing and no commit
   id;
-- `long_cells`: no table cell of a section longer than a bound.
+- `long_cells`: no table cell of a section longer than a bound;
+- `python_blocks`: a page's ```python blocks, each with the output the page says it prints (the
+  ```text block after "It prints"), if it says;
+- `table_rows`, `unscoped_rows`: README's results table names each row's scope (hardware, EP,
+  measured / compiled / modelled);
+- `used_before_defined`: README's words are defined before their first use.
 """
 
 from __future__ import annotations
@@ -93,3 +98,69 @@ def table_cells(text: str) -> list[str]:
 def long_cells(text: str, limit: int) -> list[str]:
     """The table cells of ``text`` longer than ``limit`` characters, as written (links too)."""
     return [c for c in table_cells(text) if len(c) > limit]
+
+
+_PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```[ \t]*$", re.S | re.M)
+_FENCED = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", re.S | re.M)
+
+
+def python_blocks(text: str) -> list[tuple[str, str | None]]:
+    """``(code, output)`` for each ```python block of a page: ``output`` is the ```text block
+    that follows it when the prose between them says it prints ("It prints:"), else None."""
+    blocks = []
+    for match in _PYTHON_BLOCK.finditer(text):
+        after = text[match.end() :]
+        fence = _FENCED.search(after)
+        output = None
+        if fence and fence.group(1) == "text" and "prints" in after[: fence.start()]:
+            output = fence.group(2)
+        blocks.append((match.group(1), output))
+    return blocks
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The data rows of the markdown tables in ``text``, as lists of cells (no header rows, no
+    ``|---|`` separators)."""
+    rows, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        is_row = line.startswith("|") and not re.fullmatch(r"\|[-:| ]+\|?", line.strip())
+        is_header = i + 1 < len(lines) and re.fullmatch(r"\|[-:| ]+\|?", lines[i + 1].strip())
+        if is_row and not is_header:
+            rows.append(table_cells(line))
+    return rows
+
+
+#: What a results row's scope must name: the hardware, the EP size, how the figure was obtained.
+SCOPE_PARTS = {
+    "hardware": re.compile(r"\b(CPUs?|GPUs?|H100s?|H200s?|TPUs?|XLA:CPU|XLA:GPU)\b"),
+    "EP": re.compile(r"\bEP ?(= ?)?\d+"),
+    "measured/compiled/modelled": re.compile(r"\b(measured|compiled|modelled)\b", re.I),
+}
+
+
+def unscoped_rows(rows: list[list[str]]) -> list[str]:
+    """``row: missing part`` for each table row whose last cell (its scope) lacks a part of
+    `SCOPE_PARTS`."""
+    return [
+        f"{row[0]}: no {name}"
+        for row in rows
+        for name, pattern in SCOPE_PARTS.items()
+        if not pattern.search(row[-1])
+    ]
+
+
+def used_before_defined(text: str, section_title: str = "Words") -> list[str]:
+    """The terms README's ``section_title`` section defines (``- **term**`` items, and **bold**
+    words inside them) that the text uses before that section (code blocks left out), each as
+    ``term``; a plural counts as a use."""
+    prose = without_code_blocks(text)
+    start = prose.find(f"\n## {section_title}\n")
+    if start < 0:
+        return [f"no section {section_title!r}"]
+    body = section(prose, section_title)
+    terms = re.findall(r"\*\*([^*]+)\*\*", "\n".join(re.findall(r"^- .*(?:\n  .*)*", body, re.M)))
+    return [
+        term
+        for term in terms
+        if re.search(rf"(?<![\w/]){re.escape(term)}(?:e?s)?(?![\w/])", prose[:start], re.I)
+    ]

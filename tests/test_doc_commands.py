@@ -1,5 +1,6 @@
-"""Every ``python -m experiments...`` command of README.md, docs/*.md and experiments/README.md
-parses as written: the program's flags and their validators accept it (`parsed_as_written`).
+"""Every ``python -m experiments...`` command of README.md, docs/*.md, docs/results/*.md and
+experiments/README.md parses as written: the program's flags and their validators accept it
+(`parsed_as_written`).
 
 What runs how (a full run of most of them takes minutes to hours, so this file only parses):
   - every command: its flags parsed by the program's own parser (`program.parse_flags`, with the
@@ -9,9 +10,9 @@ What runs how (a full run of most of them takes minutes to hours, so this file o
     flag names the file (`test_defaults_write_no_committed_file`), printed by the same process
     that parsed its commands (`parsed`);
   - run in full elsewhere: experiments/README.md's serve command as written
-    (tests/experiments/test_serve.py::test_documented_command_runs_from_another_folder), the
-    README's ```python blocks (tests/test_readme.py), train's documented flags on small models
-    (tests/experiments/test_train.py).
+    (tests/experiments/test_serve.py::test_documented_command_runs_from_another_folder),
+    docs/usage.md's ```python blocks (tests/test_readme.py), train's documented flags on small
+    models (tests/experiments/test_train.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = (
     ROOT / "README.md",
     *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs" / "results").glob("*.md")),
     ROOT / "experiments" / "README.md",
 )
 # Committed results: a program writes there only when a flag names the file.
@@ -126,8 +128,11 @@ def _run(module: str, argvs: list[list[str]], *extra: str) -> subprocess.Complet
 
 
 def test_commands_are_found():
-    """The extraction finds the pages' commands (experiments/README.md's table names 18)."""
+    """The extraction finds the pages' commands (experiments/README.md's table names 18), the
+    results pages' among them (docs/results/, one page per topic, replaced docs/results.md)."""
     assert len(COMMANDS) >= 18, sorted(COMMANDS)
+    results = {p.name for p in PAGES if p.parent.name == "results"}
+    assert len(results) >= 10 and {"README.md", "step.md", "planner.md"} <= results, results
     assert (
         [] in COMMANDS["experiments.train"]
         and ["--workdir=runs/default"] in COMMANDS["experiments.serve"]
@@ -209,11 +214,11 @@ def test_no_backend_probe_line_on_cpu():
 
 def test_api_compile_time_says_one_ratio_from_results():
     """docs/api.md's compile-time paragraph gave seven different ratios; it now gives the current
-    one, the one docs/results.md's compile_layer table gives."""
+    one, the one docs/results/compile.md's compile_layer table gives."""
     api = (ROOT / "docs" / "api.md").read_text()
     paragraph = api[api.index("Compile time.") :].split("\n\n", 1)[0]
     ratios = set(re.findall(r"(\d+\.\d+)x", paragraph))
-    results = (ROOT / "docs" / "results.md").read_text()
+    results = (ROOT / "docs" / "results" / "compile.md").read_text()
     section = results[results.index("## Compile time of one layer") :].split("\n## ", 1)[0]
     assert ratios == set(re.findall(r"\*\*balanced\*\* \| [\d.]+ s \| \*\*(\d+\.\d+)\*\*", section))
     assert len(ratios) == 1, ratios

@@ -243,7 +243,7 @@ def test_the_skewed_case_reads_its_own_mix_and_the_others_data():
 
 def test_the_skewed_mix_resolves_to_non_empty_text_files():
     """The mix exists on this Python (a glob under the standard library, not a path of one
-    machine), opens with the modules docs/results.md names, every file holds bytes, and its
+    machine), opens with the modules docs/results/step.md names, every file holds bytes, and its
     training part holds 40 default batches (32 x 128 bytes): 40 steps read no byte twice."""
     assert not pathlib.Path(step_cases.CASE_DATA["skewed"]).is_absolute()
     files = corpus_files(str(default_corpus_root() / step_cases.CASE_DATA["skewed"]))

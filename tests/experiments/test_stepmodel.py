@@ -24,7 +24,8 @@ from experiments.stepmodel_programs import anchor, pinned
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 TOLERANCE = pinned.TOLERANCE  # the issue's target: 0.05
-# Why the model misses where it does (docs/results.md, "The step model against the pinned ranks").
+# Why the model misses where it does (docs/results/models.md, "The step model against the pinned
+# ranks").
 _REMEASURED = "noise: re-measured with 15 rounds (breakeven_prefill_remeasured.json) it fits"
 _REMEASURED_TRAIN = "noise: re-measured with 15 rounds (breakeven_train_remeasured.json) it fits"
 _REMEASURED_LARGE = (

@@ -251,7 +251,7 @@ def test_balanced_path_keeps_its_buffer(setup):
 
 
 def test_readme_layer_at_half_the_batch_drops_nothing():
-    """README's layer example (2 x 4 mesh, E=16, top-2, 1.05x buffers) with a batch of 32
+    """docs/usage.md's layer example (2 x 4 mesh, E=16, top-2, 1.05x buffers) with a batch of 32
     instead of 64: 128 tokens per rank, below the default threshold, so it falls back, and
     drops nothing (it dropped 50 of 2,048 pairs when the fallback kept the 1.05x buffer)."""
     mesh = helpers.expert_mesh(4, 2)

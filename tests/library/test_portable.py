@@ -226,7 +226,7 @@ def test_balanced_training_step_exports_for_tpu_and_rocm(platform):
 
 
 def test_readme_layer_on_cpu_devices_exports_for_tpu_with_default_checks():
-    """The README's layer on `jax.make_mesh`'s CPU devices: its step plans natively when lowered
+    """docs/usage.md's layer on `jax.make_mesh`'s CPU devices: its step plans natively when lowered
     for the CPU and portably when exported for TPU by `uep.export` (its "auto" planner was resolved
     to the native handler when the layer was built, and the export ended in an error); no custom
     call but JAX's own ragged all-to-all, whose check alone is disabled."""
