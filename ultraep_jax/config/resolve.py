@@ -513,14 +513,14 @@ def by_platform(kind: str, name: str, run: Callable[[str | None], Callable], *ar
         if targets is not None:
             return per_platform({p: run(p) for p in targets}, *args)
         # No platform named at all: a lowering for several, CPU among them, compiles every
-        # branch on CPU, so a branch of ops XLA:CPU cannot compile is marked to refuse that.
+        # branch on CPU, so the result is marked to refuse that where a platform's choice is of
+        # ops XLA:CPU cannot compile (outside the switch: a branch may be lowered for its own
+        # platform alone).
         facts = traced_facts()
-        impls = {}
-        for p in (*PLATFORMS, OTHER):
-            impls[p] = run(p)
-            if p in PLATFORMS and not _candidate(kind, resolve(kind, name, p, facts)).cpu_compiles:
-                impls[p] = _marked(impls[p], kind=kind, platform=p, rule="not_beside_cpu")
-        return per_platform(impls, *args)
+        held = {p: _candidate(kind, resolve(kind, name, p, facts)).cpu_compiles for p in PLATFORMS}
+        out = per_platform({p: run(p) for p in (*PLATFORMS, OTHER)}, *args)
+        not_held = tuple(p for p in PLATFORMS if not held[p])
+        return _mark(out, kind=kind, platform=not_held, rule="not_beside_cpu") if not_held else out
     out = run(platform)(*args)
     if name == "auto" and targets is None:
         out = _mark(out, kind=kind, platform=_mesh_platform(), rule="only")
@@ -530,11 +530,6 @@ def by_platform(kind: str, name: str, run: Callable[[str | None], Callable], *ar
 def _candidate(kind: str, name: str) -> Candidate:
     (found,) = (c for c in CANDIDATES[kind] if c.name == name)
     return found
-
-
-def _marked(fn: Callable, **params) -> Callable:
-    """``fn`` whose result is marked as `_mark` marks it."""
-    return lambda *args: _mark(fn(*args), **params)
 
 
 def _mark(tree, **params):
@@ -551,15 +546,15 @@ _platform_check_p.def_impl(lambda x, **params: x)
 _platform_check_p.def_abstract_eval(lambda x, **params: x)
 
 
-def _check_lowering(ctx, x, *, kind: str, platform: str, rule: str):
+def _check_lowering(ctx, x, *, kind: str, platform, rule: str):
     """Rule "only": "auto" resolved for ``platform`` from the mesh is lowered for it alone.
-    Rule "not_beside_cpu": ``platform``'s branch, of ops XLA:CPU cannot compile, is not lowered
-    beside CPU's (XLA:CPU would compile it)."""
+    Rule "not_beside_cpu": none of the platforms ``platform`` (a tuple), whose choices are of ops
+    XLA:CPU cannot compile, is lowered beside CPU (XLA:CPU would compile their branches)."""
     lowered = tuple(ctx.module_context.platforms)
     if rule == "not_beside_cpu":
-        if len(lowered) > 1 and "cpu" in lowered:
+        if "cpu" in lowered and (beside := [p for p in lowered if p in platform]):
             raise ValueError(
-                f"ultraep_jax: {kind}='auto' on {platform!r} lowers to ops XLA:CPU cannot "
+                f"ultraep_jax: {kind}='auto' on {beside[0]!r} lowers to ops XLA:CPU cannot "
                 f"compile, and a program lowered for {lowered} is compiled whole on CPU; trace "
                 f"it within ultraep_jax.export(..., platforms={list(lowered)}), which takes "
                 f"choices XLA:CPU compiles for every platform, or export CPU apart"
