@@ -191,13 +191,15 @@ class Step:
     platforms: tuple[str, ...] = ()
     planner: str = "auto"
     policy: str = "names"
+    kernel: str = "auto"
 
     @property
     def id(self) -> str:
         layer = "balanced" if self.balanced else "plain"
         where = "+".join(self.platforms) or "cpu"
         step = self.step if self.step != "remat" else f"remat_{self.policy}"
-        return f"{self.mesh}-{self.axis_types}-{layer}-{step}-{where}-{self.planner}"
+        kernel = "" if self.kernel == "auto" else f"-{self.kernel}"
+        return f"{self.mesh}-{self.axis_types}-{layer}-{step}-{where}-{self.planner}{kernel}"
 
 
 #: The matrix: every mesh, axis type, layer, step, exchange (and platform) and planner at least
@@ -212,6 +214,8 @@ STEPS = [
     Step("fsdp2ep4", "explicit", True, "remat"),
     Step("ep4tp2", "auto", True, "grad", ("cuda", "tpu")),
     Step("ep8", "auto", False, "remat", policy="nothing"),
+    # tokamax's custom_vjp on a data axis (where tokamax is installed: the MaxText line).
+    Step("dp2ep4", "explicit", True, "grad", kernel="tokamax"),
 ]
 
 
@@ -225,7 +229,7 @@ def _mesh(step: Step) -> jax.sharding.Mesh:
 def _layer(step: Step, mesh) -> uep.MoE:
     """The layer of ``step`` (D, F of `layer_cases`), abstract (`nnx.eval_shape`: nothing is
     computed), its weights placed as MaxText places them on the FSDP mesh."""
-    options = dict(planner=step.planner)
+    options = dict(planner=step.planner, expert_kernel=step.kernel)
     if "tensor" in mesh.axis_names:
         options["tensor_axis"] = "tensor"
     balancer = lc.balancer_config(mesh, E, SLOTS) if step.balanced else None
@@ -327,6 +331,14 @@ TABLES = {
         ("all_gather", "expert", "-"): 2,
         ("all_to_all", "expert", "-"): 6,
     },
+    "dp2ep4-explicit-balanced-grad-cpu-auto-tokamax": {
+        ("all_gather", "expert", "-"): 1,
+        ("all_gather", "expert", "cond"): 2,
+        ("all_to_all", "expert", "-"): 4,
+        ("pmax", "data", "-"): 3,
+        ("psum", "data", "-"): 12,
+        ("psum_scatter", "expert", "cond"): 2,
+    },
 }
 
 
@@ -334,6 +346,8 @@ TABLES = {
 def test_step_collectives(step):
     """No all-reduce touches an exchange's rows; no branch collective names an axis its index
     varies over; the collectives are `TABLES`'."""
+    if step.kernel == "tokamax" and not resolve.tokamax_installed():
+        pytest.skip("tokamax is not installed (its extra: Python >= 3.12)")
     trace = trace_step(step)
     coll.assert_sound(trace, step.id)
     assert coll.table(trace) == TABLES[step.id]
