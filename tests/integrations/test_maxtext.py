@@ -10,6 +10,8 @@ ours at EP4 x FSDP2: the same losses step by step.
 
 from __future__ import annotations
 
+import ast
+import copy
 import importlib.util
 import json
 import os
@@ -17,6 +19,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -31,6 +34,7 @@ os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # MaxText's CPU ("decoupled") 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import maxtext  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.linen import partitioning as nn_partitioning  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
@@ -278,6 +282,250 @@ def test_command_help_names_every_key(capsys):
     assert "ultraep_slots_per_rank" in out and "ultraep_capacity_factor" in out
     assert command.main(["prog", "a.yml", "ultraep_nope=1"]) == 2
     assert "unknown key" in capsys.readouterr().err
+
+
+#: MaxText's source of its MoE blocks, the one the integration's allow-list is checked against.
+MOE_SOURCE = pathlib.Path(moe.__file__)
+
+
+def sparse_path_reads(source: str) -> dict[str, set[str]]:
+    """{config field: the functions that read it} of `RoutedMoE.sparse_matmul` and every method
+    of `RoutedMoE` and function of the module it calls, transitively: each
+    ``self.config.<name>``, ``cfg.<name>``, ``config.<name>`` and ``getattr(<one of them>,
+    "<name>", ...)``."""
+    tree = ast.parse(source)
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    routed = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RoutedMoE")
+    methods = {n.name: n for n in routed.body if isinstance(n, ast.FunctionDef)}
+
+    def is_config(node):
+        if isinstance(node, ast.Name):
+            return node.id in ("cfg", "config")
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr == "config"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        )
+
+    reads, todo, seen = {}, [methods["sparse_matmul"]], set()
+    while todo:
+        function = todo.pop()
+        if function.name in seen:
+            continue
+        seen.add(function.name)
+        for node in ast.walk(function):
+            name = None
+            if isinstance(node, ast.Attribute) and is_config(node.value):
+                name = node.attr
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr":
+                field = node.args[1] if len(node.args) > 1 else None
+                if is_config(node.args[0]) and isinstance(field, ast.Constant):
+                    name = field.value
+            if name is not None:
+                reads.setdefault(name, set()).add(function.name)
+            if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "self":
+                todo.extend([methods[node.attr]] if node.attr in methods else [])
+            if isinstance(node, ast.Name) and node.id in functions:
+                todo.append(functions[node.id])
+    return reads
+
+
+def test_every_setting_the_sparse_path_reads_is_covered_or_refused():
+    """The allow-list against MaxText's source: every config field its sparse path reads is
+    covered or refused away from its default, and a config with one refused field set away from
+    it is refused at config time, naming it."""
+    from ultraep_jax.integrations.maxtext import coverage  # noqa: PLC0415
+
+    reads = sparse_path_reads(MOE_SOURCE.read_text())
+    listed = coverage.COVERED.keys() | coverage.REFUSED.keys()
+    unlisted = {name: sorted(where) for name, where in reads.items() if name not in listed}
+    assert not unlisted, f"MaxText's sparse path reads settings not in coverage: {unlisted}"
+    assert not coverage.COVERED.keys() & coverage.REFUSED.keys()
+    named_in_issue = {
+        "moe_dropless_fallback",
+        "num_moe_token_chunks",
+        "log_required_ragged_buffer_factor",
+        "moe_quantize_token_all_gather",
+        "use_custom_sort_vjp",
+    }
+    assert named_in_issue <= reads.keys() and named_in_issue <= coverage.REFUSED.keys()
+
+    cfg = maxtext_config(**COVERED)
+    assert listed <= cfg.get_keys().keys() and coverage.config_refusal(cfg) is None
+    away = {
+        "quantization": "int8",
+        "shard_mode": "explicit",
+        "moe_quantize_combine_bwd_method": "rowwise",
+        "moe_dropless_fallback": "layer",
+        "matmul_precision": "highest",
+        "moe_routing_maps": "device",
+    }
+    for name, default in coverage.defaults().items():
+        if name not in away:
+            away[name] = not default if isinstance(default, bool) else default + 2
+        value = away[name]
+        fields = cfg._pydantic_config.model_copy(update={name: value})
+        changed = pyconfig.HyperParameters(fields)
+        reason = coverage.config_refusal(changed)
+        assert reason is not None and reason.startswith(f"{name}="), (name, reason)
+        assert "\n" not in reason
+
+
+def test_command_refuses_an_uncovered_model_before_building_it(capsys, monkeypatch):
+    """Llama4 through the command: one line naming the setting, as soon as MaxText's config is
+    read (the trainer's loop, which builds the model, never starts)."""
+    from maxtext.trainers.pre_train import train  # noqa: PLC0415
+
+    from ultraep_jax.integrations.maxtext import metrics  # noqa: PLC0415
+
+    def built(*args, **kwargs):
+        raise AssertionError("the trainer started building the model")
+
+    monkeypatch.setattr(train, "train_loop", built)
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", os.environ.get("LIBTPU_INIT_ARGS", ""))
+    prng = jax.config.jax_default_prng_impl  # MaxText's trainer sets its own
+    keys = {**TINY, **SMALL_DIMS, "model_name": "llama4-17b-16e", "num_experts_per_tok": 1}
+    argv = ["prog", str(BASE_CONFIG)] + [f"{k}={v}" for k, v in keys.items()]
+    try:
+        assert command.main(argv) == 2
+    finally:
+        jax.config.update("jax_default_prng_impl", prng)
+        metrics.uninstall()
+        uep_maxtext.disable()
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "decoder_block=llama4" in errors[0], errors
+
+
+def test_untested_maxtext_release_is_refused_unless_allowed(monkeypatch):
+    from ultraep_jax.integrations.maxtext import coverage, settings  # noqa: PLC0415
+
+    monkeypatch.setattr(coverage, "installed_version", lambda: "0.2.6")
+    with pytest.raises(ValueError) as caught:
+        uep_maxtext.enable(balancer=BALANCER)
+    message = str(caught.value)
+    assert "0.2.5" in message and "0.2.6" in message and "\n" not in message
+    assert "allow_untested_maxtext=True" in message and uep_maxtext.active() is None
+    with uep_maxtext.enabled(balancer=BALANCER, allow_untested_maxtext=True) as balancing:
+        assert uep_maxtext.active() is balancing
+    _, keys = split_keys(["a.yml", "ultraep_allow_untested_maxtext=true"])
+    assert settings.command_settings(keys)[1] is True
+    assert settings.command_settings({})[1] is False
+
+
+def test_names_and_values_as_users_write_them(capsys):
+    """One spelling of the remat stages in both places, non-finite numbers said as such, the
+    defaults in --help."""
+    for names in (("plan",), (uep.remat.PLAN,), "plan"):
+        assert uep_maxtext.Balancing(remat_saved=names).remat_saved == (uep.remat.PLAN,)
+    assert uep_maxtext.Balancing(remat_saved="all").remat_saved == uep.remat.NAMES
+    keys = {"remat": f"dispatch,{uep.remat.PLAN}"}
+    assert balancing_from_keys(keys).remat_saved == (uep.remat.DISPATCH, uep.remat.PLAN)
+    for text in ("nan", "inf", "-inf"):
+        with pytest.raises(ValueError, match=f"ultraep_balance_eps={text} is not a finite number"):
+            balancing_from_keys({"balance_eps": text})
+    assert command.main(["prog", "--help"]) == 0
+    out = capsys.readouterr().out
+    for key, default in (("min_tokens_per_replica", 1024), ("min_tokens_per_rank", 256)):
+        assert re.search(rf"ultraep_{key}: .*\(default {default}\b", out), key
+
+
+def stats_tree(stats: dict) -> dict:
+    """MaxText's intermediates of a scanned decoder's MoE layers with the sown ``stats``
+    ({stat: [layers]})."""
+    sown = {f"ultraep_{k}": (jnp.asarray(v),) for k, v in stats.items()}
+    return {"decoder": {"moe_layers": {"MoeBlock_0": sown}}}
+
+
+def test_gradient_accumulation_reports_ratio_means_and_count_sums():
+    """MaxText sums the intermediates over the microbatches of gradient accumulation: the
+    imbalance ratios are reported as their means over the microbatches, the counts as sums."""
+    from ultraep_jax.integrations.maxtext import metrics  # noqa: PLC0415
+
+    microbatches = [  # per microbatch, per layer (3 MoE layers)
+        dict(
+            imbalance_before=[1.176, 1.25, 1.05],
+            imbalance_after=[1.008, 1.0, 1.016],
+            dropped=[0, 2, 0],
+            replicas=[3, 1, 2],
+        ),
+        dict(
+            imbalance_before=[1.176, 1.5, 1.1],
+            imbalance_after=[1.008, 1.125, 1.0],
+            dropped=[1, 0, 0],
+            replicas=[2, 2, 0],
+        ),
+    ]
+    summed = jax.tree.map(lambda *x: sum(x), *map(stats_tree, microbatches))  # as MaxText
+    recorded = {"scalar": {}}
+    config = types.SimpleNamespace(gradient_accumulation_steps=2, record_internal_nn_metrics=0)
+    metrics._record(recorded, summed, config)
+    got = recorded["scalar"]
+    for stat in microbatches[0]:
+        per_micro = np.array([m[stat] for m in microbatches], np.float64)  # [2, layers]
+        ratio = stat.startswith("imbalance")
+        per_layer = per_micro.mean(0) if ratio else per_micro.sum(0)
+        over_layers = per_layer.max() if ratio else per_layer.sum()
+        np.testing.assert_allclose(float(got[f"ultraep/{stat}"]), over_layers, rtol=1e-6)
+        for i, value in enumerate(per_layer):
+            np.testing.assert_allclose(float(got[f"ultraep/layer_{i:03d}/{stat}"]), value, 1e-6)
+
+
+def test_metrics_hook_hands_train_step_a_real_config(monkeypatch):
+    """`train_step` gets a `HyperParameters` (no proxy) with record_internal_nn_metrics on and
+    every other setting MaxText's; MaxText's own activation metrics only where its config asks;
+    a trainer whose step did not record the stats is refused in one line."""
+    from ultraep_jax.integrations.maxtext import metrics  # noqa: PLC0415
+
+    seen = []
+    monkeypatch.setitem(metrics._ORIGINAL, "train_step", lambda _m, config, *a: seen.append(config))
+    cfg = maxtext_config(**COVERED)
+    on = pyconfig.HyperParameters(
+        cfg._pydantic_config.model_copy(update={"record_internal_nn_metrics": 1})
+    )
+    for config in (cfg, cfg, on):
+        metrics._train_step(None, config, "state", "data")
+    recording = seen[0]
+    assert type(recording) is pyconfig.HyperParameters and seen[1] is recording and seen[2] is on
+    assert recording.record_internal_nn_metrics and not cfg.record_internal_nn_metrics
+    rest = {k: v for k, v in recording.get_keys().items() if k != "record_internal_nn_metrics"}
+    assert rest == {k: v for k, v in cfg.get_keys().items() if k != "record_internal_nn_metrics"}
+    assert copy.deepcopy(recording).record_internal_nn_metrics
+
+    own = []
+    monkeypatch.setitem(metrics._ORIGINAL, "record_activation_metrics", lambda *a: own.append(a))
+    for config in (recording, on):
+        metrics._record({"scalar": {}}, stats_tree(dict(dropped=[0])), config)
+    assert len(own) == 1 and own[0][2] is on
+
+    logged = []
+    monkeypatch.setitem(metrics._ORIGINAL, "log", lambda *a: logged.append(a))
+    logger = types.SimpleNamespace(config=cfg)
+    unrecorded = {"scalar": {"learning/loss": 1.0}}
+    metrics._log(logger, unrecorded, 0)  # nothing balanced: MaxText's own log
+    with uep_maxtext.enabled(balancer=BALANCER), pytest.raises(RuntimeError) as caught:
+        metrics._log(logger, unrecorded, 1)
+    assert len(logged) == 1 and "pre_train" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_command_without_maxtext_says_how_to_install():
+    """The command in a Python without MaxText (its import blocked): one line naming the extra
+    and docs/maxtext.md, a non-zero exit."""
+    without = (
+        "import runpy, sys; sys.modules['maxtext'] = None; "
+        "runpy.run_module('ultraep_jax.integrations.maxtext', run_name='__main__', alter_sys=True)"
+    )
+    checkout = pathlib.Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", without, "a.yml", "steps=1"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert 'pip install ".[maxtext]"' in lines[0] and "docs/maxtext.md" in lines[0]
 
 
 #: The training comparison: deepseek3-tiny (one dense layer, two MoE layers), a learning rate at

@@ -21,9 +21,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from maxtext.layers import moe
 
-from ultraep_jax.base.activations import ClampedSwiGLU
 from ultraep_jax.config import ExpertParallel
 from ultraep_jax.core import routed_experts_local
+from ultraep_jax.integrations.maxtext import coverage
+from ultraep_jax.integrations.maxtext.coverage import activation
 from ultraep_jax.integrations.maxtext.settings import Balancing
 from ultraep_jax.stats import MoEStats
 
@@ -44,29 +45,15 @@ TENSOR_AXIS = "tensor"
 
 def refusal(module, forced_routed_experts=None) -> str | None:
     """Why ``module`` (a MaxText `RoutedMoE`) cannot run balanced, in one line naming the
-    setting; None when it can."""
-    cfg = module.config
-    name = getattr(cfg.decoder_block, "name", str(cfg.decoder_block)).lower()
+    setting; None when it can. Its config's refusals (`coverage.config_refusal`), then what only
+    the module knows."""
+    reason = coverage.config_refusal(module.config)
+    if reason is not None:
+        return reason
     reasons = (
-        (cfg.te_moe_block, "te_moe_block=True hands the block to TransformerEngine"),
-        (not cfg.sparse_matmul, "sparse_matmul=False runs MaxText's dense (capacity) block"),
-        (
-            cfg.attention in ("vllm_rpa", "vllm_batched_rpa"),
-            f"attention={cfg.attention} runs the fused inference block",
-        ),
-        (
-            bool(cfg.quantization) or module.quant is not None,
-            f"quantization={cfg.quantization!r} is not covered",
-        ),
+        (module.quant is not None, "quantized expert weights (the block's quant) are not covered"),
         (module.is_hash_routing, "hash routing (DeepSeek V4's first layers) is not covered"),
-        (cfg.use_random_routing, "use_random_routing=True is not covered"),
         (forced_routed_experts is not None, "forced_routed_experts is not covered"),
-        (cfg.use_ring_of_experts, "use_ring_of_experts=True is MaxText's own EP strategy"),
-        (name == "llama4", "Llama4's block (router scores scale the inputs) is not covered"),
-        (
-            getattr(cfg.shard_mode, "value", cfg.shard_mode) != "auto",
-            f"shard_mode={getattr(cfg.shard_mode, 'value', cfg.shard_mode)} (only auto is covered)",
-        ),
         (
             module._expert_parallelism_name != EXPERT_AXIS,
             f"the EP axis {module._expert_parallelism_name!r} (only {EXPERT_AXIS!r} is covered)",
@@ -75,10 +62,6 @@ def refusal(module, forced_routed_experts=None) -> str | None:
     for refused, reason in reasons:
         if refused:
             return reason
-    try:
-        activation(cfg)
-    except ValueError as e:
-        return str(e).removeprefix("maxtext: ")
     return None
 
 
@@ -86,30 +69,7 @@ def check_supported(module, forced_routed_experts=None) -> None:
     """Raises one line (`refusal`) unless ``module`` can run balanced."""
     reason = refusal(module, forced_routed_experts)
     if reason is not None:
-        raise ValueError(
-            f"ultraep_jax.integrations.maxtext: {reason}; change the setting, or run MaxText's "
-            "own block with ultraep_jax.integrations.maxtext.disable() (the command: leave it out)"
-        )
-
-
-def activation(cfg):
-    """The experts' gated unit for MaxText's ``mlp_activations`` (an `Execution.activation`);
-    raises one line for one that ultraep_jax does not compute as MaxText does."""
-    names = tuple(cfg.mlp_activations)
-    block = getattr(cfg.decoder_block, "name", str(cfg.decoder_block)).lower()
-    if block == "gpt_oss":
-        if names != ("sigmoid", "linear"):
-            raise ValueError(f"maxtext: gpt-oss with mlp_activations={list(names)} is not covered")
-        return ClampedSwiGLU(limit=cfg.mlp_activations_limit, alpha=1.702)
-    if block in ("deepseek", "deepseek4") and cfg.mlp_activations_limit > 0:
-        raise ValueError(
-            f"maxtext: mlp_activations_limit={cfg.mlp_activations_limit} (DeepSeek's clipped "
-            "SwiGLU) is not covered"
-        )
-    units = {("silu", "linear"): "silu", ("gelu", "linear"): "gelu", ("relu", "linear"): "relu"}
-    if names not in units:
-        raise ValueError(f"maxtext: mlp_activations={list(names)} is not covered")
-    return units[names]
+        raise coverage.NotCovered(coverage.refused_message(reason))
 
 
 def token_axes(module) -> tuple[tuple, tuple]:

@@ -32,17 +32,22 @@ def with_saved(policy, names: tuple[str, ...]):
 
 
 def names_from_text(text: str) -> tuple[str, ...]:
-    """``plan,dispatch`` (short names), ``all`` or ``none`` as `uep.remat.NAMES` entries; raises
-    one line naming an unknown one."""
+    """``plan,dispatch`` (short or `uep.remat.NAMES` names), ``all`` or ``none`` as
+    `uep.remat.NAMES` entries; raises one line naming an unknown one."""
     if text in ("", "none"):
         return ()
     if text == "all":
         return remat.NAMES
-    short = tuple(s.strip() for s in text.split(","))
-    unknown = [s for s in short if s not in SHORT]
+    return canonical(tuple(s.strip() for s in text.split(",")))
+
+
+def canonical(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` as `uep.remat.NAMES` entries; each may be spelled either way (``plan`` or
+    ``ultraep_plan``); raises one line naming an unknown one."""
+    unknown = [n for n in names if n not in SHORT and n not in remat.NAMES]
     if unknown:
         raise ValueError(
-            f"maxtext: ultraep_remat: unknown stage(s) {', '.join(unknown)}; the stages are "
-            f"{', '.join(SHORT)}, all or none"
+            f"maxtext: remat: unknown stage(s) {', '.join(map(str, unknown))}; the stages are "
+            f"{', '.join(SHORT)} (or {', '.join(remat.NAMES)}), all or none"
         )
-    return tuple(SHORT[s] for s in short)
+    return tuple(SHORT.get(n, n) for n in names)

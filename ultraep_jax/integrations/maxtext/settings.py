@@ -5,19 +5,34 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 
-from ultraep_jax import remat
 from ultraep_jax.base.arguments import check_finite
 from ultraep_jax.config import BalancerConfig, Execution
-from ultraep_jax.integrations.maxtext.remat import names_from_text
+from ultraep_jax.integrations.maxtext.coverage import OVERRIDE, TESTED_MAXTEXT
+from ultraep_jax.integrations.maxtext.remat import canonical, names_from_text
 
 #: The prefix of our keys among MaxText's key=value overrides.
 PREFIX = "ultraep_"
 
-_BALANCER_KEYS = tuple(
-    f.name for f in dataclasses.fields(BalancerConfig) if f.name not in ("num_experts", "ep_size")
-)
-_EXECUTION_KEYS = tuple(f.name for f in dataclasses.fields(Execution) if f.name != "activation")
+
+def _text(default) -> str:
+    """A default as the command takes it (None as none)."""
+    return "none" if default is None else str(default)
+
+
+_BALANCER_FIELDS = {
+    f.name: f.default
+    for f in dataclasses.fields(BalancerConfig)
+    if f.name not in ("num_experts", "ep_size")
+}
+_EXECUTION_FIELDS = {
+    f.name: f.default for f in dataclasses.fields(Execution) if f.name != "activation"
+}
+_BALANCER_KEYS = tuple(_BALANCER_FIELDS)
+_EXECUTION_KEYS = tuple(_EXECUTION_FIELDS)
+_FLAGS = {"true": True, "1": True, "yes": True, "on": True}
+_FLAGS |= {"false": False, "0": False, "no": False, "off": False}
 
 #: Every key the command accepts (without the prefix), with its help line.
 KEYS = {
@@ -28,10 +43,18 @@ KEYS = {
     ),
     "remat": (
         "the balanced block's stages MaxText's remat policy also saves: plan, dispatch, received, "
-        "replicas, returned (comma-separated), all, or none (default: recomputed)"
+        "replicas, returned (or uep.remat's names, ultraep_plan, ...; comma-separated), all, or "
+        "none (default: recomputed)"
     ),
-    **{k: f"BalancerConfig.{k} (docs/api.md)" for k in _BALANCER_KEYS},
-    **{k: f"Execution.{k} (docs/api.md)" for k in _EXECUTION_KEYS},
+    **{
+        k: f"BalancerConfig.{k} (default {_text(v)}; docs/api.md)"
+        for k, v in _BALANCER_FIELDS.items()
+    },
+    **{k: f"Execution.{k} (default {_text(v)}; docs/api.md)" for k, v in _EXECUTION_FIELDS.items()},
+    OVERRIDE: (
+        f"true runs on a MaxText release other than the tested one ({TESTED_MAXTEXT}), which is "
+        "otherwise refused (default false)"
+    ),
 }
 
 
@@ -47,9 +70,11 @@ class Balancing:
         sizes the buffer so that nothing is ever dropped, as MaxText's own sparse_matmul.
       execution: planner, expert kernel, exchange backend and transfer chunks (`Execution`); the
         gated activation is MaxText's (``mlp_activations``) and may not be set here.
-      remat_saved: names of `uep.remat.NAMES` that MaxText's remat policy saves besides its own
-        (`remat.with_saved`): the backward pass reuses them instead of re-planning and redoing
-        the exchanges. () (default): MaxText's policy as it is.
+      remat_saved: the stages MaxText's remat policy saves besides its own (`remat.with_saved`),
+        each as a `uep.remat.NAMES` entry or as the command spells it (``plan``; a string is
+        read as the command reads it: ``"plan,dispatch"``, ``"all"``): the backward
+        pass reuses them instead of re-planning and redoing the exchanges. () (default):
+        MaxText's policy as it is.
     """
 
     balancer: BalancerConfig | None = BalancerConfig()
@@ -75,13 +100,9 @@ class Balancing:
         if self.capacity_factor is not None:
             cf = check_finite("maxtext", "capacity_factor", self.capacity_factor, positive=True)
             object.__setattr__(self, "capacity_factor", cf)
-        saved = (self.remat_saved,) if isinstance(self.remat_saved, str) else self.remat_saved
-        unknown = [n for n in saved if n not in remat.NAMES]
-        if unknown:
-            raise ValueError(
-                f"maxtext: remat_saved {unknown} not of uep.remat.NAMES {list(remat.NAMES)}"
-            )
-        object.__setattr__(self, "remat_saved", tuple(saved))
+        saved = self.remat_saved
+        saved = names_from_text(saved) if isinstance(saved, str) else canonical(tuple(saved))
+        object.__setattr__(self, "remat_saved", saved)
 
 
 def balancing_from_keys(keys: dict[str, str]) -> Balancing:
@@ -93,6 +114,8 @@ def balancing_from_keys(keys: dict[str, str]) -> Balancing:
             f"maxtext: unknown key(s) {', '.join(PREFIX + k for k in unknown)}; the keys are "
             f"{', '.join(PREFIX + k for k in KEYS)}"
         )
+    if OVERRIDE in keys:
+        raise ValueError(f"maxtext: {PREFIX}{OVERRIDE} is the command's (command_settings)")
     keys = dict(keys)
     remat_saved = names_from_text(keys.pop("remat", "none"))
     values = {k: _value(k, v) for k, v in keys.items()}
@@ -112,6 +135,16 @@ def balancing_from_keys(keys: dict[str, str]) -> Balancing:
         execution=Execution(**execution_args),
         remat_saved=remat_saved,
     )
+
+
+def command_settings(keys: dict[str, str]) -> tuple[Balancing, bool]:
+    """The command's ``ultraep_*`` keys (prefix taken off) as the `Balancing` and whether to run
+    an untested MaxText release (`coverage.OVERRIDE`); raises one line for a bad key or value."""
+    keys = dict(keys)
+    text = keys.pop(OVERRIDE, "false")
+    if text.lower() not in _FLAGS:
+        raise ValueError(f"maxtext: {PREFIX}{OVERRIDE} must be true or false, got {text!r}")
+    return balancing_from_keys(keys), _FLAGS[text.lower()]
 
 
 def split_keys(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -134,13 +167,25 @@ def split_keys(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def _value(key: str, text: str):
-    """A key's value from its text: none/None -> None, numbers as numbers, else the string."""
+    """A key's value from its text: none/None -> None, numbers as numbers, else the string;
+    raises one line for a number that is not finite (nan, inf)."""
     if text.lower() == "none":
         return None
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        return text
+        value = _float_or_none(text)
+        if value is None:
+            return text
     if isinstance(value, bool | int | float):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"maxtext: {PREFIX}{key}={text} is not a finite number")
         return value
     raise ValueError(f"maxtext: {PREFIX}{key}={text!r} is not a number, a name or none")
+
+
+def _float_or_none(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
