@@ -101,14 +101,17 @@ def _parallel_plans(cfg, loads, device) -> list[np.ndarray]:
 
 
 #: The CUDA planner's benchmark library (ffi/plan_cuda_bench.cu), built and installed beside the
-#: handlers' library wherever nvcc is found.
+#: handlers' library when asked for (ULTRAEP_BUILD_CUDA_BENCH=ON; experiments/gpu/run_all.sh does).
 BENCH_LIB = "libultraep_plan_cuda_bench.so"
 
 
 def _bench_lib():
     path = tools.library_path(BENCH_LIB)
     if path is None:
-        raise RuntimeError(f"{BENCH_LIB} was not built into this install (no nvcc?)")
+        raise RuntimeError(
+            f"{BENCH_LIB} was not built into this install (ULTRAEP_BUILD_CUDA=ON "
+            'ULTRAEP_BUILD_CUDA_BENCH=ON pip install ".[train]" builds it)'
+        )
     lib = ctypes.cdll.LoadLibrary(str(path))
     fn = lib.ultraep_plan_cuda_bench
     i64, i32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)

@@ -7,7 +7,7 @@
 #   bash experiments/gpu/run_all.sh --check [--dry_run]      # every command checked, none run
 #
 # Parts, in order, with their expected time on one H100 (estimates: tests measured 137 s before):
-#   setup           pip install of this checkout (builds ffi/, the CUDA planner where nvcc is),
+#   setup           pip install of this checkout (builds ffi/ with the CUDA planner and its bench),
 #                   then env.txt: commit, date, nvidia-smi, nvcc, jax / jaxlib    1-2 min, then s
 #   tests           JAX_PLATFORMS=cuda,cpu pytest tests/library/test_gpu.py
 #                   tests/experiments/test_gpu_planner.py -> tests_gpu.log               ~3 min
@@ -70,7 +70,8 @@ if [ $DRY = 1 ]; then
   DRYFLAG=--dry_run
 else
   DRYFLAG=""
-  # CMake finds nvcc on the PATH (the CUDA planner handler is built only then).
+  # The setup builds the CUDA planner with nvcc from the PATH, or from the environment's
+  # nvidia-cuda-nvcc wheel (CMakeLists.txt).
   if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH=$PATH:/usr/local/cuda/bin
   fi
@@ -138,13 +139,16 @@ part_setup() {
   if [ $DRY = 1 ] && $PY -c "from ultraep_jax import tools; tools.cpu_library()" 2>/dev/null; then
     echo "== setup: installed already (dry run: no reinstall)"
   else
-    # No network on the device machine: its image has the build requirements.
+    # No network on the device machine: its image has the build requirements. The CUDA handler
+    # and the planner's benchmark library are built only when asked for (pyproject.toml).
+    local build_cuda=()
+    [ $DRY = 0 ] && build_cuda=(env ULTRAEP_BUILD_CUDA=ON ULTRAEP_BUILD_CUDA_BENCH=ON)
     run_part setup "$DIR/setup.log" \
-      $PY -m pip install -q --no-index --no-build-isolation --no-deps -e .
+      "${build_cuda[@]}" $PY -m pip install -q --no-index --no-build-isolation --no-deps -e .
   fi
   record_env
   if [ $DRY = 0 ] && ! grep -q "cuda_planner_handler: built" "$DIR/env.txt"; then
-    echo "!! the CUDA planner handler is MISSING (no nvcc when ffi/ was built?): the planner"
+    echo "!! the CUDA planner handler is MISSING (no nvcc when ffi/ was built? setup.log): the planner"
     echo "!! section reports 'skipped'; no CPU planner time is reported as the GPU's."
   fi
   pack

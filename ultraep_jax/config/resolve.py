@@ -142,8 +142,8 @@ def _native_supported(platform: str, facts: Facts) -> bool | str:
         return True
     if platform == "cuda":
         return (
-            "this install has no CUDA planner handler (built only when nvcc is on the PATH at "
-            "install time)"
+            "this install has no CUDA planner handler (ULTRAEP_BUILD_CUDA=ON pip install ... "
+            "builds it)"
         )
     return f"no native planner handler exists for {platform!r} devices"
 
