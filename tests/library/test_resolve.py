@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import pathlib
 import re
+import types
 import warnings
 
 import jax
@@ -27,6 +28,7 @@ from ultraep_jax.replicas import relay
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"
+B200 = "NVIDIA B200"
 TPU_V5 = "TPU v5 lite"
 
 
@@ -186,8 +188,9 @@ def test_explicit_kernels_refused_where_they_cannot_run(no_tokamax, monkeypatch)
     monkeypatch.setattr(resolve, "tokamax_installed", lambda: True)
     helpers.assert_raises_one_line(
         ValueError,
-        r"^expert_kernel='tokamax': tokamax's Mosaic GPU kernel picks its variant from this "
-        r"host's device",
+        r"^expert_kernel='tokamax': tokamax's Mosaic GPU kernel picks its variant from JAX's "
+        r"default device \(jax\.extend\.backend\.get_default_device\(\): 'cpu' here\).*"
+        r"jax\.default_device",
         resolve.resolve,
         "expert_kernel",
         "tokamax",
@@ -195,6 +198,131 @@ def test_explicit_kernels_refused_where_they_cannot_run(no_tokamax, monkeypatch)
     )
     for name in ("tiled", "ragged_dot", "tokamax"):
         assert resolve.resolve("expert_kernel", name, "cpu") == name
+
+
+# -- the facts are the mesh's devices', not the host's ------------------------------------------
+
+#: An H100 as an abstract mesh carries it (`jax.sharding.Mesh.abstract_mesh` of compile-only
+#: H100s: its kind and core count, no compute capability).
+ABSTRACT_H100 = AbstractDevice(device_kind=H100, num_cores=132, platform="gpu")
+
+
+def test_facts_of_a_mesh_are_its_devices():
+    """A mesh's facts: its devices' kind, and a GPU's core count and compute capability where
+    the devices carry them (tests/library/test_gpu_compile.py checks a mesh of compile-only
+    H100s: "9.0" and 132)."""
+    h100 = AbstractMesh((8,), ("expert",), abstract_device=ABSTRACT_H100)
+    assert resolve.facts_of(h100) == _facts(H100, core_count=132)
+    assert resolve.facts_of(helpers.expert_mesh(8)) == _facts("cpu")  # no GPU's counts
+    tpu = AbstractDevice(device_kind=TPU_V5, num_cores=1, platform="tpu")
+    assert resolve.facts_of(AbstractMesh((8,), ("expert",), abstract_device=tpu)) == _facts(TPU_V5)
+    assert resolve.facts_of(AbstractMesh((8,), ("expert",))) == resolve.Facts()
+    assert resolve.facts_of(None, cuda_handler=True) == _facts(cuda_handler=True)
+    with jax.sharding.use_abstract_mesh(h100):
+        assert resolve.traced_facts(cuda_handler=True) == _facts(
+            H100, core_count=132, cuda_handler=True
+        )
+        with resolve.lowering_for("tpu"):  # an export to another platform: none of the mesh's
+            assert resolve.traced_facts() == resolve.Facts()
+
+
+def test_auto_kernel_on_an_h100_mesh_is_mgpu_from_its_facts(hopper_host):
+    """ "auto" inside a step traced on an abstract mesh of H100s (a layer built for the pod, on
+    any host) resolves from that mesh's facts: mgpu for fitting bf16 operands; a non-Hopper
+    mesh's, ragged_dot."""
+    fits = _ops((256, 128), (4, 128, 128))
+    for device, want in (
+        (ABSTRACT_H100, "mgpu"),
+        (AbstractDevice(device_kind=A100, num_cores=108, platform="gpu"), "ragged_dot"),
+        (AbstractDevice(device_kind=B200, num_cores=148, platform="gpu"), "ragged_dot"),
+    ):
+        mesh = AbstractMesh((8,), ("expert",), abstract_device=device)
+        with jax.sharding.use_abstract_mesh(mesh):
+            platform = resolve.traced_platform()
+            facts = resolve.traced_facts(operands=fits)
+        assert (facts.device_kind, facts.core_count) == (device.device_kind, device.num_cores)
+        assert resolve.resolve("expert_kernel", "auto", platform, facts) == want, device
+
+
+def test_hopper_is_the_compute_capability_where_the_devices_carry_one(hopper_host):
+    """A GPU's compute capability, where its devices carry one, decides Hopper over its kind's
+    name: a kind no name rule knows at "9.0" is Hopper, a "10.0" is not."""
+    fits = _ops((256, 128), (4, 128, 128))
+
+    def auto(kind, cc):
+        facts = _facts(kind, compute_capability=cc, operands=fits)
+        return resolve.resolve("expert_kernel", "auto", "cuda", facts)
+
+    assert auto("NVIDIA GH100 engineering sample", "9.0") == "mgpu"
+    assert auto("NVIDIA GH100 engineering sample", None) == "ragged_dot"  # the name alone
+    assert auto(H100, "9.0") == "mgpu"
+    assert auto(A100, "8.0") == auto(B200, "10.0") == "ragged_dot"
+    helpers.assert_raises_one_line(
+        ValueError,
+        r"^expert_kernel='mgpu': JAX's Mosaic GPU ragged-dot kernels need a Hopper GPU \(compute "
+        r"capability 9\.x\), not 'NVIDIA B200', compute capability 10\.0",
+        resolve.resolve,
+        "expert_kernel",
+        "mgpu",
+        "cuda",
+        _facts(B200, compute_capability="10.0"),
+    )
+
+
+def test_mgpu_from_a_host_without_hopper_is_ragged_dot_saying_what_jax_reads(monkeypatch):
+    """An H100 mesh lowered on a host without a Hopper GPU (a CPU host's deviceless compile):
+    "auto" takes ragged_dot, and mgpu asked for is refused naming what JAX's weight-gradient
+    kernel reads of the host (tests/library/test_gpu_compile.py lowers it there)."""
+    monkeypatch.setattr(operands, "host_is_hopper", lambda: False)
+    facts = _facts(H100, compute_capability="9.0", core_count=132)
+    fits = _facts(H100, operands=_ops((256, 128), (4, 128, 128)))
+    assert resolve.resolve("expert_kernel", "auto", "cuda", fits) == "ragged_dot"
+    helpers.assert_raises_one_line(
+        ValueError,
+        r"^expert_kernel='mgpu': JAX's Mosaic GPU kernels read this host's GPU when they are "
+        r"lowered: the weight gradient's grid is jax\.devices\(\)\[0\]\.core_count "
+        r"\(jax/experimental/pallas/ops/gpu/transposed_ragged_dot_mgpu\.py\), the SMs of this "
+        r"host's first device, whatever the mesh \(the mesh's GPUs have 132\), and this host has "
+        r"no Hopper GPU, so a deviceless compile "
+        r"or a CUDA export from it can use 'ragged_dot'",
+        resolve.resolve,
+        "expert_kernel",
+        "mgpu",
+        "cuda",
+        facts,
+    )
+
+
+def _gpu(kind, cc):
+    """A stand-in for a GPU device as JAX's default device (what tokamax reads)."""
+    return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=cc)
+
+
+def test_tokamax_on_cuda_follows_the_default_device_tokamax_reads(tokamax_installed, monkeypatch):
+    """tokamax's Mosaic GPU kernels read JAX's default device: explicit tokamax for a mesh's
+    GPUs is taken where that device is a GPU of the mesh's kind (the GPU host's, or
+    ``jax.default_device`` of a compile-only one), and its weight gradient is its Hopper kernel
+    there; refused in one line for another GPU."""
+    from ultraep_jax.experts import gmm_tokamax
+
+    shapes = ((256, 128), (4, 128, 128))
+    monkeypatch.setattr(operands, "default_device", lambda: _gpu(H100, "9.0"))
+    assert resolve.resolve("expert_kernel", "tokamax", "cuda", _facts(H100)) == "tokamax"
+    assert resolve.resolve("expert_kernel", "tokamax", "cuda") == "tokamax"  # kind not known
+    assert gmm_tokamax.implementations("cuda", *shapes, H100) == ("mosaic_gpu",) * 3
+    helpers.assert_raises_one_line(
+        ValueError,
+        r"^expert_kernel='tokamax': tokamax's Mosaic GPU kernel picks its variant from JAX's "
+        r"default device, a 'NVIDIA H100 80GB HBM3', not the mesh's 'NVIDIA B200'; lower within "
+        r"jax\.default_device",
+        resolve.resolve,
+        "expert_kernel",
+        "tokamax",
+        "cuda",
+        _facts(B200),
+    )
+    monkeypatch.setattr(operands, "default_device", lambda: _gpu(A100, "8.0"))
+    assert gmm_tokamax.implementations("cuda", *shapes, A100) == ("mosaic_gpu",) * 2 + ("xla",)
 
 
 def test_unknown_platform_keeps_explicit_names_and_needs_one_for_auto():
@@ -527,7 +655,11 @@ KERNEL_ROWS = {
         True,
         _ops((512, 256), (8, 256, 384), jnp.float32),
     ),
-    ("NVIDIA Hopper, lowered on a host without one (a CUDA export from a CPU host)", "any"): (
+    (
+        "NVIDIA Hopper, lowered on a host without one (a deviceless compile for compile-only "
+        "H100s, a CUDA export from a CPU host)",
+        "any",
+    ): (
         "gpu",
         H100,
         False,

@@ -188,9 +188,11 @@ def test_tpu_export_of_small_operands_falls_back_to_xla():
 
 def test_cuda_from_a_host_without_gpu():
     """What happens exporting tokamax's Mosaic GPU kernel for CUDA from this CPU host: tokamax
-    picks its kernel's variant from the host's device and raises NotImplementedError
-    ("Unsupported GPU architecture"), whatever the mesh says; the resolver refuses the choice in
-    one line before that (so a layer on abstract H100s says so when it is built)."""
+    picks its kernel's variant from JAX's default device (here the host's CPU) and raises
+    NotImplementedError ("Unsupported GPU architecture"), whatever the mesh says; the resolver
+    refuses the choice in one line before that (so a layer on abstract H100s says so when it is
+    built), naming ``jax.default_device`` (tests/library/test_gpu_compile.py lowers it within
+    that of a compile-only H100)."""
 
     def fn(lhs, rhs, sizes):
         return gmm_tokamax.grouped_matmul_tokamax(
@@ -201,8 +203,10 @@ def test_cuda_from_a_host_without_gpu():
         _export_on_abstract_mesh(fn, "cuda", "NVIDIA H100 80GB HBM3")
     helpers.assert_raises_one_line(
         ValueError,
-        r"^expert_kernel='tokamax': tokamax's Mosaic GPU kernel picks its variant from this "
-        r"host's device, and this host has no GPU",
+        r"^expert_kernel='tokamax': tokamax's Mosaic GPU kernel picks its variant from JAX's "
+        r"default device \(jax\.extend\.backend\.get_default_device\(\): 'cpu' here\), so it "
+        r"cannot lower for CUDA here .*; lower on the GPU host, or within "
+        r"jax\.default_device\(<a device of the mesh>\)",
         layer_cases.build_layer,
         helpers.gpu_expert_mesh(8),
         8,

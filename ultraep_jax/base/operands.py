@@ -3,7 +3,10 @@ read (`config.resolve`) and the kernels' own modules check, stated once here (im
 
 `MgpuTiles`, `mgpu_unsupported`: JAX's Mosaic GPU ragged-dot kernels (`experts.gmm_mgpu`);
 `mosaic_tpu_unsupported`: tokamax's Mosaic TPU ragged dot (`experts.gmm_tokamax`); `is_hopper`,
-`host_is_hopper`, `tpu_generation`: what a device kind says.
+`tpu_generation`: what a device's kind and compute capability say; `host_is_hopper`,
+`default_device`: the devices the kernels themselves read when they are lowered, whatever the
+mesh (JAX's and tokamax's code; where, in jax 0.11.2 and 0.12.1 and tokamax 0.0.17, is said at
+each).
 """
 
 from __future__ import annotations
@@ -76,17 +79,39 @@ def tpu_generation(device_kind: str | None) -> int | None:
 _HOPPER = re.compile(r"\b(GH200|H100|H200|H800|H20)\b")
 
 
-def is_hopper(device_kind: str | None) -> bool:
-    """Whether ``device_kind`` (a device's, as "NVIDIA H100 80GB HBM3") names a Hopper GPU."""
+def is_hopper(device_kind: str | None, compute_capability: str | None = None) -> bool:
+    """Whether a device of ``device_kind`` ("NVIDIA H100 80GB HBM3") and ``compute_capability``
+    ("9.0"; None where the device carries none, as an abstract device) is a Hopper GPU: its
+    compute capability 9.x where known, else its kind."""
+    if compute_capability is not None:
+        return str(compute_capability).split(".")[0] == "9"
     return bool(_HOPPER.search(device_kind or ""))
 
 
 def host_is_hopper() -> bool:
-    """Whether this process's default device is an NVIDIA GPU of compute capability 9.x: JAX's
-    Mosaic GPU kernels read that device (its SM count) when they are lowered, so they lower only
-    where it is one."""
+    """Whether this process's first device (``jax.devices()[0]``) is an NVIDIA GPU of compute
+    capability 9.x. JAX's Mosaic GPU weight-gradient kernel reads that device when it is traced,
+    whatever the mesh: its grid is ``jax.devices()[0].core_count``
+    (jax/experimental/pallas/ops/gpu/transposed_ragged_dot_mgpu.py:192), and neither a
+    ``jax.default_device`` nor the mesh changes it; a CPU host's device has no core count. So
+    "mgpu" lowers only on a Hopper host (its forward kernel alone, 132 SMs fixed, lowers
+    anywhere)."""
     try:
         dev = jax.devices()[0]
     except RuntimeError:
         return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+    return dev.platform == "gpu" and is_hopper(
+        dev.device_kind, getattr(dev, "compute_capability", "")
+    )
+
+
+def default_device():
+    """JAX's default device: ``jax.default_device``'s where one is set, else this process's first
+    (`jax.extend.backend.get_default_device`). tokamax's GPU ragged dot reads it when it is
+    traced, for its kernel's variant and grid (tokamax/_src/gpu_utils.py:30,
+    ops/ragged_dot/pallas_mosaic_gpu.py:376, pallas_mosaic_gpu_kernel_sm90.py:149 in tokamax
+    0.0.17), so it lowers for a mesh's GPUs within ``jax.default_device`` of one of them (a
+    compile-only device of `jax.experimental.topologies` serves)."""
+    import jax.extend.backend
+
+    return jax.extend.backend.get_default_device()

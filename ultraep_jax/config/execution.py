@@ -80,14 +80,14 @@ class Execution:
         chunks = check_positive_int("Execution", "transfer_chunks", self.transfer_chunks)
         object.__setattr__(self, "transfer_chunks", chunks)
 
-    def check_on(self, platform: str | None, device_kind: str | None, exchanges: bool) -> None:
+    def check_on(self, platform: str | None, facts: resolve.Facts, exchanges: bool) -> None:
         """Raises our one-line refusal (`resolve.resolve`) for an explicit kernel, or a backend
         when anything is ``exchanges`` (an EP group of more than one rank), that devices of
-        ``platform`` (None: not known before tracing: nothing to check) cannot run. "auto" is
-        resolved when the experts are traced, from the same mesh."""
+        ``platform`` (None: not known before tracing: nothing to check), of which ``facts``
+        (`resolve.facts_of` the mesh) are said, cannot run. "auto" is resolved when the experts
+        are traced, from the same mesh."""
         if platform is None:
             return
-        facts = resolve.Facts(device_kind=device_kind)
         if exchanges:
             resolve.resolve("comm_backend", self.comm_backend, platform, facts)
         resolve.resolve("expert_kernel", self.expert_kernel, platform, facts)

@@ -181,7 +181,7 @@ class ExpertParallel:
         execution = dataclasses.replace(
             self.execution, **{k: v for k, v in given.items() if v is not None}
         )
-        execution.check_on(self.platform, self.device_kind, exchanges=self.ep_size > 1)
+        execution.check_on(self.platform, resolve.facts_of(self.mesh), exchanges=self.ep_size > 1)
         return execution
 
     def _checked_token_axes(self) -> tuple[str, ...]:

@@ -23,9 +23,13 @@ nowhere else). The planner, whose native candidate is a custom call registered p
 not differentiated, is resolved by the same rule for each platform the program is lowered for
 (`planning.planner`).
 
-The facts a predicate reads beside the platform (`Facts`: the mesh's device kind, the planner's
-CUDA handler, one grouped matmul's operands) are given by the caller: this module imports no
-stage. The operand rules themselves are `base.operands`.
+The facts a predicate reads beside the platform (`Facts`: the mesh's devices' kind, compute
+capability and core count, `facts_of`; the planner's CUDA handler; one grouped matmul's operands)
+are given by the caller: this module imports no stage. The mesh's facts are the target's, never
+the host's: a step traced on a CPU host for a mesh of compile-only H100s (a deviceless compile)
+or an abstract mesh of H100s gets the H100's choices, where the kernels themselves can be lowered
+from that host (what each reads of the host: `base.operands`). The operand rules themselves are
+`base.operands`.
 """
 
 from __future__ import annotations
@@ -78,11 +82,22 @@ class Facts:
         (`planning.native.has_cuda_handler`).
       operands: one grouped matmul's `Operands`, or None where the choice is made for every
         matmul of a kernel at once (then no predicate refuses for the operands).
+      compute_capability: the mesh's GPUs' compute capability ("9.0"), where its devices carry
+        one (a concrete mesh's GPUs, compile-only ones included; an abstract device has none),
+        else None.
+      core_count: the mesh's GPUs' streaming multiprocessors (132 on an H100 SXM), where its
+        devices carry them (a GPU's ``core_count``, an abstract GPU's ``num_cores``), else None.
     """
 
     device_kind: str | None = None
     cuda_handler: bool = False
     operands: Operands | None = None
+    compute_capability: str | None = None
+    core_count: int | None = None
+
+    def without_mesh(self) -> Facts:
+        """These facts less the mesh's devices' (for a platform that is not theirs)."""
+        return dataclasses.replace(self, device_kind=None, compute_capability=None, core_count=None)
 
 
 Predicate = Callable[[str, Facts], "bool | str"]
@@ -155,16 +170,29 @@ def _ragged_supported(platform: str, facts: Facts) -> bool | str:
 
 
 def _mgpu_supported(platform: str, facts: Facts) -> bool | str:
-    """JAX's Mosaic GPU kernels: a Hopper target, lowered on a Hopper host, bf16/f16 operands of
-    one dtype whose K and N fit the tiles (`operands.mgpu_unsupported`)."""
+    """JAX's Mosaic GPU kernels: a Hopper target (the mesh's devices: their compute capability
+    where they carry one, else their kind; any NVIDIA GPU where no mesh says), lowered on a
+    Hopper host (`operands.host_is_hopper`: JAX's weight-gradient kernel reads the host's first
+    device, whatever the mesh), bf16/f16 operands of one dtype whose K and N fit the tiles
+    (`operands.mgpu_unsupported`)."""
     if platform != "cuda":
         return f"JAX's Mosaic GPU kernels run on NVIDIA GPUs, not {platform!r} devices"
-    if facts.device_kind is not None and not operands.is_hopper(facts.device_kind):
-        return f"JAX's Mosaic GPU ragged-dot kernels need a Hopper GPU, not {facts.device_kind!r}"
-    if not operands.host_is_hopper():
+    known = facts.device_kind is not None or facts.compute_capability is not None
+    if known and not operands.is_hopper(facts.device_kind, facts.compute_capability):
+        cc = facts.compute_capability
+        cc = "" if cc is None else f", compute capability {cc}"
         return (
-            "JAX's Mosaic GPU kernels read this host's GPU when they are lowered, and this host "
-            "has no Hopper GPU (a CUDA export from it can use 'ragged_dot')"
+            "JAX's Mosaic GPU ragged-dot kernels need a Hopper GPU (compute capability 9.x), "
+            f"not {facts.device_kind!r}{cc}"
+        )
+    if not operands.host_is_hopper():
+        sms = "" if facts.core_count is None else f" (the mesh's GPUs have {facts.core_count})"
+        return (
+            "JAX's Mosaic GPU kernels read this host's GPU when they are lowered: the weight "
+            "gradient's grid is jax.devices()[0].core_count (jax/experimental/pallas/ops/gpu/"
+            "transposed_ragged_dot_mgpu.py), the SMs of this host's first device, whatever the "
+            f"mesh{sms}, and this host has no Hopper GPU, so a deviceless compile or a CUDA "
+            "export from it can use 'ragged_dot'"
         )
     ops = facts.operands
     if ops is None:
@@ -182,15 +210,27 @@ def tokamax_installed() -> bool:
 
 def _tokamax_supported(platform: str, facts: Facts) -> bool | str:
     """tokamax's ragged dot with the platform's implementation (`experts.gmm_tokamax`): installed,
-    and for CUDA lowered on a GPU host (its Mosaic GPU kernel picks its variant from this host's
-    device, whatever the target)."""
+    and for CUDA lowered where JAX's default device is a GPU of the mesh's kind (tokamax's Mosaic
+    GPU kernel picks its variant and grid from that device, `operands.default_device`, whatever
+    the target): the GPU host's, or within ``jax.default_device`` of one of the mesh's devices
+    (a compile-only GPU serves)."""
     if not tokamax_installed():
         return "tokamax is not installed (pip install 'ultraep_jax[tokamax]': Python >= 3.12)"
-    if platform == "cuda" and not _host_has_gpu():
+    if platform != "cuda":
+        return True
+    device = operands.default_device()
+    if device.platform != "gpu":
         return (
-            "tokamax's Mosaic GPU kernel picks its variant from this host's device, and this "
-            "host has no GPU, so it cannot lower for CUDA here (it raises 'Unsupported GPU "
-            "architecture'); lower on the GPU host"
+            "tokamax's Mosaic GPU kernel picks its variant from JAX's default device "
+            f"(jax.extend.backend.get_default_device(): {device.platform!r} here), so it cannot "
+            "lower for CUDA here (it raises 'Unsupported GPU architecture'); lower on the GPU "
+            "host, or within jax.default_device(<a device of the mesh>)"
+        )
+    if facts.device_kind is not None and device.device_kind != facts.device_kind:
+        return (
+            "tokamax's Mosaic GPU kernel picks its variant from JAX's default device, a "
+            f"{device.device_kind!r}, not the mesh's {facts.device_kind!r}; lower within "
+            "jax.default_device(<a device of the mesh>)"
         )
     return True
 
@@ -204,13 +244,6 @@ def _tokamax_auto(platform: str, facts: Facts) -> bool:
     ops = facts.operands
     shapes = ((128, 128), (1, 128, 128)) if ops is None else (ops.lhs_shape, ops.rhs_shape)
     return operands.mosaic_tpu_unsupported(*shapes, facts.device_kind) is None
-
-
-def _host_has_gpu() -> bool:
-    try:
-        return jax.devices()[0].platform == "gpu"
-    except RuntimeError:
-        return False
 
 
 _INSTEAD_KERNEL = "use expert_kernel='auto' or 'ragged_dot'"
@@ -347,12 +380,12 @@ def choose(kind: str, name: str, platform: str | None, facts: Facts | None = Non
 
 
 def _facts_for(target: str, facts: Facts | None) -> Facts:
-    """``facts`` without the mesh's device kind where the mesh is not of ``target``."""
+    """``facts`` without the mesh's devices' where the mesh is not of ``target``."""
     facts = Facts() if facts is None else facts
     if canonical_platform(platform_of(jax.sharding.get_abstract_mesh()), facts.device_kind) != (
         target
     ):
-        facts = dataclasses.replace(facts, device_kind=None)
+        facts = facts.without_mesh()
     return facts
 
 
@@ -440,6 +473,25 @@ def device_kind_of(mesh) -> str | None:
     return getattr(_device(mesh), "device_kind", None)
 
 
+def facts_of(mesh, **given) -> Facts:
+    """`Facts` of a mesh's devices (a `Mesh`'s first device, an abstract mesh's device; none for
+    None or a mesh without one): their kind, and for GPUs their compute capability and core
+    count where the devices carry them (a compile-only H100: "9.0" and 132; an abstract H100:
+    its ``num_cores``, no compute capability); and ``given``."""
+    device = _device(mesh)
+    if device is None:
+        return Facts(**given)
+    gpu = getattr(device, "platform", None) == "gpu"
+    capability = getattr(device, "compute_capability", None) if gpu else None
+    cores = getattr(device, "core_count", getattr(device, "num_cores", None)) if gpu else None
+    return Facts(
+        device_kind=getattr(device, "device_kind", None),
+        compute_capability=None if capability is None else str(capability),
+        core_count=cores,
+        **given,
+    )
+
+
 #: The platforms the program being traced is to be lowered for, where the caller said
 #: (`lowering_for`), else None: a JAX user context, so that a jitted function traced under other
 #: targets is traced again, not served from JAX's cache.
@@ -492,13 +544,13 @@ def traced_platform() -> str | None:
 
 
 def traced_facts(**given) -> Facts:
-    """`Facts` with the traced mesh's device kind (where the mesh's platform is the one traced
-    for: none for an export to another), and ``given``."""
-    kind = _mesh_kind()
+    """`Facts` of the traced mesh's devices (`facts_of`; where the mesh's platform is the one
+    traced for: none for an export to another), and ``given``."""
+    facts = facts_of(jax.sharding.get_abstract_mesh(), **given)
     targets = _TARGETS.value
     if targets is not None and targets != (_mesh_platform(),):
-        kind = None
-    return Facts(device_kind=kind, **given)
+        facts = facts.without_mesh()
+    return facts
 
 
 def by_platform(kind: str, name: str, run: Callable[[str | None], Callable], *args):

@@ -1,8 +1,10 @@
 """`grouped_matmul_mgpu`: ``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` through JAX's own Hopper
 kernels written in Pallas' Mosaic GPU backend (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``
 and ``transposed_ragged_dot_mgpu``: TMA loads and wgmma, a persistent grid), differentiable
-(bf16/f16 only; Hopper only; no interpreter). They read the host's GPU when lowered, so they
-lower only on a Hopper host. Which operands they take: `base.operands` (`MgpuTiles`,
+(bf16/f16 only; Hopper only; no interpreter). The weight-gradient kernel reads the host's GPU
+when traced (its grid is ``jax.devices()[0].core_count``, `base.operands.host_is_hopper`), so
+they lower only on a Hopper host, never from a CPU host for a mesh of compile-only H100s (the
+forward kernel alone would). Which operands they take: `base.operands` (`MgpuTiles`,
 `mgpu_unsupported`).
 """
 

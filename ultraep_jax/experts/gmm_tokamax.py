@@ -15,9 +15,10 @@ resolved (`config.resolve`) and the mesh's device kind:
   CPU host inside a mesh whose abstract device is that TPU.
 - CUDA: "mosaic_gpu" (its Pallas Mosaic GPU kernels) forward and d_lhs; d_rhs needs its Hopper
   transposed kernel, so on Ampere and Blackwell d_rhs runs its "xla" implementation
-  (`jax.lax.ragged_dot_general`). Its kernels pick their variant from the host's GPU when
-  lowered, so they lower only on a GPU host (`config.resolve` refuses a CUDA export from
-  another host).
+  (`jax.lax.ragged_dot_general`). Its kernels pick their variant and grid from JAX's default
+  device when lowered (`base.operands.default_device`), so they lower only where that is a GPU
+  of the mesh's kind: on the GPU host, or on any host within ``jax.default_device`` of one of
+  the mesh's devices (a compile-only GPU serves); elsewhere `config.resolve` refuses them.
 - CPU and every other platform: "xla", which equals `jax.lax.ragged_dot`, values and gradients.
 
 Rows past ``sum(group_sizes)`` give zeros (the Mosaic kernels leave them unwritten).
@@ -49,8 +50,13 @@ def implementations(platform: str | None, lhs_shape, rhs_shape, device_kind: str
     if platform == "tpu":
         return ("mosaic_tpu",) * 3
     if platform == "cuda":
-        # Its Mosaic GPU weight-gradient (ragged contracting) kernel exists for Hopper only.
-        return ("mosaic_gpu", "mosaic_gpu", "mosaic_gpu" if operands.host_is_hopper() else "xla")
+        # Its Mosaic GPU weight-gradient (ragged contracting) kernel exists for Hopper only, and
+        # picks its variant from JAX's default device (as tokamax reads it).
+        device = operands.default_device()
+        hopper = device.platform == "gpu" and operands.is_hopper(
+            device.device_kind, getattr(device, "compute_capability", None)
+        )
+        return ("mosaic_gpu", "mosaic_gpu", "mosaic_gpu" if hopper else "xla")
     return ("xla",) * 3
 
 
