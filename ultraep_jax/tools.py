@@ -19,6 +19,9 @@ Replicas          `relay_schedule`, `static_hops`, `send_copies`, `hop_copies` (
                   `experts_with_replicas`
 Expert kernels    `local_experts`, `grouped_glu`, `grouped_matmul_mgpu`, `MgpuTiles` (JAX's
                   Mosaic GPU kernels), `grouped_matmul_tokamax` (tokamax's ragged dot)
+XLA:GPU, no GPU   `compile_only_mesh`, `compile_only_devices` (compile-only GPUs of the CUDA
+                  plugin, one node or nodes of 8: `topology_name`), `target_config`,
+                  `cuda_plugin`, `DEVICE_KINDS` (`ultraep_jax.deviceless`)
 
 These are the stages' own functions: their docstrings (at their homes) say what they take and
 give; they may change with the layer they serve, and the CHANGELOG says when.
@@ -28,6 +31,14 @@ from ultraep_jax.base.arguments import check_int
 from ultraep_jax.base.layout import Layout
 from ultraep_jax.comm import exchange_by_backend
 from ultraep_jax.comm.exchange import Exchange
+from ultraep_jax.deviceless import (
+    DEVICE_KINDS,
+    compile_only_devices,
+    compile_only_mesh,
+    cuda_plugin,
+    target_config,
+    topology_name,
+)
 from ultraep_jax.dispatch import combine, from_groups, group_counts, plan_dispatch, to_groups
 from ultraep_jax.experts.gmm_mgpu import MgpuTiles, grouped_matmul_mgpu
 from ultraep_jax.experts.gmm_tokamax import grouped_matmul_tokamax
@@ -66,4 +77,10 @@ __all__ = [
     "grouped_matmul_mgpu",
     "MgpuTiles",
     "grouped_matmul_tokamax",
+    "compile_only_mesh",
+    "compile_only_devices",
+    "target_config",
+    "cuda_plugin",
+    "DEVICE_KINDS",
+    "topology_name",
 ]

@@ -1,6 +1,6 @@
-"""The shape `experiments.bench.memory` compiles: `MemoryConfig` (its flags), by default
-DeepSeek-V3's routed experts as `experiments/lab/stepmodel/shapes.toml` states them
-(`DEEPSEEK_V3`)."""
+"""The shape `experiments.bench.memory` compiles and the compiler it compiles with: `MemoryConfig`
+(its flags), by default DeepSeek-V3's routed experts as `experiments/lab/stepmodel/shapes.toml`
+states them (`DEEPSEEK_V3`), on simulated CPU devices (`TARGETS`)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,16 @@ import math
 import jax.numpy as jnp
 
 from experiments.lab.stepmodel.shapes import MODELS
+from ultraep_jax.config import Execution
+from ultraep_jax.tools import DEVICE_KINDS
 
 #: DeepSeek-V3's shape (shapes.toml's ``[models."deepseek-v3-671b"]``): D, F, E and top-k.
 DEEPSEEK_V3 = MODELS["deepseek-v3-671b"]
 #: The dtypes of x and the parameters.
 DTYPES = ("bfloat16", "float32")
+#: What the program compiles for: XLA:CPU's simulated devices, or XLA:GPU's compile-only GPUs of a
+#: device kind (`ultraep_jax.tools.DEVICE_KINDS`: one node of up to 8, else nodes of 8).
+TARGETS = ("cpu", *DEVICE_KINDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +38,11 @@ class MemoryConfig:
         routes (T x top_k).
       plain_factor: receive buffer of the capped plain layer, x the pairs a rank routes.
       slots_per_rank: S, spare expert slots per rank of the balanced layer.
+      target: the compiler and devices, one of `TARGETS`: "cpu" (XLA:CPU, simulated CPU
+        devices) or a GPU kind ("h100", "h200": XLA:GPU for compile-only GPUs of that kind,
+        nodes of 8; needs JAX >= 0.12 with its CUDA plugin, DESIGN.md section 13).
+      expert_kernel: the layers' ``expert_kernel`` (`ultraep_jax.config.Execution`): "auto" is
+        resolved for the mesh's platform (tiled on CPU).
     """
 
     d_model: int = DEEPSEEK_V3.hidden
@@ -44,6 +54,8 @@ class MemoryConfig:
     balanced_factor: float = 1.05
     plain_factor: float = 1.25
     slots_per_rank: int = 2
+    target: str = "cpu"
+    expert_kernel: str = "auto"
 
     def __post_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k", "tokens_per_rank"):
@@ -58,6 +70,17 @@ class MemoryConfig:
                 raise ValueError(f"--{name} must be a finite number > 0, got {getattr(self, name)}")
         if self.slots_per_rank < 1:
             raise ValueError(f"--slots_per_rank must be >= 1, got {self.slots_per_rank}")
+        if self.target not in TARGETS:
+            raise ValueError(f"--target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+        try:
+            Execution(expert_kernel=self.expert_kernel)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"--{str(err).removeprefix('Execution: ')}") from None
+
+    @property
+    def device_kind(self) -> str | None:
+        """The GPUs' device kind (XLA's device description), None on CPU."""
+        return DEVICE_KINDS.get(self.target)
 
     @property
     def itemsize(self) -> int:

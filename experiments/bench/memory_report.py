@@ -43,6 +43,7 @@ def balanced_excess(rows: list[dict]) -> dict[int, tuple[int, int]]:
 
 MODE_NAMES = {
     "balanced": "balanced@{balanced_factor:g}",
+    "balanced_dropless": "bal. dropless",
     "dropless": "plain dropless",
     "plain": "plain@{plain_factor:g}",
     "ideal": "ideal@{balanced_factor:g}",
@@ -53,28 +54,40 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def compiled_for(config: MemoryConfig) -> str:
+    """What the figures were compiled for: simulated CPU devices, or compile-only GPUs."""
+    if config.device_kind is None:
+        return "compiled for simulated CPU devices"
+    return f"compiled with XLA:GPU for compile-only {config.device_kind}s (nodes of 8)"
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.3f}" if value else "-"
+
+
 def table(rows: list[dict], config: MemoryConfig) -> list[str]:
-    """The report's lines: a header naming the shape, one line per (EP size, mode), and the
-    temporaries per receive-buffer row."""
+    """The report's lines: a header naming the shape and the target, one line per (EP size,
+    mode), and the temporaries per receive-buffer row."""
     c = config
     lines = [
         f"MoE layer training step (loss, d/dx, d/dparams), XLA's memory analysis per device, "
-        f"compiled for simulated CPU devices, never run: D={c.d_model} F={c.d_ff} "
+        f"{compiled_for(c)}, never run: D={c.d_model} F={c.d_ff} "
         f"E={c.num_experts} top-{c.top_k}, {c.tokens_per_rank} tokens/rank, {c.dtype}, "
-        f"S={c.slots_per_rank} (balanced)",
-        f"{'EP':>4} {'layer':>15} {'rows':>8} {'temp GiB':>9} {'/ideal':>7} {'args GiB':>9} "
-        f"{'out GiB':>8} {'code':>5} {'recv GiB':>9} {'recv %':>7} {'a2a blk':>8} "
-        f"{'repl blk':>9}",
+        f"S={c.slots_per_rank} (balanced), expert_kernel={c.expert_kernel}",
+        f"{'EP':>4} {'layer':>15} {'rows':>8} {'temp GiB':>9} {'/ideal':>7} {'peak GiB':>9} "
+        f"{'/ideal':>7} {'args GiB':>9} {'out GiB':>8} {'code':>5} {'recv GiB':>9} "
+        f"{'recv %':>7} {'a2a blk':>8} {'repl blk':>9}",
     ]
     for r in rows:
         name = MODE_NAMES[r["mode"]].format(**dataclasses.asdict(c))
-        ratio = f"{r['temp_vs_ideal']:.3f}" if r["temp_vs_ideal"] else "-"
         code = _gib(r["generated_code_bytes"]) if r["generated_code_bytes"] else "-"
         lines.append(
             f"{r['ep_size']:>4} {name:>15} {r['capacity_rows']:>8} {_gib(r['temp_bytes']):>9} "
-            f"{ratio:>7} {_gib(r['argument_bytes']):>9} {_gib(r['output_bytes']):>8} "
-            f"{code:>5} {_gib(r['receive_buffer_bytes']):>9} {r['receive_share']:>7.1%} "
-            f"{_gib(r['exchange_block_bytes']):>8} {_gib(r['replica_block_bytes']):>9}"
+            f"{_ratio(r['temp_vs_ideal']):>7} {_gib(r['peak_bytes']):>9} "
+            f"{_ratio(r['peak_vs_ideal']):>7} {_gib(r['argument_bytes']):>9} "
+            f"{_gib(r['output_bytes']):>8} {code:>5} {_gib(r['receive_buffer_bytes']):>9} "
+            f"{r['receive_share']:>7.1%} {_gib(r['exchange_block_bytes']):>8} "
+            f"{_gib(r['replica_block_bytes']):>9}"
         )
     excess = balanced_excess(rows)
     if excess:
@@ -86,11 +99,12 @@ def table(rows: list[dict], config: MemoryConfig) -> list[str]:
     slopes = per_buffer_row(rows, c)
     known = {r: s for r, s in slopes.items() if s is not None}
     lines += [
-        "rows: receive-buffer rows per rank (MoE.capacity); recv: rows x D x dtype bytes; "
-        "recv %: of the temporaries; a2a blk: one block of the portable (CPU) token exchange, "
-        "R x min(pairs, rows) x D x dtype bytes (a GPU's ragged all-to-all has none); "
-        "repl blk: one block of the replica weight transfer, R x S x 3 x D x F x dtype bytes; "
-        "code: generated code (XLA:CPU reports 0: -); GiB = 2**30 bytes.",
+        "rows: receive-buffer rows per rank (MoE.capacity); temp, peak: XLA's temporaries and "
+        "peak memory (arguments included) per device, /ideal: over the ideal's; recv: rows x D "
+        "x dtype bytes; recv %: of the temporaries; a2a blk: one block of the portable (CPU) "
+        "token exchange, R x min(pairs, rows) x D x dtype bytes (a GPU's ragged all-to-all has "
+        "none: 0); repl blk: one block of the replica weight transfer, R x S x 3 x D x F x dtype "
+        "bytes; code: generated code (XLA:CPU reports 0: -); GiB = 2**30 bytes.",
     ]
     if known:
         text = ", ".join(f"EP{r} {s:.1f}" for r, s in known.items())

@@ -1,85 +1,27 @@
 """XLA:GPU's compiler on a host without a GPU (DESIGN.md section 13): compile-only H100s of the
-CUDA plugin (`compile_only_mesh`; their target configuration is XLA's own spec, read from the
-plugin's library: `target_config`), and what tests read in an optimized HLO module
-(``compiled.as_text()``, parsed by `HloModule`): the all-reduces whose result reaches a ragged
-all-to-all (`all_reduces_feeding_ragged`), and the collectives inside a conditional's branches
-whose replica groups span devices of different data rows (`branch_collectives_across_rows`)."""
+CUDA plugin (the library's `compile_only_mesh` and `target_config`, `ultraep_jax.deviceless`,
+re-exported here), and what tests read in an optimized HLO module (``compiled.as_text()``,
+parsed by `HloModule`): the all-reduces whose result reaches a ragged all-to-all
+(`all_reduces_feeding_ragged`), and the collectives inside a conditional's branches whose
+replica groups span devices of different data rows (`branch_collectives_across_rows`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.metadata
-import importlib.util
-import mmap
-import pathlib
 import re
 
 import jax
 import numpy as np
 
-#: The CUDA plugins' PJRT modules (jax-cuda13-pjrt, jax-cuda12-pjrt) and their distributions.
-CUDA_PLUGINS = (
-    ("jax_plugins.xla_cuda13", "jax-cuda13-pjrt"),
-    ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt"),
-)
-#: The PJRT library in a plugin module's folder.
-PLUGIN_LIBRARY = "xla_cuda_plugin.so"
-#: The GPU of XLA's specs (xla/backends/gpu/target_config/specs/h100_sxm.txtpb) the tests target.
-H100 = "NVIDIA H100 80GB HBM3"
+from ultraep_jax.tools import DEVICE_KINDS, compile_only_mesh, cuda_plugin, target_config
 
+# The compile-only devices are the library's (`tools`), re-exported for the tests.
+__all__ = ["compile_only_mesh", "cuda_plugin", "target_config"]
 
-def cuda_plugin() -> tuple[pathlib.Path, str] | None:
-    """(the installed CUDA plugin's PJRT library, its distribution's version), or None where no
-    CUDA plugin is installed."""
-    for module, distribution in CUDA_PLUGINS:
-        try:
-            spec = importlib.util.find_spec(module)
-        except ModuleNotFoundError:  # no jax_plugins package at all
-            spec = None
-        if spec is not None and spec.origin is not None:
-            library = pathlib.Path(spec.origin).parent / PLUGIN_LIBRARY
-            if library.exists():
-                return library, importlib.metadata.version(distribution)
-    return None
-
-
-@functools.cache
-def target_config(device_kind: str = H100) -> str:
-    """XLA's ``GpuTargetConfigProto`` of ``device_kind``, in text form, as the CUDA plugin's
-    library embeds it (XLA compiles its specs, xla/backends/gpu/target_config/specs/*.txtpb, into
-    the library as NUL-terminated strings): the string that ends with that device's
-    ``device_description_str``. Read from the installed plugin, so it is always the spec that
-    plugin parses. Raises one line where no plugin or no such spec is found."""
-    found = cuda_plugin()
-    if found is None:
-        raise LookupError("target_config: no CUDA plugin (jax-cuda13-plugin) is installed")
-    library, _ = found
-    key = f'device_description_str: "{device_kind}"\n'.encode()
-    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        at = data.find(key)
-        if at < 0 or data[at + len(key)] != 0:
-            raise LookupError(f"target_config: {library} embeds no spec of {device_kind!r}")
-        return data[data.rfind(b"\0", 0, at) + 1 : at + len(key)].decode()
-
-
-def compile_only_mesh(ep: int = 8, dp: int = 1, device_kind: str = H100) -> jax.sharding.Mesh:
-    """``ep`` ranks on the "expert" axis under a "data" axis of size ``dp`` (none when 1), over
-    the compile-only GPUs of one node of ``dp * ep`` ``device_kind``s (the CUDA plugin's
-    topology "1x1x<n>"): a program jitted over it compiles with XLA:GPU here, and does not run.
-    Device ids are row-major over the mesh (device ``d`` is in data row ``d // ep``), which
-    `branch_collectives_across_rows` relies on."""
-    from jax.experimental import topologies
-
-    n = dp * ep
-    topology = topologies.get_topology_desc(
-        platform="cuda", target_config=target_config(device_kind), topology=f"1x1x{n}"
-    )
-    devices = np.array(topology.devices)
-    assert [d.id for d in devices] == list(range(n)), [d.id for d in devices]
-    if dp == 1:
-        return jax.sharding.Mesh(devices, ("expert",))
-    return jax.sharding.Mesh(devices.reshape(dp, ep), ("data", "expert"))
+#: The GPU the tests target (XLA's h100_sxm.txtpb): `compile_only_mesh`'s default, one node of
+#: 8 whose device ids are row-major over the mesh (device ``d`` in data row ``d // ep``), which
+#: `branch_collectives_across_rows` relies on.
+H100 = DEVICE_KINDS["h100"]
 
 
 def compile_without_cache(lowered: jax.stages.Lowered) -> jax.stages.Compiled:

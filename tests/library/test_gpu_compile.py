@@ -9,7 +9,11 @@ the CPU tests cannot see:
 - no all-reduce's result reaches a ragged all-to-all (a cast after a collective transposes to an
   all-reduce of the cotangent before the backward exchange: wrong gradients);
 - no collective over the data axis inside a conditional's branches (a branch chosen by a plan is
-  uniform only over EP: the data groups deadlock when they take different branches).
+  uniform only over EP: the data groups deadlock when they take different branches);
+- the expert kernel "auto" takes is resolved from the H100s' facts, not the host's, and the
+  compiled step carries it: `ragged_dot` here, since JAX's Mosaic GPU weight-gradient kernel
+  reads the host's GPU (its forward kernel alone lowers here); tokamax's Mosaic GPU kernels,
+  asked for, lower here within ``jax.default_device`` of an H100 (where tokamax is installed).
 
 Each compiled step's memory per device (arguments, temporaries, peak) is printed (``-s``).
 Skipped where the CUDA plugin of jaxlib's version is not installed (line a: JAX 0.10), unless
@@ -32,8 +36,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ultraep_jax as uep
+from tests import helpers
 from tests.helpers import MESH_KINDS, gpu_compile
 from tests.helpers.layer_cases import balancer_config
+from ultraep_jax.base import operands
+from ultraep_jax.config import resolve
 from ultraep_jax.planning import native
 
 #: Set where the deviceless GPU compiler must be installed (CI's line b): its absence then fails
@@ -106,7 +113,7 @@ class CompiledStep:
 
 
 @functools.cache
-def compiled_step(kind: str, balanced: bool) -> CompiledStep:
+def compiled_step(kind: str, balanced: bool, expert_kernel: str = "auto") -> CompiledStep:
     """The layer's value and gradients w.r.t. its parameters and its input (a layer inside a
     model) of mean(y**2), jitted over ``kind``'s H100 mesh and compiled (nothing runs)."""
     mesh = mesh_of(kind)
@@ -121,6 +128,7 @@ def compiled_step(kind: str, balanced: bool) -> CompiledStep:
             balancer=balancer,
             capacity_factor=None,
             param_dtype=DTYPE,
+            expert_kernel=expert_kernel,
             rngs=nnx.Rngs(0),
         )
     )
@@ -278,3 +286,123 @@ def test_the_branch_check_finds_a_data_axis_collective(axis):
     assert module.instructions({"conditional"})
     found = gpu_compile.branch_collectives_across_rows(module, mesh)
     assert bool(found) == (axis == "data"), found
+
+
+# -- the expert kernel: "auto" from the H100s' facts ------------------------------------------
+
+#: The custom call of a Mosaic GPU kernel (JAX's and tokamax's) in the optimized module.
+MOSAIC_GPU = 'custom_call_target="mosaic_gpu'
+#: The smallest operands JAX's Mosaic GPU kernels take, per rank: K = N = 128, rows of 2 tiles.
+MGPU_M, MGPU_K, MGPU_N, MGPU_G = 256, 128, 128, 4
+
+
+def _operands(lhs_shape, rhs_shape) -> resolve.Operands:
+    return resolve.Operands(lhs_shape, rhs_shape, jnp.dtype(DTYPE), jnp.dtype(DTYPE))
+
+
+def test_the_h100s_facts_are_the_meshs_not_the_hosts(monkeypatch):
+    """The mesh's facts are the H100s' (kind, compute capability 9.0, 132 SMs; traced inside a
+    shard_map over them, the abstract H100's kind and SMs), though the host is a CPU; on them
+    "auto" takes mgpu for fitting bf16 operands where the host can lower it (a Hopper host), and
+    ragged_dot here."""
+    mesh = mesh_of("ep8")
+    facts = resolve.facts_of(mesh)
+    assert facts == resolve.Facts(gpu_compile.H100, compute_capability="9.0", core_count=132)
+    traced = []
+
+    def body(x):
+        traced.append((resolve.traced_platform(), resolve.traced_facts()))
+        return x
+
+    jax.eval_shape(
+        jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")),
+        jax.ShapeDtypeStruct((8,), jnp.float32),
+    )
+    assert traced == [("gpu", resolve.Facts(gpu_compile.H100, core_count=132))]
+    fits = _operands((MGPU_M, MGPU_K), (MGPU_G, MGPU_K, MGPU_N))
+    for given in (facts, traced[0][1]):
+        given = dataclasses.replace(given, operands=fits)
+        assert resolve.resolve("expert_kernel", "auto", "gpu", given) == "ragged_dot"
+        with monkeypatch.context() as patch:
+            patch.setattr(operands, "host_is_hopper", lambda: True)
+            assert resolve.resolve("expert_kernel", "auto", "gpu", given) == "mgpu"
+
+
+def _mgpu_compiled(gradients: bool):
+    """`grouped_matmul_mgpu` of bf16 [M, K] x [G, K, N] per rank (or its gradients w.r.t. both
+    operands), in a shard_map over the 8 H100s, lowered and compiled here."""
+    from ultraep_jax.experts import gmm_mgpu
+
+    mesh = mesh_of("ep8")
+
+    def matmul(lhs, rhs, sizes):
+        return gmm_mgpu.grouped_matmul_mgpu(lhs, rhs, sizes)
+
+    def loss(lhs, rhs, sizes):
+        return jnp.sum(matmul(lhs, rhs, sizes).astype(jnp.float32))
+
+    fn = jax.grad(loss, argnums=(0, 1)) if gradients else matmul
+    spec = P("expert")
+    step = jax.shard_map(
+        fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec) if gradients else spec
+    )
+    sharding = NamedSharding(mesh, spec)
+    args = (
+        jax.ShapeDtypeStruct((8 * MGPU_M, MGPU_K), DTYPE, sharding=sharding),
+        jax.ShapeDtypeStruct((8 * MGPU_G, MGPU_K, MGPU_N), DTYPE, sharding=sharding),
+        jax.ShapeDtypeStruct((8 * MGPU_G,), jnp.int32, sharding=sharding),
+    )
+    return gpu_compile.compile_without_cache(jax.jit(step).lower(*args))
+
+
+def test_jax_mgpu_weight_gradient_reads_the_host_so_auto_cannot_take_it_here():
+    """Why "auto" on the H100s takes ragged_dot from this host: JAX's Mosaic GPU forward kernel
+    (132 SMs fixed) lowers here to Mosaic GPU custom calls, and its weight-gradient kernel does
+    not: its grid is ``jax.devices()[0].core_count``, the CPU host's device, which has none. When
+    JAX reads the target instead, this fails: then drop the host check of
+    `resolve._mgpu_supported` so that "auto" takes mgpu here too (issue 75)."""
+    if operands.host_is_hopper():
+        pytest.skip("this host is a Hopper GPU: the kernels lower from it")
+    assert MOSAIC_GPU in _mgpu_compiled(gradients=False).as_text()
+    with pytest.raises(AttributeError) as caught:
+        _mgpu_compiled(gradients=True)
+    last = caught.traceback[-1]  # where it was raised: JAX's kernel reading the host's SMs
+    assert str(last.path).endswith("transposed_ragged_dot_mgpu.py"), caught.traceback
+    assert "jax.devices()[0].core_count" in str(last.statement), last.statement
+
+
+@pytest.mark.slow  # shares the compiled step of the tests above
+def test_step_carries_the_kernel_auto_takes_for_the_h100s():
+    """The compiled step's experts are the kernel "auto" resolves from the mesh's facts for
+    their bf16 operands (gate and up: K=D=128, N=F=256; down: K=256, N=128; all fit mgpu):
+    ragged_dot from this host (no Mosaic GPU call), mgpu from a Hopper host."""
+    mesh = mesh_of("ep8")
+    facts = resolve.facts_of(mesh)
+    chosen = {
+        resolve.resolve("expert_kernel", "auto", "gpu", dataclasses.replace(facts, operands=ops))
+        for ops in (_operands((64, D), (E, D, F)), _operands((64, F), (E, F, D)))
+    }
+    assert chosen == {"mgpu" if operands.host_is_hopper() else "ragged_dot"}
+    text = compiled_step("ep8", True).text
+    assert (MOSAIC_GPU in text) == (chosen == {"mgpu"})
+
+
+@pytest.mark.slow  # a step lowers and compiles in about 30 CPU-seconds
+def test_explicit_tokamax_lowers_for_the_h100s_within_their_default_device():
+    """tokamax's Mosaic GPU kernels read JAX's default device: within ``jax.default_device`` of
+    one of the H100s the step asked for tokamax compiles here, its experts Mosaic GPU calls;
+    outside it the layer refuses tokamax in one line naming that remedy."""
+    pytest.importorskip("tokamax")
+    mesh = mesh_of("ep8")
+    helpers.assert_raises_one_line(
+        ValueError,
+        r"expert_kernel='tokamax': tokamax's Mosaic GPU kernel picks its variant from JAX's "
+        r"default device .*jax\.default_device",
+        compiled_step.__wrapped__,
+        "ep8",
+        True,
+        "tokamax",
+    )
+    with jax.default_device(mesh.devices.flat[0]):
+        text = compiled_step.__wrapped__("ep8", True, "tokamax").text
+    assert MOSAIC_GPU in text
