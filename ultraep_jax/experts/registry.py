@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ultraep_jax._ops import exclusive_cumsum
 from ultraep_jax.base.activations import check_activation, glu
@@ -24,44 +25,46 @@ from ultraep_jax.config import resolve
 from ultraep_jax.experts.tiled import tiled_glu_parts
 
 
-def _ragged_dot(lhs, rhs, group_sizes, platform, facts):
-    """`jax.lax.ragged_dot`, its products float32 (not rounded to bf16 inputs' dtype)."""
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+def _ragged_dot(lhs, rhs, group_sizes, platform, facts, out_dtype):
+    """`jax.lax.ragged_dot`, its products in ``out_dtype`` (accumulated in float32 and rounded
+    once when that is bf16)."""
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
 
 
-def _mgpu(lhs, rhs, group_sizes, platform, facts):
+def _mgpu(lhs, rhs, group_sizes, platform, facts, out_dtype):
     """JAX's Hopper (Mosaic GPU) ragged-dot kernels (`gmm_mgpu`), imported when first traced;
     accumulated in float32, the products in the operands' dtype (the kernels write no other)."""
     from ultraep_jax.experts import gmm_mgpu
 
-    return gmm_mgpu.grouped_matmul_mgpu(lhs, rhs, group_sizes)
+    return gmm_mgpu.grouped_matmul_mgpu(lhs, rhs, group_sizes).astype(out_dtype)
 
 
-def _tokamax(lhs, rhs, group_sizes, platform, facts):
+def _tokamax(lhs, rhs, group_sizes, platform, facts, out_dtype):
     """tokamax's ragged dot with the implementation of ``platform`` (`gmm_tokamax`), imported
     when first traced; float32 products."""
     from ultraep_jax.experts import gmm_tokamax
 
-    return gmm_tokamax.grouped_matmul_tokamax(
+    products = gmm_tokamax.grouped_matmul_tokamax(
         lhs, rhs, group_sizes, platform=platform, device_kind=facts.device_kind
     )
+    return products.astype(out_dtype)
 
 
 #: Each grouped matmul by its kernel name: (lhs [M, K], rhs [G, K, N], group_sizes [G], the
-#: platform, `resolve.Facts`) -> [M, N], `jax.lax.ragged_dot`'s semantics.
+#: platform, `resolve.Facts`, the products' dtype) -> [M, N], `jax.lax.ragged_dot`'s semantics.
 _MATMULS = {"ragged_dot": _ragged_dot, "mgpu": _mgpu, "tokamax": _tokamax}
 
 
 def _resolved_matmul(kernel: str, platform: str | None, facts: resolve.Facts):
     """``ragged_dot(lhs, rhs, group_sizes)`` by the grouped matmul that ``kernel`` is on
     ``platform`` for each call's own operands ("auto" on CUDA: Mosaic GPU where the operands
-    suit it, else `ragged_dot`)."""
+    suit it, else `ragged_dot`), its products in ``out_dtype`` (float32 unless given)."""
 
-    def grouped(lhs, rhs, group_sizes):
+    def grouped(lhs, rhs, group_sizes, out_dtype=jnp.float32):
         given = dataclasses.replace(facts, operands=resolve.Operands.of(lhs, rhs))
         name = resolve.choose("expert_kernel", kernel, platform, given)
         target = resolve.canonical_platform(platform, facts.device_kind)
-        return _MATMULS[name](lhs, rhs, group_sizes, target, given)
+        return _MATMULS[name](lhs, rhs, group_sizes, target, given, out_dtype)
 
     return grouped
 
@@ -92,6 +95,11 @@ def _plus(a, bias):
     return a if bias is None else a + bias.astype(a.dtype)
 
 
+#: The names of a matmul stack's float32 gate and up products, the only values of its forward
+#: pass its backward pass keeps (`_by_matmul`).
+_GATE, _UP = "ultraep_expert_gate", "ultraep_expert_up"
+
+
 def _by_matmul(grouped):
     """The experts as three calls of ``grouped`` (``ragged_dot(lhs, rhs, group_sizes)``
     semantics) per stack, so that one stack's work does not wait for another's weights; a
@@ -99,24 +107,40 @@ def _by_matmul(grouped):
     gated unit (and each bias sum) is computed in float32 whatever the rows' dtype, and its
     output rounded to that dtype for the down matmul: in bf16 a unit computed on bf16 products
     (a clamped unit's bounds at small limits most) gave gradients off by a sixth of their
-    largest."""
+    largest.
+
+    A stack's backward pass keeps its float32 gate and up products [C, F] and recomputes the
+    rest from them and the rows (the rolls, the gated unit and its output [C, F]: elementwise
+    work, no matmul), not the products of every elementwise step of the unit; and a stack's
+    output is in the rows' dtype, its down products rounded once. The stacks' rows are disjoint
+    (a row gets zeros from every stack but its own), so their outputs add exactly in that
+    dtype."""
+
+    def one_stack(rows, stack, shift, sizes, activation):
+        (w_gate, w_up, w_down), biases = stack[:3], stack[3:] or (None, None, None)
+        # Grouped matmuls know no row offset: rotate the stack's first row to row 0 and back
+        # (a dynamic roll, whose transpose is another roll; a gather would transpose to a slow
+        # scatter-add). ``shift`` is None for a stack whose groups start at row 0.
+        shifted = rows if shift is None else jnp.roll(rows, -shift, axis=0)
+        b_gate, b_up, b_down = _row_biases(biases, sizes, rows.shape[0])
+        f32 = jnp.float32
+        gate = checkpoint_name(_plus(grouped(shifted, w_gate, sizes).astype(f32), b_gate), _GATE)
+        up = checkpoint_name(_plus(grouped(shifted, w_up, sizes).astype(f32), b_up), _UP)
+        h = glu(activation, gate, up).astype(rows.dtype)
+        if b_down is None:  # the products rounded once, straight to the rows' dtype
+            part = grouped(h, w_down, sizes, rows.dtype)
+        else:
+            part = _plus(grouped(h, w_down, sizes), b_down).astype(rows.dtype)
+        return part if shift is None else jnp.roll(part, shift, axis=0)
+
+    policy = jax.checkpoint_policies.save_only_these_names(_GATE, _UP)
+    stack_fn = jax.checkpoint(one_stack, policy=policy, static_argnums=(4,))
 
     def run(rows, stacks, starts, group_sizes, activation):
         out = None
         for stack, first, last in stacks:
-            (w_gate, w_up, w_down), biases = stack[:3], stack[3:] or (None, None, None)
-            sizes = group_sizes[first:last]
-            # Grouped matmuls know no row offset: rotate the stack's first row to row 0 and back
-            # (a dynamic roll, whose transpose is another roll; a gather would transpose to a
-            # slow scatter-add).
-            shifted = jnp.roll(rows, -starts[first], axis=0) if first else rows
-            b_gate, b_up, b_down = _row_biases(biases, sizes, rows.shape[0])
-            f32 = jnp.float32
-            gate = _plus(grouped(shifted, w_gate, sizes).astype(f32), b_gate)
-            up = _plus(grouped(shifted, w_up, sizes).astype(f32), b_up)
-            h = glu(activation, gate, up).astype(rows.dtype)
-            part = _plus(grouped(h, w_down, sizes).astype(f32), b_down).astype(rows.dtype)
-            part = jnp.roll(part, starts[first], axis=0) if first else part
+            shift = starts[first] if first else None
+            part = stack_fn(rows, stack, shift, group_sizes[first:last], activation)
             out = part if out is None else out + part
         return out
 

@@ -128,22 +128,25 @@ def _no_fetch(fetch, masters) -> tuple:
 
 def _masters_then_slots(run, rows, masters, fetch, active, chunks: int) -> jax.Array:
     """[C, D]: the masters' calls, plus the slots' (chunk by chunk, `_slots`) when the plan has a
-    replica: each stack runs as its own calls, so the masters' work need not wait for the
-    weights."""
+    replica: each stack runs as its own calls, so that the masters' work need not wait for the
+    weights. Each stack's rows get zeros from the other, so the two add exactly in the rows'
+    dtype: the `lax.cond` returns [C, D] in that dtype, not in float32."""
 
     def no_slots():
-        return vary(jnp.zeros(rows.shape, jnp.float32), varying_axes(rows))
+        return vary(jnp.zeros(rows.shape, rows.dtype), varying_axes(rows))
 
     slots = functools.partial(_slots, run, masters, fetch, chunks)
-    out = run([masters, None]).astype(jnp.float32) + jax.lax.cond(active, slots, no_slots)
-    return out.astype(rows.dtype)
+    return run([masters, None]) + jax.lax.cond(active, slots, no_slots)
 
 
 def _slots(run, masters, fetch, chunks: int) -> jax.Array:
-    """float32 [C, D]: the slot groups' rows, the weights fetched and run chunk by chunk of the
-    hidden width (partial sums in float32, whatever the rows' dtype)."""
+    """[C, D] in the rows' dtype: the slot groups' rows, the weights fetched and run chunk by
+    chunk of the hidden width (the chunks' partial sums added in float32, whatever the rows'
+    dtype, and rounded once)."""
+    if chunks == 1:
+        return run([None, fetch(masters)])
     out = None
     for c, cols in enumerate(hidden_chunks(masters[0].shape[-1], chunks)):
-        part = run([None, fetch(weight_chunk(masters, cols, first=c == 0))]).astype(jnp.float32)
-        out = part if out is None else out + part
-    return out
+        part = run([None, fetch(weight_chunk(masters, cols, first=c == 0))])
+        out = part.astype(jnp.float32) if out is None else out + part.astype(jnp.float32)
+    return out.astype(part.dtype)
