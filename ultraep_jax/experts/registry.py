@@ -109,9 +109,10 @@ def _by_matmul(grouped):
     (a clamped unit's bounds at small limits most) gave gradients off by a sixth of their
     largest.
 
-    A stack's backward pass keeps its float32 gate and up products [C, F] and recomputes the
-    rest from them and the rows (the rolls, the gated unit and its output [C, F]: elementwise
-    work, no matmul), not the products of every elementwise step of the unit; and a stack's
+    A stack's backward pass keeps at most its float32 gate and up products [C, F] and
+    recomputes the rest from them and the rows (the rolls, the gated unit and its output
+    [C, F]: elementwise work, no matmul), not the products of every elementwise step of the
+    unit (which a `lax.cond` around the slots' stack had to hand out whole); and a stack's
     output is in the rows' dtype, its down products rounded once. The stacks' rows are disjoint
     (a row gets zeros from every stack but its own), so their outputs add exactly in that
     dtype."""
@@ -133,8 +134,12 @@ def _by_matmul(grouped):
             part = _plus(grouped(h, w_down, sizes), b_down).astype(rows.dtype)
         return part if shift is None else jnp.roll(part, shift, axis=0)
 
+    # Without CSE barriers: XLA may still reuse a forward value it holds anyway (the masters'
+    # stack outside any cond); the policy bounds what a stack run in the replica slots' cond
+    # hands its backward pass. With barriers, XLA:GPU's schedule of DeepSeek-V3's layer at EP8
+    # held 19 GiB more per device (compiled for H100s, ragged_dot; docs/results/memory.md).
     policy = jax.checkpoint_policies.save_only_these_names(_GATE, _UP)
-    stack_fn = jax.checkpoint(one_stack, policy=policy, static_argnums=(4,))
+    stack_fn = jax.checkpoint(one_stack, policy=policy, static_argnums=(4,), prevent_cse=False)
 
     def run(rows, stacks, starts, group_sizes, activation):
         out = None
