@@ -1,4 +1,4 @@
-"""XLA:GPU's compiler on a host without a GPU (DESIGN.md section 13): the compile-only GPUs of the
+"""XLA:GPU's compiler on a host without a GPU (docs/gpu.md): the compile-only GPUs of the
 installed CUDA plugin (`compile_only_devices`, `compile_only_mesh`), whose target configuration is
 XLA's own spec of the device kind, read from the plugin's library (`target_config`). A program
 jitted over such a mesh compiles with XLA:GPU here (``.lower(...).compile()``: its

@@ -40,7 +40,7 @@ class MemoryConfig:
       slots_per_rank: S, spare expert slots per rank of the balanced layer.
       target: the compiler and devices, one of `TARGETS`: "cpu" (XLA:CPU, simulated CPU
         devices) or a GPU kind ("h100", "h200": XLA:GPU for compile-only GPUs of that kind,
-        nodes of 8; needs JAX >= 0.12 with its CUDA plugin, DESIGN.md section 13).
+        nodes of 8; needs JAX >= 0.12 with its CUDA plugin, docs/gpu.md).
       expert_kernel: the layers' ``expert_kernel`` (`ultraep_jax.config.Execution`): "auto" is
         resolved for the mesh's platform (tiled on CPU).
     """

@@ -25,7 +25,7 @@ def force_cpu_devices(count: int, *, cpu_only: bool = False) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-#: The environment a process compiling for compile-only GPUs needs (DESIGN.md section 13): JAX
+#: The environment a process compiling for compile-only GPUs needs (docs/gpu.md): JAX
 #: on the CPU host (it has no GPU to start), and no check of a CUDA install by the CUDA plugin
 #: (none is needed to compile).
 COMPILE_ONLY_GPU_ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}

@@ -1,7 +1,7 @@
 """The Hugging Face MoE families `uep.MoE` reproduces, and the layer each config.json implies.
 
 A family is a transformers model type whose MoE block `uep.MoE` computes exactly (the routing
-rules: /work/shared/DESIGN.md section 11, as of transformers 5.24): `FAMILIES` says which keys of
+rules: docs/integration.md, as of transformers 5.24): `FAMILIES` says which keys of
 the config set what, `moe_kwargs` turns a config.json into `uep.MoE`'s arguments, and
 `moe_layers` says which decoder layers hold a MoE block. Every call takes the config as a dict,
 as an object with ``to_dict()`` (a transformers config) or as a path to a config.json or to the
