@@ -75,8 +75,9 @@ def _compiler_required():
         pytest.fail(f"{UNAVAILABLE} ({REQUIRE_ENV} is set, so this fails instead of skipping)")
 
 
-# The compiled steps are cached by the one test process of this group (pytest-xdist).
-pytestmark = pytest.mark.xdist_group("test_gpu_compile")
+# The compiled steps are cached by the one test process of this group (pytest-xdist). The
+# compiler needs JAX >= 0.12: CI's line (b) runs the file's slow tests too (`gpu_compile`).
+pytestmark = [pytest.mark.xdist_group("test_gpu_compile"), pytest.mark.gpu_compile]
 
 #: A small layer on the GPU's balanced path: 8 experts, top-2, 2 replica slots per rank,
 #: bfloat16 (the GPU's training dtype), D = 128 and F = 256 (told apart in the module's shapes),
