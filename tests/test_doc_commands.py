@@ -4,8 +4,8 @@ experiments/README.md parses as written: the program's flags and their validator
 
 What runs how (a full run of most of them takes minutes to hours, so this file only parses):
   - every command: its flags parsed by the program's own parser (`program.parse_flags`, with the
-    program's validators), one process per program, without running its ``main``; marked slow
-    (a JAX import per program, about half a minute in all);
+    program's validators), a process forked per program from one that imported JAX once,
+    without running its ``main``; marked slow;
   - every program's defaults: no figure is written under docs/ or experiments/results/ unless a
     flag names the file (`test_defaults_write_no_committed_file`), printed by the same process
     that parsed its commands (`parsed`);
@@ -42,25 +42,59 @@ PAGES = (
 )
 # Committed results: a program writes there only when a flag names the file.
 COMMITTED = ("docs/", "experiments/results/")
-# Runs the program module with `run_main` replaced by: parse each argv (one line `error: ...`
-# and exit 2 when one does not parse), then exit 0 without running main.
+# Runs each program module with `run_main` replaced by: parse each argv (one line `error: ...` and
+# exit 2 when one does not parse), then exit 0 without running main. One process imports JAX,
+# flax and the library once, then forks a child per program (the program's own flags, parsed as
+# in a process of its own), and prints {module: {code, stdout, stderr}} as its last line.
 _RUNNER = """
-import json, runpy, sys
-from absl import app, flags
-from experiments.lab import program
-module, argvs = sys.argv[1], json.loads(sys.argv[2])
+import json, os, runpy, sys, tempfile
+import jax, flax, numpy, ultraep_jax  # noqa: F401  (imported once, before the forks)
+commands = json.loads(sys.argv[1])
 
-def parse_only(main, **kwargs):
-    for argv in argvs:
-        flags.FLAGS.unparse_flags()
-        program.parse_flags([module, *argv])
-    if "--defaults" in sys.argv:  # every string flag's default
-        values = {name: flags.FLAGS[name].default for name in flags.FLAGS}
+def child(module, argvs):
+    from absl import app, flags
+    from experiments.lab import program
+
+    def parse_only(main, **kwargs):
+        for argv in argvs:
+            flags.FLAGS.unparse_flags()
+            program.parse_flags([module, *argv])
+        values = {name: flags.FLAGS[name].default for name in flags.FLAGS}  # string defaults
         print(json.dumps({k: v for k, v in values.items() if isinstance(v, str)}))
-    sys.exit(0)
+        sys.exit(0)
 
-program.run_main = app.run = parse_only
-runpy.run_module(module, run_name="__main__", alter_sys=True)
+    program.run_main = app.run = parse_only
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+results = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for module, argvs in commands.items():
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            with open(out, "w") as o, open(err, "w") as e:
+                os.dup2(o.fileno(), 1)
+                os.dup2(e.fileno(), 2)
+                try:
+                    child(module, argvs)
+                    code = 0
+                except SystemExit as stop:
+                    code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+                except BaseException:
+                    import traceback
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        results[module] = {
+            "code": os.waitstatus_to_exitcode(status),
+            "stdout": open(out).read(),
+            "stderr": open(err).read(),
+        }
+print(json.dumps(results))
 """
 
 
@@ -114,17 +148,20 @@ NOT_FLAG_PROGRAMS = {
 COMMANDS = {m: a for m, a in documented_commands().items() if m not in NOT_FLAG_PROGRAMS}
 
 
-def _run(module: str, argvs: list[list[str]], *extra: str) -> subprocess.CompletedProcess:
+def _run_all(commands: dict[str, list[list[str]]]) -> dict[str, dict]:
+    """``{module: {"code", "stdout", "stderr"}}`` of `_RUNNER` over ``commands``."""
     env = program_env()
     env["JAX_PLATFORMS"] = "cpu"  # parsing touches no device
-    return subprocess.run(
-        [sys.executable, "-c", _RUNNER, module, json.dumps(argvs), *extra],
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, json.dumps(commands)],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_commands_are_found():
@@ -141,18 +178,22 @@ def test_commands_are_found():
 
 
 @functools.cache
-def parsed(module: str) -> subprocess.CompletedProcess:
-    """One process per program (per test process): it parses every documented command of
-    ``module`` as written, then prints every string flag's default (`_RUNNER`'s ``--defaults``),
-    for both tests below."""
-    return _run(module, COMMANDS[module], "--defaults")
+def _parsed_all() -> dict[str, dict]:
+    return _run_all(COMMANDS)
+
+
+def parsed(module: str) -> dict:
+    """What parsing every documented command of ``module`` as written gave (``code``, ``stdout``,
+    ``stderr``), its stdout's last line every string flag's default; for both tests below, from
+    one run of `_RUNNER` over every program (per test process)."""
+    return _parsed_all()[module]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(COMMANDS))
 def test_parsed_as_written(module):
-    proc = parsed(module)
-    assert proc.returncode == 0, (COMMANDS[module], proc.stderr[-2000:])
+    run = parsed(module)
+    assert run["code"] == 0, (COMMANDS[module], run["stderr"][-2000:])
 
 
 @pytest.mark.slow
@@ -160,9 +201,9 @@ def test_parsed_as_written(module):
 def test_defaults_write_no_committed_file(module):
     """bench.breakeven, bench.rates and stepmodel_programs.topology overwrote docs/breakeven.json
     and .png, experiments/results/rates_cpu.json and topology.json by default."""
-    proc = parsed(module)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    defaults = json.loads(proc.stdout.strip().splitlines()[-1])
+    run = parsed(module)
+    assert run["code"] == 0, run["stderr"][-2000:]
+    defaults = json.loads(run["stdout"].strip().splitlines()[-1])
     inputs = {"rates", "breakeven", "calibration", "traces_dir", "workdir", "dir", "prompts"}
     writes = {k: v for k, v in defaults.items() if k not in inputs and v}
     assert not [v for v in writes.values() if v.startswith(COMMITTED)], writes

@@ -62,13 +62,29 @@ def _plan_batch(batch, cfg: uep.BalancerConfig, planner: str) -> dict:
 PORTABLE_DOMAIN = dict(zip(CONFIGS, [None, 1, 1, 1, 1, 4, 2, 4, 2, 4], strict=True))
 
 
+#: The portable planner's cases run on every JAX line only up to this many ranks; its larger
+#: ones, a compile of seconds each, are slow (CI runs them on one line). The native planner's
+#: cases (no compile) all run everywhere.
+PORTABLE_EVERYWHERE_R = 4
+
+
+def _portable_marks(R: int, g=None) -> list:
+    """Slow for the portable planner's cases past `PORTABLE_EVERYWHERE_R` ranks or with
+    several domains of a case that also runs with one (``g`` not None)."""
+    return [pytest.mark.slow] if R > PORTABLE_EVERYWHERE_R or g is not None else []
+
+
 def _random_batch_params():
     for config in CONFIGS:
         for g in domains_of(config[0]):
             yield pytest.param("native", *config, g, id=f"native-{'-'.join(map(str, config))}-{g}")
         for g in dict.fromkeys([None, PORTABLE_DOMAIN[config]]):
             yield pytest.param(
-                "portable", *config, g, id=f"portable-{'-'.join(map(str, config))}-{g}"
+                "portable",
+                *config,
+                g,
+                id=f"portable-{'-'.join(map(str, config))}-{g}",
+                marks=_portable_marks(config[0]),
             )
 
 
@@ -150,19 +166,32 @@ def test_portable_equals_reference_property(
     )
 
 
-@pytest.mark.parametrize("g", [None, 1])
+REPAIR_CASES = [
+    (1, 1, 0.0, None),
+    (1, 3, 0.0, None),
+    (1, 1, 0.01, None),
+    (2, 1, 0.0, None),
+    (1, 1, 0.5, 40),  # tau0 >= 40: window(40, 40), then window(M, 39)
+    (1, 2, 0.05, 40),  # tau0 < 40: window(tau0, 40), then window(M, tau0 - 1)
+]
+
+
 @pytest.mark.parametrize(
-    "S, F, eps, capacity",
+    "planner, S, F, eps, capacity, g",
     [
-        (1, 1, 0.0, None),
-        (1, 3, 0.0, None),
-        (1, 1, 0.01, None),
-        (2, 1, 0.0, None),
-        (1, 1, 0.5, 40),  # tau0 >= 40: window(40, 40), then window(M, 39)
-        (1, 2, 0.05, 40),  # tau0 < 40: window(tau0, 40), then window(M, tau0 - 1)
+        pytest.param(
+            planner,
+            *case,
+            g,
+            id="-".join(map(str, (planner, *case, g))),
+            marks=_portable_marks(0, g) if planner == "portable" else [],
+        )
+        for g in (None, 1)
+        for case in REPAIR_CASES
+        for planner in ("native", "portable")
     ],
 )
-def test_ffi_equals_reference_where_repairs_run(S, F, eps, capacity, g, planner):
+def test_ffi_equals_reference_where_repairs_run(planner, S, F, eps, capacity, g):
     # Small loads and few slots (the exact solver's random cases, R 3..4), where the plain
     # attempts fail now and then and the repairs, or the capacity step's second window, decide.
     # With a capacity the loads are scaled to a mean of about 36 and the masters keep 8 more
@@ -246,8 +275,21 @@ def test_training_loads_balance_with_two_slots(g, planner):
     assert np.asarray(exact.rank_load).tolist() == [512] * 8
 
 
-@pytest.mark.parametrize("R, E, S, F, K, eps", [c for c in CONFIGS if c[0] > 1])
-def test_one_domain_is_the_plan_without_domains(R, E, S, F, K, eps, planner):
+@pytest.mark.parametrize(
+    "planner, R, E, S, F, K, eps",
+    [
+        pytest.param(
+            planner,
+            *c,
+            id="-".join(map(str, (planner, *c))),
+            marks=_portable_marks(c[0]) if planner == "portable" else [],
+        )
+        for c in CONFIGS
+        if c[0] > 1
+        for planner in ("native", "portable")
+    ],
+)
+def test_one_domain_is_the_plan_without_domains(planner, R, E, S, F, K, eps):
     # ranks_per_domain = R (one domain, every rank near) plans as None, bit for bit, and as the
     # reference without domains; domains of one rank do change some plans (near: the master only,
     # or a rank that already holds the expert), which stay valid.
