@@ -160,46 +160,51 @@ def test_loss_decreases_and_outputs_are_written(default_run):
     assert config == summary["config"] and config["capacity_factor"] == BALANCED_CAPACITY_FACTOR
 
 
-#: The execution flags, none at its default: the balanced run of
-#: `test_balancing_does_not_change_the_loss` takes them (the same math whatever they are).
+#: The execution flags, none at its default (`test_the_execution_flags_reach_every_layer`: each
+#: reaches the layers; the layer tests: the same math whatever they are).
 EXECUTION_CHOICES = {"planner": "portable", "max_fanout": 1, "transfer_chunks": 2}
 EXECUTION_CHOICES["ranks_per_domain"] = 2
 
 
-def test_balancing_does_not_change_the_loss(tmp_path):
+@DEFAULT_RUN_GROUP
+def test_balancing_does_not_change_the_loss(tmp_path, default_run):
+    """The plain run's losses are the balanced run's (`default_run`'s first 4 steps: a step's
+    loss does not depend on the evaluations or checkpoints after it)."""
     # Defaults: dropless worst-case buffers without balancing, 1.05 x the mean with it.
     plain = _run(tmp_path, "none", balance="none", steps=4, **NO_EVAL)
-    balanced = _run(tmp_path, "ultraep", balance="ultraep", steps=4, **NO_EVAL, **EXECUTION_CHOICES)
+    balanced = _records(default_run)[:4]
     assert _summary(tmp_path / "none")["config"]["capacity_factor"] is None
-    assert _summary(tmp_path / "ultraep")["config"]["capacity_factor"] == 1.05
+    assert _summary(default_run)["config"]["capacity_factor"] == 1.05
     assert sum(sum(r["replicas"]) for r in balanced) > 0  # replicas really were used
     assert all(sum(r["dropped"]) == 0 for r in plain + balanced)
     np.testing.assert_allclose([r["loss"] for r in balanced], [r["loss"] for r in plain], rtol=1e-5)
     # --eval_batches=0: no evaluation, not even after the last step.
-    assert not [r for r in plain + balanced if "eval_loss" in r]
+    assert not [r for r in plain if "eval_loss" in r]
     assert _summary(tmp_path / "none")["final_eval_loss"] is None
 
 
-def test_tensor_size_2_trains_the_mixtral_preset_with_the_same_loss(tmp_path):
-    """--tensor_size=2 with the mixtral preset: a (data 1, expert 4, tensor 2) mesh whose expert
-    weights are split over F; dropless, the losses equal those of (data 2, expert 4) with whole
-    experts, and the balancer replicates."""
+def test_tensor_size_2_splits_the_mixtral_presets_experts_over_f():
+    """--tensor_size=2 with the mixtral preset: a (data 1, expert 4, tensor 2) mesh whose every
+    layer splits each expert's hidden width F over "tensor" (the layers' values and gradients
+    then equal the dense reference's: tests/library/test_expert_tensor.py), whole experts
+    without it."""
     small = {k: SMALL[k] for k in ("batch_size", "seq_len", "max_corpus_bytes")}
     small.update(min_tokens_per_rank=0, capacity_factor=None, ep_size=4, steps=3, **NO_EVAL)
     model = dataclasses.replace(PRESETS["mixtral"].model, num_layers=1)
-    records = {}
     for tensor in (1, 2):
-        workdir = tmp_path / f"tp{tensor}"
-        values = {"workdir": str(workdir), "tensor_size": tensor, **small}
+        values = {"workdir": "w", "tensor_size": tensor, **small}
         cfg = TrainConfig.from_flat(values, model)
         assert cfg.check_devices(8) == (2 // tensor, 4, tensor)
-        trainer.run(cfg)
-        records[tensor] = _records(workdir)
-    assert sum(sum(r["replicas"]) for r in records[2]) > 0
-    assert all(sum(r["dropped"]) == 0 for r in records[1] + records[2])
-    np.testing.assert_allclose(
-        [r["loss"] for r in records[2]], [r["loss"] for r in records[1]], rtol=1e-5
-    )
+        mesh = build.make_mesh(*cfg.check_devices(8))
+        want = {"data": 2 // tensor, "expert": 4} | ({"tensor": 2} if tensor == 2 else {})
+        assert dict(mesh.shape) == want
+        settings = build.moe_settings(cfg, mesh)
+        assert settings.tensor_axis == ("tensor" if tensor == 2 else None)
+        (block,) = build.build_model(cfg, mesh).blocks
+        assert block.moe.ep.tensor_axis == settings.tensor_axis
+        w_gate = block.moe.w_gate[...]  # [E, D, F]
+        spec = (*w_gate.sharding.spec, None, None, None)[: w_gate.ndim]
+        assert spec == ("expert", None, settings.tensor_axis), spec
 
 
 @pytest.mark.parametrize(
