@@ -10,6 +10,7 @@ from experiments.bench import memory, memory_config, memory_report
 from experiments.lab.stepmodel import shapes
 
 
+@pytest.mark.slow  # five layers' training steps compiled
 def test_memory_sweep_fields_and_buffers():
     R = 4
     config = memory_config.MemoryConfig(

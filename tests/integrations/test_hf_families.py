@@ -78,7 +78,16 @@ def test_mapping_round_trip_is_exact(name):
         np.testing.assert_array_equal(v, params[var], err_msg=var)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+#: The families whose block test runs on CI's 3.11 line only (marked slow; every family's
+#: routing rules still run there): the others cover softmax, sigmoid-grouped and clamped-SwiGLU
+#: routing on every line.
+SLOW_FAMILIES = {"deepseek_v3_unnormalized", "glm4_moe", "olmoe", "qwen2_moe"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_FAMILIES else []) for n in FAMILIES],
+)
 def test_block_equals_transformers_balanced_and_not(name):
     """One program per family: routing, y and gradients of the balanced and the plain layer."""
     config, ref, ckpt, layer_index = _fixture(name)

@@ -135,7 +135,7 @@ def test_bad_ranks_per_domain_raises_one_line(value, match):
 # same transfer): a case at 1 chunk (ep8, d = 2, seed 0, here before) runs no code these miss.
 @pytest.mark.parametrize(
     "mesh_kind, d, seed, chunks",
-    [("ep8", 2, 0, 2), ("ep8", 4, 0, 2), ("dp2ep4", 2, 3, 2)],
+    [("ep8", 2, 0, 2), pytest.param("ep8", 4, 0, 2, marks=pytest.mark.slow), ("dp2ep4", 2, 3, 2)],
 )
 def test_layer_over_domains_equals_dense_reference(mesh_kind, d, seed, chunks, monkeypatch):
     """The balanced layer (relays f = 2, the ragged transfer run through the padded exchange;

@@ -172,7 +172,10 @@ def plain_ep_runs():
 # balanced run: 2 chunks run balanced only, with "tiled" (ragged_dot balanced at 2 chunks runs in
 # test_gpt_oss_block's dp2ep4 case, against the dense reference). Before, every kernel and chunk
 # count ran every variant: 4 cases.
-@pytest.mark.parametrize(("kernel", "chunks"), [("tiled", 1), ("ragged_dot", 1), ("tiled", 2)])
+@pytest.mark.parametrize(
+    ("kernel", "chunks"),
+    [("tiled", 1), ("ragged_dot", 1), pytest.param("tiled", 2, marks=pytest.mark.slow)],
+)
 def test_plan_without_replica_equals_plain_ep(setup, plain_ep_runs, kernel, chunks):
     """At run time a plan with no replica skips the transfer and the slots' work (one `lax.cond`
     branch: masters alone, in the fused loop or beside the slots' calls); with replicas the other

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 
 
@@ -16,6 +18,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two processes start, import and compile
 def test_eager_calls_on_arrays_spanning_two_processes():
     """The concrete-id check used to fetch the whole global array, which fails for one that spans
     another process's devices; each process now checks the ids it holds."""

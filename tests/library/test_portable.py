@@ -31,8 +31,8 @@ CFG = uep.BalancerConfig(16, 8, slots_per_rank=2, min_tokens_per_replica=4)
     "R, E, S, F, K, eps, g, capacity",
     [
         (8, 32, 2, 100, 1, 0.01, 2, None),
-        (8, 16, 1, 10, 0, 0.0, 4, None),
-        (4, 16, 3, 50, 7, 0.05, None, 1.0),
+        pytest.param(8, 16, 1, 10, 0, 0.0, 4, None, marks=pytest.mark.slow),
+        pytest.param(4, 16, 3, 50, 7, 0.05, None, 1.0, marks=pytest.mark.slow),
         (16, 64, 2, 1024, 1, 0.0, 4, 1.02),
     ],
 )

@@ -108,6 +108,7 @@ def test_scanned_blocks_equal_unrolled():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # a third compile of the model's training step
 def test_remat_changes_nothing():
     # The plain model is the scanned model of `scanned_and_unrolled` (same config and
     # initialisation), so only the remat model compiles here.
