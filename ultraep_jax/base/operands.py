@@ -3,10 +3,10 @@ read (`config.resolve`) and the kernels' own modules check, stated once here (im
 
 `MgpuTiles`, `mgpu_unsupported`: JAX's Mosaic GPU ragged-dot kernels (`experts.gmm_mgpu`);
 `mosaic_tpu_unsupported`: tokamax's Mosaic TPU ragged dot (`experts.gmm_tokamax`); `is_hopper`,
-`tpu_generation`: what a device's kind and compute capability say; `host_is_hopper`,
-`default_device`: the devices the kernels themselves read when they are lowered, whatever the
-mesh (JAX's and tokamax's code; where, in jax 0.11.2 and 0.12.1 and tokamax 0.0.17, is said at
-each).
+`is_hopper_gpu`, `tpu_generation`: what a device's kind and compute capability say;
+`host_is_hopper`, `default_device`: the devices the kernels themselves read when they are
+lowered, whatever the mesh (JAX's and tokamax's code; where, in jax 0.11.2 and 0.12.1 and
+tokamax 0.0.17, is said at each).
 """
 
 from __future__ import annotations
@@ -88,6 +88,14 @@ def is_hopper(device_kind: str | None, compute_capability: str | None = None) ->
     return bool(_HOPPER.search(device_kind or ""))
 
 
+def is_hopper_gpu(device) -> bool:
+    """Whether ``device`` (a JAX device, compile-only ones included) is a Hopper GPU (`is_hopper`
+    of its kind and, where it carries one, its compute capability)."""
+    return device.platform == "gpu" and is_hopper(
+        device.device_kind, getattr(device, "compute_capability", None)
+    )
+
+
 def host_is_hopper() -> bool:
     """Whether this process's first device (``jax.devices()[0]``) is an NVIDIA GPU of compute
     capability 9.x. JAX's Mosaic GPU weight-gradient kernel reads that device when it is traced,
@@ -100,9 +108,7 @@ def host_is_hopper() -> bool:
         dev = jax.devices()[0]
     except RuntimeError:
         return False
-    return dev.platform == "gpu" and is_hopper(
-        dev.device_kind, getattr(dev, "compute_capability", "")
-    )
+    return is_hopper_gpu(dev)
 
 
 def default_device():

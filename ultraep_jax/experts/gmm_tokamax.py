@@ -52,10 +52,7 @@ def implementations(platform: str | None, lhs_shape, rhs_shape, device_kind: str
     if platform == "cuda":
         # Its Mosaic GPU weight-gradient (ragged contracting) kernel exists for Hopper only, and
         # picks its variant from JAX's default device (as tokamax reads it).
-        device = operands.default_device()
-        hopper = device.platform == "gpu" and operands.is_hopper(
-            device.device_kind, getattr(device, "compute_capability", None)
-        )
+        hopper = operands.is_hopper_gpu(operands.default_device())
         return ("mosaic_gpu", "mosaic_gpu", "mosaic_gpu" if hopper else "xla")
     return ("xla",) * 3
 

@@ -141,8 +141,8 @@ def _masters_then_slots(run, rows, masters, fetch, active, chunks: int) -> jax.A
 
 def _slots(run, masters, fetch, chunks: int) -> jax.Array:
     """[C, D] in the rows' dtype: the slot groups' rows, the weights fetched and run chunk by
-    chunk of the hidden width (the chunks' partial sums added in float32, whatever the rows'
-    dtype, and rounded once)."""
+    chunk of the hidden width (each chunk's output in the rows' dtype, the chunks added in
+    float32 and the sum rounded to the rows' dtype)."""
     if chunks == 1:
         return run([None, fetch(masters)])
     out = None
