@@ -31,17 +31,24 @@ class StopRequest:
         #: The step the loop is in (or last finished), for the message; None before the first.
         self.step: int | None = None
         self._previous: dict = {}
+        # Held while the loop decides whether to run a step and while the handler reads `step`:
+        # the loop runs in another thread, and a signal between its check and its update of
+        # `step` would name a step the loop then runs past. Reentrant: a handler that runs in
+        # the thread holding it must not deadlock.
+        self._lock = threading.RLock()
 
     def __call__(self, signum, frame=None):
         del frame
-        if self.signum is not None:  # a repeated SIGTERM: already stopping
-            return
-        self.signum = signum
+        with self._lock:
+            if self.signum is not None:  # a repeated SIGTERM: already stopping
+                return
+            self.signum = signum
+            step = self.step
         if signal.SIGINT in self._previous:  # not if SIGINT is ignored (see the class doc)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
         name = signal.Signals(signum).name
         # os.write, not print: a handler may run in the middle of another print.
-        when = "before the first step" if self.step is None else f"after step {self.step}"
+        when = "before the first step" if step is None else f"after step {step}"
         os.write(
             2,
             f"\n{name}: stopping {when} to save a checkpoint, the metrics and the plot "
@@ -62,10 +69,24 @@ class StopRequest:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def agreed(self) -> bool:
-        """Whether to stop now: on several processes, when any of them got a signal (they all
-        must stop at the same step, or the others would wait for it in the next step)."""
-        local = self.signum is not None
+    def begins(self, step: int) -> bool:
+        """Whether the loop runs ``step``: no process was asked to stop (on several processes
+        they all must stop at the same step, or the others would wait for it in the next one).
+        If it runs, a signal's message names ``step`` from now on, decided atomically with the
+        check."""
+        with self._lock:
+            local = self.signum is not None
+            previous = self.step
+            if not local:
+                self.step = step
+        if self._any(local):
+            self.step = previous  # another process was asked: ``step`` is not run
+            return False
+        return True
+
+    @staticmethod
+    def _any(local: bool) -> bool:
+        """Whether ``local`` holds on any process."""
         if jax.process_count() == 1:
             return local
         from jax.experimental import multihost_utils

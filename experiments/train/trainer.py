@@ -243,9 +243,8 @@ def _run(cfg, corpus, workdir, checkpoints, stop, lead, mesh_shape, calibration)
     eval_step = nnx.jit(_eval_step)
     step = saved = start
     profile = StepProfile(workdir, cfg.steps, cfg.profile_steps, start)
-    while step < cfg.steps and not stop.agreed():
+    while step < cfg.steps and stop.begins(step + 1):
         step += 1
-        stop.step = step
         batch = global_batch(data.train_batch(train_bytes, step - 1, cfg.batch_size, cfg.seq_len))
         profiled = profile.starts(step)
         begin = time.perf_counter()

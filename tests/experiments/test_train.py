@@ -632,7 +632,7 @@ def test_finished_workdir_is_left_alone(tmp_path, capsys):
     assert metrics.read_text() == before
 
 
-def test_stop_request_handler():
+def test_stop_request_handler(capfd):
     request = stop.StopRequest()
     # As in a terminal, whatever this process inherited (a script's background job ignores it).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -640,15 +640,18 @@ def test_stop_request_handler():
     try:
         assert signal.getsignal(signal.SIGINT) is request
         assert signal.getsignal(signal.SIGTERM) is request
-        assert request.signum is None and not request.agreed()
+        assert request.signum is None and request.begins(1) and request.begins(2)
         request(signal.SIGTERM)
-        assert request.signum == signal.SIGTERM and request.agreed()
+        # The message names the step the loop began last, and no later step begins.
+        assert "SIGTERM: stopping after step 2 to save" in capfd.readouterr().err
+        assert request.signum == signal.SIGTERM and not request.begins(3) and request.step == 2
         # A second Ctrl-C is not caught any more: it ends the process at once. A second SIGTERM
         # (`timeout` sends one to the process, then one to its group) is absorbed.
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
         assert signal.getsignal(signal.SIGTERM) is request
         request(signal.SIGTERM)
-        assert request.signum == signal.SIGTERM and request.agreed()
+        assert request.signum == signal.SIGTERM and not request.begins(3)
+        assert capfd.readouterr().err == ""
     finally:
         request.restore()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -665,7 +668,7 @@ def test_stop_request_leaves_an_ignored_sigint_ignored():
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
         assert signal.getsignal(signal.SIGTERM) is request
         request(signal.SIGTERM)
-        assert request.agreed() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert not request.begins(1) and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
         request.restore()
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
