@@ -133,9 +133,14 @@ def test_bad_ranks_per_domain_raises_one_line(value, match):
 # relay schedule over domains does not depend on the chunks, and each chunk's transfer follows
 # the schedule as one unstreamed transfer would (test_relay runs 1, 2 and 4 chunks through the
 # same transfer): a case at 1 chunk (ep8, d = 2, seed 0, here before) runs no code these miss.
+# The ep8 cases run on one JAX line (slow); the others run the same code on dp2ep4.
 @pytest.mark.parametrize(
     "mesh_kind, d, seed, chunks",
-    [("ep8", 2, 0, 2), pytest.param("ep8", 4, 0, 2, marks=pytest.mark.slow), ("dp2ep4", 2, 3, 2)],
+    [
+        pytest.param("ep8", 2, 0, 2, marks=pytest.mark.slow),
+        pytest.param("ep8", 4, 0, 2, marks=pytest.mark.slow),
+        ("dp2ep4", 2, 3, 2),
+    ],
 )
 def test_layer_over_domains_equals_dense_reference(mesh_kind, d, seed, chunks, monkeypatch):
     """The balanced layer (relays f = 2, the ragged transfer run through the padded exchange;

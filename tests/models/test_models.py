@@ -128,7 +128,18 @@ def test_stacked_expert_weights_keep_the_layer_axis_whole():
     assert tuple(w.sharding.spec)[:2] == (None, "expert")
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+#: Presets whose model parts the others also run (softmax top-2: tiny, moe_heavy; top-8 over 4
+#: slots per rank: deepseek_v3): on one JAX line (slow).
+LIKE_OTHER_PRESETS = ("mixtral", "qwen3_moe")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[pytest.mark.slow] if n in LIKE_OTHER_PRESETS else [])
+        for n in sorted(PRESETS)
+    ],
+)
 def test_presets_build_and_step(name):
     # The loss and stats of one batch, compiled without its gradient, which no assertion here
     # reads (a third of the compile; the gradient through each router, shared expert and scan:
