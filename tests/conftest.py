@@ -71,6 +71,41 @@ def skip_without_traces(reason: str):
     pytest.skip(reason)
 
 
+#: The option of CI's second JAX line: each parametrized test's first case only.
+ONE_CASE_EACH = "--one-case-each"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        ONE_CASE_EACH,
+        action="store_true",
+        help="of each parametrized test, only its first case left after -m (every case of a test "
+        "marked every_case): CI's second JAX line, where each case also runs on the first",
+    )
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected: the first case that would run
+def pytest_collection_modifyitems(config, items):
+    """``--one-case-each``: deselects every case of a parametrized test but its first, except for
+    the tests marked ``every_case`` (what a JAX version compiles differently: collectives' types,
+    the ragged exchange, plans that differ between groups, exports, the GPU compile)."""
+    if not config.getoption(ONE_CASE_EACH):
+        return
+    seen, kept, dropped = set(), [], []
+    for item in items:
+        name = (item.nodeid.split("::")[0], getattr(item, "cls", None), item.originalname)
+        if getattr(item, "callspec", None) is None or item.get_closest_marker("every_case"):
+            kept.append(item)
+        elif name in seen:
+            dropped.append(item)
+        else:
+            seen.add(name)
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 #: Seconds each test file took (setup, call and teardown of its tests, summed), for the summary.
 _FILE_SECONDS: collections.Counter = collections.Counter()
 #: How many of the slowest files the summary names.

@@ -35,6 +35,10 @@ from tests.helpers import layer_cases as lc
 from ultraep_jax._vma import vary
 from ultraep_jax.config import resolve
 
+# Every case on each JAX line (conftest.py, --one-case-each): what it checks is what a JAX version
+# compiles.
+pytestmark = pytest.mark.every_case
+
 E, TOP_K, BATCH, SEQ, SLOTS = 8, 2, 8, 4, 2
 
 # -- the checker on hand-made programs ---------------------------------------------------------

@@ -45,7 +45,9 @@ from tests.helpers.divergent import (
 )
 
 # One test process compiles the layers this file caches (pytest-xdist).
-pytestmark = pytest.mark.xdist_group("test_divergent_plans")
+# Every case on each JAX line (conftest.py, --one-case-each): what it checks is what a JAX version
+# compiles.
+pytestmark = [pytest.mark.xdist_group("test_divergent_plans"), pytest.mark.every_case]
 
 WORKER = pathlib.Path(__file__).with_name("divergent_multihost_worker.py")
 #: How long the two worker processes may take (cold, on 2 busy cores: 130 s); a hang is killed.

@@ -77,7 +77,11 @@ def _compiler_required():
 
 # The compiled steps are cached by the one test process of this group (pytest-xdist). The
 # compiler needs JAX >= 0.12: CI's line (b) runs the file's slow tests too (`gpu_compile`).
-pytestmark = [pytest.mark.xdist_group("test_gpu_compile"), pytest.mark.gpu_compile]
+pytestmark = [
+    pytest.mark.xdist_group("test_gpu_compile"),
+    pytest.mark.gpu_compile,
+    pytest.mark.every_case,  # --one-case-each (conftest.py): what it checks is what JAX compiles
+]
 
 #: A small layer on the GPU's balanced path: 8 experts, top-2, 2 replica slots per rank,
 #: bfloat16 (the GPU's training dtype), D = 128 and F = 256 (told apart in the module's shapes),

@@ -26,6 +26,10 @@ from ultraep_jax.config import resolve
 from ultraep_jax.experts import registry
 from ultraep_jax.replicas import relay
 
+# Every case on each JAX line (conftest.py, --one-case-each): what it checks is what a JAX version
+# compiles.
+pytestmark = pytest.mark.every_case
+
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"
 B200 = "NVIDIA B200"
