@@ -1,7 +1,8 @@
 """Test setup: 8 simulated CPU devices, forced before jax is imported anywhere; JAX's persistent
 compilation cache, shared by the test processes and the program runs they start; the number of
-parallel test processes; the rule for tests that need the real expert-load traces; and the
-standard meshes as fixtures (built by tests/helpers.py, which module-level code uses directly)."""
+parallel test processes; the rule for tests that need the real expert-load traces; the option of
+CI's second JAX line (``--one-case-each``); and the standard meshes as fixtures (built by
+tests/helpers.py, which module-level code uses directly)."""
 
 import collections
 import importlib.metadata
