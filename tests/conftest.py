@@ -89,7 +89,8 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """``--one-case-each``: deselects every case of a parametrized test but its first, except for
     the tests marked ``every_case`` (what a JAX version compiles differently: collectives' types,
-    the ragged exchange, plans that differ between groups, exports, the GPU compile)."""
+    the ragged exchange, plans that differ between groups, exports, the GPU compile; and the
+    documents' programs, which users copy onto whichever JAX they have)."""
     if not config.getoption(ONE_CASE_EACH):
         return
     seen, kept, dropped = set(), [], []
