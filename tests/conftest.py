@@ -1,7 +1,7 @@
 """Test setup: 8 simulated CPU devices, forced before jax is imported anywhere; JAX's persistent
 compilation cache, shared by the test processes and the program runs they start; the number of
 parallel test processes; the rule for tests that need the real expert-load traces; the option of
-CI's second JAX line (``--one-case-each``); and the standard meshes as fixtures (built by
+the suite's two parts (``--suite``); and the standard meshes as fixtures (built by
 tests/helpers.py, which module-level code uses directly)."""
 
 import collections
@@ -72,37 +72,51 @@ def skip_without_traces(reason: str):
     pytest.skip(reason)
 
 
-#: The option of CI's second JAX line: each parametrized test's first case only.
-ONE_CASE_EACH = "--one-case-each"
+#: The option that splits the suite in two: ``--suite=quick`` is README.md's test command (and CI's
+#: second JAX line's), ``--suite=rest`` what it leaves out; CI's first line runs both.
+SUITE = "--suite"
+SUITES = ("all", "quick", "rest")
 
 
 def pytest_addoption(parser):
     parser.addoption(
-        ONE_CASE_EACH,
-        action="store_true",
-        help="of each parametrized test, only its first case left after -m (every case of a test "
-        "marked every_case): CI's second JAX line, where each case also runs on the first",
+        SUITE,
+        choices=SUITES,
+        default="all",
+        help="all (default): every test; quick: the tests not marked slow (those marked "
+        "gpu_compile too), of each parametrized one only its first case (every case of those "
+        "marked every_case); rest: every test quick leaves out. -m applies first.",
     )
+
+
+def in_quick_suite(items) -> list[bool]:
+    """Whether each of ``items`` (in collection order) is in ``--suite=quick``: not marked slow
+    unless marked gpu_compile; and unparametrized, marked every_case, or its test's first case of
+    those left (every case of what a JAX version compiles differently: collectives' types, the
+    ragged exchange, plans that differ between groups, exports, the GPU compile; and of the
+    documents' programs, which users copy onto whichever JAX they have)."""
+    seen, quick = set(), []
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("gpu_compile"):
+            quick.append(False)
+        elif getattr(item, "callspec", None) is None or item.get_closest_marker("every_case"):
+            quick.append(True)
+        else:
+            name = (item.nodeid.split("::")[0], getattr(item, "cls", None), item.originalname)
+            quick.append(name not in seen)
+            seen.add(name)
+    return quick
 
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected: the first case that would run
 def pytest_collection_modifyitems(config, items):
-    """``--one-case-each``: deselects every case of a parametrized test but its first, except for
-    the tests marked ``every_case`` (what a JAX version compiles differently: collectives' types,
-    the ragged exchange, plans that differ between groups, exports, the GPU compile; and the
-    documents' programs, which users copy onto whichever JAX they have)."""
-    if not config.getoption(ONE_CASE_EACH):
+    """``--suite=quick`` or ``rest``: deselects what the other one runs (`in_quick_suite`)."""
+    suite = config.getoption(SUITE)
+    if suite == "all":
         return
-    seen, kept, dropped = set(), [], []
-    for item in items:
-        name = (item.nodeid.split("::")[0], getattr(item, "cls", None), item.originalname)
-        if getattr(item, "callspec", None) is None or item.get_closest_marker("every_case"):
-            kept.append(item)
-        elif name in seen:
-            dropped.append(item)
-        else:
-            seen.add(name)
-            kept.append(item)
+    keep = in_quick_suite(items) if suite == "quick" else [not q for q in in_quick_suite(items)]
+    kept = [item for item, k in zip(items, keep, strict=True) if k]
+    dropped = [item for item, k in zip(items, keep, strict=True) if not k]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -39,7 +39,7 @@ def test_readme_has_python_blocks():
     assert len(BLOCKS) >= 4
 
 
-@pytest.mark.every_case  # --one-case-each (conftest.py): each is a program users copy, on any JAX
+@pytest.mark.every_case  # --suite=quick (conftest.py): each is a program users copy, on any JAX
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs(index, tmp_path):
     code, output = BLOCKS[index]

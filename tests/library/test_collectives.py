@@ -35,7 +35,7 @@ from tests.helpers import layer_cases as lc
 from ultraep_jax._vma import vary
 from ultraep_jax.config import resolve
 
-# Every case on each JAX line (conftest.py, --one-case-each): what it checks is what a JAX version
+# Every case on each JAX line (conftest.py, --suite=quick): what it checks is what a JAX version
 # compiles.
 pytestmark = pytest.mark.every_case
 

@@ -45,7 +45,7 @@ from tests.helpers.divergent import (
 )
 
 # One test process compiles the layers this file caches (pytest-xdist).
-# Every case on each JAX line (conftest.py, --one-case-each): what it checks is what a JAX version
+# Every case on each JAX line (conftest.py, --suite=quick): what it checks is what a JAX version
 # compiles.
 pytestmark = [pytest.mark.xdist_group("test_divergent_plans"), pytest.mark.every_case]
 

@@ -80,7 +80,7 @@ def _compiler_required():
 pytestmark = [
     pytest.mark.xdist_group("test_gpu_compile"),
     pytest.mark.gpu_compile,
-    pytest.mark.every_case,  # --one-case-each (conftest.py): what it checks is what JAX compiles
+    pytest.mark.every_case,  # --suite=quick (conftest.py): what it checks is what JAX compiles
 ]
 
 #: A small layer on the GPU's balanced path: 8 experts, top-2, 2 replica slots per rank,

@@ -35,7 +35,7 @@ from ultraep_jax.config import resolve
 
 # In test_moe's test process (pytest-xdist), whose cache of `layer_cases.run_case` (the dense
 # reference and the layer with the padded exchange, which "auto" is on CPU) the layer cases read.
-# Every case on each JAX line (conftest.py, --one-case-each): what it checks is what a JAX version
+# Every case on each JAX line (conftest.py, --suite=quick): what it checks is what a JAX version
 # compiles.
 pytestmark = [pytest.mark.xdist_group("test_moe"), pytest.mark.every_case]
 

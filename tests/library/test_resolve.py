@@ -26,7 +26,7 @@ from ultraep_jax.config import resolve
 from ultraep_jax.experts import registry
 from ultraep_jax.replicas import relay
 
-# Every case on each JAX line (conftest.py, --one-case-each): what it checks is what a JAX version
+# Every case on each JAX line (conftest.py, --suite=quick): what it checks is what a JAX version
 # compiles.
 pytestmark = pytest.mark.every_case
 
