@@ -25,10 +25,10 @@ H100 = DEVICE_KINDS["h100"]
 
 
 #: XLA:GPU's options for a compile without a GPU that change nothing in the optimized module, its
-#: buffers or its memory analysis (checked: the same module text, backend configs aside, and the
-#: same sizes for the balanced EP8 and plain dp2 x ep4 steps), and halve its time: no autotuning
-#: (without a device it compiles every candidate kernel config only to take the default one) and
-#: ptxas without optimizations (only the machine code, which nothing here reads, differs).
+#: buffers or its memory analysis (checked for the four steps of tests/library/test_gpu_compile.py:
+#: the same module text, backend configs aside, and the same sizes), and halve its time: no
+#: autotuning (without a device it compiles every candidate kernel config only to take the default
+#: one) and ptxas without optimizations (only the machine code, which nothing here reads, differs).
 COMPILE_ONLY_OPTIONS = {
     "xla_gpu_autotune_level": 0,
     "xla_gpu_disable_gpuasm_optimizations": True,
