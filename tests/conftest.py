@@ -1,8 +1,9 @@
 """Test setup: 8 simulated CPU devices, forced before jax is imported anywhere; JAX's persistent
 compilation cache, shared by the test processes and the program runs they start; the number of
 parallel test processes; the rule for tests that need the real expert-load traces; the option of
-the suite's two parts (``--suite``); and the standard meshes as fixtures (built by
-tests/helpers.py, which module-level code uses directly)."""
+the suite's two parts (``--suite``); the closing summary of the slowest test files, with the
+seconds JAX spent tracing, lowering and compiling in each; and the standard meshes as fixtures
+(built by tests/helpers.py, which module-level code uses directly)."""
 
 import collections
 import importlib.metadata
@@ -126,25 +127,85 @@ def pytest_collection_modifyitems(config, items):
 _FILE_SECONDS: collections.Counter = collections.Counter()
 #: How many of the slowest files the summary names.
 SLOWEST_FILES = 10
+#: JAX's compile stages, by the name of the duration event JAX records for each
+#: (`jax.monitoring`), and the word the summary gives it.
+JAX_STAGES = {
+    "/jax/core/compile/jaxpr_trace_duration": "traced",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lowered",
+    "/jax/core/compile/backend_compile_duration": "compiled",
+}
+#: Seconds of each stage in this test process since the current test's setup began.
+_JAX_SECONDS: collections.Counter = collections.Counter()
+#: Each test file's seconds of each stage (its tests' own, not the programs they start).
+_FILE_JAX_SECONDS: collections.defaultdict = collections.defaultdict(collections.Counter)
+#: Whether this process's listener (`_count_jax_stage`) is registered.
+_listening = False
+#: The key of a test report's user property that carries its test's `_JAX_SECONDS`.
+JAX_SECONDS_PROPERTY = "jax_compile_seconds"
+
+
+def _count_jax_stage(event: str, duration: float, **kwargs) -> None:
+    """A `jax.monitoring` listener: adds a compile stage's seconds to the current test's."""
+    del kwargs
+    if event in JAX_STAGES:
+        _JAX_SECONDS[JAX_STAGES[event]] += duration
+
+
+def pytest_runtest_setup(item):
+    """Starts the test's count of JAX's compile stages (the listener registered once, in the
+    process that runs tests, which imports JAX anyway)."""
+    del item
+    global _listening
+    if not _listening:
+        from jax import monitoring  # after the settings above
+
+        monitoring.register_event_duration_secs_listener(_count_jax_stage)
+        _listening = True
+    _JAX_SECONDS.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Hands the test's compile stages to the process that prints the summary, on the report of
+    its teardown (a test process's reports reach it with their user properties)."""
+    del item
+    report = yield
+    if call.when == "teardown" and _JAX_SECONDS:
+        report.user_properties.append((JAX_SECONDS_PROPERTY, dict(_JAX_SECONDS)))
+    return report
 
 
 def pytest_runtest_logreport(report):
-    """Adds a test phase's seconds to its file's (in the process that prints the summary, the
-    test processes' reports included)."""
-    _FILE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+    """Adds a test phase's seconds, and its test's compile stages, to its file's (in the process
+    that prints the summary, the test processes' reports included)."""
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] += report.duration
+    for key, seconds in report.user_properties:
+        if key == JAX_SECONDS_PROPERTY:
+            _FILE_JAX_SECONDS[path].update(seconds)
+
+
+def _stages(seconds: collections.Counter) -> str:
+    """``"JAX traced 1.0 s, lowered 0.5, compiled 2.0"`` (the stages in `JAX_STAGES`' order)."""
+    words = [f"{word} {seconds[word]:.1f}" for word in JAX_STAGES.values()]
+    return "JAX " + words[0] + " s, " + ", ".join(words[1:])
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Ends the run with its slowest test files, so a regression in the suite's time shows where
-    it starts."""
+    """Ends the run with its slowest test files, each with the seconds of its tests that JAX
+    spent tracing, lowering and compiling (XLA) programs, so a regression in the suite's time
+    shows where it starts, and whether it is compiling."""
     if not _FILE_SECONDS:
         return
     total = sum(_FILE_SECONDS.values())
-    terminalreporter.write_sep(
-        "=", f"{SLOWEST_FILES} slowest test files (of {total:.0f} s in test processes)"
-    )
+    stages = sum(_FILE_JAX_SECONDS.values(), collections.Counter())
+    title = f"{SLOWEST_FILES} slowest test files (of {total:.0f} s in test processes"
+    terminalreporter.write_sep("=", f"{title}; {_stages(stages)})")
     for path, seconds in _FILE_SECONDS.most_common(SLOWEST_FILES):
-        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+        stages = _FILE_JAX_SECONDS[path]
+        terminalreporter.write_line(
+            f"{seconds:8.1f} s  {path}" + (f"  ({_stages(stages)})" * bool(stages))
+        )
 
 
 @pytest.fixture(scope="session")
