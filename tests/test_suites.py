@@ -2,14 +2,9 @@
 slow (or marked gpu_compile), of each parametrized one the first case left, and every case of a
 test marked ``every_case``; ``rest`` keeps exactly what ``quick`` leaves out."""
 
-import os
 import pathlib
-import subprocess
-import sys
 
-from tests.xla_settings import ACCEPTED_FLAGS_ENV
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.child_pytest import run_pytest
 
 CASES = """
 import pytest
@@ -70,17 +65,10 @@ REST = [
 
 def _collected(folder: pathlib.Path, *args: str) -> tuple[list[str], str]:
     """The test ids pytest collects in ``folder`` with this suite's conftest and ``args``."""
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider"]
-        + ["-p", "no:xdist", "-W", "ignore::pytest.PytestUnknownMarkWarning"]
-        + ["--collect-only", "-q", *args, "test_cases.py"],
-        cwd=folder,
-        # The parent's accepted XLA flags: the child does not probe XLA again.
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-        | {k: os.environ[k] for k in (ACCEPTED_FLAGS_ENV,) if k in os.environ},
-        capture_output=True,
-        text=True,
-        check=False,
+    run = run_pytest(
+        folder,
+        *["-p", "no:xdist", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
+        *["--collect-only", "-q", *args, "test_cases.py"],
     )
     return [line for line in run.stdout.splitlines() if "::" in line], run.stdout + run.stderr
 

@@ -2,15 +2,9 @@
 its tests spent in JAX's tracing, lowering and XLA compiling, counted in the test processes and
 summed in the one that prints it."""
 
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
-from tests.xla_settings import ACCEPTED_FLAGS_ENV
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.child_pytest import run_pytest
 
 FILES = {
     # A program of some hundred operations: its stages take tenths of a second, which the
@@ -31,16 +25,8 @@ FILES = {
 def test_slowest_files_split_jax_compile_stages(tmp_path):
     for name, text in FILES.items():
         (tmp_path / name).write_text(text)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider"]
-        + ["-n", "1", "-q", *FILES],  # one test process: its counts reach the summary's
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-        | {k: os.environ[k] for k in (ACCEPTED_FLAGS_ENV,) if k in os.environ},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    # One test process: its counts reach the process that prints the summary.
+    run = run_pytest(tmp_path, "-n", "1", "-q", *FILES)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     stages = r"JAX traced (\d+\.\d) s, lowered (\d+\.\d), compiled (\d+\.\d)"
