@@ -198,14 +198,14 @@ def pytest_terminal_summary(terminalreporter):
     if not _FILE_SECONDS:
         return
     total = sum(_FILE_SECONDS.values())
-    stages = sum(_FILE_JAX_SECONDS.values(), collections.Counter())
+    all_files = sum(_FILE_JAX_SECONDS.values(), collections.Counter())
     title = f"{SLOWEST_FILES} slowest test files (of {total:.0f} s in test processes"
-    terminalreporter.write_sep("=", f"{title}; {_stages(stages)})")
+    terminalreporter.write_sep("=", f"{title}; {_stages(all_files)})")
     for path, seconds in _FILE_SECONDS.most_common(SLOWEST_FILES):
-        stages = _FILE_JAX_SECONDS[path]
-        terminalreporter.write_line(
-            f"{seconds:8.1f} s  {path}" + (f"  ({_stages(stages)})" * bool(stages))
-        )
+        line = f"{seconds:8.1f} s  {path}"
+        if _FILE_JAX_SECONDS[path]:  # a file whose tests compiled nothing shows no stages
+            line += f"  ({_stages(_FILE_JAX_SECONDS[path])})"
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
